@@ -1,0 +1,1 @@
+"""Backends that run restopo aggregations: eager (reference), triton (fused), pipeline."""

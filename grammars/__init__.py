@@ -1,0 +1,1 @@
+"""The grammar of the restopo language, shipped as package data."""

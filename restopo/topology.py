@@ -1,0 +1,178 @@
+"""The resolved residual topology: what the language hands to the IR builder.
+
+Pure data (no torch, no lark). The named one-liners (`standard`, `full_attnres`,
+`block_attnres(...)`, ...) and spelled-out custom wiring both resolve to a `Topology`;
+equal Topologies build equal IRs, which is how a test shows that a one-liner and its
+wiring mean the same thing.
+
+Counts are in sublayers (an attention or an MLP), never transformer layers; sublayers are
+numbered 1..L, the embedding is source 0 and the head is aggregation point L + 1.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SUBLAYER_KINDS = ("attn", "mlp")
+
+# Source selectors an aggregation rule may read (see `Source`).
+SOURCE_NAMES = ("embedding", "sublayers", "window", "blocks", "partial")
+
+# How an aggregation combines its sources.
+#   attend      softmax (or sigmoid) depth attention with a pseudo-query (AttnRes)
+#   sum         weight one on every source (the standard residual when it reads everything)
+#   scalars     a learned static scalar per (aggregation, source), init 1 (DenseFormer)
+#   rezero      stream update h += alpha * v, alpha a learned scalar, init 0
+#   layerscale  stream update h += gamma * v, gamma a learned per-channel vector
+#   highway     stream update h += g * (v - h), g = sigmoid(W norm(h) + b), an input gate
+METHODS = ("attend", "sum", "scalars", "rezero", "layerscale", "highway")
+# Methods that update one running stream: their sources are always the embedding and
+# every earlier sublayer, and they keep a single live value per token.
+STREAM_METHODS = ("rezero", "layerscale", "highway")
+
+QUERY_KINDS = ("static", "input_dependent")
+GATES = ("softmax", "sigmoid")
+KEY_NORMS = ("rms", "none")
+
+
+@dataclass(frozen=True)
+class Source:
+    """One source selector of a rule.
+
+    embedding  v_0 = b_0, the token embedding (always its own source)
+    sublayers  every earlier sublayer output v_1 .. v_{l-1}
+    window     the last `window` earlier sublayer outputs
+    blocks     the completed blocks b_1 .. b_{n-1} (at the head: every block b_1 .. b_N)
+    partial    p_n^j, the sum of the current block's outputs so far (absent when empty:
+               for the first sublayer of a block and at the head)
+    """
+
+    name: str
+    window: int | None = None
+
+    def __str__(self) -> str:
+        return f"window({self.window})" if self.name == "window" else self.name
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What one kind of aggregation point reads and how it weighs it."""
+
+    method: str
+    sources: tuple[Source, ...]
+    query: str = "static"
+    gate: str = "softmax"
+    key_norm: str = "rms"
+    heads: int = 1
+
+
+@dataclass(frozen=True)
+class Topology:
+    """A residual topology over a fixed sequence of sublayers.
+
+    `blocks` partitions 1..L into contiguous runs of sublayer indices; `sublayer_rule`
+    applies before every sublayer and `head_rule` once more before the final norm.
+    """
+
+    name: str
+    blocks: tuple[tuple[int, ...], ...]
+    sublayer_rule: Rule
+    head_rule: Rule
+
+
+STANDARD_SOURCES = (Source("embedding"), Source("sublayers"))
+BLOCK_SOURCES = (Source("embedding"), Source("blocks"), Source("partial"))
+
+
+def sublayer_kinds(depth: int, layer: tuple[str, ...] = ("attn", "mlp")) -> tuple[str, ...]:
+    """The sublayer sequence of `depth` transformer layers, each `layer` (attention first)."""
+    return tuple(layer) * depth
+
+
+def layer_starts(kinds: tuple[str, ...]) -> list[int]:
+    """1-based indices of the sublayers that open a transformer layer (each attention)."""
+    return [i for i, k in enumerate(kinds, start=1) if k == "attn"]
+
+
+def allowed_block_counts(kinds: tuple[str, ...]) -> list[int]:
+    """Values `blocks: N` may take: 1..depth, and L (every sublayer its own block)."""
+    depth = len(layer_starts(kinds))
+    counts = list(range(1, depth + 1))
+    if len(kinds) not in counts:
+        counts.append(len(kinds))
+    return counts
+
+
+def partition_by_count(kinds: tuple[str, ...], n: int) -> tuple[tuple[int, ...], ...]:
+    """Split the sublayers into `n` blocks of whole transformer layers.
+
+    Layers are grouped as evenly as possible, larger groups first; n == L makes every
+    sublayer its own block (Full AttnRes). Raises ValueError naming the allowed values.
+    """
+    L = len(kinds)
+    allowed = allowed_block_counts(kinds)
+    if n not in allowed:
+        depth = len(layer_starts(kinds))
+        raise ValueError(
+            f"blocks must be between 1 and {depth} (the number of transformer layers), "
+            f"or {L} (one block per sublayer, Full AttnRes); got {n}"
+        )
+    if n == L:
+        return tuple((i,) for i in range(1, L + 1))
+    layers = _layers(kinds)
+    q, r = divmod(len(layers), n)
+    out, at = [], 0
+    for g in range(n):
+        size = q + (1 if g < r else 0)
+        out.append(tuple(i for layer in layers[at : at + size] for i in layer))
+        at += size
+    return tuple(out)
+
+
+def partition_by_size(kinds: tuple[str, ...], size: int) -> tuple[tuple[int, ...], ...]:
+    """Split the sublayers into blocks of `size` sublayers, the last one shorter if need be.
+
+    Every boundary must fall just before an attention sublayer. Raises ValueError.
+    """
+    L = len(kinds)
+    if size < 1:
+        raise ValueError(f"block_size must be at least 1 sublayer; got {size}")
+    if size > L:
+        raise ValueError(f"block_size must be at most {L} (the number of sublayers); got {size}")
+    starts = set(layer_starts(kinds))
+    bounds = list(range(1, L + 1, size))
+    if size != 1 and any(b not in starts for b in bounds):
+        per = len(_layers(kinds)[0])
+        raise ValueError(
+            f"block_size counts sublayers and must be a multiple of {per} (one transformer "
+            f"layer is {per} sublayers) so that blocks begin at an attention sublayer; got {size}"
+        )
+    return tuple(tuple(range(b, min(b + size, L + 1))) for b in bounds)
+
+
+def _layers(kinds: tuple[str, ...]) -> list[tuple[int, ...]]:
+    starts = layer_starts(kinds)
+    if not starts or starts[0] != 1:
+        raise ValueError("the sublayer pattern must begin with an attention sublayer")
+    ends = starts[1:] + [len(kinds) + 1]
+    return [tuple(range(s, e)) for s, e in zip(starts, ends)]
+
+
+def standard(kinds: tuple[str, ...]) -> Topology:
+    rule = Rule("sum", STANDARD_SOURCES)
+    return Topology("standard", partition_by_count(kinds, 1), rule, rule)
+
+
+def full_attnres(kinds: tuple[str, ...], **options) -> Topology:
+    rule = Rule("attend", STANDARD_SOURCES, **options)
+    return Topology("full_attnres", tuple((i,) for i in range(1, len(kinds) + 1)), rule, rule)
+
+
+def block_attnres(kinds: tuple[str, ...], blocks: int | None = None,
+                  block_size: int | None = None, **options) -> Topology:
+    if (blocks is None) == (block_size is None):
+        raise ValueError("give exactly one of blocks or block_size")
+    part = (partition_by_count(kinds, blocks) if blocks is not None
+            else partition_by_size(kinds, block_size))
+    rule = Rule("attend", BLOCK_SOURCES, **options)
+    head = Rule("attend", (Source("embedding"), Source("blocks")), **options)
+    return Topology("block_attnres", part, rule, head)
