@@ -1,2 +1,19 @@
 """restopo: a language and compiler for the residual topologies of transformers."""
 __version__ = "0.1.0"
+
+from .spec.errors import SpecError, SpecErrors  # noqa: E402  (cheap: no lark, no torch)
+
+# The model API is imported on first use, so `import restopo` (and the CLI, the grammar and
+# the IR) stay usable without paying for torch.
+_LAZY = {"compile": "api", "aggregations": "api", "set_backend": "api", "rewire": "fx.rewire",
+         "load_spec": "spec", "parse_spec": "spec"}
+
+
+def __getattr__(name):
+    if name == "ops":  # `restopo.ops.depth_attention(...)` without importing restopo.ops
+        import importlib
+        return importlib.import_module(".ops", __name__)
+    if name in _LAZY:
+        import importlib
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module 'restopo' has no attribute {name!r}")

@@ -162,8 +162,12 @@ def standard(kinds: tuple[str, ...]) -> Topology:
     return Topology("standard", partition_by_count(kinds, 1), rule, rule)
 
 
-def full_attnres(kinds: tuple[str, ...], **options) -> Topology:
-    rule = Rule("attend", STANDARD_SOURCES, **options)
+def full_attnres(kinds: tuple[str, ...], window: int | None = None, **options) -> Topology:
+    """Full AttnRes; with `window` each point reads the embedding and the last `window`
+    sublayer outputs (the sliding-window ablation)."""
+    sources = STANDARD_SOURCES if window is None else (Source("embedding"),
+                                                        Source("window", window))
+    rule = Rule("attend", sources, **options)
     return Topology("full_attnres", tuple((i,) for i in range(1, len(kinds) + 1)), rule, rule)
 
 
@@ -176,3 +180,36 @@ def block_attnres(kinds: tuple[str, ...], blocks: int | None = None,
     rule = Rule("attend", BLOCK_SOURCES, **options)
     head = Rule("attend", (Source("embedding"), Source("blocks")), **options)
     return Topology("block_attnres", part, rule, head)
+
+
+def _single_stream(name: str, method: str, kinds: tuple[str, ...]) -> Topology:
+    rule = Rule(method, STANDARD_SOURCES)
+    return Topology(name, partition_by_count(kinds, 1), rule, rule)
+
+
+def rezero(kinds: tuple[str, ...]) -> Topology:
+    """h += alpha * v with a learned scalar alpha (init 0) per sublayer."""
+    return _single_stream("rezero", "rezero", kinds)
+
+
+def layerscale(kinds: tuple[str, ...]) -> Topology:
+    """h += gamma * v with a learned per-channel gamma per sublayer."""
+    return _single_stream("layerscale", "layerscale", kinds)
+
+
+def highway(kinds: tuple[str, ...]) -> Topology:
+    """h += g * (v - h) with an input gate g per sublayer."""
+    return _single_stream("highway", "highway", kinds)
+
+
+def denseformer(kinds: tuple[str, ...]) -> Topology:
+    """Static learned scalar weights over the embedding and every earlier sublayer output."""
+    rule = Rule("scalars", STANDARD_SOURCES)
+    return Topology("denseformer", tuple((i,) for i in range(1, len(kinds) + 1)), rule, rule)
+
+
+# The named one-liners of the language, by name.
+NAMED = {
+    "standard": standard, "full_attnres": full_attnres, "block_attnres": block_attnres,
+    "rezero": rezero, "layerscale": layerscale, "highway": highway, "denseformer": denseformer,
+}

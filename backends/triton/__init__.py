@@ -1,0 +1,122 @@
+"""Fused Triton kernels for depth attention, with the signatures of backends/eager/depth.py.
+
+- `depth_attention`: one aggregation, each source read once (online softmax over sources).
+- `phase1` / `phase2`: the two-phase computation of Block AttnRes; `phase2_norm` also returns
+  the next sublayer's RMSNorm of the result, computed in the same pass.
+- `available(device)` -> (bool, reason): CUDA with triton, or CPU under TRITON_INTERPRET=1.
+
+The kernels cover heads=1 with the softmax gate, with or without the key RMSNorm. Other
+options (depth heads > 1, the sigmoid gate) are computed by the eager reference instead:
+same results, unfused. Inputs may be fp32, fp16, bf16 (accumulated in fp32) or fp64
+(accumulated in fp64, for gradcheck). Phase 1 returns m1 and s1 in the accumulation dtype
+(fp32 for half inputs, like flash-attention's logsumexp), not in the input dtype.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..eager import depth as _eager
+from . import runtime
+from .runtime import available, tiles
+
+__all__ = ["available", "depth_attention", "phase1", "phase2", "phase2_norm", "tiles"]
+
+_ops = None
+
+
+def _load_ops():
+    """Register the custom ops on first use (needs triton importable)."""
+    global _ops
+    if _ops is None:
+        if runtime.triton is None:
+            raise RuntimeError(f"restopo triton backend unavailable: {available()[1]}")
+        from . import ops
+        _ops = ops
+    return _ops
+
+
+def _check_query(name: str, q: torch.Tensor | None, shape: tuple[int, ...]) -> None:
+    if q is not None and tuple(q.shape) != shape:
+        raise ValueError(f"{name} has shape {tuple(q.shape)}, expected {shape}")
+
+
+def _check_sources(name: str, x: torch.Tensor) -> None:
+    if x.dim() < 2 or x.shape[0] < 1:
+        raise ValueError(f"{name} must be [n >= 1, *batch, d], got shape {tuple(x.shape)}")
+
+
+def depth_attention(sources: torch.Tensor, query: torch.Tensor,
+                    key_norm_weight: torch.Tensor | None = None, eps: float = 1e-6, *,
+                    key_norm: bool = True, gate: str = "softmax", heads: int = 1) -> torch.Tensor:
+    """h = sum_i softmax_i(w . RMSNorm(v_i)) v_i over sources [n, *batch, d] -> [*batch, d]."""
+    if gate != "softmax" or heads != 1:  # not fused: the eager reference computes these
+        return _eager.depth_attention(sources, query, key_norm_weight, eps, key_norm=key_norm,
+                                      gate=gate, heads=heads)
+    _check_sources("sources", sources)
+    d = sources.shape[-1]
+    _check_query("query", query, (d,))
+    _check_query("key_norm_weight", key_norm_weight, (d,))
+    h, _ = _load_ops().depth_attention_op(sources, query, key_norm_weight, float(eps),
+                                          bool(key_norm))
+    return h
+
+
+def phase1(completed: torch.Tensor, queries: torch.Tensor,
+           key_norm_weights: torch.Tensor | None = None, eps: float = 1e-6, *,
+           key_norm: bool = True, heads: int = 1):
+    """(o1 [S, *batch, d], m1 [S, *batch, 1], s1 [S, *batch, 1]) of the S queries [S, d] over
+    the completed blocks [n, *batch, d]; m1 and s1 in the accumulation dtype."""
+    if heads != 1:
+        return _eager.phase1(completed, queries, key_norm_weights, eps, key_norm=key_norm,
+                             heads=heads)
+    _check_sources("completed", completed)
+    if queries.dim() != 2:
+        raise ValueError(f"queries must be [S, d], got shape {tuple(queries.shape)}")
+    _check_query("queries", queries, (queries.shape[0], completed.shape[-1]))
+    _check_query("key_norm_weights", key_norm_weights, tuple(queries.shape))
+    o1, m1, s1, _ = _load_ops().phase1_op(completed, queries, key_norm_weights, float(eps),
+                                          bool(key_norm))
+    return o1, m1, s1
+
+
+def _phase2(o1, m1, s1, partial, query, key_norm_weight, eps, norm_weight, norm_eps,
+            key_norm, with_norm):
+    d = o1.shape[-1]
+    if tuple(m1.shape) != tuple(o1.shape[:-1]) + (1,) or m1.shape != s1.shape:
+        raise ValueError(f"m1 and s1 must be {tuple(o1.shape[:-1]) + (1,)} for o1 of shape "
+                         f"{tuple(o1.shape)}; got {tuple(m1.shape)} and {tuple(s1.shape)}")
+    if partial is not None and partial.shape != o1.shape:
+        raise ValueError(f"partial has shape {tuple(partial.shape)}, expected {tuple(o1.shape)}")
+    _check_query("query", query, (d,))
+    _check_query("key_norm_weight", key_norm_weight, (d,))
+    _check_query("norm_weight", norm_weight, (d,))
+    return _load_ops().phase2_op(o1, m1, s1, partial, query, key_norm_weight, norm_weight,
+                                 float(eps), float(norm_eps), bool(key_norm), with_norm)
+
+
+def phase2(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor, partial: torch.Tensor | None,
+           query: torch.Tensor, key_norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+           *, key_norm: bool = True) -> torch.Tensor:
+    """Merge the block's partial sum (before this sublayer's output is added) into phase 1's
+    (o1, m1, s1) of this sublayer's query; h = o1 / s1 when partial is None."""
+    if m1.shape[-1] != 1:  # depth heads > 1
+        return _eager.phase2(o1, m1, s1, partial, query, key_norm_weight, eps,
+                             key_norm=key_norm)
+    h, _ = _phase2(o1, m1, s1, partial, query, key_norm_weight, eps, None, eps, key_norm, False)
+    return h
+
+
+def phase2_norm(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor,
+                partial: torch.Tensor | None, query: torch.Tensor,
+                key_norm_weight: torch.Tensor | None = None, eps: float = 1e-6, *,
+                norm_weight: torch.Tensor | None = None, norm_eps: float | None = None,
+                key_norm: bool = True):
+    """phase2 fused with the next sublayer's PreNorm: (h, rms_norm(h) * norm_weight).
+    norm_eps defaults to eps."""
+    norm_eps = eps if norm_eps is None else norm_eps
+    if m1.shape[-1] != 1:
+        h = _eager.phase2(o1, m1, s1, partial, query, key_norm_weight, eps, key_norm=key_norm)
+        return h, F.rms_norm(h, (h.shape[-1],), norm_weight, norm_eps)
+    return _phase2(o1, m1, s1, partial, query, key_norm_weight, eps, norm_weight, norm_eps,
+                   key_norm, True)

@@ -1,0 +1,480 @@
+"""The pipeline plan: pure functions over the topology IR (no torch, no processes).
+
+The L sublayers are cut into C = P * V contiguous chunks balanced by cost; chunk c runs on
+rank c mod P (virtual stage c // P). Chunk 0 also holds the embedding, the last chunk the
+head aggregation and the head.
+
+What crosses a chunk boundary (the *cut* after sublayer s, the last one of chunk c) is read
+off the IR's data flow: every value produced at or before the cut that an aggregation owned
+by a later chunk reads. Values are named by what they are, per token, each one d-vector:
+
+  embedding     b_0 = v_0
+  block n       a completed block representation b_n (for one-sublayer blocks, as in Full
+                AttnRes, that sublayer's output)
+  sublayer i    one sublayer output read on its own (window, DenseFormer scalars)
+  partial n[m]  the running sum of the first m outputs of block n, for a block that is open
+                across the cut (its first m members before the cut, the rest after)
+  stream        the running hidden state h_{s+1} of a single-stream topology (the standard
+                residual, ReZero, LayerScale, Highway)
+
+`partial` and `stream` are the *hidden partial*: transient, recomputed at every cut, sent at
+every hop. When a cut falls exactly on a block boundary the running sum of the block that
+just ended *is* that block's representation b_n; it is sent once, counted as a block, and no
+separate partial crosses (nothing is open). So when every chunk completes exactly N_p whole
+blocks, the transfers per token are, in d-vectors:
+
+  naive   blocks C(C-1)/2 N_p          + embedding C-1 + hidden partial at every open cut
+  cached  blocks P(P-1)/2 N_p + (V-1) P(P-1) N_p + embedding P-1 + the same hidden partials
+
+The hidden-partial term is C-1 when every cut falls inside a block (chunks offset from the
+blocks, each still completing N_p of them) and 0 when every cut is on a block boundary.
+
+Naive: every hop carries everything needed later. Cached: each rank keeps one copy of every
+value it received or produced, shared by its virtual stages, and a hop sends only what the
+receiving rank has not seen (plus the hidden partial). Gradients mirror this in backward,
+so the backward bytes equal the forward bytes.
+
+Stage ownership of aggregations: an attending (or any direct) aggregation before sublayer l
+belongs to the chunk holding sublayer l; a stream update h_l = h_{l-1} (+) v_{l-1} belongs to
+the chunk holding sublayer l-1, so that a single running value (one vector) crosses each cut
+of a standard residual. The head aggregation belongs to the last chunk either way.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import networkx as nx
+
+from restopo.ir.analyses import aggregations, is_stream
+
+TRANSIENT = ("partial", "stream")
+
+
+class PlanError(ValueError):
+    """A pipeline that cannot be planned (message says what to change)."""
+
+
+@dataclass(frozen=True, order=True)
+class Value:
+    """One d-vector per token that may cross a cut (see the module docstring)."""
+
+    order: tuple = field(repr=False, compare=True)
+    kind: str = field(compare=False)
+    index: int = field(default=0, compare=False)
+    count: int = field(default=0, compare=False)
+
+    @property
+    def name(self) -> str:
+        if self.kind in ("embedding", "stream"):
+            return self.kind
+        if self.kind == "partial":
+            return f"partial{self.index}[{self.count}]"
+        return f"{self.kind}{self.index}"
+
+    @property
+    def transient(self) -> bool:
+        return self.kind in TRANSIENT
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def _value(kind: str, index: int = 0, count: int = 0) -> Value:
+    # Order: the embedding, then blocks and sublayer outputs as produced, then the hidden
+    # partial last (it is the one a receiving chunk reads first).
+    rank = {"embedding": 0, "block": 1, "sublayer": 1, "partial": 2, "stream": 3}[kind]
+    return Value((rank, index, count, kind), kind, index, count)
+
+
+EMBEDDING = _value("embedding")
+STREAM = _value("stream")
+
+
+@dataclass(frozen=True)
+class Chunk:
+    index: int
+    rank: int
+    virtual: int
+    sublayers: tuple[int, ...]
+    aggregations: tuple[int, ...]      # aggregation indices l this chunk computes (L+1: head)
+    blocks_completed: tuple[int, ...]  # block numbers n whose last sublayer is here
+    cost: float
+    embedding: bool
+    head: bool
+
+
+@dataclass(frozen=True)
+class Hop:
+    """The transition from chunk `src` to chunk `src + 1`."""
+
+    src: int
+    src_rank: int
+    dst_rank: int
+    naive: tuple[Value, ...]
+    cached: tuple[Value, ...]
+
+
+@dataclass(frozen=True)
+class Plan:
+    stages: int           # P
+    virtual: int          # V
+    width: int | None     # d
+    dtype_bytes: int
+    topology: str
+    n_blocks: int
+    chunks: tuple[Chunk, ...]
+    hops: tuple[Hop, ...]
+
+    @property
+    def n_chunks(self) -> int:
+        return len(self.chunks)
+
+    def hop_values(self, hop: Hop, cached: bool) -> tuple[Value, ...]:
+        return hop.cached if cached else hop.naive
+
+    def inputs(self, chunk: int, cached: bool) -> tuple[Value, ...]:
+        """The values chunk `chunk` receives from the previous one, in send order."""
+        return () if chunk == 0 else self.hop_values(self.hops[chunk - 1], cached)
+
+    def outputs(self, chunk: int, cached: bool) -> tuple[Value, ...]:
+        return () if chunk == self.n_chunks - 1 else self.hop_values(self.hops[chunk], cached)
+
+    def vectors(self, cached: bool, kind: str | None = None) -> int:
+        """d-vectors per token sent over all hops (of one kind: embedding|block|sublayer|
+        hidden, where hidden is partial + stream)."""
+        kinds = TRANSIENT if kind == "hidden" else (kind,)
+        return sum(1 for h in self.hops for v in self.hop_values(h, cached)
+                   if kind is None or v.kind in kinds)
+
+    def bytes_per_token(self, cached: bool) -> int | None:
+        if self.width is None:
+            return None
+        return self.vectors(cached) * self.width * self.dtype_bytes
+
+    @property
+    def blocks_per_chunk(self) -> tuple[int, ...]:
+        return tuple(len(c.blocks_completed) for c in self.chunks)
+
+    @property
+    def uniform_np(self) -> int | None:
+        """N_p when every chunk completes the same number of blocks, else None."""
+        counts = set(self.blocks_per_chunk)
+        return counts.pop() if len(counts) == 1 else None
+
+    @property
+    def paper_bound_blocks(self) -> float:
+        """The paper's bound on cached block transfers per token, P(P-1)/2 N_p +
+        (V-1) P^2 N_p, with N_p = N / C (exact when every chunk completes N_p blocks)."""
+        P, V = self.stages, self.virtual
+        n_p = self.n_blocks / self.n_chunks
+        return P * (P - 1) / 2 * n_p + (V - 1) * P * P * n_p
+
+
+def parse_pv(text: str) -> tuple[int, int]:
+    """'4x2' -> (4, 2); '4' -> (4, 1). Raises PlanError with what to write instead."""
+    parts = text.lower().replace(" ", "").split("x")
+    try:
+        if len(parts) not in (1, 2):
+            raise ValueError
+        p, v = int(parts[0]), int(parts[1]) if len(parts) == 2 else 1
+    except ValueError:
+        raise PlanError(f"--pipeline takes STAGESxVIRTUAL, e.g. 4x2 (4 ranks, 2 chunks "
+                        f"each); got {text!r}") from None
+    if p < 1 or v < 1:
+        raise PlanError(f"--pipeline stages and virtual stages must be at least 1; got {text!r}")
+    return p, v
+
+
+def sublayer_costs(kinds, width: int | None = None, context: int | None = None,
+                   mlp: str = "swiglu", mlp_ratio: float = 4.0) -> dict[str, float]:
+    """Per-token FLOP weights of one sublayer of each kind (multiply-adds, constant factors
+    shared): attention 4 d^2 projections + 2 T d for scores and values; an MLP
+    3 ratio d^2 (SwiGLU, three matrices) or 2 ratio d^2 (GELU). Without a width every
+    sublayer weighs 1."""
+    if width is None:
+        return {k: 1.0 for k in set(kinds)}
+    d, T = width, context or 0
+    mats = 3 if mlp == "swiglu" else 2
+    return {"attn": 4.0 * d * d + 2.0 * T * d, "mlp": mats * mlp_ratio * d * d}
+
+
+def model_costs(model) -> dict[str, float]:
+    """Costs from a spec's ModelSpec (width, context, mlp, mlp_ratio)."""
+    return sublayer_costs(model.kinds, model.width, model.context, model.mlp, model.mlp_ratio)
+
+
+def balance(weights: list[float], n_chunks: int, aligned: set[int] | None = None) -> list[int]:
+    """Contiguous split of `weights` into `n_chunks` non-empty runs minimising the largest
+    run's total; among those, the fewest cuts off `aligned` (cut positions, counted in items
+    before the cut, that are preferred: block boundaries). Returns the cut positions."""
+    n = len(weights)
+    if not 1 <= n_chunks <= n:
+        raise PlanError(f"cannot split {n} sublayers into {n_chunks} chunks: use at most {n} "
+                        f"chunks (stages x virtual), each chunk needs at least one sublayer")
+    prefix = [0.0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    inf = float("inf")
+    # best[k][i]: smallest possible largest run for the first i items in k runs.
+    best = [[inf] * (n + 1) for _ in range(n_chunks + 1)]
+    best[0][0] = 0.0
+    for k in range(1, n_chunks + 1):
+        for i in range(k, n + 1):
+            best[k][i] = min(max(best[k - 1][j], prefix[i] - prefix[j]) for j in range(k - 1, i))
+    limit = best[n_chunks][n] * (1 + 1e-9)
+    aligned = aligned or set()
+    # Second pass: fewest misaligned cuts with every run within the optimum.
+    miss = [[(inf, ())] * (n + 1) for _ in range(n_chunks + 1)]
+    miss[0][0] = (0, ())
+    for k in range(1, n_chunks + 1):
+        for i in range(k, n + 1):
+            cands = []
+            for j in range(k - 1, i):
+                if miss[k - 1][j][0] == inf or prefix[i] - prefix[j] > limit:
+                    continue
+                extra = 0 if (j == 0 or j in aligned) else 1
+                cands.append((miss[k - 1][j][0] + extra, miss[k - 1][j][1] + ((j,) if j else ())))
+            if cands:
+                miss[k][i] = min(cands)
+    return list(miss[n_chunks][n][1])
+
+
+def make_plan(g: nx.DiGraph, stages: int, virtual: int = 1, *, costs: dict | None = None,
+              head_cost: float = 0.0, cuts: list[int] | None = None,
+              dtype_bytes: int = 4) -> Plan:
+    """Plan a pipeline of `stages` ranks x `virtual` chunks per rank over the IR `g`.
+
+    `costs` weighs each sublayer kind (default: `sublayer_costs` from the IR's width, or 1
+    each); `head_cost` is added to the last chunk. `cuts` fixes the chunk boundaries by hand
+    (sublayer indices s: a chunk ends after sublayer s), overriding the balancing.
+    """
+    if stages < 1 or virtual < 1:
+        raise PlanError(f"stages and virtual stages must be at least 1; got {stages}x{virtual}")
+    L = g.graph["sublayers"]
+    kinds = g.graph["kinds"]
+    C = stages * virtual
+    if C > L:
+        raise PlanError(f"{stages}x{virtual} pipeline needs {C} chunks but the model has only "
+                        f"{L} sublayers; use fewer stages or virtual stages (at most {L} chunks)")
+    costs = costs or sublayer_costs(kinds, g.graph.get("width"))
+    weights = [float(costs[k]) for k in kinds]
+    blocks = g.graph["blocks"]
+    block_ends = {b[-1] for b in blocks}
+    if cuts is None:
+        cuts = balance(weights, C, aligned=block_ends - {L})
+    cuts = sorted(cuts)
+    if len(cuts) != C - 1 or len(set(cuts)) != len(cuts) or (cuts and not 1 <= cuts[0] <= cuts[-1] < L):
+        raise PlanError(f"cuts must be {C - 1} distinct sublayer indices in 1..{L - 1}; got {cuts}")
+    bounds = [0] + cuts + [L]
+    spans = [tuple(range(bounds[c] + 1, bounds[c + 1] + 1)) for c in range(C)]
+    chunk_of = {i: c for c, span in enumerate(spans) for i in span}
+
+    owner = {}
+    for a in aggregations(g):
+        l = g.nodes[a]["index"]
+        if l == L + 1:
+            owner[l] = C - 1
+        elif stream_fed(g, a):
+            owner[l] = 0 if l == 1 else chunk_of[l - 1]
+        else:
+            owner[l] = chunk_of[l]
+
+    chunks = []
+    for c, span in enumerate(spans):
+        done = tuple(n for n, b in enumerate(blocks, 1) if b[-1] in span)
+        chunks.append(Chunk(c, c % stages, c // stages, span,
+                            tuple(sorted(l for l, o in owner.items() if o == c)), done,
+                            sum(weights[i - 1] for i in span) + (head_cost if c == C - 1 else 0),
+                            c == 0, c == C - 1))
+
+    hops, seen = [], {r: set() for r in range(stages)}
+    seen[0].add(EMBEDDING)
+    for c in range(C - 1):
+        seen[c % stages].update(_produced(g, spans[c], blocks))
+        need = needed_after(g, bounds[c + 1], owner, c)
+        dst = (c + 1) % stages
+        if dst == c % stages:
+            sent = ()
+        else:
+            sent = tuple(v for v in need if v.transient or v not in seen[dst])
+        seen[dst].update(v for v in sent if not v.transient)
+        hops.append(Hop(c, c % stages, dst, need, sent))
+    return Plan(stages, virtual, g.graph.get("width"), dtype_bytes, g.graph["name"],
+                len(blocks), tuple(chunks), tuple(hops))
+
+
+def _produced(g: nx.DiGraph, span: tuple[int, ...], blocks) -> set[Value]:
+    """The cacheable values a chunk produces: its completed blocks and sublayer outputs."""
+    out = set()
+    for n, b in enumerate(blocks, 1):
+        if b[-1] in span:
+            out.add(_value("block", n))
+    for i in span:
+        if len(blocks[g.nodes[f"sublayer{i}"]["block"] - 1]) > 1:
+            out.add(_value("sublayer", i))
+    return out
+
+
+def source_value(g: nx.DiGraph, src: str, s: int) -> Value | None:
+    """The value that carries IR source `src` across the cut after sublayer s (None when
+    `src` is produced entirely after the cut)."""
+    node = g.nodes[src]
+    kind = node["kind"]
+    blocks = g.graph["blocks"]
+    if kind == "embedding":
+        return EMBEDDING
+    if kind == "sublayer":
+        i = node["index"]
+        if i > s:
+            return None
+        n = node["block"]
+        return _value("block", n) if len(blocks[n - 1]) == 1 else _value("sublayer", i)
+    if kind == "block":
+        n, members = node["index"], node["members"]
+    else:  # partial n.j: the sum of the first j-1 members of block n
+        n, members = node["block"], node["members"]
+    before = [i for i in members if i <= s]
+    if not before:
+        return None
+    if kind == "block" and len(before) == len(members):
+        return _value("block", n)
+    return _value("partial", n, len(before))
+
+
+def stream_fed(g: nx.DiGraph, agg: str) -> bool:
+    """True when the aggregation is computed from the running value: h_1 = v_0, or a stream
+    update h_l = h_{l-1} (+) v_{l-1} (the lowering's rule: a plain sum only continues a stream
+    that the previous aggregation kept)."""
+    if not is_stream(g, agg):
+        return False
+    at = g.nodes[agg]
+    l = at["index"]
+    return l <= 2 or at["method"] != "sum" or is_stream(g, f"agg{l - 1}")
+
+
+def needed_after(g: nx.DiGraph, s: int, owner: dict[int, int], c: int) -> tuple[Value, ...]:
+    """Every value produced at or before the cut after sublayer s (chunk c's end) that a
+    later chunk reads, in a fixed order.
+
+    A stream update reads only h_{l-1} and v_{l-1}; the one produced before the cut is the
+    running value h_{s+1}, which chunk c computes (it owns the update after sublayer s) and
+    sublayer s+1 reads: that is the `stream` value.
+    """
+    need = set()
+    for a in aggregations(g):
+        l = g.nodes[a]["index"]
+        if owner[l] <= c or stream_fed(g, a):
+            continue
+        for src in g.nodes[a]["sources"]:
+            v = source_value(g, src, s)
+            if v is not None:
+                need.add(v)
+    if stream_fed(g, f"agg{s + 1}"):
+        need.add(STREAM)
+    return tuple(sorted(need))
+
+
+# ---------------------------------------------------------------- reports
+
+def to_json(plan: Plan) -> dict:
+    """The plan as plain numbers and names (the JSON form of `restopo inspect --pipeline`)."""
+    n_p = plan.uniform_np
+    out = {
+        "stages": plan.stages, "virtual": plan.virtual, "chunks": plan.n_chunks,
+        "topology": plan.topology, "blocks": plan.n_blocks, "width": plan.width,
+        "dtype_bytes": plan.dtype_bytes, "blocks_per_chunk": n_p,
+        "chunk_table": [
+            {"chunk": c.index, "rank": c.rank, "virtual": c.virtual,
+             "sublayers": [c.sublayers[0], c.sublayers[-1]], "cost": c.cost,
+             "blocks_completed": list(c.blocks_completed), "embedding": c.embedding,
+             "head": c.head}
+            for c in plan.chunks],
+        "hops": [
+            {"from_chunk": h.src, "to_chunk": h.src + 1, "from_rank": h.src_rank,
+             "to_rank": h.dst_rank, "naive": [v.name for v in h.naive],
+             "cached": [v.name for v in h.cached],
+             "naive_vectors": len(h.naive), "cached_vectors": len(h.cached)}
+            for h in plan.hops],
+        "totals": {},
+    }
+    for mode, cached in (("naive", False), ("cached", True)):
+        out["totals"][mode] = {
+            "vectors_per_token": plan.vectors(cached),
+            "bytes_per_token": plan.bytes_per_token(cached),
+            "embedding": plan.vectors(cached, "embedding"),
+            "blocks": plan.vectors(cached, "block"),
+            "sublayer_outputs": plan.vectors(cached, "sublayer"),
+            "hidden": plan.vectors(cached, "hidden"),
+        }
+    out["totals"]["paper_bound_blocks"] = plan.paper_bound_blocks
+    return out
+
+
+def describe(plan) -> str:
+    """The plan as a table a person reads (`restopo inspect FILE --pipeline PxV`); takes a
+    Plan or its `to_json` dict."""
+    d = to_json(plan) if isinstance(plan, Plan) else plan
+    P, V, C = d["stages"], d["virtual"], d["chunks"]
+    lines = [f"pipeline {P}x{V}: {C} chunks on {P} ranks (chunk c on rank c mod {P}); "
+             f"topology {d['topology']}, {d['blocks']} blocks"]
+    rows = [("chunk", "rank", "sublayers", "blocks done", "to next: naive", "to next: cached")]
+    for c in d["chunk_table"]:
+        a, b = c["sublayers"]
+        extra = ("emb+" if c["embedding"] else "") + (f"{a}-{b}" if b > a else f"{a}") + \
+            ("+head" if c["head"] else "")
+        done = ",".join(f"b{n}" for n in c["blocks_completed"]) or "-"
+        if c["chunk"] < C - 1:
+            h = d["hops"][c["chunk"]]
+            naive = f"{h['naive_vectors']}: {_names(h['naive'])}"
+            cached = f"{h['cached_vectors']}: {_names(h['cached'])}"
+        else:
+            naive = cached = "-"
+        rows.append((str(c["chunk"]), str(c["rank"]), extra, done, naive, cached))
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    for r in rows:
+        lines.append("  " + "  ".join(x.ljust(w) for x, w in zip(r, widths)) + "  " + r[5])
+    t = d["totals"]
+    lines.append("totals (d-vectors per token, forward; backward sends the same again):")
+    for label in ("naive", "cached"):
+        m = t[label]
+        b = m["bytes_per_token"]
+        size = f" = {b} bytes/token at {d['dtype_bytes']} bytes/value" if b is not None else ""
+        lines.append(f"  {label:7s}{m['vectors_per_token']:6d}{size}  (embedding "
+                     f"{m['embedding']}, blocks {m['blocks']}, sublayer outputs "
+                     f"{m['sublayer_outputs']}, hidden partial {m['hidden']})")
+    n_p = d["blocks_per_chunk"]
+    np_text = f"N_p = {n_p}" if n_p is not None else \
+        f"chunks complete {[len(c['blocks_completed']) for c in d['chunk_table']]} blocks; " \
+        "N_p taken as N/C"
+    lines.append(f"  block transfers: naive {t['naive']['blocks']}, cached "
+                 f"{t['cached']['blocks']}, paper's bound P(P-1)/2 N_p + (V-1) P^2 N_p = "
+                 f"{_num(t['paper_bound_blocks'])}  ({np_text})")
+    if t["naive"]["vectors_per_token"]:
+        lines.append(f"  cached / naive = "
+                     f"{t['cached']['vectors_per_token'] / t['naive']['vectors_per_token']:.3f}")
+    return "\n".join(lines)
+
+
+def _names(names, limit: int = 8) -> str:
+    return ",".join(names) if len(names) <= limit else \
+        ",".join(names[:limit - 1]) + f",...(+{len(names) - limit + 1})"
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if math.isclose(x, round(x)) else f"{x:.2f}"
+
+
+def inspect_section(spec, g: nx.DiGraph, pv: str) -> dict:
+    """The `pipeline` section of `restopo inspect FILE --pipeline PxV` (a JSON dict). A plan
+    that cannot be made is a usage error: the message goes to stderr, exit status 2."""
+    import sys
+    try:
+        P, V = parse_pv(pv)
+        model = spec.model
+        head = float(model.vocab * model.width) if model is not None else 0.0
+        costs = model_costs(model) if model is not None else None
+        return to_json(make_plan(g, P, V, costs=costs, head_cost=head))
+    except PlanError as e:
+        sys.stderr.write(f"restopo inspect: error: {e}\n")
+        raise SystemExit(2) from None

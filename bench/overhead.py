@@ -1,0 +1,140 @@
+"""Overhead of Full and Block AttnRes against the standard residual, side by side.
+
+For each topology (standard, Full AttnRes, Block AttnRes with N blocks) on the same model
+dimensions, in eager mode and under torch.compile, this measures
+  step  the median wall time of one forward + backward (loss = mean logsumexp of the logits),
+        the topologies taking turns in every round so drift hits them alike;
+  saved the bytes of activations autograd keeps for backward at the end of the forward pass
+        (unique storages seen by torch.autograd.graph.saved_tensors_hooks). On CPU there is
+        no allocator peak counter; this is the memory that grows with depth and batch, i.e.
+        the part of the peak a residual topology changes (weights and optimizer state are
+        the same for all three up to the few aggregation parameters).
+and prints each as a ratio to the standard residual.
+
+    python bench/overhead.py                 # width 512, depth 12, context 256, batch 4
+    python bench/overhead.py --quick         # a CI-size smoke run
+    python bench/overhead.py --width 256 --depth 6 --no-compile
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from types import SimpleNamespace
+
+import torch
+
+from restopo import topology as T
+from restopo.api import build_model
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--width", type=int, default=512)
+    p.add_argument("--depth", type=int, default=12, help="transformer layers")
+    p.add_argument("--context", type=int, default=256, help="sequence length")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--blocks", type=int, default=8, help="N of Block AttnRes")
+    p.add_argument("--iters", type=int, default=5, help="timed rounds")
+    p.add_argument("--warmup", type=int, default=2, help="untimed rounds (compilation)")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--backend", default="eager", choices=("auto", "eager", "triton"),
+                   help="aggregation ops (triton needs CUDA)")
+    p.add_argument("--no-compile", action="store_true", help="eager mode only")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny smoke run: width 64, depth 4, context 64, batch 2, 2 rounds")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.width, args.depth, args.context, args.batch = 64, 4, 64, 2
+        args.heads, args.blocks, args.iters, args.warmup = 4, 2, 2, 1
+    return args
+
+
+def topologies(args):
+    kinds = T.sublayer_kinds(args.depth)
+    blocks = min(args.blocks, args.depth)
+    return {"standard": T.standard(kinds), "full": T.full_attnres(kinds),
+            f"block{blocks}": T.block_attnres(kinds, blocks=blocks)}
+
+
+def make(args, topo):
+    cfg = SimpleNamespace(vocab=args.vocab, width=args.width, depth=args.depth,
+                          heads=args.heads, mlp="swiglu", mlp_ratio=4, context=args.context)
+    torch.manual_seed(0)
+    model = build_model(cfg, topo, backend=args.backend).to(args.device)
+    with torch.no_grad():  # trained-looking queries: non-uniform depth weights
+        for a in model.aggregations:
+            if hasattr(a, "pseudo_query"):
+                a.pseudo_query.normal_(0, 0.05)
+    return model
+
+
+def sync(device):
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def step(fn, idx):
+    fn(idx).logsumexp(-1).mean().backward()
+
+
+def saved_bytes(fn, idx) -> int:
+    storages = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        storages[(s.data_ptr(), t.device)] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = fn(idx).logsumexp(-1).mean()
+    loss.backward()
+    return sum(storages.values())
+
+
+def measure(args, mode: str, models: dict) -> dict:
+    fns = {name: (torch.compile(m) if mode == "compile" else m) for name, m in models.items()}
+    idx = torch.randint(0, args.vocab, (args.batch, args.context), device=args.device)
+    times = {name: [] for name in fns}
+    for r in range(args.warmup + args.iters):
+        for name, fn in fns.items():  # take turns every round
+            for p in models[name].parameters():
+                p.grad = None
+            sync(args.device)
+            t0 = time.perf_counter()
+            step(fn, idx)
+            sync(args.device)
+            if r >= args.warmup:
+                times[name].append(time.perf_counter() - t0)
+        print(f"  {mode}: round {r + 1}/{args.warmup + args.iters}", file=sys.stderr)
+    return {name: dict(step=statistics.median(times[name]), saved=saved_bytes(fn, idx))
+            for name, fn in fns.items()}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    models = {name: make(args, topo) for name, topo in topologies(args).items()}
+    print(f"width {args.width}, depth {args.depth} ({2 * args.depth} sublayers), context "
+          f"{args.context}, batch {args.batch}, heads {args.heads}, vocab {args.vocab}, "
+          f"device {args.device}, aggregation backend {args.backend}, "
+          f"threads {torch.get_num_threads()}, torch {torch.__version__}")
+    modes = ["eager"] + ([] if args.no_compile else ["compile"])
+    results = {mode: measure(args, mode, models) for mode in modes}
+    print(f"\n{'mode':8} {'topology':10} {'step ms':>9} {'x std':>6} {'saved MiB':>10} "
+          f"{'x std':>6}")
+    for mode, res in results.items():
+        base = res["standard"]
+        for name, r in res.items():
+            print(f"{mode:8} {name:10} {1e3 * r['step']:9.1f} {r['step'] / base['step']:6.3f} "
+                  f"{r['saved'] / 2**20:10.1f} {r['saved'] / base['saved']:6.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,93 @@
+"""The Python API: restopo.compile and restopo.aggregations."""
+from __future__ import annotations
+
+import os
+
+from torch import fx, nn
+
+from . import ops
+from .fx.lower import aggregation_modules, lower, lowered, parts_of
+from .ir import build_ir
+from .nn.aggregate import Attend, TwoPhase
+from .nn.model import build_parts, model_kinds
+
+
+def load(spec_or_path, overrides=()):
+    """A Spec from a Spec, a path to a .restopo file, or spec text."""
+    from .spec import load_spec, parse_spec
+    if hasattr(spec_or_path, "residual") and hasattr(spec_or_path, "model"):
+        if overrides:
+            raise ValueError("overrides apply to a path or spec text, not to a parsed Spec; "
+                             "pass the path (or text) instead")
+        return spec_or_path
+    if isinstance(spec_or_path, os.PathLike) or (
+            isinstance(spec_or_path, str) and "\n" not in spec_or_path
+            and os.path.exists(spec_or_path)):
+        return load_spec(os.fspath(spec_or_path), overrides=tuple(overrides))
+    if isinstance(spec_or_path, str):
+        if "\n" not in spec_or_path and spec_or_path.endswith(".restopo"):
+            raise FileNotFoundError(f"no such spec file: {spec_or_path}")
+        return parse_spec(spec_or_path, path="<string>", overrides=tuple(overrides))
+    raise TypeError(f"expected a Spec, a path or spec text; got {type(spec_or_path).__name__}")
+
+
+def build_model(model, topology, backend: str = "auto", two_phase: bool = True) -> fx.GraphModule:
+    """restopo's reference transformer for a model spec, wired by `topology` (no spec file
+    needed: tests and tools build models from a topology constructor directly)."""
+    parts = build_parts(model)
+    g = build_ir(model_kinds(model), topology, model.width)
+    return lower(g, parts, backend=backend, two_phase=two_phase)
+
+
+def compile(spec_or_path, backend: str = "auto", overrides=()) -> fx.GraphModule:  # noqa: A001
+    """The model a spec describes: an fx GraphModule, forward(idx [B, T]) -> logits [B, T, V].
+
+    spec_or_path: a Spec, a path to a .restopo file, or spec text. backend: auto (triton on
+    CUDA when it imports, else eager) | eager | triton (a RuntimeError says why it cannot run).
+    The spec text and overrides ride along as `model.spec_text` / `model.restopo_overrides`
+    (and the Spec as `model.restopo_spec`) so checkpoints can store them.
+    """
+    ops.check_backend(backend)
+    if backend == "triton":
+        ops.require_backend("triton")
+    spec = load(spec_or_path, overrides)
+    if spec.model is None:
+        raise ValueError(f"{spec.path}: the spec has no model section, so there is nothing to "
+                         "compile; add a model block (or use restopo.rewire on a model you have)")
+    g = spec.ir()
+    model = lower(g, build_parts(spec.model), backend=backend)
+    model.spec_text = spec.text
+    model.restopo_overrides = tuple(getattr(spec, "overrides", ()) or ())
+    model.restopo_spec = spec
+    return model
+
+
+def aggregations(model: nn.Module) -> list[nn.Module]:
+    """The aggregation modules of a compiled or rewired model, in execution order, the head's
+    last. AttnRes aggregations expose `.pseudo_query` (a Parameter of size d) and `.key_norm`
+    (an RMSNorm, or None without key norm)."""
+    return aggregation_modules(model)
+
+
+def set_backend(model: nn.Module, backend: str) -> nn.Module:
+    """Switch the aggregation ops of a compiled model to another backend, in place."""
+    ops.check_backend(backend)
+    if backend == "triton":
+        ops.require_backend("triton")
+    for m in model.modules():
+        if isinstance(m, (Attend, TwoPhase)):
+            m.backend = backend
+    for m in model.modules():
+        if hasattr(m, "restopo_ir"):
+            m.backend = backend
+    return model
+
+
+def direct(model: nn.Module) -> fx.GraphModule:
+    """The same model (sharing every module and parameter) lowered without the two-phase
+    plan: each aggregation module is called on all its sources, so forward pre-hooks on
+    `aggregations(...)` see them (e.g. to read depth-attention weights with
+    `Attend.depth_weights`)."""
+    gm = lowered(model)
+    return lower(gm.restopo_ir, parts_of(gm), backend=gm.backend, two_phase=False,
+                 aggregations=gm.aggregations)

@@ -1,0 +1,82 @@
+"""The `restopo` command line: the root parser and the one place user mistakes are printed.
+
+Each subcommand is a module restopo/commands/<name>.py with `register(subparsers)`, which
+adds its parser and sets `func=run` (run(args) -> exit code). Exit codes: 0 ok, 1 a mistake
+in a spec or an input file (SpecError, missing/unreadable file), 2 a usage error, 130 Ctrl-C.
+A user mistake never shows a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from . import __version__
+from .spec.errors import SpecError
+
+COMMANDS = ("check", "inspect", "graph", "compile", "train", "diagnose")
+
+EXAMPLES = """\
+examples:
+  restopo check examples/*.restopo              check specs, report every mistake
+  restopo inspect examples/block_attnres.restopo  the aggregation points and their sources
+  restopo inspect examples/tiny.restopo --format json --set model.depth=8
+  restopo graph examples/block_attnres.restopo -o wiring.png
+  restopo train examples/tiny.restopo            train the spec's model on CPU or GPU
+
+A spec is a .restopo file: a model section, a residual topology (standard, full_attnres,
+block_attnres(blocks: N), ... or custom wiring) and optional parallel and train sections.
+`restopo COMMAND --help` shows each command's options and examples.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="restopo",
+        description="restopo: a language and compiler for the residual topologies of "
+                    "transformers (standard residual, Attention Residuals, Block AttnRes, ...).",
+        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"restopo {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
+    for name in COMMANDS:
+        importlib.import_module(f"{__package__}.commands.{name}").register(sub)
+    return parser
+
+
+def file_error(e: OSError | UnicodeDecodeError) -> str:
+    """One line for a file that cannot be read."""
+    if isinstance(e, UnicodeDecodeError):
+        where = getattr(e, "restopo_path", None) or "input"
+        return f"restopo: error: {where}: not UTF-8 text (byte {e.start}); is this a .restopo file?"
+    name = e.filename if e.filename is not None else ""
+    what = {FileNotFoundError: "no such file", IsADirectoryError: "is a directory, not a file",
+            PermissionError: "permission denied"}.get(type(e), e.strerror or str(e))
+    return f"restopo: error: {name}: {what}"
+
+
+def main(argv=None) -> int:
+    try:
+        parser = build_parser()
+        try:
+            args = parser.parse_args(argv)
+        except SystemExit as e:  # --help / --version (0) or a usage error (2)
+            return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+        if getattr(args, "func", None) is None:
+            parser.print_help(sys.stderr)
+            return 2
+        return int(args.func(args) or 0)
+    except SpecError as e:
+        print(e.render(), file=sys.stderr)
+        return 1
+    except (FileNotFoundError, IsADirectoryError, PermissionError, UnicodeDecodeError) as e:
+        print(file_error(e), file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("restopo: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `restopo inspect ... | head`
+        return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

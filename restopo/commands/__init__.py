@@ -1,0 +1,1 @@
+"""One module per `restopo` subcommand, each with register(subparsers)."""

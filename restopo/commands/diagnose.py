@@ -1,0 +1,54 @@
+"""`restopo diagnose CHECKPOINT`: the paper's diagnostic pictures of a trained model."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+EXAMPLES = """\
+examples:
+  restopo diagnose runs/tiny                      # latest checkpoint of a run
+  restopo diagnose runs/tiny/ckpt/step_000200 -o figures/tiny
+
+Writes magnitude.png (RMS of each sublayer's output v_l and input h_l across depth),
+gradients.png (gradient norm per sublayer), depth_attention.png (the weight of every source
+at every aggregation point, averaged over tokens) and diagnose.json (default folder:
+RUN/diagnose).
+"""
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "diagnose", help="plot output magnitude, gradients and depth-attention weights",
+        description="Measure a trained checkpoint on validation batches and write the "
+                    "diagnostic figures of the Attention Residuals paper.",
+        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("checkpoint", metavar="CHECKPOINT",
+                   help="a run folder, its ckpt/ folder or a ckpt/step_NNNNNN folder")
+    p.add_argument("-o", "--out", metavar="DIR", help="where the PNGs go (default RUN/diagnose)")
+    p.add_argument("--batches", type=int, default=4, metavar="N",
+                   help="validation batches to average over (default 4)")
+    p.add_argument("--batch-size", type=int, default=8, metavar="B",
+                   help="rows per batch (default 8)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from ..train.checkpoint import CheckpointError
+    from ..train.data import DataError
+    from ..train.diagnose import diagnose
+
+    if args.batches < 1 or args.batch_size < 1:
+        print("restopo diagnose: error: --batches and --batch-size must be at least 1",
+              file=sys.stderr)
+        return 1
+    try:
+        result = diagnose(args.checkpoint, args.out, batches=args.batches,
+                          batch_size=args.batch_size, device=args.device)
+    except (CheckpointError, DataError, ValueError) as e:
+        print(f"restopo diagnose: error: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {result['out']}:")
+    for name, path in result["paths"].items():
+        print(f"  {name:16s}{path}")
+    return 0

@@ -1,0 +1,177 @@
+"""`restopo inspect FILE`: what the compiler sees, as a table or as JSON.
+
+`build_report` makes a dict (the JSON form: restopo.ir.summary plus the spec's model, and
+any sections other options add); `format_text` prints that dict for people. To add a view
+(e.g. a pipeline plan), add an argument in `register`, put its result under a new key in
+`build_report`, and `format_text` shows it (generically, or with a formatter in TEXT_SECTIONS).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+
+EXAMPLES = """\
+examples:
+  restopo inspect examples/block_attnres.restopo
+  restopo inspect examples/full_attnres.restopo --format json
+  restopo inspect examples/tiny.restopo --set residual=full_attnres --set model.depth=8
+
+The text table lists every aggregation point in execution order: the sublayer it feeds
+(attn, mlp, or the head), its method and its ordered sources (embedding, blockN, partial,
+sublayerN). JSON has the keys sublayers, blocks, live_values_per_token, added_parameters
+and aggregations [index, before, method, sources, ...].
+"""
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "inspect", help="show the aggregation points, their sources and the costs",
+        description="Show what a spec compiles to: blocks, live values per token, added "
+                    "parameters, the two-phase plan and every aggregation's sources.",
+        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("file", metavar="FILE", help="a .restopo spec")
+    p.add_argument("--format", choices=("text", "json"), default="text",
+                   help="text (a table, default) or json")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a spec value, e.g. --set model.width=64 (repeatable)")
+    # Further views (e.g. --pipeline PxV) add their arguments here and a key in build_report.
+    # -- pipeline view (backends/pipeline/plan.py) --
+    p.add_argument("--pipeline", metavar="PxV", default=None,
+                   help="also plan a pipeline of P ranks x V virtual stages: the chunk table "
+                        "and the values/bytes per token crossing each cut, naive and cached")
+    # -- end pipeline view --
+    p.set_defaults(func=run)
+
+
+def build_report(spec, args=None) -> dict:
+    """The JSON form: restopo.ir.summary of the spec's IR, plus the model it was built for."""
+    from ..ir.analyses import summary
+    g = spec.ir()
+    report = {"spec": spec.path}
+    report.update(summary(g))
+    m = spec.model
+    report["model"] = {"name": m.name, "vocab": m.vocab, "width": m.width, "depth": m.depth,
+                       "heads": m.heads, "mlp": m.mlp, "mlp_ratio": m.mlp_ratio,
+                       "context": m.context, "layer": list(m.layer),
+                       "tie_embeddings": m.tie_embeddings}
+    if args is not None and getattr(args, "pipeline", None):  # -- pipeline view --
+        from ..backends.pipeline.plan import inspect_section
+        report["pipeline"] = inspect_section(spec, g, args.pipeline)
+    return report
+
+
+def run(args) -> int:
+    from ..spec import load_spec
+    spec = load_spec(args.file, overrides=tuple(args.overrides))
+    report = build_report(spec, args)
+    if args.format == "json":
+        json.dump(report, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write(format_text(report))
+    return 0
+
+
+# -- text -----------------------------------------------------------------------------------
+_NUMBERED = re.compile(r"([a-z]+)(\d+)")
+
+
+def compact_sources(sources: list[str]) -> str:
+    """'embedding, sublayer1..sublayer7': runs of three or more consecutive blockN or
+    sublayerN are shortened."""
+    def key(s):
+        m = _NUMBERED.fullmatch(s)
+        return (m.group(1), int(m.group(2))) if m else None
+
+    out, i = [], 0
+    while i < len(sources):
+        j = i
+        k = key(sources[i])
+        while k and j + 1 < len(sources) and key(sources[j + 1]) == (k[0], k[1] + j + 1 - i):
+            j += 1
+        if j - i >= 2:
+            out.append(f"{sources[i]}..{sources[j]}")
+        else:
+            out.extend(sources[i:j + 1])
+        i = j + 1
+    return ", ".join(out)
+
+
+def _options(a: dict) -> str:
+    if a["method"] != "attend":
+        return ""
+    opts = [a["query"], a["gate"], f"key_norm {a['key_norm']}"]
+    if a.get("heads", 1) != 1:
+        opts.append(f"{a['heads']} heads")
+    return " ".join(opts)
+
+
+def _aggregation_table(report: dict) -> list[str]:
+    rows = [("point", "before", "method", "options", "sources")]
+    for a in report["aggregations"]:
+        rows.append((str(a["index"]), a["before"], a["method"], _options(a),
+                     f"({len(a['sources'])}) {compact_sources(a['sources'])}"))
+    widths = [max(len(r[k]) for r in rows) for k in range(4)]
+    return ["  " + "  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4]
+            for r in rows]
+
+
+def format_text(report: dict) -> str:
+    m = report.get("model") or {}
+    head = f"{report['spec']}: {report['topology']}, {report['sublayers']} sublayers"
+    if m:
+        head += (f" (depth {m['depth']}, width {m['width']}, heads {m['heads']}, "
+                 f"{m['mlp']} x{m['mlp_ratio']:g}, vocab {m['vocab']}, context {m['context']})")
+    sizes = report["block_sizes"]
+    same = len(set(sizes)) == 1
+    lines = [head,
+             f"  blocks                 {report['blocks']} ("
+             + (f"{sizes[0]} sublayers each" if same else "sizes " + " ".join(map(str, sizes)))
+             + ")",
+             f"  live values per token  {report['live_values_per_token']}"]
+    if report.get("added_parameters") is not None:
+        lines.append(f"  added parameters       {report['added_parameters']:,}")
+    groups = report.get("two_phase_groups") or []
+    if groups:
+        lines.append(f"  two-phase groups       {len(groups)}: "
+                     + ", ".join(f"{g[0]}..{g[-1]}" if len(g) > 2 else "+".join(g)
+                                 for g in groups))
+    lines.append("")
+    lines.extend(_aggregation_table(report))
+    known = {"spec", "topology", "sublayers", "blocks", "block_sizes", "live_values_per_token",
+             "added_parameters", "two_phase_groups", "aggregations", "model"}
+    for key, value in report.items():
+        if key in known:
+            continue
+        lines.append("")
+        fmt = TEXT_SECTIONS.get(key)
+        lines.extend(fmt(value) if fmt else _generic(key, value))
+    return "\n".join(lines) + "\n"
+
+
+def _generic(key: str, value, indent: str = "") -> list[str]:
+    if isinstance(value, dict):
+        out = [f"{indent}{key}:"]
+        for k, v in value.items():
+            out.extend(_generic(k, v, indent + "  "))
+        return out
+    if isinstance(value, list) and value and isinstance(value[0], (dict, list)):
+        out = [f"{indent}{key}:"]
+        for v in value:
+            out.append(f"{indent}  - {json.dumps(v)}")
+        return out
+    return [f"{indent}{key}: {json.dumps(value) if not isinstance(value, str) else value}"]
+
+
+# Text formatters for report keys added by other views: key -> function(value) -> lines.
+TEXT_SECTIONS: dict = {}
+
+
+def _pipeline_text(value) -> list[str]:  # -- pipeline view --
+    from ..backends.pipeline.plan import describe
+    return describe(value).splitlines()
+
+
+TEXT_SECTIONS["pipeline"] = _pipeline_text

@@ -1,0 +1,271 @@
+"""restopo.rewire: rebuild the residual stream of an existing PreNorm transformer.
+
+    rewired = restopo.rewire(model, "full.restopo")   # or a Spec, or spec text
+
+1. Recover the model's structure (restopo.fx.trace for models torch.fx can follow,
+   restopo.fx.hf for Hugging Face Llama-family models): the embedding v_0, the sublayers
+   v_l = f_l(norm_l(h_l)) with their kinds, and the head (final norm, LM head, loss).
+2. Check the recovery: the sublayers summed as a standard residual reproduce the model's
+   own output on a probe batch (`verify=True`); a mismatch is a RewireError, not a silently
+   different model.
+3. Build the IR from the spec's residual section alone over the recovered kinds (a model
+   section in the spec does not override the model) and lower it with `lower(g, parts)`.
+4. Return `Rewired`: same forward signature and output type as the original.
+
+The original model is registered as `rewired.model`, unchanged: its state_dict keys and
+Parameter objects are the same, so `rewired.model.state_dict()` loads into a fresh copy of
+the original; the new aggregation parameters live under `rewired.body.aggregations`.
+The pieces handed to the lowering reference the original submodules without registering
+them again, so every weight has one name and one owner.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ..ir import build_ir
+from ..topology import Topology
+from .lower import lower
+from .parts import Parts
+from .structure import SUPPORTED, Ends, RewireError, Structure, pattern
+
+__all__ = ["rewire", "recover", "Rewired", "RewireError"]
+
+
+def recover(model: nn.Module) -> Structure:
+    """The residual structure of `model`: by its known family layout when it is a supported
+    Hugging Face model, else by tracing it with torch.fx."""
+    if not isinstance(model, nn.Module):
+        raise RewireError(f"rewire takes a torch.nn.Module; got {type(model).__name__}")
+    from . import hf
+    if hf.is_hf(model):
+        return hf.recover(model)
+    from .trace import recover_structure
+    return recover_structure(model)
+
+
+def rewire(model: nn.Module, spec_or_path, backend: str = "auto", *,
+           verify: bool = True, two_phase: bool = True) -> "Rewired":
+    """`model` with its residual stream rebuilt as the spec's residual section says.
+
+    spec_or_path: a Spec, a path to a .restopo file, spec text, or a callable
+    `kinds -> Topology` (e.g. `lambda k: restopo.topology.block_attnres(k, blocks=2)`).
+    Only the residual section is read. backend: auto | eager | triton (aggregation ops).
+    verify: first check on a probe batch that the recovered pieces, summed as a standard
+    residual, reproduce the model's output. Raises RewireError for a model that is not a
+    PreNorm transformer, SpecError for a residual section the model cannot take.
+    """
+    structure = recover(model)
+    if verify:
+        _verify(model, structure)
+    topology = _topology(spec_or_path, structure.kinds)
+    g = build_ir(structure.kinds, topology, structure.width)
+    default = structure.ends(pattern(structure.signature, *_probe_call(structure, model)))
+    names = _context_names(model, structure, default)
+    parts = Parts(embed=Embed(structure, default),
+                  sublayers=[Borrowed(f, n) for f, n in zip(structure.sublayers, structure.names)],
+                  kinds=structure.kinds, head=Hidden(),
+                  context=Context(structure, default) if names else None,
+                  context_names=names or None)
+    body = lower(g, parts, backend=backend, two_phase=two_phase)
+    # the new parameters follow the model's own dtype and device
+    p = next(model.parameters(), None)
+    if p is not None:
+        body.aggregations.to(device=p.device, dtype=p.dtype if p.is_floating_point() else None)
+    return Rewired(model, structure, body, topology)
+
+
+def _topology(spec_or_path, kinds: tuple[str, ...]) -> Topology:
+    if isinstance(spec_or_path, Topology):
+        raise TypeError("pass a Spec, a path, spec text or a callable kinds -> Topology; a "
+                        "Topology is tied to one sublayer sequence")
+    if callable(spec_or_path) and not hasattr(spec_or_path, "residual"):
+        return spec_or_path(kinds)
+    from ..api import load
+    spec = load(spec_or_path)
+    if spec.residual is None:
+        raise RewireError(f"{spec.path}: the spec has no residual section; rewire reads only "
+                          f"that section (e.g. `residual full_attnres`)")
+    return spec.residual.resolve(tuple(kinds))
+
+
+# ------------------------------------------------------------------ pieces for the lowering
+
+class Call:
+    """One call of the rewired model: its arguments in signature order and the Ends of its
+    call pattern. It travels through the lowered graph in place of `idx`."""
+
+    __slots__ = ("args", "ends")
+
+    def __init__(self, args: tuple, ends: Ends):
+        self.args, self.ends = args, ends
+
+
+def _hold(module: nn.Module, name: str, value) -> None:
+    """Keep a reference without registering it: the original model owns those weights."""
+    module.__dict__[name] = value
+
+
+class _Front(nn.Module):
+    def __init__(self, structure: Structure, default: Ends):
+        super().__init__()
+        _hold(self, "structure", structure)
+        _hold(self, "default", default)
+
+    def call(self, call) -> Call:
+        if isinstance(call, Call):
+            return call
+        # plain token ids (the body called on its own): the default call pattern
+        return Call(self.default.arguments(self.structure.signature, (call,), {}), self.default)
+
+
+class Embed(_Front):
+    """call -> v_0, through the model's own front for the call's pattern."""
+
+    def forward(self, call):
+        call = self.call(call)
+        return call.ends.front(*call.args)
+
+
+class Context(_Front):
+    """(call, v_0) -> what every sublayer reads besides h (positions, masks, rotary)."""
+
+    def forward(self, call, v0):
+        call = self.call(call)
+        return tuple(call.ends.context(v0, *call.args))
+
+
+class Borrowed(nn.Module):
+    """One sublayer of the original model, v = f(norm(h), *context), referenced not owned."""
+
+    def __init__(self, fn: Callable, where: str):
+        super().__init__()
+        _hold(self, "fn", fn)
+        self.where = where
+
+    def forward(self, h, *context):
+        return self.fn(h, *context)
+
+    def extra_repr(self) -> str:
+        return self.where
+
+
+class Hidden(nn.Module):
+    """Hands h_{L+1} back to `Rewired`, which runs the model's own head on it with the call's
+    arguments (targets, labels): the head's output type is the original's."""
+
+    def forward(self, h):
+        return h
+
+
+class Rewired(nn.Module):
+    """The original model with its residual stream rewired; same signature and output.
+
+    model      the original module (registered: its state_dict is unchanged, under model.)
+    body       the lowered GraphModule: the call's inputs -> h_{L+1} (read `body.code`)
+    topology   the resolved residual topology; `kinds` the recovered sublayer kinds
+    """
+
+    def __init__(self, model: nn.Module, structure: Structure, body: nn.Module,
+                 topology: Topology):
+        super().__init__()
+        self.model = model
+        self.body = body
+        _hold(self, "structure", structure)
+        self.topology, self.kinds = topology, structure.kinds
+        self.__signature__ = structure.signature
+        for name in ("config", "generation_config", "main_input_name"):
+            if hasattr(model, name):
+                _hold(self, name, getattr(model, name))
+
+    def forward(self, *args, **kwargs):
+        s = self.structure
+        ends = s.ends(pattern(s.signature, args, kwargs))
+        call = Call(ends.arguments(s.signature, args, kwargs), ends)
+        h = self.body(call)
+        return ends.back(h, *ends.extra(*call.args))
+
+    def extra_repr(self) -> str:
+        return f"topology={self.topology.name}, sublayers={len(self.kinds)}"
+
+
+# ------------------------------------------------------------------ self-check
+
+def _probe_call(structure: Structure, model: nn.Module) -> tuple[tuple, dict]:
+    """A small call with the default pattern: token ids [2, 4] as the first argument."""
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    vocab = structure.vocab or 2
+    idx = torch.randint(0, vocab, (2, 4), device=device,
+                        generator=torch.Generator(device=device).manual_seed(0))
+    return (idx,), {}
+
+
+@contextlib.contextmanager
+def _eval_mode(model: nn.Module):
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        for m, t in modes:
+            m.training = t
+
+
+def _context_names(model, structure: Structure, ends: Ends) -> tuple[str, ...]:
+    if structure.context_names is not None:
+        return tuple(structure.context_names)
+    args, kwargs = _probe_call(structure, model)
+    call = ends.arguments(structure.signature, args, kwargs)
+    with _eval_mode(model):
+        ctx = ends.context(ends.front(*call), *call)
+    return tuple(f"context_{i}" for i in range(len(ctx)))
+
+
+def _verify(model: nn.Module, structure: Structure) -> None:
+    """The recovered pieces, summed as a standard residual, must give the model's output."""
+    args, kwargs = _probe_call(structure, model)
+    ends = structure.ends(pattern(structure.signature, args, kwargs))
+    call = ends.arguments(structure.signature, args, kwargs)
+    with _eval_mode(model):
+        want = model(*args, **kwargs)
+        v0 = ends.front(*call)
+        ctx = ends.context(v0, *call)
+        h = v0
+        for f in structure.sublayers:
+            h = h + f(h, *ctx)
+        got = ends.back(h, *ends.extra(*call))
+    a, b = _first_tensor(want), _first_tensor(got)
+    if a is None or b is None or a.shape != b.shape:
+        raise RewireError(f"{type(model).__name__}: the recovered head does not give the "
+                          f"model's output ({_describe(want)} vs {_describe(got)})")
+    tol = 1e-4 if a.dtype in (torch.float32, torch.float64) else 2e-2
+    err = (a.double() - b.double()).abs().max().item()
+    scale = max(1.0, a.double().abs().max().item())
+    if not err <= tol * scale:
+        raise RewireError(
+            f"{type(model).__name__}: the recovered sublayers, summed as a standard residual, "
+            f"do not reproduce the model's output (largest difference {err:.3g}); its forward "
+            f"does more than x = x + f(norm(x)). {SUPPORTED}")
+
+
+def _first_tensor(out: Any) -> torch.Tensor | None:
+    if isinstance(out, torch.Tensor):
+        return out
+    logits = getattr(out, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    return None
+
+
+def _describe(out: Any) -> str:
+    t = _first_tensor(out)
+    return type(out).__name__ if t is None else f"{type(out).__name__} {tuple(t.shape)}"
+
+

@@ -1,0 +1,192 @@
+"""The aggregation modules: one per aggregation node of the IR (h_l from its sources).
+
+Each is built from the node's attributes by `make_aggregation`. Direct modules take the
+node's sources in IR order (`forward(*sources)`); stream modules (rezero, layerscale, highway)
+take the running value and the newest output (`forward(h_prev, v_prev)`) so the model keeps
+one live value per token. `TwoPhase` runs phase 1 for a group of attend modules that read the
+same completed blocks; the parameters stay owned by the member modules.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import ops
+from ..topology import STREAM_METHODS
+
+EPS = 1e-6
+
+
+class Attend(nn.Module):
+    """AttnRes depth attention: h = sum_i alpha_i v_i, alpha from pseudo_query . RMSNorm(v_i).
+
+    `pseudo_query` starts at zero, so a fresh model takes the plain mean of the sources
+    (softmax gate). With `query="input_dependent"` the query is
+    `pseudo_query + W(rmsnorm(newest source))` per token; W starts at zero, so at
+    initialisation it equals the static query and only learns to depart from it.
+    """
+
+    def __init__(self, d: int, query: str = "static", gate: str = "softmax",
+                 key_norm: str = "rms", heads: int = 1, backend: str = "auto"):
+        super().__init__()
+        if d % heads:
+            raise ValueError(f"depth heads must divide the width: width {d}, heads {heads}")
+        self.d, self.query, self.gate, self.heads, self.backend = d, query, gate, heads, backend
+        self.pseudo_query = nn.Parameter(torch.zeros(d))
+        self.key_norm = nn.RMSNorm(d, eps=EPS) if key_norm == "rms" else None
+        self.query_proj = None
+        if query == "input_dependent":
+            self.query_proj = nn.Linear(d, d, bias=False)
+            nn.init.zeros_(self.query_proj.weight)
+
+    @property
+    def gain(self) -> torch.Tensor | None:
+        return None if self.key_norm is None else self.key_norm.weight
+
+    def forward(self, *sources: torch.Tensor, phase1=None, slot: int = 0) -> torch.Tensor:
+        if phase1 is not None:
+            return self.merge(phase1, slot, sources[0] if sources else None)
+        q = self.pseudo_query
+        if self.query_proj is not None:
+            q = q + self.query_proj(F.rms_norm(sources[-1], (self.d,), eps=EPS))
+        return ops.depth_attention(torch.stack(sources), q, self.gain, EPS,
+                                   key_norm=self.key_norm is not None, gate=self.gate,
+                                   heads=self.heads, backend=self.backend)
+
+    def depth_weights(self, *sources: torch.Tensor) -> torch.Tensor:
+        """alpha [n, *batch, heads]: the weight of each source (for diagnostics); the
+        output is sum_i alpha_i v_i with each head's weight over its channel slice."""
+        from ..backends.eager.depth import logits
+        q = self.pseudo_query
+        if self.query_proj is not None:
+            q = q + self.query_proj(F.rms_norm(sources[-1], (self.d,), eps=EPS))
+        z = logits(torch.stack(sources), q, self.gain, EPS, self.key_norm is not None,
+                   self.heads)
+        return torch.softmax(z, dim=0) if self.gate == "softmax" else torch.sigmoid(z)
+
+    def merge(self, phase1, slot: int, partial: torch.Tensor | None) -> torch.Tensor:
+        """Phase 2: this member's slice of its group's phase-1 result merged with its
+        pre-update partial (None for the first sublayer of a block)."""
+        o1, m1, s1 = phase1
+        return ops.phase2(o1[slot], m1[slot], s1[slot], partial, self.pseudo_query, self.gain,
+                          EPS, key_norm=self.key_norm is not None, backend=self.backend)
+
+    def extra_repr(self) -> str:
+        return f"d={self.d}, query={self.query}, gate={self.gate}, heads={self.heads}"
+
+
+class TwoPhase(nn.Module):
+    """Phase 1 for a group of static-query softmax `Attend` modules reading the same
+    completed sources: all their queries in one batched pass over the completed blocks.
+
+    The members are referenced, not registered, so each pseudo-query and key-norm gain has
+    one owner (its aggregation) in `parameters()` and `state_dict()`.
+    """
+
+    def __init__(self, members: list[Attend], backend: str = "auto"):
+        super().__init__()
+        if len({(m.key_norm is None, m.heads) for m in members}) != 1:
+            raise ValueError("a two-phase group needs members with one key norm and head count")
+        self.__dict__["members"] = tuple(members)  # plain attribute: not a submodule
+        self.heads = members[0].heads
+        self.has_key_norm = members[0].key_norm is not None
+        self.backend = backend
+
+    def forward(self, *completed: torch.Tensor):
+        queries = torch.stack([m.pseudo_query for m in self.members])
+        gains = torch.stack([m.gain for m in self.members]) if self.has_key_norm else None
+        return ops.phase1(torch.stack(completed), queries, gains, EPS,
+                          key_norm=self.has_key_norm, heads=self.heads, backend=self.backend)
+
+    def extra_repr(self) -> str:
+        return f"members={len(self.members)}"
+
+
+class Sum(nn.Module):
+    """Weight one on every source (the standard residual when it reads everything)."""
+
+    def forward(self, *sources: torch.Tensor) -> torch.Tensor:
+        out = sources[0]
+        for v in sources[1:]:
+            out = out + v
+        return out
+
+
+class Scalars(nn.Module):
+    """DenseFormer: h = sum_i a_i v_i with a learned static scalar per source, init 1."""
+
+    def __init__(self, n_sources: int):
+        super().__init__()
+        self.weights = nn.Parameter(torch.ones(n_sources))
+
+    def forward(self, *sources: torch.Tensor) -> torch.Tensor:
+        w = self.weights.view(-1, *([1] * sources[0].dim()))
+        return (w * torch.stack(sources)).sum(0)
+
+
+class ReZero(nn.Module):
+    """h_l = h_{l-1} + alpha * v_{l-1}, alpha a learned scalar, init 0."""
+
+    def __init__(self):
+        super().__init__()
+        self.alpha = nn.Parameter(torch.zeros(()))
+
+    def forward(self, h_prev: torch.Tensor, v_prev: torch.Tensor) -> torch.Tensor:
+        return h_prev + self.alpha * v_prev
+
+
+class LayerScale(nn.Module):
+    """h_l = h_{l-1} + gamma * v_{l-1}, gamma a learned per-channel vector, init 0.1."""
+
+    def __init__(self, d: int, init: float = 0.1):
+        super().__init__()
+        self.gamma = nn.Parameter(torch.full((d,), init))
+
+    def forward(self, h_prev: torch.Tensor, v_prev: torch.Tensor) -> torch.Tensor:
+        return h_prev + self.gamma * v_prev
+
+
+class Highway(nn.Module):
+    """h_l = h_{l-1} + g * (v_{l-1} - h_{l-1}), g = sigmoid(W rmsnorm(h_{l-1}) + b).
+
+    The bias starts at -2 so the gate starts mostly closed (carry-biased): the stream
+    passes through and each sublayer's output enters at about 12 %.
+    """
+
+    def __init__(self, d: int, bias_init: float = -2.0):
+        super().__init__()
+        self.d = d
+        self.gate = nn.Linear(d, d)
+        nn.init.normal_(self.gate.weight, std=0.02)
+        nn.init.constant_(self.gate.bias, bias_init)
+
+    def forward(self, h_prev: torch.Tensor, v_prev: torch.Tensor) -> torch.Tensor:
+        g = torch.sigmoid(self.gate(F.rms_norm(h_prev, (self.d,), eps=EPS)))
+        return h_prev + g * (v_prev - h_prev)
+
+
+class StreamStart(nn.Module):
+    """The first aggregation of a stream topology: h_1 = v_0 (it owns no weight, since a
+    stream update owns the weight of the output it adds)."""
+
+    def forward(self, v0: torch.Tensor) -> torch.Tensor:
+        return v0
+
+
+def make_aggregation(attrs: dict, d: int, backend: str = "auto") -> nn.Module:
+    """The module for one IR aggregation node (its attribute dict)."""
+    method = attrs["method"]
+    if method == "attend":
+        return Attend(d, attrs["query"], attrs["gate"], attrs["key_norm"], attrs["heads"],
+                      backend)
+    if method == "sum":
+        return Sum()
+    if method == "scalars":
+        return Scalars(len(attrs["sources"]))
+    if method in STREAM_METHODS:
+        if attrs["index"] == 1:
+            return StreamStart()
+        return {"rezero": ReZero, "layerscale": lambda: LayerScale(d),
+                "highway": lambda: Highway(d)}[method]()
+    raise ValueError(f"unknown aggregation method {method!r}")

@@ -1,0 +1,107 @@
+"""restopo's reference transformer sublayers: each is f_l(h) = op(RMSNorm(h)), the raw
+output v_l without any residual added (the residual stream is the lowering's job)."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+NORM_EPS = 1e-6
+
+
+class Rotary(nn.Module):
+    """The Parts `context`: rotary cos/sin for the sequence length of `idx`.
+
+    Tables are precomputed for `context` positions (buffers, not saved in state_dict).
+    Rotation pairs channel i with channel i + head_dim/2 (the rotate-half convention).
+    """
+
+    def __init__(self, head_dim: int, context: int, base: float = 10000.0):
+        super().__init__()
+        if head_dim % 2:
+            raise ValueError(f"rotary positions need an even head size; got {head_dim} "
+                             f"(choose width and heads with an even width/heads)")
+        self.context = context
+        inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+        angles = torch.outer(torch.arange(context, dtype=torch.float64), inv_freq)
+        angles = torch.cat([angles, angles], dim=-1)  # [context, head_dim]
+        self.register_buffer("cos", angles.cos().float(), persistent=False)
+        self.register_buffer("sin", angles.sin().float(), persistent=False)
+
+    def forward(self, idx: torch.Tensor, v0: torch.Tensor):
+        T = idx.shape[1]
+        if T > self.context:
+            raise ValueError(f"sequence length {T} is longer than the model's context "
+                             f"{self.context}; crop the input or raise model.context")
+        return self.cos[:T].to(v0.dtype), self.sin[:T].to(v0.dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [B, heads, T, head_dim] by position."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class Attention(nn.Module):
+    """Causal multi-head self-attention with rotary positions; PreNorm inside."""
+
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        if d % heads:
+            raise ValueError(f"heads must divide the width: width {d}, heads {heads}")
+        self.heads = heads
+        self.norm = nn.RMSNorm(d, eps=NORM_EPS)
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.proj = nn.Linear(d, d, bias=False)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, d = h.shape
+        q, k, v = self.qkv(self.norm(h)).view(B, T, 3, self.heads, d // self.heads) \
+            .permute(2, 0, 3, 1, 4).unbind(0)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(B, T, d))
+
+
+def swiglu_hidden(d: int, ratio: float) -> int:
+    """SwiGLU has three matrices, so its hidden size is 2/3 of ratio*d (the same parameter
+    count as a two-matrix MLP of ratio*d), rounded up to a multiple of 8."""
+    return 8 * math.ceil(2 * ratio * d / 3 / 8)
+
+
+class MLP(nn.Module):
+    """Feed-forward sublayer, `swiglu` (silu(W1 x) * W3 x) or `gelu`; PreNorm inside.
+    `*context` is accepted and ignored so every sublayer has one call signature."""
+
+    def __init__(self, d: int, kind: str = "swiglu", ratio: float = 4.0):
+        super().__init__()
+        if kind not in ("swiglu", "gelu"):
+            raise ValueError(f"mlp must be 'swiglu' or 'gelu'; got {kind!r}")
+        self.kind = kind
+        self.norm = nn.RMSNorm(d, eps=NORM_EPS)
+        hidden = swiglu_hidden(d, ratio) if kind == "swiglu" else int(round(ratio * d))
+        self.up = nn.Linear(d, 2 * hidden if kind == "swiglu" else hidden, bias=False)
+        self.down = nn.Linear(hidden, d, bias=False)
+
+    def forward(self, h: torch.Tensor, *context: torch.Tensor) -> torch.Tensor:
+        x = self.up(self.norm(h))
+        if self.kind == "swiglu":
+            gate, value = x.chunk(2, dim=-1)
+            x = F.silu(gate) * value
+        else:
+            x = F.gelu(x)
+        return self.down(x)
+
+
+class Head(nn.Module):
+    """Final RMSNorm and LM head: h_{L+1} -> logits."""
+
+    def __init__(self, d: int, vocab: int):
+        super().__init__()
+        self.norm = nn.RMSNorm(d, eps=NORM_EPS)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(h))

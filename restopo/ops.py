@@ -1,0 +1,104 @@
+"""Functional entry points for the depth-aggregation ops, with backend dispatch.
+
+Same signatures as `restopo.backends.eager.depth` plus `backend=`:
+  eager   plain torch (the reference)
+  triton  fused kernels from `restopo.backends.triton` (imported lazily)
+  auto    triton when the tensors are on CUDA and the triton backend imports, else eager
+
+Shapes: `sources` [n, *batch, d], `query` [d] (or [*batch, d] for an input-dependent query,
+which the fused kernels do not take: such calls run eagerly on every backend).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .backends.eager import depth as _eager
+
+BACKENDS = ("auto", "eager", "triton")
+
+
+def check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+
+
+def triton_unavailable_reason() -> str | None:
+    """Why the triton backend cannot run here, or None when it can."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "triton is not installed (pip install 'restopo[triton]')"
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        return "no CUDA device and TRITON_INTERPRET is not set to 1"
+    try:
+        _triton_module()
+    except (ImportError, AttributeError) as e:
+        return f"the triton backend is not available: {e}"
+    return None
+
+
+def _triton_module():
+    from .backends import triton as mod
+    for name in ("depth_attention", "phase1", "phase2"):
+        getattr(mod, name)
+    return mod
+
+
+def require_backend(backend: str) -> None:
+    """Raise a RuntimeError naming why when `backend` cannot run on this machine."""
+    check_backend(backend)
+    if backend == "triton":
+        why = triton_unavailable_reason()
+        if why is not None:
+            raise RuntimeError(f"backend 'triton' cannot run: {why}; use backend='eager'")
+
+
+def _pick(backend: str, tensor: torch.Tensor) -> str:
+    """The backend one call runs on."""
+    if backend == "eager":
+        return "eager"
+    if backend == "triton":
+        require_backend("triton")
+        return "triton"
+    check_backend(backend)
+    if tensor.is_cuda and triton_unavailable_reason() is None:
+        return "triton"
+    return "eager"
+
+
+def depth_attention(sources: torch.Tensor, query: torch.Tensor,
+                    key_norm_weight: torch.Tensor | None = None, eps: float = 1e-6, *,
+                    key_norm: bool = True, gate: str = "softmax", heads: int = 1,
+                    backend: str = "eager") -> torch.Tensor:
+    """h = sum_i alpha_i v_i, alpha = softmax_i(query . RMSNorm(v_i)) (or sigmoid); [*batch, d]."""
+    if sources.dim() < 2:
+        raise ValueError(f"sources must be [n, *batch, d]; got shape {tuple(sources.shape)}")
+    # Per-token (input-dependent) queries have no fused kernel: they run eagerly.
+    if query.dim() == 1 and _pick(backend, sources) == "triton":
+        return _triton_module().depth_attention(sources, query, key_norm_weight, eps,
+                                                key_norm=key_norm, gate=gate, heads=heads)
+    return _eager.depth_attention(sources, query, key_norm_weight, eps, key_norm=key_norm,
+                                  gate=gate, heads=heads)
+
+
+def phase1(completed: torch.Tensor, queries: torch.Tensor,
+           key_norm_weights: torch.Tensor | None = None, eps: float = 1e-6, *,
+           key_norm: bool = True, heads: int = 1, backend: str = "eager"):
+    """Phase 1 for one block: (o1 [S, *batch, d], m1 [S, *batch, heads], s1 [S, *batch, heads])."""
+    if _pick(backend, completed) == "triton":
+        return _triton_module().phase1(completed, queries, key_norm_weights, eps,
+                                       key_norm=key_norm, heads=heads)
+    return _eager.phase1(completed, queries, key_norm_weights, eps, key_norm=key_norm,
+                         heads=heads)
+
+
+def phase2(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor, partial: torch.Tensor | None,
+           query: torch.Tensor, key_norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+           *, key_norm: bool = True, backend: str = "eager") -> torch.Tensor:
+    """Phase 2: merge the pre-update partial into phase 1's result by online softmax."""
+    if _pick(backend, o1) == "triton":
+        return _triton_module().phase2(o1, m1, s1, partial, query, key_norm_weight, eps,
+                                       key_norm=key_norm)
+    return _eager.phase2(o1, m1, s1, partial, query, key_norm_weight, eps, key_norm=key_norm)

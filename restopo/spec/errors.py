@@ -1,0 +1,92 @@
+"""SpecError: a mistake in a spec, located at FILE:LINE:COL, with a hint a person can act on."""
+from __future__ import annotations
+
+import difflib
+from typing import Iterable, Sequence
+
+
+class SpecError(Exception):
+    """A mistake in a .restopo spec (or in a --set override).
+
+    `line` and `column` are 1-based. `source_line` is the text of that line when known, so
+    `str()` can show it with a caret without re-reading the file.
+    """
+
+    def __init__(self, path: str, line: int, column: int, message: str,
+                 hint: str | None = None, source_line: str | None = None):
+        self.path = path
+        self.line = line
+        self.column = column
+        self.message = message
+        self.hint = hint
+        self.source_line = source_line
+        super().__init__(self.render())
+
+    def render(self, source_text: str | None = None) -> str:
+        """`FILE:LINE:COL: error: MESSAGE`, the source line, a caret, then `hint: ...`."""
+        out = [f"{self.path}:{self.line}:{self.column}: error: {self.message}"]
+        text = self.source_line
+        if source_text is not None:
+            lines = source_text.splitlines()
+            text = lines[self.line - 1] if 0 < self.line <= len(lines) else None
+        if text is not None:
+            text = text.expandtabs(1)
+            out.append(f"    {text}")
+            out.append("    " + " " * max(self.column - 1, 0) + "^")
+        if self.hint:
+            out.append(f"hint: {self.hint}")
+        return "\n".join(out)
+
+    def __str__(self) -> str:
+        return self.render()
+
+    def __reduce__(self):  # keep the error picklable (multiprocessing, pytest-xdist)
+        return (type(self), (self.path, self.line, self.column, self.message, self.hint,
+                             self.source_line))
+
+
+class SpecErrors(SpecError):
+    """Several independent mistakes; `.errors` lists them in source order.
+
+    It is itself a SpecError (the first one's location), so `except SpecError` catches it.
+    """
+
+    def __init__(self, errors: Sequence[SpecError]):
+        if not errors:
+            raise ValueError("SpecErrors needs at least one error")
+        self.errors = list(errors)
+        first = self.errors[0]
+        Exception.__init__(self, self.render())
+        self.path, self.line, self.column = first.path, first.line, first.column
+        self.message, self.hint, self.source_line = first.message, first.hint, first.source_line
+
+    def render(self, source_text: str | None = None) -> str:
+        body = "\n".join(e.render(source_text if e.path == self.errors[0].path else None)
+                         for e in self.errors)
+        n = len(self.errors)
+        return f"{body}\n{n} error{'s' if n != 1 else ''}"
+
+    def __str__(self) -> str:
+        return self.render()
+
+    def __reduce__(self):
+        return (type(self), (self.errors,))
+
+
+def raise_all(errors: Sequence[SpecError]) -> None:
+    """Raise nothing, the one error, or SpecErrors for several."""
+    if len(errors) == 1:
+        raise errors[0]
+    if errors:
+        raise SpecErrors(errors)
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str | None:
+    """A hint naming the closest choice, or listing them all when none is close."""
+    choices = list(choices)
+    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    if close:
+        return f"did you mean '{close[0]}'?"
+    if choices:
+        return "expected one of: " + ", ".join(choices)
+    return None

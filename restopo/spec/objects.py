@@ -1,0 +1,209 @@
+"""The checked spec: frozen dataclasses the rest of restopo reads.
+
+Built by check.py from the syntax tree, only once every value is valid. Each object keeps
+the positions of its keys (`where(key)`), so a later stage that finds a problem (the data
+loader, the pipeline planner) can still point at the line that caused it via `Spec.error`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import TYPE_CHECKING
+
+from ..topology import Rule, Source, Topology, sublayer_kinds
+from .errors import SpecError
+from .nodes import Pos
+
+if TYPE_CHECKING:  # pragma: no cover
+    import networkx as nx
+
+
+class SourceText:
+    """The texts positions point into: the spec file and each --set override."""
+
+    def __init__(self, texts: dict[str, str] | None = None):
+        self.texts = dict(texts or {})
+
+    def line(self, pos: Pos | None) -> str | None:
+        if pos is None or pos.source not in self.texts:
+            return None
+        lines = self.texts[pos.source].splitlines()
+        return lines[pos.line - 1] if 0 < pos.line <= len(lines) else None
+
+    def error(self, pos: Pos, message: str, hint: str | None = None) -> SpecError:
+        return SpecError(pos.source, pos.line, pos.column, message, hint, self.line(pos))
+
+
+def _where(positions, key: str) -> Pos | None:
+    return next((p for k, p in positions if k == key), None)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    vocab: int
+    width: int
+    depth: int
+    heads: int
+    context: int
+    mlp: str = "swiglu"            # swiglu | gelu
+    mlp_ratio: float = 4.0         # hidden width = mlp_ratio * width
+    layer: tuple[str, ...] = ("attn", "mlp")
+    tie_embeddings: bool = True
+    name: str | None = None
+    pos: Pos | None = field(default=None, compare=False, repr=False)
+    positions: tuple[tuple[str, Pos], ...] = field(default=(), compare=False, repr=False)
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The L sublayer kinds in order (`layer` repeated `depth` times)."""
+        return sublayer_kinds(self.depth, self.layer)
+
+    @property
+    def sublayers(self) -> int:
+        return len(self.kinds)
+
+    def where(self, key: str) -> Pos | None:
+        return _where(self.positions, key) or self.pos
+
+
+@dataclass(frozen=True)
+class RuleSpec:
+    """One aggregation rule of custom wiring: `attend(embedding, blocks; query: static)`."""
+
+    method: str
+    sources: tuple[Source, ...]
+    query: str = "static"
+    gate: str = "softmax"
+    key_norm: str = "rms"
+    heads: int = 1
+    pos: Pos | None = field(default=None, compare=False, repr=False)
+
+    def rule(self) -> Rule:
+        return Rule(self.method, self.sources, self.query, self.gate, self.key_norm, self.heads)
+
+
+@dataclass(frozen=True)
+class ResidualSpec:
+    """The residual section, not yet tied to a model.
+
+    form "named": a one-liner (`name` in restopo.topology.NAMED) with `options`;
+    form "custom": wiring rules, `name` is the section label (default "custom").
+    `resolve(kinds)` gives the Topology for a sequence of sublayer kinds.
+    """
+
+    name: str
+    form: str
+    options: tuple[tuple[str, object], ...] = ()
+    blocks: int | None = None
+    block_size: int | None = None
+    sublayer_rule: RuleSpec | None = None
+    head_rule: RuleSpec | None = None
+    pos: Pos | None = field(default=None, compare=False, repr=False)
+    positions: tuple[tuple[str, Pos], ...] = field(default=(), compare=False, repr=False)
+    source: SourceText | None = field(default=None, compare=False, repr=False)
+
+    def option(self, key: str, default=None):
+        return next((v for k, v in self.options if k == key), default)
+
+    def where(self, key: str) -> Pos | None:
+        return _where(self.positions, key) or self.pos
+
+    def resolve(self, kinds: tuple[str, ...]) -> Topology:
+        """The Topology over these sublayers; SpecError (at the residual line) if impossible."""
+        from .resolve import resolve_residual
+        return resolve_residual(self, tuple(kinds))
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    data: str = "builtin:stdlib"   # builtin:NAME or a path
+    steps: int = 300
+    batch: int = 16
+    lr: float = 3e-3
+    schedule: str = "cosine"       # cosine | constant
+    warmup: int = 30
+    min_lr: float | None = None    # None -> lr / 10
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0         # 0 turns clipping off
+    accum: int = 1
+    eval_every: int = 50
+    eval_batches: int = 8
+    save_every: int = 100
+    seed: int = 0
+    log_every: int = 10
+    pos: Pos | None = field(default=None, compare=False, repr=False)
+    positions: tuple[tuple[str, Pos], ...] = field(default=(), compare=False, repr=False)
+
+    @property
+    def final_lr(self) -> float:
+        return self.lr / 10 if self.min_lr is None else self.min_lr
+
+    def where(self, key: str) -> Pos | None:
+        return _where(self.positions, key) or self.pos
+
+
+@dataclass(frozen=True)
+class ParallelSpec:
+    stages: int
+    virtual: int = 1
+    schedule: str = "1f1b"         # gpipe | 1f1b | interleaved_1f1b
+    microbatches: int = 1
+    cache: bool = True
+    pos: Pos | None = field(default=None, compare=False, repr=False)
+    positions: tuple[tuple[str, Pos], ...] = field(default=(), compare=False, repr=False)
+
+    @property
+    def chunks(self) -> int:
+        return self.stages * self.virtual
+
+    def where(self, key: str) -> Pos | None:
+        return _where(self.positions, key) or self.pos
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A checked spec. `model` and `parallel` may be None; `train` always has defaults."""
+
+    residual: ResidualSpec
+    model: ModelSpec | None = None
+    train: TrainSpec = field(default_factory=TrainSpec)
+    parallel: ParallelSpec | None = None
+    text: str = ""
+    path: str = "<string>"
+    overrides: tuple[str, ...] = ()
+    source: SourceText | None = field(default=None, compare=False, repr=False)
+
+    def _need_model(self, what: str) -> ModelSpec:
+        if self.model is None:
+            pos = self.residual.pos or Pos(self.path, 1, 1)
+            raise self._src().error(
+                pos, f"{what} needs a model section; this spec only has a residual topology",
+                "add e.g. 'model { vocab: 256; width: 64; depth: 4; heads: 4; context: 64 }', "
+                "or use the spec to rewire an existing model (restopo.rewire)")
+        return self.model
+
+    def _src(self) -> SourceText:
+        return self.source or SourceText({self.path: self.text})
+
+    @cached_property
+    def topology(self) -> Topology:
+        return self.residual.resolve(self._need_model("the topology").kinds)
+
+    def ir(self, width: int | None = None) -> "nx.DiGraph":
+        """A fresh IR of this spec (a new graph each call; callers may annotate it)."""
+        from ..ir.build import TopologyError, build_ir
+        model = self._need_model("the IR")
+        try:
+            return build_ir(model.kinds, self.topology, width or model.width)
+        except TopologyError as e:
+            raise self._src().error(self.residual.pos or Pos(self.path, 1, 1), str(e)) from None
+
+    def error(self, section: str, key: str | None, message: str,
+              hint: str | None = None) -> SpecError:
+        """A SpecError at `section.key` as written (for checks made by later stages)."""
+        obj = {"model": self.model, "residual": self.residual, "train": self.train,
+               "parallel": self.parallel}.get(section)
+        pos = None
+        if obj is not None:
+            pos = obj.where(key) if key else obj.pos
+        return self._src().error(pos or Pos(self.path, 1, 1), message, hint)

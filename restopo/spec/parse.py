@@ -1,0 +1,262 @@
+"""Text -> syntax tree (nodes.py): Lark LALR with positions, and syntax errors as SpecError.
+
+The grammar (grammars/restopo.lark) only knows the shape of the text; what the sections,
+keys and values mean is checked by check.py.
+"""
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+from importlib import resources
+
+from lark import Lark, Token, Transformer, v_args
+from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
+
+from .errors import SpecError
+from .nodes import (Arg, Call, Entry, Key, ListValue, Name, Number, Pos, Qualified, Section,
+                    SpecFile, String)
+
+
+@lru_cache(maxsize=1)
+def parser() -> Lark:
+    grammar = resources.files("restopo.grammars").joinpath("restopo.lark").read_text()
+    return Lark(grammar, parser="lalr", lexer="contextual", propagate_positions=True,
+                maybe_placeholders=True, start=["start", "value"])
+
+
+_NUMBER = re.compile(r"(-?[0-9][0-9_]*(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?)([A-Za-z]*)")
+
+
+class ToNodes(Transformer):
+    """Builds nodes.py dataclasses; one method per tree shape of the grammar."""
+
+    def __init__(self, source: str):
+        super().__init__()
+        self.source = source
+
+    def _meta(self, meta) -> Pos:
+        return Pos(self.source, meta.line, meta.column, meta.end_line, meta.end_column)
+
+    def _tok(self, tok: Token) -> Pos:
+        return Pos(self.source, tok.line, tok.column, tok.end_line, tok.end_column)
+
+    # -- file and sections --------------------------------------------------------------
+    def start(self, children):
+        return tuple(children)
+
+    @v_args(meta=True)
+    def block_section(self, meta, children):
+        kind, label, body = children
+        return Section(Name(str(kind), self._tok(kind)),
+                       Name(str(label), self._tok(label)) if label is not None else None,
+                       body, None, self._meta(meta))
+
+    @v_args(meta=True)
+    def line_section(self, meta, children):
+        kind, atom = children
+        return Section(Name(str(kind), self._tok(kind)), None, None, atom, self._meta(meta))
+
+    def body(self, children):
+        return tuple(children)
+
+    @v_args(meta=True)
+    def keyed_entry(self, meta, children):
+        key, value = children
+        return Entry(self._key(key), value, self._meta(meta))
+
+    @v_args(meta=True)
+    def bare_entry(self, meta, children):
+        return Entry(None, children[0], self._meta(meta))
+
+    def _key(self, tok: Token) -> Key:
+        return Key(tuple(str(tok)[:-1].split()), self._tok(tok))
+
+    # -- values -------------------------------------------------------------------------
+    @v_args(meta=True)
+    def value(self, meta, children):
+        if len(children) == 1:
+            return children[0]
+        return ListValue(tuple(children), self._meta(meta))
+
+    def number(self, children):
+        (tok,) = children
+        text = str(tok)
+        digits, unit = _NUMBER.fullmatch(text).groups()
+        plain = digits.replace("_", "")
+        value = int(plain) if re.fullmatch(r"-?[0-9]+", plain) else float(plain)
+        return Number(text, value, unit, self._tok(tok))
+
+    def string(self, children):
+        (tok,) = children
+        return String(str(tok)[1:-1], self._tok(tok))
+
+    def name(self, children):
+        (tok,) = children
+        return Name(str(tok), self._tok(tok))
+
+    @v_args(meta=True)
+    def qualified(self, meta, children):
+        prefix, name = children
+        return Qualified(Name(str(prefix), self._tok(prefix)), Name(str(name), self._tok(name)),
+                         self._meta(meta))
+
+    @v_args(meta=True)
+    def call(self, meta, children):
+        name, *args = children
+        return Call(Name(str(name), self._tok(name)), tuple(a for a in args if a is not None),
+                    self._meta(meta))
+
+    @v_args(meta=True)
+    def named_arg(self, meta, children):
+        key, value = children
+        return Arg(self._key(key), value, self._meta(meta))
+
+    @v_args(meta=True)
+    def positional_arg(self, meta, children):
+        return Arg(None, children[0], self._meta(meta))
+
+
+def parse_text(text: str, path: str = "<string>") -> SpecFile:
+    """Parse a whole spec; raises SpecError on a syntax error."""
+    try:
+        tree = parser().parse(text, start="start")
+    except UnexpectedInput as e:
+        raise syntax_error(e, text, path) from None
+    return SpecFile(path, ToNodes(path).transform(tree))
+
+
+def parse_value(text: str, source: str, offset: int = 0):
+    """Parse one value (the right side of a --set override). `offset` is the column (0-based)
+    where `text` starts in the line shown to the user, so positions point into that line."""
+    padded = " " * offset + text
+    try:
+        tree = parser().parse(padded, start="value")
+    except UnexpectedInput as e:
+        raise syntax_error(e, padded, source, what="value") from None
+    return ToNodes(source).transform(tree)
+
+
+# -- syntax errors in words -----------------------------------------------------------------
+_WORDS = {
+    "NAME": "a name", "NUMBER": "a number", "STRING": 'a "quoted string"',
+    "KEY": "a key such as 'width:'", "LBRACE": "'{'", "RBRACE": "'}'", "LPAR": "'('",
+    "RPAR": "')'", "COLON": "':'", "SEMICOLON": "';'", "COMMA": "','", "_ARGSEP": "',' or ';'",
+    "$END": "the end of the file",
+}
+_ORDER = list(_WORDS)
+
+
+def expected_words(names) -> str:
+    words = sorted({_WORDS.get(n, n) for n in names},
+                   key=lambda w: next((i for i, k in enumerate(_ORDER) if _WORDS[k] == w), 99))
+    if not words:
+        return "nothing more"
+    if len(words) == 1:
+        return words[0]
+    return ", ".join(words[:-1]) + " or " + words[-1]
+
+
+def _describe_token(tok: Token) -> str:
+    if tok.type == "$END":
+        return "end of file"
+    if tok.type == "KEY":
+        return f"key '{str(tok).rstrip(':').strip()}:'"
+    if tok.type in ("NAME", "NUMBER", "STRING"):
+        return f"{_WORDS[tok.type].split(' ', 1)[-1].strip('a ')} {str(tok)!r}".replace(
+            "name", "name").strip()
+    return f"'{tok}'"
+
+
+def _line(text: str, line: int) -> str | None:
+    lines = text.splitlines()
+    return lines[line - 1] if 0 < line <= len(lines) else None
+
+
+def _unclosed(text: str, upto: int):
+    """The innermost '{' or '(' still open at offset `upto` (skipping comments, strings)."""
+    stack, i, line, col = [], 0, 1, 1
+    while i < min(upto, len(text)):
+        c = text[i]
+        if c == "#":
+            while i < len(text) and text[i] != "\n":
+                i += 1
+                col += 1
+            continue
+        if c == '"':
+            j = text.find('"', i + 1)
+            nl = text.find("\n", i + 1)
+            j = j if j != -1 and (nl == -1 or j < nl) else (nl if nl != -1 else len(text))
+            col += j - i
+            i = j
+            continue
+        if c in "{(":
+            stack.append((c, line, col))
+        elif c in "})" and stack:
+            stack.pop()
+        if c == "\n":
+            line, col = line + 1, 1
+        else:
+            col += 1
+        i += 1
+    return stack[-1] if stack else None
+
+
+def _end_position(text: str) -> tuple[int, int]:
+    lines = text.splitlines() or [""]
+    n = len(lines)
+    while n > 1 and not lines[n - 1].split("#", 1)[0].strip():
+        n -= 1
+    last = lines[n - 1].split("#", 1)[0].rstrip()
+    return n, len(last) + 1
+
+
+def syntax_error(e: UnexpectedInput, text: str, path: str, what: str = "spec") -> SpecError:
+    """Map Lark's UnexpectedToken/UnexpectedCharacters/UnexpectedEOF to a SpecError in words."""
+    if isinstance(e, UnexpectedCharacters):
+        line, col = e.line, e.column
+        char = text[e.pos_in_stream] if e.pos_in_stream < len(text) else ""
+        expected = set(e.allowed or ())
+        message = f"unexpected character {char!r}"
+        hint = f"expected {expected_words(expected)}" if expected else None
+        if char == "=":
+            hint = "write 'key: value' (with a colon) or, on the command line, --set section.key=value" \
+                if what == "spec" else hint
+            message = "unexpected '='"
+        elif char in "[]":
+            hint = "lists are written as names separated by spaces, e.g. 'layer: attn mlp'"
+        elif char in "./\\~":
+            hint = 'paths are quoted, e.g. data: "data/corpus.txt"'
+        elif char == "'":
+            hint = 'strings use double quotes, e.g. data: "corpus.txt"'
+        return SpecError(path, line, col, message, hint, _line(text, line))
+
+    if isinstance(e, UnexpectedToken) and e.token.type != "$END":
+        tok = e.token
+        expected = set(e.expected or ())
+        message = f"unexpected {_describe_token(tok)}"
+        hint = f"expected {expected_words(expected)}"
+        if tok.type == "COLON" and "LBRACE" in expected:
+            hint = ("a section has no ':' after its name: write 'residual standard', "
+                    "'residual block_attnres(blocks: 8)' or 'model tiny { ... }'")
+        elif tok.type == "KEY" and "KEY" not in expected and what == "spec":
+            hint = ("keys belong inside a section's braces, e.g. 'model tiny { width: 64 }'; "
+                    f"{hint}")
+        elif tok.type in ("RBRACE", "RPAR") and _unclosed(text, tok.start_pos) is None:
+            message = f"unexpected '{tok}': nothing is open here"
+            hint = f"remove it, or check the opening '{'{' if tok.type == 'RBRACE' else '('}' above"
+        elif text[:tok.start_pos].rstrip().endswith(":"):
+            hint = f"a value is missing after ':'; {hint}"
+        return SpecError(path, tok.line, tok.column, message, hint, _line(text, tok.line))
+
+    # end of input (UnexpectedEOF, or UnexpectedToken at $END)
+    expected = set(getattr(e, "expected", ()) or ())
+    opened = _unclosed(text, len(text))
+    if opened is not None:
+        c, line, col = opened
+        close = "}" if c == "{" else ")"
+        return SpecError(path, line, col, f"this '{c}' is never closed",
+                         f"add '{close}' to close it", _line(text, line))
+    line, col = _end_position(text)
+    message = "unexpected end of file" if what == "spec" else "the value ends too soon"
+    return SpecError(path, line, col, message, f"expected {expected_words(expected)}",
+                     _line(text, line))

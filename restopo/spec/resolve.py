@@ -1,0 +1,82 @@
+"""ResidualSpec + sublayer kinds -> restopo.topology.Topology.
+
+Named one-liners go through the constructors of restopo.topology (so a one-liner and the
+same wiring spelled out build equal IRs); custom wiring builds its Topology from its rules.
+The partition depends on the model's depth, so errors about `blocks` and `block_size` are
+found here and point at the value that caused them.
+"""
+from __future__ import annotations
+
+from .. import topology as T
+from .errors import SpecError
+from .nodes import Pos
+from .objects import ResidualSpec, SourceText
+
+ATTEND_OPTIONS = ("query", "gate", "key_norm", "heads")
+
+
+def allowed_blocks_hint(kinds: tuple[str, ...]) -> str:
+    allowed = T.allowed_block_counts(kinds)
+    depth = len(T.layer_starts(kinds))
+    listed = _span(allowed)
+    return (f"for depth {depth} ({len(kinds)} sublayers) blocks may be {listed}; "
+            f"{len(kinds)} gives one block per sublayer (Full AttnRes)")
+
+
+def _span(values: list[int]) -> str:
+    """'1, 2, 3 or 8' or '1 to 16, or 32'."""
+    run = [v for i, v in enumerate(values) if v == values[0] + i]
+    rest = values[len(run):]
+    if len(run) <= 4:
+        items = [str(v) for v in values]
+        return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " or " + items[-1]
+    return f"{run[0]} to {run[-1]}" + "".join(f", or {v}" for v in rest)
+
+
+def block_size_hint(kinds: tuple[str, ...]) -> str:
+    layers = T._layers(kinds)
+    per = len(layers[0])
+    sizes = [s for s in range(per, len(kinds) + 1, per)]
+    return (f"block_size counts sublayers; one transformer layer is {per} sublayers, so use a "
+            f"multiple of {per} up to {len(kinds)}, e.g. {', '.join(map(str, sizes[:4]))}")
+
+
+def partition(res: ResidualSpec, kinds: tuple[str, ...], src: SourceText):
+    """The blocks of a residual spec (by count, by size, or one per sublayer)."""
+    if res.blocks is not None:
+        try:
+            return T.partition_by_count(kinds, res.blocks)
+        except ValueError as e:
+            raise _err(src, res.where("blocks"), str(e), allowed_blocks_hint(kinds)) from None
+    if res.block_size is not None:
+        try:
+            return T.partition_by_size(kinds, res.block_size)
+        except ValueError as e:
+            raise _err(src, res.where("block_size"), str(e), block_size_hint(kinds)) from None
+    return tuple((i,) for i in range(1, len(kinds) + 1))
+
+
+def resolve_residual(res: ResidualSpec, kinds: tuple[str, ...]) -> T.Topology:
+    src = res.source or SourceText()
+    try:
+        T._layers(kinds)
+    except ValueError as e:
+        raise _err(src, res.pos, str(e), "a transformer layer begins with 'attn'") from None
+    if res.form == "custom":
+        blocks = partition(res, kinds, src)
+        return T.Topology(res.name, blocks, res.sublayer_rule.rule(), res.head_rule.rule())
+    options = {k: v for k, v in res.options if k in ATTEND_OPTIONS}
+    if res.name == "block_attnres":
+        blocks = partition(res, kinds, src)  # the error, located, before the constructor's
+        if res.blocks is None and res.block_size is None:
+            raise _err(src, res.pos, "block_attnres needs 'blocks: N' or 'block_size: S'",
+                       allowed_blocks_hint(kinds))
+        del blocks
+        return T.block_attnres(kinds, blocks=res.blocks, block_size=res.block_size, **options)
+    if res.name == "full_attnres":
+        return T.full_attnres(kinds, window=res.option("window"), **options)
+    return T.NAMED[res.name](kinds)
+
+
+def _err(src: SourceText, pos: Pos | None, message: str, hint: str | None) -> SpecError:
+    return src.error(pos or Pos("<spec>", 1, 1), message, hint)

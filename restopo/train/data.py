@@ -1,0 +1,320 @@
+"""Training data: corpora of token ids and the seeded batch sampler.
+
+A `data:` value is one of
+  builtin:stdlib      the Python standard library's own .py sources on this machine,
+                      byte-level (vocab 256), prepared once into a cached memory-mapped file
+  PATH.txt | FOLDER   a text file or a folder of text files, byte-level (vocab 256)
+  PATH.bin | FOLDER   pre-tokenized uint16 token ids (nanoGPT's format): a folder holding
+                      train.bin and val.bin, or one .bin split deterministically
+
+Batches: `batch` in the spec is the GLOBAL batch of one optimizer step. Every rank draws the
+same window offsets from one seeded generator and keeps its own contiguous slice of them,
+so 2 processes x batch/2 see exactly the rows 1 process x batch sees (and gradient
+accumulation cuts the rank's slice into micro-batches without changing the rows). The
+generator state is the data position a checkpoint saves.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import sysconfig
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+BUILTIN_STDLIB = "builtin:stdlib"
+BYTE_VOCAB = 256
+VAL_FRACTION = 0.05          # share of files (or of the tail) held out for validation
+STDLIB_CAP_BYTES = 16 << 20  # keeps preparation to seconds on any machine
+_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test",
+              "idlelib"}
+
+
+class DataError(ValueError):
+    """Training data that cannot be used; the message says what to do (printed, no traceback).
+
+    `where` names the spec value at fault (section, key), so the command can point at its
+    line: ("train", "data") by default.
+    """
+
+    def __init__(self, message: str, where: tuple[str, str] = ("train", "data")):
+        super().__init__(message)
+        self.where = where
+
+
+@dataclass
+class Corpus:
+    """Token ids of one corpus: `train` and `val` are 1-D integer arrays (often memmaps)."""
+
+    train: np.ndarray
+    val: np.ndarray
+    vocab: int          # ids are < vocab
+    description: str
+
+    def check(self, spec_vocab: int, context: int) -> None:
+        """Raise DataError unless the spec's model can train on this corpus."""
+        if self.vocab > spec_vocab:
+            what = ("byte-level data needs model.vocab >= 256"
+                    if self.description.startswith(("builtin", "text")) else
+                    f"token ids go up to {self.vocab - 1}, so model.vocab must be at least "
+                    f"{self.vocab}")
+            raise DataError(f"{self.description}: vocab mismatch: {what}; the spec has "
+                            f"vocab {spec_vocab} (set it with --set model.vocab={self.vocab})",
+                            ("model", "vocab"))
+        for name, part in (("training", self.train), ("validation", self.val)):
+            if len(part) < context + 1:
+                raise DataError(
+                    f"{self.description}: the {name} split has {len(part)} tokens, fewer than "
+                    f"context + 1 = {context + 1}; use more text or a smaller model.context")
+
+
+def open_corpus(source: str, *, base_dir: str | os.PathLike | None = None,
+                cache_dir: str | os.PathLike | None = None, progress: bool = True) -> Corpus:
+    """The corpus named by a spec's `data:` value (see the module docstring)."""
+    source = source.strip()
+    if not source:
+        raise DataError("train.data is empty; use builtin:stdlib or a path to text or .bin data")
+    if source == BUILTIN_STDLIB:
+        return stdlib_corpus(cache_dir, progress=progress)
+    if source.startswith("builtin:"):
+        raise DataError(f"unknown builtin corpus {source!r}; the builtin corpus is "
+                        f"{BUILTIN_STDLIB}")
+    path = Path(source).expanduser()
+    if not path.is_absolute() and base_dir is not None:
+        path = Path(base_dir) / path
+    if not path.exists():
+        raise DataError(f"data path {str(path)!r} does not exist; give a text file, a folder "
+                        f"of text files, a .bin of uint16 token ids or builtin:stdlib")
+    if path.is_dir():
+        if (path / "train.bin").is_file():
+            return _bin_folder(path)
+        return _text_folder(path)
+    if path.suffix == ".bin":
+        return _bin_file(path)
+    return _text_file(path)
+
+
+# --- builtin:stdlib ----------------------------------------------------------------------
+
+def stdlib_files(root: str | None = None) -> list[tuple[str, int]]:
+    """(relative path, size) of the standard library's .py files, sorted, within the cap."""
+    root = root or sysconfig.get_paths()["stdlib"]
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
+        for f in filenames:
+            if f.endswith(".py"):
+                full = os.path.join(dirpath, f)
+                found.append((os.path.relpath(full, root), os.path.getsize(full)))
+    found.sort()
+    kept, total = [], 0
+    for rel, size in found:
+        if total + size > STDLIB_CAP_BYTES:
+            break
+        kept.append((rel, size))
+        total += size
+    return kept
+
+
+def is_val_file(rel: str) -> bool:
+    """The deterministic split: a file belongs to validation by a hash of its path."""
+    return hashlib.sha1(rel.encode()).digest()[0] < int(256 * VAL_FRACTION)
+
+
+def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
+    if cache_dir is not None:
+        return Path(cache_dir)
+    env = os.environ.get("RESTOPO_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "restopo"
+
+
+def stdlib_corpus(cache_dir=None, *, progress: bool = True, root: str | None = None) -> Corpus:
+    root = root or sysconfig.get_paths()["stdlib"]
+    files = stdlib_files(root)
+    if not files:
+        raise DataError(f"builtin:stdlib: no .py files found under {root}")
+    key = hashlib.sha1(json.dumps([sys.version, root, files]).encode()).hexdigest()[:16]
+    folder = cache_root(cache_dir) / f"stdlib-{key}"
+    if not (folder / "meta.json").is_file():
+        _prepare_stdlib(root, files, folder, progress)
+    train = np.memmap(folder / "train.u8", dtype=np.uint8, mode="r")
+    val = np.memmap(folder / "val.u8", dtype=np.uint8, mode="r")
+    return Corpus(train, val, BYTE_VOCAB, f"builtin:stdlib ({len(files)} files)")
+
+
+def _prepare_stdlib(root: str, files, folder: Path, progress: bool) -> None:
+    """Concatenate the files into train/val byte files; the folder appears whole or not at all
+    (built in a temporary folder, then renamed: two ranks preparing at once both succeed,
+    the first rename wins and the other's identical copy is dropped)."""
+    from tqdm import tqdm
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+    try:
+        sizes = {"train": 0, "val": 0}
+        with open(tmp / "train.u8", "wb") as ftrain, open(tmp / "val.u8", "wb") as fval:
+            bar = tqdm(files, desc="preparing builtin:stdlib", unit="file",
+                       disable=not progress, file=sys.stderr, leave=False)
+            for rel, _ in bar:
+                try:
+                    data = Path(root, rel).read_bytes()
+                except OSError:
+                    continue  # an unreadable file only shrinks the corpus
+                split = "val" if is_val_file(rel) else "train"
+                (fval if split == "val" else ftrain).write(data)
+                sizes[split] += len(data)
+            for f in (ftrain, fval):
+                f.flush()
+                os.fsync(f.fileno())
+        (tmp / "meta.json").write_text(json.dumps({"root": root, "files": len(files), **sizes}))
+        try:
+            os.replace(tmp, folder)
+        except OSError:
+            if not (folder / "meta.json").is_file():
+                raise
+    finally:
+        if tmp.exists():
+            _rmtree(tmp)
+
+
+def _rmtree(path: Path) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
+
+
+# --- text -------------------------------------------------------------------------------
+
+def _read_bytes(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise DataError(f"cannot read data file {str(path)!r}: {e.strerror or e}") from None
+
+
+def _text_file(path: Path) -> Corpus:
+    try:
+        tokens = np.memmap(path, dtype=np.uint8, mode="r") if path.stat().st_size else None
+    except OSError as e:
+        raise DataError(f"cannot read data file {str(path)!r}: {e.strerror or e}") from None
+    if tokens is None:
+        raise DataError(f"data file {str(path)!r} is empty")
+    train, val = tail_split(tokens)
+    return Corpus(train, val, BYTE_VOCAB, f"text file {path}")
+
+
+def _text_folder(path: Path) -> Corpus:
+    files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+    if not files:
+        raise DataError(f"data folder {str(path)!r} holds no files")
+    parts = {"train": [], "val": []}
+    for p in files:
+        rel = p.relative_to(path).as_posix()
+        parts["val" if is_val_file(rel) else "train"].append(_read_bytes(p))
+    train, val = b"".join(parts["train"]), b"".join(parts["val"])
+    if not train and not val:
+        raise DataError(f"data folder {str(path)!r} holds only empty files")
+    desc = f"text folder {path} ({len(files)} files)"
+    if len(train) < 2 * len(val) or not val:
+        # too few files for a split by file: hold out the tail of the whole text instead
+        t, v = tail_split(np.frombuffer(train + val, dtype=np.uint8))
+        return Corpus(t, v, BYTE_VOCAB, desc)
+    return Corpus(np.frombuffer(train, dtype=np.uint8), np.frombuffer(val, dtype=np.uint8),
+                  BYTE_VOCAB, desc)
+
+
+def tail_split(tokens: np.ndarray, fraction: float = VAL_FRACTION):
+    """(train, val): the last `fraction` of the tokens is validation."""
+    cut = len(tokens) - max(1, int(len(tokens) * fraction))
+    return tokens[:cut], tokens[cut:]
+
+
+# --- pre-tokenized uint16 ---------------------------------------------------------------
+
+def _memmap_u16(path: Path) -> np.ndarray:
+    try:
+        size = path.stat().st_size
+    except OSError as e:
+        raise DataError(f"cannot read data file {str(path)!r}: {e.strerror or e}") from None
+    if size == 0:
+        raise DataError(f"data file {str(path)!r} is empty")
+    if size % 2:
+        raise DataError(f"{str(path)!r} has an odd number of bytes; a .bin must hold uint16 "
+                        f"token ids (nanoGPT's format)")
+    try:
+        return np.memmap(path, dtype=np.uint16, mode="r")
+    except OSError as e:
+        raise DataError(f"cannot read data file {str(path)!r}: {e.strerror or e}") from None
+
+
+def _max_id(*arrays: np.ndarray) -> int:
+    top, step = 0, 1 << 24
+    for a in arrays:
+        for at in range(0, len(a), step):  # chunked: a memmap is scanned, never copied whole
+            top = max(top, int(a[at : at + step].max()))
+    return top
+
+
+def _bin_folder(path: Path) -> Corpus:
+    train = _memmap_u16(path / "train.bin")
+    if not (path / "val.bin").is_file():
+        raise DataError(f"{str(path)!r} has train.bin but no val.bin; add val.bin or point "
+                        f"data: at train.bin to split it")
+    val = _memmap_u16(path / "val.bin")
+    return Corpus(train, val, _max_id(train, val) + 1, f"token ids {path}")
+
+
+def _bin_file(path: Path) -> Corpus:
+    tokens = _memmap_u16(path)
+    train, val = tail_split(tokens)
+    return Corpus(train, val, _max_id(tokens) + 1, f"token ids {path}")
+
+
+# --- batches ----------------------------------------------------------------------------
+
+def _windows(tokens: np.ndarray, offsets: torch.Tensor, context: int):
+    rows = np.stack([np.asarray(tokens[o : o + context + 1], dtype=np.int64)
+                     for o in offsets.tolist()])
+    xy = torch.from_numpy(rows)
+    return xy[:, :-1], xy[:, 1:]
+
+
+class BatchSampler:
+    """Random windows of context + 1 tokens from a seeded generator (see the module doc).
+
+    `next()` returns this rank's (x, y) rows of the next global batch, each [rows, context].
+    """
+
+    def __init__(self, tokens: np.ndarray, context: int, batch: int, *, seed: int,
+                 rank: int = 0, world: int = 1):
+        if batch % world:
+            raise DataError(f"train.batch ({batch}) is the global batch and must be divisible "
+                            f"by the number of processes ({world})", ("train", "batch"))
+        self.tokens, self.context, self.batch = tokens, context, batch
+        self.rank, self.world = rank, world
+        self.high = len(tokens) - context  # offsets 0 .. high-1 leave room for the target
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def next(self):
+        offsets = torch.randint(0, self.high, (self.batch,), generator=self.generator)
+        per = self.batch // self.world
+        return _windows(self.tokens, offsets[self.rank * per : (self.rank + 1) * per],
+                        self.context)
+
+    def state_dict(self) -> dict:
+        return {"generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.generator.set_state(state["generator"])
+
+
+def fixed_batches(tokens: np.ndarray, context: int, batch: int, count: int, *, seed: int,
+                  rank: int = 0, world: int = 1):
+    """The same `count` validation batches every time (this rank's rows of each)."""
+    sampler = BatchSampler(tokens, context, batch, seed=seed + 7919, rank=rank, world=world)
+    return [sampler.next() for _ in range(count)]

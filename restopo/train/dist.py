@@ -1,0 +1,129 @@
+"""Many processes: launching torchrun, and the process group inside each worker.
+
+`restopo train --nproc N` re-runs itself under `python -m torch.distributed.run` (torchrun)
+without --nproc and forwards the exit code. Inside a worker (RANK/WORLD_SIZE set by
+torchrun) `setup()` joins the process group: gloo on CPU, NCCL on CUDA, with a timeout so a
+collective never waits forever on a rank that died; torchrun's agent then stops the others
+and exits non-zero, and the launcher says so in one line.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+
+# Seconds a collective may wait for the other ranks before the job fails (env override).
+DEFAULT_TIMEOUT_S = 300
+
+
+@dataclass
+class DistContext:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world > 1
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def restart_count() -> int:
+    """How many times torchrun has restarted this job (0 on the first attempt)."""
+    try:
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    except ValueError:
+        return 0
+
+
+def pick_device(choice: str, local_rank: int = 0) -> torch.device:
+    if choice == "auto":
+        choice = "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("--device cuda was asked for but torch sees no CUDA device; "
+                               "use --device cpu")
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def setup(device_choice: str = "auto") -> DistContext:
+    """Join torchrun's process group if there is one; else a single-process context."""
+    if not under_torchrun():
+        return DistContext(device=pick_device(device_choice))
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = pick_device(device_choice, local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    timeout = timedelta(seconds=float(os.environ.get("RESTOPO_DIST_TIMEOUT",
+                                                     DEFAULT_TIMEOUT_S)))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout,
+                                rank=rank, world_size=world)
+    return DistContext(rank, world, local_rank, device)
+
+
+def cleanup(ctx: DistContext) -> None:
+    if ctx.distributed:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def barrier(ctx: DistContext) -> None:
+    if ctx.distributed:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def mean_over_ranks(value: float, ctx: DistContext) -> float:
+    """The mean of a number over all ranks (the number itself in one process)."""
+    if not ctx.distributed:
+        return value
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.float64,
+                     device=ctx.device if ctx.device.type == "cuda" else "cpu")
+    dist.all_reduce(t)
+    return t.item() / ctx.world
+
+
+def torchrun_command(argv: list[str], nproc: int, max_restarts: int = 0) -> list[str]:
+    """The torchrun command line that runs `restopo <argv>` on `nproc` local processes."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}",
+            "-m", "restopo", *argv]
+
+
+def launch(argv: list[str], nproc: int, max_restarts: int = 0) -> int:
+    """Run `restopo <argv>` under torchrun; its exit code, with one clear line on failure."""
+    env = dict(os.environ)
+    # torchrun sets 1 thread per worker with a warning when unset; say it ourselves instead
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    cmd = torchrun_command(argv, nproc, max_restarts)
+    try:
+        code = subprocess.call(cmd, env=env)
+    except KeyboardInterrupt:
+        return 130
+    if code != 0:
+        print(f"restopo train: error: the {nproc}-process run failed (torchrun exited with "
+              f"code {code}); a worker died or raised: its error is above. Re-run with "
+              f"--resume to continue from the last checkpoint.", file=sys.stderr)
+    return code

@@ -1,0 +1,279 @@
+"""The training loop over any `model(idx [B,T]) -> logits [B,T,vocab]`.
+
+AdamW (weight decay on matrices only), linear warmup then cosine (or constant) learning
+rate down to min_lr, gradient clipping, gradient accumulation, bf16 autocast on CUDA only,
+validation loss on fixed batches, checkpoints, metrics (JSONL, TensorBoard when installed),
+a tqdm bar on stderr and a loss plot at the end.
+
+Steps count optimizer updates: "step k" in metrics and checkpoints means k updates are done,
+and resuming from it runs update k + 1 next with the same data, weights, optimizer moments
+and RNG states as an uninterrupted run, so the losses that follow are identical (CPU).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .checkpoint import load_checkpoint, save_checkpoint, write_text_atomic
+from .data import BatchSampler, Corpus, DataError, fixed_batches
+from .dist import DistContext, barrier, mean_over_ranks
+from .plots import plot_losses, read_metrics
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (a diverged loss, a batch that does not split); says why."""
+
+
+@dataclass
+class TrainConfig:
+    """The numbers the loop needs (from spec.train plus the model's context)."""
+
+    steps: int
+    batch: int
+    context: int
+    lr: float = 3e-3
+    schedule: str = "cosine"
+    warmup: int = 30
+    min_lr: float | None = None
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    accum: int = 1
+    eval_every: int = 50
+    eval_batches: int = 8
+    save_every: int = 100
+    seed: int = 0
+    log_every: int = 10
+    keep: int = 3  # checkpoints kept on disk
+
+    @classmethod
+    def from_spec(cls, train, context: int, **changes) -> "TrainConfig":
+        fields = {k: getattr(train, k) for k in cls.__dataclass_fields__
+                  if k not in ("context", "keep") and hasattr(train, k)}
+        return cls(context=context, **{**fields, **changes})
+
+    @property
+    def final_lr(self) -> float:
+        return self.lr / 10 if self.min_lr is None else self.min_lr
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Learning rate of update `step` (0-based): linear warmup from lr/warmup to lr over
+    `warmup` updates, then cosine from lr to min_lr at the last update (or constant lr)."""
+    if cfg.warmup > 0 and step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    if cfg.schedule == "constant":
+        return cfg.lr
+    span = max(1, cfg.steps - cfg.warmup - 1)
+    progress = min(1.0, (step - cfg.warmup) / span)
+    return cfg.final_lr + 0.5 * (cfg.lr - cfg.final_lr) * (1 + math.cos(math.pi * progress))
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Decay matrices (linear and embedding weights) only; vectors (norm gains,
+    pseudo-queries, biases, scalars) are not pulled towards zero."""
+    decay, keep = [], []
+    for p in model.parameters():  # parameters() yields a tied tensor once
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else keep).append(p)
+    return [{"params": decay, "weight_decay": weight_decay},
+            {"params": keep, "weight_decay": 0.0}]
+
+
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device):
+    extra = {"fused": True} if device.type == "cuda" else {}
+    return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr,
+                             betas=(0.9, 0.95), eps=1e-8, **extra)
+
+
+class MetricsLog:
+    """metrics.jsonl (one JSON object per line, flushed) plus TensorBoard when importable."""
+
+    def __init__(self, out: Path, enabled: bool, resume_step: int | None):
+        self.path = out / "metrics.jsonl"
+        self.enabled = enabled
+        self.writer = None
+        if not enabled:
+            return
+        if resume_step is not None and self.path.exists():
+            # drop records of steps that ran after the checkpoint (they will run again)
+            kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
+            write_text_atomic(self.path, "".join(json.dumps(r) + "\n" for r in kept))
+        elif resume_step is None and self.path.exists():
+            self.path.unlink()
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(out / "tensorboard"))
+        except Exception:  # tensorboard not installed: the JSONL is the record
+            self.writer = None
+
+    def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.writer is not None:
+            for k, v in record.items():
+                if k != "step" and isinstance(v, (int, float)) and v is not None:
+                    self.writer.add_scalar(k, v, record["step"])
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def _loss(model, x, y) -> torch.Tensor:
+    logits = model(x)
+    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+
+
+def _autocast(device: torch.device):
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+@torch.no_grad()
+def evaluate(model, batches, device: torch.device, ctx: DistContext) -> float:
+    """Mean loss over the fixed validation batches (all ranks' rows)."""
+    was_training = model.training
+    model.eval()
+    total = 0.0
+    for x, y in batches:
+        with _autocast(device):
+            total += _loss(model, x.to(device), y.to(device)).item()
+    model.train(was_training)
+    return mean_over_ranks(total / len(batches), ctx)
+
+
+def train(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, out: str | os.PathLike,
+          ctx: DistContext | None = None, *, meta: dict | None = None,
+          resume_from: str | os.PathLike | None = None, progress: bool = True) -> dict:
+    """Train `model` in place; returns a summary (final loss, val loss, paths).
+
+    Only rank 0 writes (checkpoints, metrics, plot, bar). `meta` (spec text, overrides, ...)
+    is stored in every checkpoint.
+    """
+    from tqdm import tqdm
+
+    ctx = ctx or DistContext()
+    out = Path(out)
+    device = ctx.device
+    per_rank = cfg.batch // ctx.world if cfg.batch % ctx.world == 0 else None
+    if per_rank is None or per_rank % cfg.accum:
+        raise DataError(f"train.batch ({cfg.batch}) must split evenly over {ctx.world} "
+                        f"process(es) x {cfg.accum} accumulation step(s)", ("train", "batch"))
+    if ctx.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+
+    raw = model.to(device)
+    net = raw
+    if ctx.distributed:
+        from torch.nn.parallel import DistributedDataParallel
+
+        net = DistributedDataParallel(raw, device_ids=[device.index] if device.type == "cuda"
+                                      else None)
+    optimizer = make_optimizer(raw, cfg, device)
+    sampler = BatchSampler(corpus.train, cfg.context, cfg.batch, seed=cfg.seed,
+                           rank=ctx.rank, world=ctx.world)
+    val_batches = fixed_batches(corpus.val, cfg.context, cfg.batch, cfg.eval_batches,
+                                seed=cfg.seed, rank=ctx.rank, world=ctx.world)
+
+    start, elapsed0 = 0, 0.0
+    last = {"loss": None, "val_loss": None}
+    if resume_from is not None:
+        state, ckpt_meta = load_checkpoint(resume_from, raw, optimizer, map_location=device)
+        start, elapsed0 = int(state["step"]), float(state.get("elapsed", 0.0))
+        sampler.load_state_dict(state["data"])
+        torch.set_rng_state(state["torch_cpu"])
+        if device.type == "cuda" and "torch_cuda" in state:
+            torch.cuda.set_rng_state(state["torch_cuda"], device)
+        last = {"loss": ckpt_meta.get("loss"), "val_loss": ckpt_meta.get("val_loss")}
+    log = MetricsLog(out, ctx.is_main, start if resume_from is not None else None)
+    ckpt_root = out / "ckpt"
+    tokens_per_step = cfg.batch * cfg.context
+
+    def save(step: int) -> None:
+        if ctx.is_main:
+            state = {"step": step, "data": sampler.state_dict(),
+                     "torch_cpu": torch.get_rng_state(),
+                     "elapsed": elapsed0 + time.perf_counter() - t0}
+            if device.type == "cuda":
+                state["torch_cuda"] = torch.cuda.get_rng_state(device)
+            info = {**(meta or {}), **last, "config": asdict(cfg), "world": ctx.world}
+            save_checkpoint(ckpt_root, step, raw, optimizer, state, info, keep=cfg.keep)
+        barrier(ctx)  # nobody runs ahead while rank 0 writes (keeps ranks in lockstep)
+
+    bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step", file=sys.stderr,
+               disable=not (progress and ctx.is_main), dynamic_ncols=True)
+    t0 = time.perf_counter()
+    t_log, steps_since_log = t0, 0
+    net.train()
+    try:
+        for step in range(start, cfg.steps):
+            lr = lr_at(step, cfg)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            x, y = sampler.next()
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            loss_sum = torch.zeros((), device=device)
+            for i, (xm, ym) in enumerate(zip(x.chunk(cfg.accum), y.chunk(cfg.accum))):
+                sync = i == cfg.accum - 1 or not ctx.distributed
+                with (contextlib.nullcontext() if sync else net.no_sync()), _autocast(device):
+                    loss = _loss(net, xm, ym)
+                (loss / cfg.accum).backward()
+                loss_sum += loss.detach()
+            if cfg.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(raw.parameters(), cfg.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            done = step + 1
+            steps_since_log += 1
+            bar.update(1)
+
+            val_loss = None
+            if done % cfg.eval_every == 0 or done == cfg.steps:
+                val_loss = evaluate(raw, val_batches, device, ctx)
+                last["val_loss"] = val_loss
+            if done % cfg.log_every == 0 or done in (1, cfg.steps) or val_loss is not None:
+                loss_value = mean_over_ranks((loss_sum / cfg.accum).item(), ctx)
+                if not math.isfinite(loss_value):
+                    raise TrainingError(f"the loss became {loss_value} at step {done}; lower "
+                                        f"train.lr (now {cfg.lr:g}) or train.grad_clip")
+                now = time.perf_counter()
+                rate = steps_since_log * tokens_per_step / max(now - t_log, 1e-9)
+                t_log, steps_since_log = now, 0
+                last["loss"] = loss_value
+                log.write({"step": done, "loss": loss_value, "val_loss": val_loss, "lr": lr,
+                           "tokens_per_s": rate, "elapsed": elapsed0 + now - t0})
+                bar.set_postfix_str(f"loss {loss_value:.3f}"
+                                    + (f" val {last['val_loss']:.3f}" if last["val_loss"]
+                                       is not None else "")
+                                    + f" {rate:,.0f} tok/s", refresh=False)
+            if done % cfg.save_every == 0 or done == cfg.steps:
+                save(done)
+    finally:
+        bar.close()
+        log.close()
+
+    summary = {"steps": cfg.steps, "loss": last["loss"], "val_loss": last["val_loss"],
+               "out": str(out), "metrics": str(log.path), "checkpoint": None, "plot": None,
+               "seconds": time.perf_counter() - t0}
+    if ctx.is_main:
+        from .checkpoint import latest_checkpoint
+
+        records = read_metrics(log.path)
+        summary["plot"] = str(plot_losses(records, out / "loss.png",
+                                          title=(meta or {}).get("title", "")))
+        found = latest_checkpoint(ckpt_root)
+        summary["checkpoint"] = str(found) if found else None
+    return summary

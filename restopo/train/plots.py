@@ -1,0 +1,111 @@
+"""PNG figures (matplotlib, Agg): the loss curves of a run and the diagnose pictures.
+
+Every figure is written to a temporary file and renamed, so a reader never sees half a PNG.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path: str | os.PathLike) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}-", suffix=".png", dir=path.parent)
+    os.close(fd)
+    try:
+        fig.savefig(tmp, dpi=110, bbox_inches="tight")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        _pyplot().close(fig)
+    return path
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict]:
+    """The records of a metrics.jsonl (a torn last line from a crash is skipped)."""
+    out = []
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
+def plot_losses(records: list[dict], path: str | os.PathLike, title: str = "") -> Path:
+    """Training and validation loss against step."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    train = [(r["step"], r["loss"]) for r in records if r.get("loss") is not None]
+    val = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
+    if train:
+        ax.plot(*zip(*train), label="train", lw=1.2)
+    if val:
+        ax.plot(*zip(*val), "o-", label="validation", lw=1.6, ms=4)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title(title or "loss")
+    ax.grid(alpha=0.3)
+    if train or val:
+        ax.legend()
+    return _save(fig, path)
+
+
+def plot_depth_lines(series: dict[str, list[float]], path: str | os.PathLike, *, ylabel: str,
+                     title: str, xlabels: list[str] | None = None, log: bool = False) -> Path:
+    """One line per named series over the sublayers (x = sublayer index 1..L)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(max(6, 0.35 * max(len(v) for v in series.values())), 4.2))
+    for name, values in series.items():
+        ax.plot(range(1, len(values) + 1), values, "o-", label=name, ms=4)
+    if xlabels:
+        ax.set_xticks(range(1, len(xlabels) + 1), xlabels, rotation=90, fontsize=7)
+    ax.set_xlabel("sublayer")
+    ax.set_ylabel(ylabel)
+    if log:
+        ax.set_yscale("log")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return _save(fig, path)
+
+
+def plot_heatmap(matrix, path: str | os.PathLike, *, rows: list[str], cols: list[str],
+                 title: str, vmin: float | None = None, vmax: float | None = None) -> Path:
+    """matrix[row][col] with NaN for "not a source of this aggregation" (left blank)."""
+    import numpy as np
+
+    plt = _pyplot()
+    m = np.asarray(matrix, dtype=float)
+    fig, ax = plt.subplots(figsize=(max(5, 0.45 * len(cols) + 2), max(4, 0.32 * len(rows) + 1.5)))
+    im = ax.imshow(np.ma.masked_invalid(m), aspect="auto", cmap="viridis", vmin=vmin, vmax=vmax,
+                   origin="upper")
+    if m.size <= 300:  # small maps: print each weight in its cell
+        for (r, c), value in np.ndenumerate(m):
+            if np.isfinite(value):
+                ax.text(c, r, f"{value:.2f}", ha="center", va="center", fontsize=6,
+                        color="white" if value < 0.5 * (vmax or np.nanmax(m) or 1) else "black")
+    ax.set_xticks(range(len(cols)), cols, rotation=90, fontsize=7)
+    ax.set_yticks(range(len(rows)), rows, fontsize=7)
+    ax.set_xlabel("aggregation point (before sublayer l; head last)")
+    ax.set_ylabel("source")
+    ax.set_title(title, fontsize=9)
+    fig.colorbar(im, ax=ax, label="weight (mean over tokens)")
+    return _save(fig, path)

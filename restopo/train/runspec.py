@@ -1,0 +1,77 @@
+"""From a spec (file + --set overrides, or the copy inside a checkpoint) to a seeded model.
+
+A checkpoint's meta.json carries the spec text, its path and the overrides, so a run can be
+resumed or diagnosed without the original file.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from .checkpoint import CheckpointError, read_meta
+
+
+def load(path: str, overrides=()):
+    from ..spec import load_spec
+
+    return load_spec(path, overrides=tuple(overrides))
+
+
+def from_text(text: str, path: str, overrides=()):
+    from ..spec import parse_spec
+
+    return parse_spec(text, path=path, overrides=tuple(overrides))
+
+
+def data_base(spec) -> str:
+    """Folder a relative `data:` path is read from: the spec file's folder, or the current
+    folder when the data path came from --set on the command line."""
+    pos = spec.train.where("data")
+    if pos is not None and str(pos.source).startswith("<--set"):
+        return os.getcwd()
+    path = Path(str(spec.path))
+    return str(path.parent.resolve()) if path.is_file() else os.getcwd()
+
+
+def build_model(spec, backend: str = "auto", seed: int | None = None) -> torch.nn.Module:
+    """restopo.compile(spec) after seeding torch, so the same seed gives the same weights."""
+    from ..api import compile as compile_spec
+
+    torch.manual_seed(spec.train.seed if seed is None else seed)
+    return compile_spec(spec, backend=backend)
+
+
+def run_meta(spec, base: str) -> dict:
+    """What a checkpoint records about the spec (JSON)."""
+    return {"spec_text": spec.text, "spec_path": str(spec.path),
+            "overrides": list(spec.overrides or ()), "data_base": base,
+            "title": f"{Path(str(spec.path)).stem} ({spec.topology.name})"}
+
+
+def open_data(spec, *, progress: bool = True):
+    """The spec's corpus, checked against its model; a problem is a SpecError at the value
+    that caused it (the data line, or model.vocab for a vocab mismatch)."""
+    from .data import DataError, open_corpus
+
+    try:
+        corpus = open_corpus(spec.train.data, base_dir=data_base(spec), progress=progress)
+        corpus.check(spec.model.vocab, spec.model.context)
+    except DataError as e:
+        raise spec.error(*e.where, str(e)) from None
+    return corpus
+
+
+def spec_from_meta(meta: dict, extra_overrides=()):
+    if "spec_text" not in meta:
+        raise CheckpointError("this checkpoint carries no spec text (meta.json: spec_text)")
+    return from_text(meta["spec_text"], meta.get("spec_path", "<checkpoint>"),
+                     tuple(meta.get("overrides", ())) + tuple(extra_overrides))
+
+
+def model_from_meta(step_dir, backend: str = "eager"):
+    """(spec, model, meta) of a checkpoint folder; the weights are not loaded yet."""
+    meta = read_meta(step_dir)
+    spec = spec_from_meta(meta)
+    return spec, build_model(spec, backend), meta

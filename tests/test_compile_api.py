@@ -1,0 +1,128 @@
+"""restopo.compile / restopo.aggregations and `restopo compile -o model.py|model.pt`."""
+import ast
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import restopo
+from restopo.nn.aggregate import Attend
+from restopo.spec import SpecError, parse_spec
+
+TEXT = """
+model t { vocab: 61; width: 32; depth: 3; heads: 4; context: 16; mlp: swiglu(2x) }
+residual block_attnres(blocks: 2)
+train { seed: 3 }
+"""
+
+
+def test_compile_from_text_path_and_spec(tmp_path):
+    path = tmp_path / "t.restopo"
+    path.write_text(TEXT)
+    idx = torch.randint(0, 61, (2, 5))
+    for source in (TEXT, str(path), path, parse_spec(TEXT)):
+        torch.manual_seed(0)
+        model = restopo.compile(source, backend="eager")
+        assert isinstance(model, torch.fx.GraphModule)
+        assert model(idx).shape == (2, 5, 61)
+        assert model.spec_text == TEXT
+    assert restopo.compile(path, overrides=("model.width=16",)).embed.weight.shape == (61, 16)
+
+
+def test_compile_rejects_bad_specs_clearly(tmp_path):
+    with pytest.raises(SpecError):
+        restopo.compile(TEXT.replace("blocks: 2", "blocks: 7"))
+    with pytest.raises(FileNotFoundError):
+        restopo.compile(str(tmp_path / "missing.restopo"))
+    with pytest.raises(ValueError, match="unknown backend"):
+        restopo.compile(TEXT, backend="cuda")
+    with pytest.raises(TypeError):
+        restopo.compile(42)
+
+
+def test_triton_backend_error_names_why(monkeypatch):
+    from restopo import ops
+    monkeypatch.setattr(ops, "triton_unavailable_reason",
+                        lambda: "no CUDA device and TRITON_INTERPRET is not set to 1")
+    with pytest.raises(RuntimeError, match="no CUDA device"):
+        restopo.compile(TEXT, backend="triton")
+
+
+def test_aggregations_in_execution_order_head_last():
+    model = restopo.compile(TEXT)
+    aggs = restopo.aggregations(model)
+    assert len(aggs) == 2 * 3 + 1 and aggs == list(model.aggregations)
+    assert all(isinstance(a, Attend) for a in aggs)
+    for a in aggs:
+        assert isinstance(a.pseudo_query, torch.nn.Parameter) and a.pseudo_query.shape == (32,)
+        assert isinstance(a.key_norm, torch.nn.RMSNorm)
+    # setting a query changes the model: aggregations are live handles, not copies
+    idx = torch.randint(0, 61, (1, 4))
+    before = model(idx)
+    with torch.no_grad():
+        aggs[-1].pseudo_query.normal_()
+    assert not torch.allclose(before, model(idx))
+
+
+def test_aggregations_rejects_foreign_modules():
+    with pytest.raises(ValueError, match="not built by restopo"):
+        restopo.aggregations(torch.nn.Linear(2, 2))
+
+
+def _cli(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "restopo", "compile", *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_cli_model_py_round_trip(tmp_path):
+    (tmp_path / "t.restopo").write_text(TEXT)
+    r = _cli("t.restopo", "-o", "gen_model.py", "--set", "model.depth=2", "--backend", "eager",
+             cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    source = (tmp_path / "gen_model.py").read_text()
+    imported = {a.name.split(".")[0] for node in ast.walk(ast.parse(source))
+                if isinstance(node, ast.Import) for a in node.names}
+    imported |= {node.module.split(".")[0] for node in ast.walk(ast.parse(source))
+                 if isinstance(node, ast.ImportFrom)}
+    assert imported == {"torch", "restopo"}
+    assert "def forward(self, idx):" in source and "block1 = " in source
+    spec = importlib.util.spec_from_file_location("gen_model", tmp_path / "gen_model.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    built = mod.build()
+    ref = restopo.compile(tmp_path / "t.restopo", overrides=("model.depth=2",))
+    with torch.no_grad():
+        for a in restopo.aggregations(ref):
+            a.pseudo_query.normal_()
+    built.load_state_dict(ref.state_dict())
+    idx = torch.randint(0, 61, (2, 6))
+    torch.testing.assert_close(built(idx), ref(idx), rtol=0, atol=0)
+    assert len(restopo.aggregations(built)) == 5
+
+
+def test_cli_model_pt_round_trip(tmp_path):
+    (tmp_path / "t.restopo").write_text(TEXT)
+    r = _cli("t.restopo", "-o", "m.pt", "--set", "model.width=16", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    blob = torch.load(tmp_path / "m.pt", weights_only=True)
+    assert blob["spec"] == TEXT and blob["overrides"] == ["model.width=16"]
+    model = restopo.compile(blob["spec"], overrides=blob["overrides"])
+    model.load_state_dict(blob["state_dict"])
+    assert model.embed.weight.shape == (61, 16)
+    torch.testing.assert_close(model.embed.weight, blob["state_dict"]["embed.weight"])
+    assert not any(p.name.startswith(".restopo-") for p in tmp_path.iterdir())
+
+
+def test_cli_errors(tmp_path):
+    (tmp_path / "t.restopo").write_text(TEXT)
+    r = _cli("t.restopo", "-o", "m.txt", cwd=tmp_path)
+    assert r.returncode == 2 and "must end in .py or .pt" in r.stderr
+    r = _cli("t.restopo", "-o", "m.pt", "--set", "model.heads=5", cwd=tmp_path)
+    assert r.returncode == 1 and "heads" in r.stderr and "Traceback" not in r.stderr
+    r = _cli("missing.restopo", "-o", "m.pt", cwd=tmp_path)
+    assert r.returncode == 1 and "missing.restopo" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "m.pt").exists()

@@ -1,0 +1,110 @@
+"""The IR built through the language against closed forms written from attnres.md.
+
+For Block AttnRes the j-th sublayer of block n reads [b_0, b_1 .. b_{n-1}] and, for j >= 2,
+the partial p_n^j; the head reads [b_0, b_1 .. b_N]. A block of one sublayer is shown as that
+sublayer. `blocks: N` groups the transformer layers as evenly as possible, larger groups
+first; N = L gives one block per sublayer (Full AttnRes). Nothing here calls the
+partitioning code of restopo.topology: the enumeration is independent.
+"""
+from __future__ import annotations
+
+import pytest
+
+from restopo.ir import live_values_per_token, summary
+from restopo.spec import parse_spec
+
+DEPTHS = range(1, 33)
+
+
+def spec_text(depth: int, residual: str) -> str:
+    return (f"model {{ vocab: 256; width: 16; depth: {depth}; heads: 2; context: 8 }}\n"
+            f"residual {residual}\n")
+
+
+def block_sizes_by_count(depth: int, n: int) -> list[int]:
+    """Sublayers per block: N groups of whole layers (larger first), or L blocks of one."""
+    if n == 2 * depth:
+        return [1] * n
+    q, r = divmod(depth, n)
+    return [2 * (q + 1)] * r + [2 * q] * (n - r)
+
+
+def block_sizes_by_size(depth: int, s: int) -> list[int]:
+    L = 2 * depth
+    return [min(s, L - start) for start in range(0, L, s)]
+
+
+def expected_sources(sizes: list[int]) -> list[list[str]]:
+    """Sources of aggregations 1..L+1 for blocks of the given sizes (closed form)."""
+    names, first = [], 1
+    for n, size in enumerate(sizes, start=1):
+        names.append(f"sublayer{first}" if size == 1 else f"block{n}")
+        first += size
+    out = []
+    for n, size in enumerate(sizes, start=1):
+        for j in range(1, size + 1):
+            out.append(["embedding"] + names[: n - 1] + (["partial"] if j >= 2 else []))
+    out.append(["embedding"] + names)
+    return out
+
+
+def check(depth: int, residual: str, sizes: list[int]):
+    spec = parse_spec(spec_text(depth, residual))
+    g = spec.ir()
+    s = summary(g)
+    assert s["sublayers"] == 2 * depth
+    assert s["block_sizes"] == sizes
+    assert [a["sources"] for a in s["aggregations"]] == expected_sources(sizes)
+    assert [a["before"] for a in s["aggregations"]] == ["attn", "mlp"] * depth + ["head"]
+    assert s["live_values_per_token"] == len(sizes) + 1
+    return g
+
+
+@pytest.mark.parametrize("depth", DEPTHS)
+def test_block_attnres_every_allowed_count(depth):
+    allowed = list(range(1, depth + 1)) + ([2 * depth] if 2 * depth > depth else [])
+    for n in allowed:
+        check(depth, f"block_attnres(blocks: {n})", block_sizes_by_count(depth, n))
+
+
+@pytest.mark.parametrize("depth", DEPTHS)
+def test_block_attnres_block_sizes(depth):
+    L = 2 * depth
+    for s in sorted({2, 4, 6, 8, 16, L} & set(range(2, L + 1, 2))):
+        check(depth, f"block_attnres(block_size: {s})", block_sizes_by_size(depth, s))
+
+
+@pytest.mark.parametrize("depth", DEPTHS)
+def test_full_and_standard(depth):
+    L = 2 * depth
+    g = parse_spec(spec_text(depth, "full_attnres")).ir()
+    s = summary(g)
+    assert [a["sources"] for a in s["aggregations"]] == [
+        ["embedding"] + [f"sublayer{i}" for i in range(1, l)] for l in range(1, L + 2)]
+    assert live_values_per_token(g) == L + 1
+    # Full AttnRes is Block AttnRes with one block per sublayer
+    full_as_block = parse_spec(spec_text(depth, f"block_attnres(blocks: {L})")).ir()
+    assert [a["sources"] for a in summary(full_as_block)["aggregations"]] == \
+        [a["sources"] for a in s["aggregations"]]
+    assert live_values_per_token(parse_spec(spec_text(depth, "standard")).ir()) == 1
+
+
+@pytest.mark.parametrize("depth,window", [(4, 1), (4, 3), (8, 8), (16, 8), (3, 20)])
+def test_sliding_window(depth, window):
+    g = parse_spec(spec_text(depth, f"full_attnres(window: {window})")).ir()
+    L = 2 * depth
+    want = [["embedding"] + [f"sublayer{i}" for i in range(max(1, l - window), l)]
+            for l in range(1, L + 2)]
+    assert [a["sources"] for a in summary(g)["aggregations"]] == want
+    assert live_values_per_token(g) == min(window, L) + 1
+
+
+@pytest.mark.parametrize("depth", [1, 2, 5])
+def test_blocks_outside_the_allowed_set_are_rejected(depth):
+    from restopo.spec import SpecError
+    allowed = set(range(1, depth + 1)) | {2 * depth}
+    for n in range(1, 2 * depth + 3):
+        if n in allowed:
+            continue
+        with pytest.raises(SpecError, match="blocks must be between"):
+            parse_spec(spec_text(depth, f"block_attnres(blocks: {n})"))

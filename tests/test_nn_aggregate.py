@@ -1,0 +1,96 @@
+"""The aggregation modules: init semantics, parameter counts, gradcheck."""
+import pytest
+import torch
+
+from restopo.ir.analyses import aggregation_parameters
+from restopo.nn import aggregate as A
+
+D = 8
+
+
+def _attrs(method, n=3, index=4, query="static", gate="softmax", key_norm="rms", heads=1):
+    return dict(method=method, sources=tuple(f"s{i}" for i in range(n)), index=index,
+                query=query, gate=gate, key_norm=key_norm, heads=heads)
+
+
+def _randomise(m):
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn_like(p))
+    return m
+
+
+CASES = [
+    _attrs("attend"), _attrs("attend", query="input_dependent"), _attrs("attend", gate="sigmoid"),
+    _attrs("attend", key_norm="none"), _attrs("attend", heads=2), _attrs("sum"),
+    _attrs("scalars"), _attrs("rezero"), _attrs("layerscale"), _attrs("highway"),
+    _attrs("rezero", index=1),
+]
+
+
+@pytest.mark.parametrize("attrs", CASES, ids=lambda a: f"{a['method']}-{a['query']}-"
+                         f"{a['gate']}-{a['key_norm']}-{a['heads']}-{a['index']}")
+def test_parameter_count_matches_ir(attrs):
+    m = A.make_aggregation(attrs, D)
+    want = aggregation_parameters(attrs["method"], len(attrs["sources"]), D, attrs["query"],
+                                  attrs["key_norm"], attrs["index"])
+    assert sum(p.numel() for p in m.parameters()) == want
+
+
+@pytest.mark.parametrize("attrs", [a for a in CASES if a["index"] != 1],
+                         ids=lambda a: f"{a['method']}-{a['query']}-{a['gate']}-"
+                         f"{a['key_norm']}-{a['heads']}")
+def test_gradcheck(attrs):
+    m = _randomise(A.make_aggregation(attrs, D, backend="eager").double())
+    stream = attrs["method"] in ("rezero", "layerscale", "highway")
+    n = 2 if stream else len(attrs["sources"])
+    xs = tuple(torch.randn(2, 3, D, dtype=torch.float64, requires_grad=True) for _ in range(n))
+    assert torch.autograd.gradcheck(lambda *xs: m(*xs), xs)
+    # and with respect to the module's own parameters
+    params = tuple(m.parameters())
+    if params:
+        def f(*ps):
+            return torch.func.functional_call(
+                m, {k: p for (k, _), p in zip(m.named_parameters(), ps)}, xs)
+        assert torch.autograd.gradcheck(f, tuple(p.detach().clone().requires_grad_()
+                                                 for p in params))
+
+
+def test_fresh_attend_is_mean_and_input_dependent_starts_static():
+    xs = [torch.randn(2, 3, D) for _ in range(4)]
+    for q in ("static", "input_dependent"):
+        m = A.make_aggregation(_attrs("attend", n=4, query=q), D)
+        assert torch.count_nonzero(m.pseudo_query) == 0
+        torch.testing.assert_close(m(*xs), torch.stack(xs).mean(0))
+    m = A.Attend(D, query="input_dependent")
+    with torch.no_grad():
+        m.pseudo_query.normal_()
+    static = A.Attend(D)
+    static.load_state_dict({k: v for k, v in m.state_dict().items() if "query_proj" not in k})
+    torch.testing.assert_close(m(*xs), static(*xs))
+
+
+def test_stream_inits():
+    h, v = torch.randn(2, D), torch.randn(2, D)
+    torch.testing.assert_close(A.ReZero()(h, v), h)               # alpha = 0
+    torch.testing.assert_close(A.LayerScale(D)(h, v), h + 0.1 * v)
+    hw = A.Highway(D)
+    assert torch.all(hw.gate.bias == -2.0)
+    assert isinstance(A.make_aggregation(_attrs("highway", index=1), D), A.StreamStart)
+
+
+def test_two_phase_members_keep_ownership():
+    members = [A.Attend(D) for _ in range(3)]
+    tp = A.TwoPhase(members)
+    assert list(tp.parameters()) == [] and tp.state_dict() == {}
+    with pytest.raises(ValueError):
+        A.TwoPhase([A.Attend(D), A.Attend(D, key_norm="none")])
+
+
+def test_depth_weights_sum_to_one_and_reproduce_output():
+    m = _randomise(A.Attend(D, heads=2).double())
+    xs = [torch.randn(3, D, dtype=torch.float64) for _ in range(5)]
+    w = m.depth_weights(*xs)
+    torch.testing.assert_close(w.sum(0), torch.ones(3, 2, dtype=torch.float64))
+    out = sum(w[i].repeat_interleave(D // 2, -1) * xs[i] for i in range(5))
+    torch.testing.assert_close(out, m(*xs))

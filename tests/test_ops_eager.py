@@ -1,0 +1,117 @@
+"""restopo.ops (eager backend): gradcheck, the two-phase identity, dispatch errors."""
+import pytest
+import torch
+
+from restopo import ops
+
+torch.manual_seed(0)
+
+
+def _rand(*shape):
+    return torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+
+
+def _direct_fp64(sources, query, gain, key_norm=True, gate="softmax", heads=1):
+    """A hand-written loop over sources and heads (no shared helpers with the op)."""
+    n, d = sources.shape[0], sources.shape[-1]
+    c = d // heads
+    keys = [sources[i] / torch.sqrt(sources[i].pow(2).mean(-1, keepdim=True) + 1e-6)
+            * (gain if gain is not None else 1) if key_norm else sources[i] for i in range(n)]
+    out = torch.zeros_like(sources[0])
+    for h in range(heads):
+        sl = slice(h * c, (h + 1) * c)
+        z = torch.stack([(k[..., sl] * query[..., sl]).sum(-1) for k in keys])
+        w = torch.softmax(z, 0) if gate == "softmax" else torch.sigmoid(z)
+        out[..., sl] = sum(w[i].unsqueeze(-1) * sources[i][..., sl] for i in range(n))
+    return out
+
+
+@pytest.mark.parametrize("key_norm,gate,heads", [(True, "softmax", 1), (False, "softmax", 1),
+                                                 (True, "sigmoid", 1), (True, "softmax", 4)])
+def test_depth_attention_matches_loop(key_norm, gate, heads):
+    s, q, g = torch.randn(5, 2, 3, 8).double(), torch.randn(8).double(), torch.rand(8).double()
+    got = ops.depth_attention(s, q, g, key_norm=key_norm, gate=gate, heads=heads)
+    torch.testing.assert_close(got, _direct_fp64(s, q, g, key_norm, gate, heads))
+
+
+def test_depth_attention_per_token_query_broadcasts():
+    s, g = torch.randn(4, 2, 3, 8).double(), torch.rand(8).double()
+    q = torch.randn(2, 3, 8).double()
+    got = ops.depth_attention(s, q, g)
+    for b in range(2):
+        for t in range(3):
+            torch.testing.assert_close(got[b, t], ops.depth_attention(s[:, b, t], q[b, t], g))
+
+
+def test_zero_query_is_mean():
+    s = torch.randn(6, 3, 8).double()
+    torch.testing.assert_close(ops.depth_attention(s, torch.zeros(8).double(), None), s.mean(0))
+
+
+@pytest.mark.parametrize("heads,key_norm", [(1, True), (2, True), (1, False)])
+def test_gradcheck_depth_attention(heads, key_norm):
+    s, q, g = _rand(3, 2, 4), _rand(4), _rand(4)
+    assert torch.autograd.gradcheck(
+        lambda s, q, g: ops.depth_attention(s, q, g, key_norm=key_norm, heads=heads), (s, q, g))
+    assert torch.autograd.gradcheck(
+        lambda s, q: ops.depth_attention(s, q, None, gate="sigmoid"), (s, q))
+
+
+def test_gradcheck_phase1_phase2():
+    c, qs, gs = _rand(3, 2, 4), _rand(2, 4), _rand(2, 4)
+    assert torch.autograd.gradcheck(lambda c, qs, gs: ops.phase1(c, qs, gs), (c, qs, gs))
+    o1, m1, s1 = (t.detach().requires_grad_() for t in ops.phase1(c, qs, gs))
+    p, q, g = _rand(2, 4), _rand(4), _rand(4)
+    # m1 enters only through exp(m1 - m) ratios, so its gradient is ~0; check the rest.
+    assert torch.autograd.gradcheck(
+        lambda o1, s1, p, q, g: ops.phase2(o1[0], m1[0].detach(), s1[0], p, q, g),
+        (o1, s1, p, q, g))
+
+
+@pytest.mark.parametrize("heads", [1, 2])
+def test_two_phase_equals_direct(heads):
+    """phase1 over completed blocks + phase2 with the partial == attention over both."""
+    completed, partial = torch.randn(4, 3, 8).double(), torch.randn(3, 8).double()
+    queries, gains = torch.randn(3, 8).double(), torch.rand(3, 8).double() + 0.5
+    o1, m1, s1 = ops.phase1(completed, queries, gains, heads=heads)
+    for s in range(3):
+        got = ops.phase2(o1[s], m1[s], s1[s], partial, queries[s], gains[s])
+        want = ops.depth_attention(torch.cat([completed, partial[None]]), queries[s], gains[s],
+                                   heads=heads)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        first = ops.phase2(o1[s], m1[s], s1[s], None, queries[s], gains[s])
+        torch.testing.assert_close(
+            first, ops.depth_attention(completed, queries[s], gains[s], heads=heads),
+            rtol=1e-12, atol=1e-12)
+
+
+def test_phase2_is_stable_for_large_logits():
+    completed, partial = torch.randn(2, 4, 8).double() * 1e3, torch.randn(4, 8).double() * 1e3
+    q = torch.full((1, 8), 50.0).double()
+    o1, m1, s1 = ops.phase1(completed, q, None, key_norm=False)
+    got = ops.phase2(o1[0], m1[0], s1[0], partial, q[0], None, key_norm=False)
+    assert torch.isfinite(got).all()
+    want = ops.depth_attention(torch.cat([completed, partial[None]]), q[0], None, key_norm=False)
+    torch.testing.assert_close(got, want)
+
+
+def test_unknown_backend_and_heads_errors():
+    s = torch.randn(2, 3, 8)
+    with pytest.raises(ValueError, match="unknown backend"):
+        ops.depth_attention(s, torch.zeros(8), backend="cuda")
+    with pytest.raises(ValueError, match="heads must divide"):
+        ops.depth_attention(s, torch.zeros(8), heads=3)
+
+
+def test_triton_backend_says_why_it_cannot_run(monkeypatch):
+    why = ops.triton_unavailable_reason()
+    if why is None:
+        pytest.skip("triton can run here")
+    with pytest.raises(RuntimeError, match="cannot run"):
+        ops.depth_attention(torch.randn(2, 3, 8), torch.zeros(8), backend="triton")
+
+
+def test_auto_uses_eager_on_cpu():
+    s, q = torch.randn(3, 2, 8), torch.randn(8)
+    torch.testing.assert_close(ops.depth_attention(s, q, backend="auto"),
+                               ops.depth_attention(s, q, backend="eager"))

@@ -1,0 +1,179 @@
+"""The pipeline plan against the formulas of attnres.md and the issue, from the IR alone."""
+import json
+
+import pytest
+
+from restopo.backends.pipeline.plan import (PlanError, balance, describe, make_plan, parse_pv,
+                                    to_json)
+from restopo.ir.build import build_ir
+from restopo.topology import (block_attnres, full_attnres, partition_by_count, standard,
+                              sublayer_kinds, Topology)
+
+EQUAL = {"attn": 1.0, "mlp": 1.0}
+
+
+def block_ir(depth, blocks, width=8):
+    k = sublayer_kinds(depth)
+    return build_ir(k, block_attnres(k, blocks=blocks), width)
+
+
+def formula_naive_blocks(P, V, n_p):
+    C = P * V
+    return C * (C - 1) // 2 * n_p
+
+
+def formula_cached_blocks(P, V, n_p):
+    return P * (P - 1) // 2 * n_p + (V - 1) * P * (P - 1) * n_p
+
+
+@pytest.mark.parametrize("P,V,n_p", [(2, 1, 1), (2, 2, 1), (4, 2, 1), (3, 3, 1), (2, 3, 2),
+                                     (4, 2, 2), (8, 4, 1), (1, 4, 1), (5, 1, 3)])
+def test_aligned_chunks_match_the_formulas(P, V, n_p):
+    C = P * V
+    g = block_ir(depth=C * n_p, blocks=C * n_p)       # one transformer layer per block
+    plan = make_plan(g, P, V, costs=EQUAL)
+    assert plan.uniform_np == n_p
+    assert plan.vectors(False, "block") == formula_naive_blocks(P, V, n_p)
+    assert plan.vectors(True, "block") == (formula_cached_blocks(P, V, n_p) if P > 1 else 0)
+    assert plan.vectors(False, "embedding") == C - 1
+    assert plan.vectors(True, "embedding") == (P - 1)
+    # every cut falls on a block boundary: the running partial there *is* the block just
+    # completed, counted once as a block; no separate partial crosses
+    assert plan.vectors(False, "hidden") == plan.vectors(True, "hidden") == 0
+    bound = P * (P - 1) / 2 * n_p + (V - 1) * P * P * n_p
+    assert plan.paper_bound_blocks == pytest.approx(bound)
+    assert plan.vectors(True, "block") <= bound
+
+
+@pytest.mark.parametrize("P,V", [(2, 1), (2, 2), (4, 2), (3, 2)])
+def test_cuts_inside_blocks_send_the_hidden_partial_at_every_hop(P, V):
+    # blocks of one layer (2 sublayers); every cut one sublayer into a block, so each chunk
+    # still completes exactly N_p = 2 blocks and a partial is open at every cut
+    C, n_p = P * V, 2
+    depth = C * n_p
+    g = block_ir(depth, depth)
+    cuts = [2 * n_p * c + 1 for c in range(1, C)]
+    plan = make_plan(g, P, V, cuts=cuts)
+    assert plan.uniform_np is None or plan.uniform_np == n_p
+    assert plan.blocks_per_chunk[1:-1] == (n_p,) * (C - 2)
+    assert plan.vectors(False, "hidden") == plan.vectors(True, "hidden") == C - 1
+    assert all(h.naive[-1].kind == "partial" and h.cached[-1].kind == "partial"
+               for h in plan.hops)
+    # blocks completed before cut c are exactly those of the chunks before it
+    done = 0
+    for c, h in enumerate(plan.hops):
+        done += plan.blocks_per_chunk[c]
+        assert sum(v.kind == "block" for v in h.naive) == done
+
+
+def test_paper_example_4x2():
+    plan = make_plan(block_ir(8, 8), 4, 2, costs=EQUAL)
+    assert (plan.vectors(False, "block"), plan.vectors(True, "block"),
+            plan.paper_bound_blocks) == (28, 18, 22)
+    plan = make_plan(block_ir(32, 32), 8, 4, costs=EQUAL)
+    assert (plan.vectors(False, "block"), plan.paper_bound_blocks) == (496, 220)
+
+
+def test_cached_hop_sends_only_what_the_rank_has_not_seen():
+    plan = make_plan(block_ir(8, 8), 4, 2, costs=EQUAL)
+    seen = {r: set() for r in range(4)}
+    seen[0].add("embedding")
+    for c, hop in enumerate(plan.hops):
+        seen[hop.src_rank].update(f"block{n}" for n in plan.chunks[c].blocks_completed)
+        names = [v.name for v in hop.cached]
+        assert not set(names) & seen[hop.dst_rank]
+        assert set(names) == {v.name for v in hop.naive} - seen[hop.dst_rank]
+        seen[hop.dst_rank].update(names)
+    # in steady state a hop carries the blocks of the P-1 chunks that ran elsewhere since
+    assert [len(h.cached) for h in plan.hops[3:]] == [3, 3, 3, 3]
+
+
+def test_full_attnres_every_sublayer_is_a_block():
+    k = sublayer_kinds(4)
+    plan = make_plan(build_ir(k, full_attnres(k), 8), 2, 2, costs=EQUAL)
+    assert plan.uniform_np == 2
+    assert plan.vectors(False, "block") == formula_naive_blocks(2, 2, 2)
+    assert plan.vectors(True, "block") == formula_cached_blocks(2, 2, 2)
+
+
+def test_standard_sends_one_hidden_state_per_hop():
+    k = sublayer_kinds(4)
+    plan = make_plan(build_ir(k, standard(k), 8), 2, 2)
+    assert [[v.name for v in h.naive] for h in plan.hops] == [["stream"]] * 3
+    assert plan.vectors(False) == plan.vectors(True) == 3
+    assert plan.bytes_per_token(True) == 3 * 8 * 4
+
+
+def test_window_sources_cross_individually():
+    from restopo.topology import Rule, Source
+    k = sublayer_kinds(4)
+    rule = Rule("attend", (Source("embedding"), Source("window", 2)))
+    topo = Topology("window", partition_by_count(k, 1), rule, rule)
+    plan = make_plan(build_ir(k, topo, 8), 2, 1, cuts=[4])
+    # after sublayer 4: aggregations 5.. read sublayers 3,4 (window 2) and the embedding
+    assert [v.name for v in plan.hops[0].naive] == ["embedding", "sublayer3", "sublayer4"]
+
+
+def test_balance_is_contiguous_nonempty_and_minimises_the_largest_chunk():
+    w = [4, 1, 1, 1, 1, 4, 2, 2]
+    cuts = balance(w, 3)
+    bounds = [0] + cuts + [len(w)]
+    sums = [sum(w[a:b]) for a, b in zip(bounds, bounds[1:])]
+    assert all(b > a for a, b in zip(bounds, bounds[1:]))
+    # brute force over every split
+    import itertools
+    best = min(max(sum(w[a:b]) for a, b in zip((0,) + c, c + (len(w),)))
+               for c in itertools.combinations(range(1, len(w)), 2))
+    assert max(sums) == best
+
+
+def test_balance_weighs_kinds_and_prefers_block_boundaries():
+    k = sublayer_kinds(4)
+    g = build_ir(k, block_attnres(k, blocks=2), 8)
+    # attention three times the MLP: the 8 sublayers weigh 3,1,3,1,...: halves at 4
+    plan = make_plan(g, 2, 1, costs={"attn": 3, "mlp": 1})
+    assert plan.chunks[0].sublayers == (1, 2, 3, 4)
+    # balance first: 6 equal sublayers split 3/3 even though the cut is inside a layer
+    plan = make_plan(block_ir(3, 3), 2, 1, costs={"attn": 1, "mlp": 1})
+    assert plan.chunks[0].sublayers == (1, 2, 3)
+    # among equally balanced splits, the one on a preferred (block) boundary wins
+    assert balance([1] * 5, 2, aligned={3}) == [3]
+    assert balance([1] * 5, 2, aligned={2}) == [2]
+
+
+def test_errors_are_clear():
+    with pytest.raises(PlanError, match="at most 8 chunks"):
+        make_plan(block_ir(4, 4), 4, 3)
+    with pytest.raises(PlanError, match="STAGESxVIRTUAL"):
+        parse_pv("4by2")
+    assert parse_pv("4x2") == (4, 2) and parse_pv("3") == (3, 1)
+
+
+def test_reports():
+    plan = make_plan(block_ir(8, 8, width=64), 4, 2, costs=EQUAL)
+    data = json.loads(json.dumps(to_json(plan)))
+    t = data["totals"]
+    assert t["naive"]["blocks"] == 28 and t["cached"]["blocks"] == 18
+    assert t["paper_bound_blocks"] == 22
+    assert t["cached"]["bytes_per_token"] == t["cached"]["vectors_per_token"] * 64 * 4
+    assert len(data["chunk_table"]) == 8 and len(data["hops"]) == 7
+    text = describe(plan)
+    assert "naive" in text and "cached" in text and "22" in text
+
+
+def test_inspect_pipeline_cli(capsys):
+    from restopo.cli import main
+    assert main(["inspect", "examples/block_attnres.restopo", "--pipeline", "4x2",
+                 "--format", "json"]) == 0
+    data = json.loads(capsys.readouterr().out)["pipeline"]
+    assert (data["totals"]["naive"]["blocks"], data["totals"]["cached"]["blocks"],
+            data["totals"]["paper_bound_blocks"]) == (28, 18, 22)
+    assert data["totals"]["naive"]["bytes_per_token"] == 35 * 64 * 4
+    assert main(["inspect", "examples/block_attnres.restopo", "--pipeline", "4x2"]) == 0
+    text = capsys.readouterr().out
+    assert "pipeline 4x2" in text and "paper's bound" in text
+    with pytest.raises(SystemExit) as e:   # the console exits with status 2
+        main(["inspect", "examples/block_attnres.restopo", "--pipeline", "40x2"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "at most 32 chunks" in err and "Traceback" not in err

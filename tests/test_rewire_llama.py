@@ -1,0 +1,175 @@
+"""restopo.rewire on Hugging Face Llama-family causal LMs built from tiny configs (no
+download), in float64."""
+import inspect
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import restopo  # noqa: E402
+from restopo.fx.rewire import RewireError, rewire  # noqa: E402
+from restopo.spec import SpecError  # noqa: E402
+
+from models import attnres_loop as loop  # noqa: E402
+
+TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64)
+
+
+def llama(layers=2, seed=0, **extra):
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(num_hidden_layers=layers, **TINY, **extra)
+    return transformers.LlamaForCausalLM(cfg).double().eval()
+
+
+def tokens(T=10, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 128, (2, T), generator=g)
+
+
+def randomise(rewired, seed=2):
+    g = torch.Generator().manual_seed(seed)
+    queries, gains = [], []
+    with torch.no_grad():
+        for agg in restopo.aggregations(rewired):
+            agg.pseudo_query.copy_(torch.randn(agg.pseudo_query.shape, generator=g,
+                                               dtype=torch.float64))
+            agg.key_norm.weight.copy_(1 + 0.3 * torch.randn(agg.key_norm.weight.shape,
+                                                            generator=g, dtype=torch.float64))
+            queries.append(agg.pseudo_query.detach().clone())
+            gains.append(agg.key_norm.weight.detach().clone())
+    return queries, gains
+
+
+def test_standard_spec_leaves_the_output_unchanged():
+    m = llama()
+    r = rewire(m, "residual standard\n")
+    idx = tokens()
+    out, want = r(idx, labels=idx), m(idx, labels=idx)
+    assert type(out) is type(want)
+    torch.testing.assert_close(out.logits, want.logits, rtol=0, atol=1e-12)
+    torch.testing.assert_close(out.loss, want.loss, rtol=0, atol=1e-12)
+    # padding mask, and only the last position's logits
+    mask = torch.ones_like(idx)
+    mask[0, :3] = 0
+    torch.testing.assert_close(r(idx, attention_mask=mask).logits,
+                               m(idx, attention_mask=mask).logits, rtol=0, atol=1e-12)
+    torch.testing.assert_close(r(idx, logits_to_keep=1).logits,
+                               m(idx, logits_to_keep=1).logits, rtol=0, atol=1e-12)
+    assert inspect.signature(r) == inspect.signature(m.forward)
+
+
+@pytest.mark.parametrize("family, config", [
+    ("Qwen2ForCausalLM", "Qwen2Config"),
+    ("Qwen3ForCausalLM", "Qwen3Config"),
+    ("MistralForCausalLM", "MistralConfig"),
+])
+def test_other_llama_family_members(family, config):
+    torch.manual_seed(0)
+    cfg = getattr(transformers, config)(num_hidden_layers=2, **TINY)
+    m = getattr(transformers, family)(cfg).double().eval()
+    idx = tokens()
+    torch.testing.assert_close(rewire(m, "residual standard\n")(idx).logits, m(idx).logits,
+                               rtol=0, atol=1e-12)
+    r = rewire(m, "residual full_attnres\n")
+    assert r(idx, labels=idx).loss.isfinite()
+
+
+@pytest.mark.parametrize("spec, blocks", [
+    ("residual full_attnres\n", lambda: loop.full_blocks(6)),
+    ("residual block_attnres(blocks: 2)\n", lambda: loop.layer_blocks(3, 2)),
+])
+def test_zero_queries_take_the_mean_of_the_sources(spec, blocks):
+    m = llama(layers=3)
+    idx = tokens()
+    r = rewire(m, spec)
+    v0, subs, head = loop.llama_pieces(m, idx)
+    want = loop.run(v0, subs, head, blocks(), loop.mean)
+    torch.testing.assert_close(r(idx).logits, want, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("spec, blocks", [
+    ("residual full_attnres\n", lambda: loop.full_blocks(6)),
+    ("residual block_attnres(blocks: 2)\n", lambda: loop.layer_blocks(3, 2)),
+    ("residual block_attnres(blocks: 3)\n", lambda: loop.layer_blocks(3, 3)),
+])
+def test_random_queries_equal_the_naive_loop(spec, blocks):
+    m = llama(layers=3)
+    idx = tokens()
+    r = rewire(m, spec)
+    queries, gains = randomise(r)
+    v0, subs, head = loop.llama_pieces(m, idx)
+    want = loop.run(v0, subs, head, blocks(), loop.attend, queries, gains)
+    torch.testing.assert_close(r(idx).logits, want, rtol=0, atol=1e-10)
+
+
+def test_kv_cache_decoding_matches_the_full_forward():
+    """Depth attention never mixes positions, so the sequence KV cache works unchanged."""
+    m = llama()
+    r = rewire(m, "residual block_attnres(blocks: 2)\n")
+    randomise(r)
+    idx = tokens(T=8)
+    full = r(idx, use_cache=False).logits
+    out = r(idx[:, :6], use_cache=True)
+    cache = out.cache if hasattr(out, "cache") else out.past_key_values
+    assert cache is not None and cache.get_seq_length() == 6
+    step = r(idx[:, 6:7], cache=cache, use_cache=True).logits
+    torch.testing.assert_close(step[:, -1], full[:, 6], rtol=0, atol=1e-10)
+
+
+def test_original_weights_are_kept():
+    m = llama()
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    params = {id(p) for p in m.parameters()}
+    r = rewire(m, "residual block_attnres(blocks: 2)\n")
+    assert params <= {id(p) for p in r.parameters()}
+    for k, v in r.model.state_dict().items():
+        torch.testing.assert_close(v, before[k], rtol=0, atol=0)
+    assert set(r.model.state_dict()) == set(before)
+
+
+def test_training_lowers_the_loss():
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(num_hidden_layers=2, **TINY)
+    m = transformers.LlamaForCausalLM(cfg)
+    r = rewire(m, "residual full_attnres\n")
+    r.train()
+    opt = torch.optim.AdamW(r.parameters(), lr=3e-3)
+    idx = tokens(T=16)
+    losses = []
+    for _ in range(15):
+        loss = r(idx, labels=idx).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.5, losses
+    assert any(a.pseudo_query.abs().sum() > 0 for a in restopo.aggregations(r))
+
+
+def test_blocks_larger_than_the_model_is_a_spec_error():
+    with pytest.raises(SpecError):
+        rewire(llama(), "residual block_attnres(blocks: 3)\n")
+
+
+def test_unknown_family_is_refused():
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=32)
+    with pytest.raises(RewireError, match="GPT2LMHeadModel .*Llama-family"):
+        rewire(transformers.GPT2LMHeadModel(cfg), "residual full_attnres\n")
+
+
+class SandwichLayer(transformers.models.llama.modeling_llama.LlamaDecoderLayer):
+    """A layer with the Llama names but another wiring: the MLP norm after the MLP."""
+
+    def forward(self, hidden_states, **kwargs):
+        h = super().forward(hidden_states, **kwargs)
+        return h + 0.5 * self.post_attention_layernorm(h)
+
+
+def test_a_layer_that_departs_from_the_layout_is_caught_by_the_self_check():
+    m = llama()
+    m.model.layers[1].__class__ = SandwichLayer
+    with pytest.raises(RewireError, match="do not reproduce the model's output"):
+        rewire(m, "residual full_attnres\n")

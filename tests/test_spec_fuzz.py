@@ -1,0 +1,94 @@
+"""Fuzz: mutated example specs give a valid spec or a SpecError, never another exception.
+
+Mutations: delete a token, duplicate a token, swap two numbers, insert a junk character,
+truncate. Valid results are also resolved and built into the IR (which may itself only
+raise SpecError)."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from restopo.spec import SpecError, parse_spec
+from restopo.spec.errors import SpecErrors
+
+EXAMPLES = sorted((Path(__file__).resolve().parent.parent / "examples").glob("*.restopo"))
+TEXTS = [p.read_text() for p in EXAMPLES]
+TOKEN = re.compile(r"\s+|#[^\n]*|[A-Za-z_][A-Za-z0-9_]*|-?[0-9][0-9_.]*(?:[eE][+-]?[0-9]+)?[A-Za-z]*|.",
+                   re.S)
+NUMBER = re.compile(r"-?[0-9]")
+JUNK = list("{}()[]:;,=#\"'@.\\/-+*\t\n\x00é€") + ["0", "9x", "1e", "__", "before", "window("]
+
+
+def tokens(text: str) -> list[str]:
+    return TOKEN.findall(text)
+
+
+@st.composite
+def mutated(draw):
+    toks = tokens(draw(st.sampled_from(TEXTS)))
+    for _ in range(draw(st.integers(1, 3))):
+        op = draw(st.sampled_from(["delete", "duplicate", "swap_numbers", "junk", "truncate"]))
+        if not toks:
+            break
+        i = draw(st.integers(0, len(toks) - 1))
+        if op == "delete":
+            del toks[i]
+        elif op == "duplicate":
+            toks.insert(i, toks[i])
+        elif op == "swap_numbers":
+            nums = [k for k, t in enumerate(toks) if NUMBER.match(t)]
+            if len(nums) >= 2:
+                a, b = draw(st.sampled_from(nums)), draw(st.sampled_from(nums))
+                toks[a], toks[b] = toks[b], toks[a]
+        elif op == "junk":
+            toks.insert(i, draw(st.sampled_from(JUNK)))
+        else:
+            toks = toks[:i]
+    return "".join(toks)
+
+
+def assert_spec_error(e: SpecError):
+    errs = e.errors if isinstance(e, SpecErrors) else [e]
+    for err in errs:
+        assert isinstance(err.line, int) and err.line >= 1
+        assert isinstance(err.column, int) and err.column >= 1
+        assert err.message and "Traceback" not in err.render()
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(mutated())
+def test_mutated_examples_give_spec_or_spec_error(text):
+    try:
+        spec = parse_spec(text, "fuzz.restopo")
+    except SpecError as e:
+        assert_spec_error(e)
+        return
+    if spec.model is not None:
+        try:
+            g = spec.ir()
+        except SpecError as e:
+            assert_spec_error(e)
+            return
+        assert g.graph["sublayers"] == len(spec.model.kinds)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.text(alphabet=st.sampled_from(list("model{}residual()blocks:;, 0123456789x#\n=_")),
+               max_size=80))
+def test_random_text_gives_spec_or_spec_error(text):
+    try:
+        parse_spec(text)
+    except SpecError as e:
+        assert_spec_error(e)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.text(max_size=30))
+def test_random_overrides_give_spec_or_spec_error(override):
+    try:
+        parse_spec(TEXTS[0], "x.restopo", (override,))
+    except SpecError as e:
+        assert_spec_error(e)

@@ -1,0 +1,73 @@
+"""Each named one-liner and its wiring spelled out as `residual custom { ... }` build the
+same IR (nodes with their data, edges with theirs; only the graph's name may differ)."""
+from __future__ import annotations
+
+import networkx as nx
+import pytest
+
+from restopo.spec import parse_spec
+
+MODEL = "model { vocab: 256; width: 64; depth: 6; heads: 4; context: 32 }\n"
+
+PAIRS = [
+    ("standard",
+     "blocks: 1\n before sublayer: sum(embedding, sublayers)"),
+    ("full_attnres",
+     "before sublayer: attend(embedding, sublayers)\n before head: attend(embedding, sublayers)"),
+    ("full_attnres(query: input_dependent, gate: sigmoid, key_norm: none, heads: 4)",
+     "before sublayer: attend(embedding, sublayers; query: input_dependent, gate: sigmoid, "
+     "key_norm: none, heads: 4)"),
+    ("full_attnres(window: 3)",
+     "before sublayer: attend(embedding, window(3))"),
+    ("block_attnres(blocks: 3)",
+     "blocks: 3\n before sublayer: attend(embedding, blocks, partial)\n"
+     " before head: attend(embedding, blocks)"),
+    ("block_attnres(blocks: 4, heads: 16, key_norm: none)",
+     "blocks: 4\n before sublayer: attend(embedding, blocks, partial; heads: 16, key_norm: none)"),
+    ("block_attnres(block_size: 4)",
+     "block_size: 4; before sublayer: attend(embedding, blocks, partial)"),
+    ("block_attnres(blocks: 12)",  # N = L: one block per sublayer
+     "blocks: 12\n before sublayer: attend(embedding, blocks, partial)"),
+    ("rezero", "blocks: 1\n before sublayer: rezero()"),
+    ("layerscale", "blocks: 1\n before sublayer: layerscale(embedding, sublayers)"),
+    ("highway", "blocks: 1\n before sublayer: highway"),
+    ("denseformer", "before sublayer: scalars(embedding, sublayers)"),
+]
+
+
+def graph_data(g: nx.DiGraph):
+    nodes = sorted((n, sorted(d.items())) for n, d in g.nodes(data=True))
+    edges = sorted((u, v, sorted(d.items())) for u, v, d in g.edges(data=True))
+    meta = sorted((k, v) for k, v in g.graph.items() if k != "name")
+    return nodes, edges, meta
+
+
+@pytest.mark.parametrize("one_liner,wiring", PAIRS, ids=[p[0] for p in PAIRS])
+def test_one_liner_equals_spelled_out_wiring(one_liner, wiring):
+    named = parse_spec(MODEL + f"residual {one_liner}\n")
+    custom = parse_spec(MODEL + "residual custom {\n " + wiring + "\n}\n")
+    assert named.residual.form == "named" and custom.residual.form == "custom"
+    assert named.topology.blocks == custom.topology.blocks
+    assert named.topology.sublayer_rule == custom.topology.sublayer_rule
+    assert named.topology.head_rule == custom.topology.head_rule
+    assert graph_data(named.ir()) == graph_data(custom.ir())
+
+
+def test_block_with_one_block_per_sublayer_is_full_attnres():
+    block = parse_spec(MODEL + "residual block_attnres(blocks: 12)").ir()
+    full = parse_spec(MODEL + "residual custom { before sublayer: attend(embedding, sublayers) }")
+    assert graph_data(block) == graph_data(full.ir())
+
+
+def test_different_wirings_differ():
+    """The comparison can fail: a changed option or block count changes the IR."""
+    a = parse_spec(MODEL + "residual block_attnres(blocks: 3)").ir()
+    b = parse_spec(MODEL + "residual block_attnres(blocks: 2)").ir()
+    c = parse_spec(MODEL + "residual block_attnres(blocks: 3, gate: sigmoid)").ir()
+    assert graph_data(a) != graph_data(b) and graph_data(a) != graph_data(c)
+
+
+def test_every_named_topology_is_covered():
+    from restopo.topology import NAMED
+    covered = {p[0].split("(")[0] for p in PAIRS}
+    assert covered == set(NAMED)

@@ -1,0 +1,104 @@
+"""`restopo train` through the CLI: a run, resume without the spec file, and user mistakes
+(bad overrides, bad data) as one clear error with exit 1 and no traceback."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from restopo.cli import main
+
+SPEC = """\
+model t { vocab: 256; width: 32; depth: 2; heads: 4; context: 32 }
+residual block_attnres(blocks: 2)
+train {
+  data: builtin:stdlib
+  steps: 8; batch: 4; lr: 3e-3; warmup: 2
+  eval_every: 4; eval_batches: 1; save_every: 4; log_every: 1
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("restopo-cache")
+
+
+@pytest.fixture
+def spec(tmp_path, cache, monkeypatch):
+    monkeypatch.setenv("RESTOPO_CACHE", str(cache))
+    path = tmp_path / "t.restopo"
+    path.write_text(SPEC)
+    return path
+
+
+def metrics(out):
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_train_then_extend_from_the_checkpoint_alone(spec, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", str(spec), "--out", str(out), "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert "done: 8 steps" in printed and "step_000008" in printed
+    assert [r["step"] for r in metrics(out)] == list(range(1, 9))
+    spec.unlink()  # the spec travels inside the checkpoint
+    assert main(["train", "--resume", "--out", str(out), "--steps", "12", "--no-progress"]) == 0
+    recs = metrics(out)
+    assert [r["step"] for r in recs] == list(range(1, 13))
+    meta = json.loads((out / "ckpt" / "step_000012" / "meta.json").read_text())
+    assert "train.steps=12" in meta["overrides"] and meta["spec_text"] == SPEC
+
+
+def _error(capsys, argv):
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert "Traceback" not in err
+    return err
+
+
+def test_bad_override_names_the_flag(spec, capsys, tmp_path):
+    err = _error(capsys, ["train", str(spec), "--set", "model.widht=64", "--out", str(tmp_path)])
+    assert "--set model.widht=64" in err and "width" in err  # did you mean
+
+
+def test_bad_data_path_points_at_the_value(spec, capsys, tmp_path):
+    err = _error(capsys, ["train", str(spec), "--set", 'train.data="nowhere.txt"',
+                          "--out", str(tmp_path / "o")])
+    assert "<--set 1>:1:" in err and "nowhere.txt" in err and "does not exist" in err
+    spec.write_text(SPEC.replace("builtin:stdlib", '"missing/corpus.txt"'))
+    err = _error(capsys, ["train", str(spec), "--out", str(tmp_path / "o")])
+    assert f"{spec}:4:9: error:" in err and "missing/corpus.txt" in err
+
+
+def test_data_problems_are_spec_errors(spec, capsys, tmp_path):
+    (tmp_path / "short.txt").write_text("tiny corpus")
+    spec.write_text(SPEC.replace("builtin:stdlib", '"short.txt"'))  # relative to the spec
+    err = _error(capsys, ["train", str(spec), "--out", str(tmp_path / "o")])
+    assert "fewer than context + 1 = 33" in err
+    err = _error(capsys, ["train", str(spec), "--set", "model.vocab=128", "--set",
+                          "train.data=builtin:stdlib", "--out", str(tmp_path / "o")])
+    assert "vocab mismatch" in err and "model.vocab" in err
+
+
+def test_resume_mistakes(spec, capsys, tmp_path):
+    err = _error(capsys, ["train", str(spec), "--resume", "--out", str(tmp_path / "fresh")])
+    assert "no checkpoint" in err and "drop --resume" in err
+    err = _error(capsys, ["train", "--out", str(tmp_path / "fresh")])
+    assert "give a SPEC file" in err
+
+
+def test_console_script_bad_data_has_no_traceback(spec, tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "restopo", "train", str(spec), "--set",
+         'train.data="/no/such/dir"', "--out", str(tmp_path / "o")],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "does not exist" in proc.stderr
+
+
+def test_help_has_examples(capsys):
+    assert main(["train", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--nproc" in out and "restopo train examples/tiny.restopo" in out

@@ -1,0 +1,137 @@
+"""The training loop: schedule, optimizer groups, falling loss, exact resume, metrics, plot."""
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from restopo.api import build_model
+from restopo.spec.objects import ModelSpec
+from restopo.topology import block_attnres
+from restopo.train.data import Corpus, open_corpus
+from restopo.train.loop import TrainConfig, TrainingError, lr_at, param_groups, train
+
+TINY = ModelSpec(vocab=256, width=32, depth=2, heads=4, context=32)
+
+
+def tiny_model(seed=0):
+    torch.manual_seed(seed)
+    return build_model(TINY, block_attnres(TINY.kinds, blocks=2), backend="eager")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return open_corpus("builtin:stdlib", cache_dir=tmp_path_factory.mktemp("cache"),
+                       progress=False)
+
+
+def cfg(**kw):
+    base = dict(steps=30, batch=8, context=32, lr=3e-3, warmup=5, eval_every=10,
+                eval_batches=2, save_every=10, log_every=1, seed=0)
+    return TrainConfig(**{**base, **kw})
+
+
+def records(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_schedule_warmup_cosine_constant():
+    c = cfg(steps=100, warmup=10, lr=1.0, min_lr=0.1)
+    lrs = [lr_at(s, c) for s in range(100)]
+    assert lrs[:10] == pytest.approx([(s + 1) / 10 for s in range(10)])  # linear warmup
+    assert lrs[10] == pytest.approx(1.0) and lrs[-1] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))               # cosine decays
+    mid = 10 + (100 - 10 - 1) / 2
+    assert lr_at(int(mid), c) == pytest.approx(0.55, abs=0.02)
+    assert cfg(steps=100, warmup=0, lr=0.5, schedule="constant").min_lr is None
+    assert [lr_at(s, cfg(steps=50, warmup=0, lr=0.5, schedule="constant"))
+            for s in (0, 25, 49)] == [0.5] * 3
+    assert lr_at(99, cfg(steps=100, warmup=10, lr=1.0)) == pytest.approx(0.1)  # lr / 10
+
+
+def test_weight_decay_on_matrices_only():
+    model = tiny_model()
+    decay, keep = param_groups(model, 0.1)
+    assert decay["weight_decay"] == 0.1 and keep["weight_decay"] == 0.0
+    assert all(p.ndim >= 2 for p in decay["params"]) and all(p.ndim < 2 for p in keep["params"])
+    queries = {id(m.pseudo_query) for m in model.modules() if hasattr(m, "pseudo_query")}
+    assert queries and queries <= {id(p) for p in keep["params"]}
+    n = sum(p.numel() for g in (decay, keep) for p in g["params"])
+    assert n == sum(p.numel() for p in model.parameters())  # tied weights counted once
+
+
+def test_loss_falls_and_files_are_written(tmp_path, corpus):
+    out = tmp_path / "run"
+    summary = train(tiny_model(), corpus, cfg(), out, progress=False, meta={"spec_text": "s"})
+    recs = records(out)
+    assert [r["step"] for r in recs] == list(range(1, 31))
+    first, last = np.mean([r["loss"] for r in recs[:3]]), np.mean([r["loss"] for r in recs[-3:]])
+    assert first == pytest.approx(math.log(256), abs=0.3)  # zero-init mean mixing: ~uniform
+    assert last < first - 1.0
+    vals = [r["val_loss"] for r in recs if r["val_loss"] is not None]
+    assert len(vals) == 3 and vals[-1] < vals[0]
+    assert set(recs[0]) == {"step", "loss", "val_loss", "lr", "tokens_per_s", "elapsed"}
+    assert (out / "loss.png").stat().st_size > 1000
+    assert summary["checkpoint"].endswith("step_000030") and summary["val_loss"] == vals[-1]
+    meta = json.loads((out / "ckpt" / "step_000030" / "meta.json").read_text())
+    assert meta["spec_text"] == "s" and meta["step"] == 30
+
+
+class Stop(Exception):
+    pass
+
+
+def _stopping(model, after_calls):
+    """The model raises on its `after_calls`-th forward in training mode (a crash)."""
+    calls = {"n": 0}
+    forward = model.forward
+
+    def wrapped(idx):
+        if model.training:
+            calls["n"] += 1
+            if calls["n"] > after_calls:
+                raise Stop
+        return forward(idx)
+
+    model.forward = wrapped
+    return model
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_resume_gives_exactly_the_uninterrupted_losses(tmp_path, corpus, accum):
+    c = cfg(steps=12, save_every=4, eval_every=4, accum=accum)
+    full = tmp_path / "full"
+    train(tiny_model(), corpus, c, full, progress=False)
+    part = tmp_path / "part"
+    with pytest.raises(Stop):  # dies during step 7; the last checkpoint is step 4
+        train(_stopping(tiny_model(), 6 * accum), corpus, c, part, progress=False)
+    from restopo.train.checkpoint import latest_checkpoint
+
+    resume = latest_checkpoint(part / "ckpt")
+    assert resume.name == "step_000004"
+    # a fresh model with other initial weights: everything must come from the checkpoint
+    train(tiny_model(seed=123), corpus, c, part, progress=False, resume_from=resume)
+    a, b = records(full), records(part)
+    assert [r["step"] for r in b] == list(range(1, 13))  # steps 5-6 logged before the crash
+    for ra, rb in zip(a, b):                             # were replaced, not duplicated
+        assert rb["loss"] == ra["loss"] and rb["val_loss"] == ra["val_loss"]
+        assert rb["lr"] == ra["lr"]
+
+
+def test_diverging_loss_is_a_clear_error(tmp_path, corpus):
+    model = tiny_model()
+    with torch.no_grad():
+        model.get_submodule("head").apply(
+            lambda m: m.weight.fill_(float("nan")) if hasattr(m, "weight") else None)
+    with pytest.raises(TrainingError, match="loss became nan at step 1; lower train.lr"):
+        train(model, corpus, cfg(steps=3), tmp_path, progress=False)
+
+
+def test_batch_must_split_over_accumulation(tmp_path):
+    data = Corpus(np.arange(1000, dtype=np.uint16) % 256, np.arange(200, dtype=np.uint16),
+                  256, "t")
+    from restopo.train.data import DataError
+
+    with pytest.raises(DataError, match="must split evenly"):
+        train(tiny_model(), data, cfg(batch=6, accum=4), tmp_path, progress=False)

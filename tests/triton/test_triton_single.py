@@ -1,0 +1,113 @@
+"""The single-read depth-attention kernel against the eager reference (run in float64)."""
+import pytest
+import torch
+
+import restopo.backends.triton as T
+from restopo.backends.eager import depth as E
+from triton_testing import TOL, assert_rel, grads, leaf, make_sources
+
+BATCH = (2, 5)  # 10 rows; with a 4-row tile: 3 programs, the last one ragged
+
+
+def check(n, d, dtype, *, batch=BATCH, key_norm=True, with_gain=True, rows_tile=4, prep=None):
+    v64, w64, g64 = make_sources(n, batch, d, seed=n * 1000 + d)
+    if not with_gain:
+        g64 = None
+    refs = [leaf(x) for x in (v64, w64, g64) if x is not None]
+    ins = [leaf(x, dtype) for x in (v64, w64, g64) if x is not None]
+    args = [prep(x) if prep else x for x in ins]  # e.g. a non-contiguous view of the leaf
+    with T.tiles(rows=rows_tile):
+        out = T.depth_attention(args[0], args[1], args[2] if with_gain else None,
+                                key_norm=key_norm)
+    ref = E.depth_attention(refs[0], refs[1], refs[2] if with_gain else None, key_norm=key_norm)
+    assert out.dtype == dtype and out.shape == ref.shape
+    tol = TOL[dtype]
+    assert_rel(out, ref, tol, "output")
+    cot = torch.randn(ref.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    with T.tiles(rows=rows_tile):
+        got = grads(out, ins, cot.to(dtype))
+    want = grads(ref, refs, cot)
+    for name, a, b in zip(("sources", "query", "gain"), got, want):
+        # a gradient's error is relative to the largest gradient of its kind; fp32 sums of
+        # up to 33 products of d channels lose a few more bits than the output
+        assert_rel(a, b, tol * (4 if dtype == torch.float32 else 2), f"d{name}")
+
+
+@pytest.mark.parametrize("d", [64, 96, 200, 1024])
+@pytest.mark.parametrize("n", [1, 2, 5, 9, 33])
+def test_fp32_grid(n, d):
+    check(n, d, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n,d", [(1, 64), (5, 96), (9, 200), (33, 1024)])
+def test_half_precision(n, d, dtype):
+    check(n, d, dtype)
+
+
+@pytest.mark.parametrize("n,d", [(1, 64), (5, 200)])
+def test_without_key_norm_or_gain(n, d):
+    check(n, d, torch.float32, key_norm=False)
+    check(n, d, torch.float32, with_gain=False)
+
+
+def test_single_program_tile():
+    """Default tiles (one program covers every row) give the same numbers."""
+    check(5, 96, torch.float32, rows_tile=None, batch=(3, 7))
+
+
+@pytest.mark.parametrize("layout", ["channel_stride", "batch_major", "transposed_batch"])
+def test_non_contiguous(layout):
+    if layout == "channel_stride":     # every other channel of a wider buffer: strided view
+        prep = lambda x: torch.stack([x, x], -1).flatten(-2)[..., ::2]  # noqa: E731
+    elif layout == "batch_major":      # [batch, n, d] storage seen as [n, batch, d]
+        prep = lambda x: x.transpose(0, 1).contiguous().transpose(0, 1) if x.dim() > 1 else x  # noqa: E731
+    else:                              # batch dims that cannot be flattened without a copy
+        prep = lambda x: x.transpose(1, 2).contiguous().transpose(1, 2) if x.dim() > 2 else x  # noqa: E731
+    check(5, 96, torch.float32, prep=prep, batch=(3, 4))
+    if layout == "channel_stride":
+        check(5, 96, torch.float32, prep=prep)
+
+
+def test_gradcheck_float64():
+    v, w, g = make_sources(4, (5,), 40)
+    with T.tiles(rows=2):
+        assert torch.autograd.gradcheck(
+            lambda a, b, c: T.depth_attention(a, b, c), (leaf(v), leaf(w), leaf(g)),
+            fast_mode=True)  # one random projection of the Jacobian: few kernel launches
+
+
+def test_backward_is_deterministic():
+    v, w, g = make_sources(9, (4, 9), 200, dtype=torch.float32)
+    runs = []
+    for _ in range(2):
+        ins = [leaf(x) for x in (v, w, g)]
+        with T.tiles(rows=4):
+            out = T.depth_attention(*ins)
+            runs.append(torch.autograd.grad(out.square().sum(), ins))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kw", [dict(gate="sigmoid"), dict(heads=4)])
+def test_unfused_options_fall_back_to_eager(kw):
+    v, w, g = make_sources(5, (3,), 64)
+    torch.testing.assert_close(T.depth_attention(v, w, g, **kw), E.depth_attention(v, w, g, **kw))
+
+
+def test_bad_shapes_say_what_is_wrong():
+    v, w, g = make_sources(3, (2,), 64)
+    with pytest.raises(ValueError, match="query has shape"):
+        T.depth_attention(v, w[:10], g)
+    with pytest.raises(ValueError, match="n >= 1"):
+        T.depth_attention(v[:0], w, g)
+
+
+def test_cpu_without_interpreter_is_refused_clearly(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    ok, why = T.available("cpu")
+    assert not ok and "TRITON_INTERPRET=1" in why
+    v, w, g = make_sources(3, (2,), 64)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        T.depth_attention(v, w, g)
+    assert T.available("meta")[0] is False

@@ -1,0 +1,45 @@
+"""Helpers shared by the triton kernel tests (independent references and tolerances)."""
+import torch
+
+# max |got - ref| / max |ref| allowed, per input dtype; refs are computed in float64
+TOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2, torch.float64: 1e-12}
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    got, ref = got.double(), ref.double()
+    return ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+
+
+def assert_rel(got, ref, tol, what=""):
+    if got is None and ref is None:  # an input that plays no part (e.g. the gain, key_norm off)
+        return
+    assert got is not None and ref is not None, f"{what}: {got} vs {ref}"
+    assert got.shape == ref.shape, (what, got.shape, ref.shape)
+    err = rel_err(got, ref)
+    assert err <= tol, f"{what}: relative error {err:.3g} > {tol:.3g}"
+
+
+def leaf(x, dtype=None):
+    """A fresh leaf (optionally cast), requiring grad."""
+    x = x.detach().clone()
+    if dtype is not None:
+        x = x.to(dtype)
+    return x.requires_grad_()
+
+
+def grads(out, inputs, cotangent):
+    """d(sum(out * cotangent))/d(inputs) with None where an input is unused."""
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    cots = cotangent if isinstance(cotangent, (tuple, list)) else (cotangent,)
+    total = sum((o.double() * c.double()).sum() for o, c in zip(outs, cots))
+    return torch.autograd.grad(total, inputs, allow_unused=True)
+
+
+def make_sources(n, batch, d, dtype=torch.float64, seed=0, spread=1.0):
+    """Sources with unequal scales (so the softmax is not flat) and a random query and gain."""
+    gen = torch.Generator().manual_seed(seed)
+    scale = torch.rand((n,) + (1,) * (len(batch) + 1), generator=gen, dtype=torch.float64) * 2 + 0.5
+    v = torch.randn((n, *batch, d), generator=gen, dtype=torch.float64) * scale
+    w = torch.randn(d, generator=gen, dtype=torch.float64) * spread / d ** 0.5 * 4
+    g = 1 + 0.2 * torch.randn(d, generator=gen, dtype=torch.float64)
+    return v.to(dtype), w.to(dtype), g.to(dtype)
