@@ -39,7 +39,8 @@ def parse_args(argv=None):
     p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--blocks", type=int, default=8, help="N of Block AttnRes")
     p.add_argument("--iters", type=int, default=5, help="timed rounds")
-    p.add_argument("--warmup", type=int, default=2, help="untimed rounds (compilation)")
+    p.add_argument("--warmup", type=int, default=2,
+                   help="untimed rounds (compilation; the last one counts saved activations)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     p.add_argument("--device", default="cpu")
     p.add_argument("--backend", default="eager", choices=("auto", "eager", "triton"),
@@ -48,9 +49,10 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true",
                    help="tiny smoke run: width 64, depth 4, context 64, batch 2, 2 rounds")
     args = p.parse_args(argv)
+    args.warmup = max(1, args.warmup)
     if args.quick:
         args.width, args.depth, args.context, args.batch = 64, 4, 64, 2
-        args.heads, args.blocks, args.iters, args.warmup = 4, 2, 2, 1
+        args.heads, args.blocks, args.iters, args.warmup = 4, 2, 2, 2
     return args
 
 
@@ -100,10 +102,14 @@ def measure(args, mode: str, models: dict) -> dict:
     fns = {name: (torch.compile(m) if mode == "compile" else m) for name, m in models.items()}
     idx = torch.randint(0, args.vocab, (args.batch, args.context), device=args.device)
     times = {name: [] for name in fns}
+    saved = {}
     for r in range(args.warmup + args.iters):
         for name, fn in fns.items():  # take turns every round
             for p in models[name].parameters():
                 p.grad = None
+            if r == args.warmup - 1:  # the last warm-up round counts the saved activations
+                saved[name] = saved_bytes(fn, idx)
+                continue
             sync(args.device)
             t0 = time.perf_counter()
             step(fn, idx)
@@ -111,8 +117,7 @@ def measure(args, mode: str, models: dict) -> dict:
             if r >= args.warmup:
                 times[name].append(time.perf_counter() - t0)
         print(f"  {mode}: round {r + 1}/{args.warmup + args.iters}", file=sys.stderr)
-    return {name: dict(step=statistics.median(times[name]), saved=saved_bytes(fn, idx))
-            for name, fn in fns.items()}
+    return {name: dict(step=statistics.median(times[name]), saved=saved[name]) for name in fns}
 
 
 def main(argv=None) -> int:

@@ -39,8 +39,24 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"restopo {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
     for name in COMMANDS:
-        importlib.import_module(f"{__package__}.commands.{name}").register(sub)
+        try:
+            module = importlib.import_module(f"{__package__}.commands.{name}")
+        except ImportError as e:  # a missing optional dependency disables one command only
+            _unavailable(sub, name, e)
+            continue
+        module.register(sub)
     return parser
+
+
+def _unavailable(sub, name: str, error: ImportError) -> None:
+    p = sub.add_parser(name, help=f"(unavailable: {error})", add_help=False)
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+
+    def run(args) -> int:
+        print(f"restopo {name}: unavailable here: {error}", file=sys.stderr)
+        return 1
+
+    p.set_defaults(func=run)
 
 
 def file_error(e: OSError | UnicodeDecodeError) -> str:

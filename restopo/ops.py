@@ -24,35 +24,36 @@ def check_backend(backend: str) -> None:
         raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
 
 
-def triton_unavailable_reason() -> str | None:
-    """Why the triton backend cannot run here, or None when it can."""
+def triton_unavailable_reason(device=None) -> str | None:
+    """Why the triton backend cannot run on `device` (None: on this machine at all, i.e.
+    neither on CUDA nor in triton's CPU interpreter), or None when it can."""
     try:
-        import triton  # noqa: F401
-    except ImportError:
-        return "triton is not installed (pip install 'restopo[triton]')"
+        mod = _triton_module()
+    except ImportError as e:
+        return f"the triton backend does not import ({e}); install 'restopo[triton]'"
+    if device is not None:
+        ok, why = mod.available(device)
+        return None if ok else why
+    ok_cuda, why = mod.available("cuda")
+    if ok_cuda or mod.available("cpu")[0]:
+        return None
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         return "no CUDA device and TRITON_INTERPRET is not set to 1"
-    try:
-        _triton_module()
-    except (ImportError, AttributeError) as e:
-        return f"the triton backend is not available: {e}"
-    return None
+    return why
 
 
 def _triton_module():
     from .backends import triton as mod
-    for name in ("depth_attention", "phase1", "phase2"):
-        getattr(mod, name)
     return mod
 
 
-def require_backend(backend: str) -> None:
-    """Raise a RuntimeError naming why when `backend` cannot run on this machine."""
+def require_backend(backend: str, device=None) -> None:
+    """Raise a RuntimeError naming why when `backend` cannot run here (on `device`)."""
     check_backend(backend)
     if backend == "triton":
-        why = triton_unavailable_reason()
+        why = triton_unavailable_reason(device)
         if why is not None:
-            raise RuntimeError(f"backend 'triton' cannot run: {why}; use backend='eager'")
+            raise RuntimeError(f"backend 'triton' cannot run: {why}")
 
 
 def _pick(backend: str, tensor: torch.Tensor) -> str:
@@ -60,10 +61,10 @@ def _pick(backend: str, tensor: torch.Tensor) -> str:
     if backend == "eager":
         return "eager"
     if backend == "triton":
-        require_backend("triton")
+        require_backend("triton", tensor.device)
         return "triton"
     check_backend(backend)
-    if tensor.is_cuda and triton_unavailable_reason() is None:
+    if tensor.is_cuda and triton_unavailable_reason(tensor.device) is None:
         return "triton"
     return "eager"
 

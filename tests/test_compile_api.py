@@ -126,3 +126,22 @@ def test_cli_errors(tmp_path):
     r = _cli("missing.restopo", "-o", "m.pt", cwd=tmp_path)
     assert r.returncode == 1 and "missing.restopo" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "m.pt").exists()
+
+
+def test_deepcopy_and_pickle_keep_two_phase_members_linked():
+    import copy
+    model = restopo.compile(TEXT)
+    for clone in (copy.deepcopy(model), _pickled(model)):
+        assert clone.phases[0].members[0] is clone.aggregations[0]
+        with torch.no_grad():
+            clone.aggregations[1].pseudo_query.normal_()
+        idx = torch.randint(0, 61, (1, 4))
+        assert not torch.allclose(clone(idx), model(idx))  # the clone's own parameters
+
+
+def _pickled(model):
+    import io
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)

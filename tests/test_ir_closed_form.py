@@ -108,3 +108,41 @@ def test_blocks_outside_the_allowed_set_are_rejected(depth):
             continue
         with pytest.raises(SpecError, match="blocks must be between"):
             parse_spec(spec_text(depth, f"block_attnres(blocks: {n})"))
+
+
+def test_examples_live_values():
+    """Live values per token of every example against attnres.md: standard and the
+    single-stream family 1, Block N + 1, Full (and DenseFormer, which reads every source)
+    L + 1, the sliding window w + 1."""
+    from pathlib import Path
+
+    from restopo.spec import load_spec
+    want = {"standard": 1, "rezero": 1, "layerscale": 1, "highway": 1,
+            "block_attnres": 9, "block_heads16": 9, "block_no_key_norm": 9, "custom_wiring": 9,
+            "full_attnres": 33, "full_input_dependent": 33, "full_sigmoid": 33,
+            "full_no_key_norm": 33, "full_scalars": 33, "denseformer": 33,
+            "full_window8": 9, "tiny": 3}
+    examples = Path(__file__).resolve().parent.parent / "examples"
+    got = {p.stem: live_values_per_token(load_spec(p).ir())
+           for p in sorted(examples.glob("*.restopo"))}
+    assert got == want
+
+
+@pytest.mark.parametrize("depth,n", [(4, 2), (6, 3), (8, 8), (5, 2)])
+def test_two_phase_groups_follow_the_blocks(depth, n):
+    """Static-query softmax aggregations of one block read the same completed blocks: one
+    phase-1 group per block of two or more sublayers; an input-dependent query or a
+    sigmoid gate leaves nothing to batch."""
+    from restopo.ir import two_phase_plan
+    g = parse_spec(spec_text(depth, f"block_attnres(blocks: {n})")).ir()
+    sizes = block_sizes_by_count(depth, n)
+    plan = two_phase_plan(g)
+    first = [sum(sizes[:b]) + 1 for b in range(len(sizes))]
+    want = [tuple(f"agg{i}" for i in range(f, f + size)) for f, size in zip(first, sizes)
+            if size >= 2]
+    assert [p.members for p in plan] == want
+    for p in plan:
+        assert p.partials[0] is None and all(x is not None for x in p.partials[1:])
+    for opt in ("query: input_dependent", "gate: sigmoid"):
+        g = parse_spec(spec_text(depth, f"block_attnres(blocks: {n}, {opt})")).ir()
+        assert two_phase_plan(g) == []

@@ -40,6 +40,14 @@ def custom_sum_blocks(kinds):
     return Topology("sum_blocks", T.partition_by_count(kinds, 2), rule, head)
 
 
+def mixed_head(kinds, head_method):
+    """Sigmoid-gated Full AttnRes before each sublayer, a different method at the head."""
+    from restopo.topology import STANDARD_SOURCES
+    return Topology(f"head_{head_method}", tuple((i,) for i in range(1, len(kinds) + 1)),
+                    Rule("attend", STANDARD_SOURCES, gate="sigmoid"),
+                    Rule(head_method, STANDARD_SOURCES))
+
+
 def topologies(depth):
     k = T.sublayer_kinds(depth)
     yield "standard", T.standard(k)
@@ -63,6 +71,8 @@ def topologies(depth):
     yield "layerscale", T.layerscale(k)
     yield "highway", T.highway(k)
     yield "sum_blocks", custom_sum_blocks(k)
+    for method in ("sum", "rezero", "highway"):  # a stream head after a non-stream body
+        yield f"head_{method}", mixed_head(k, method)
 
 
 # depth 3: N = 2 does not divide the 3 layers (blocks of 2 and 1 layers); block_size 4
@@ -168,3 +178,34 @@ def test_kinds_mismatch_is_a_clear_error():
     g = build_ir(T.sublayer_kinds(3), T.standard(T.sublayer_kinds(3)), D)
     with pytest.raises(ValueError, match="built for sublayers"):
         lower(g, build_parts(cfg(2)))
+
+
+def test_foreign_parts_with_probed_context_and_dtype():
+    """Parts from elsewhere (as rewire builds them): context arity found by probing, new
+    aggregation parameters follow the model's dtype."""
+    from torch import nn
+
+    from restopo.fx.lower import lower
+    from restopo.fx.parts import Parts
+
+    class Mask(nn.Module):
+        def forward(self, idx, v0):
+            return (torch.ones(idx.shape[1], 1, dtype=v0.dtype),)
+
+    class Sub(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, h, mask):
+            return self.lin(h) * mask
+
+    k = T.sublayer_kinds(2)
+    parts = Parts(nn.Embedding(10, 8), [Sub() for _ in k], k, nn.Linear(8, 10), Mask())
+    parts.embed.double(), parts.sublayers.double(), parts.head.double()
+    gm = lower(build_ir(k, T.full_attnres(k)), parts)
+    assert gm.restopo_context_names == ("context_0",)
+    assert gm.aggregations[0].pseudo_query.dtype == torch.float64
+    assert gm(torch.randint(0, 10, (2, 3))).shape == (2, 3, 10)
+    with pytest.raises(ValueError, match="one kind per sublayer"):
+        Parts(nn.Embedding(10, 8), [Sub()], k, nn.Linear(8, 10))

@@ -104,11 +104,13 @@ def test_unknown_backend_and_heads_errors():
 
 
 def test_triton_backend_says_why_it_cannot_run(monkeypatch):
-    why = ops.triton_unavailable_reason()
-    if why is None:
-        pytest.skip("triton can run here")
-    with pytest.raises(RuntimeError, match="cannot run"):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert "TRITON_INTERPRET" in ops.triton_unavailable_reason()
+    with pytest.raises(RuntimeError, match="backend 'triton' cannot run"):
         ops.depth_attention(torch.randn(2, 3, 8), torch.zeros(8), backend="triton")
+    with pytest.raises(RuntimeError, match="cannot run"):
+        ops.require_backend("triton")
 
 
 def test_auto_uses_eager_on_cpu():

@@ -177,3 +177,27 @@ def test_inspect_pipeline_cli(capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "at most 32 chunks" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("method", ["rezero", "layerscale", "highway"])
+def test_stream_updates_send_one_running_value(method):
+    from restopo.topology import STANDARD_SOURCES, Rule
+    k = sublayer_kinds(4)
+    rule = Rule(method, STANDARD_SOURCES)
+    plan = make_plan(build_ir(k, Topology(method, partition_by_count(k, 1), rule, rule), 8),
+                     2, 2)
+    assert [[v.name for v in h.cached] for h in plan.hops] == [["stream"]] * 3
+    # the update after a chunk's last sublayer belongs to that chunk (so h_{s+1} crosses)
+    assert all(c.sublayers[-1] + 1 in c.aggregations for c in plan.chunks)
+
+
+def test_denseformer_sends_every_output_once_per_rank():
+    from restopo.topology import STANDARD_SOURCES, Rule
+    k = sublayer_kinds(4)
+    rule = Rule("scalars", STANDARD_SOURCES)
+    plan = make_plan(build_ir(k, Topology("dense", partition_by_count(k, 1), rule, rule), 8),
+                     2, 2, costs=EQUAL)
+    # naive: every output so far at every hop; cached: only those the rank has not seen
+    assert [len(h.naive) for h in plan.hops] == [3, 5, 7]
+    # rank 1 received 1-2 at the first hop and produced 3-4 itself
+    assert [v.name for v in plan.hops[2].cached] == ["sublayer5", "sublayer6"]

@@ -155,9 +155,10 @@ def test_blocks_larger_than_the_model_is_a_spec_error():
 
 def test_unknown_family_is_refused():
     torch.manual_seed(0)
-    cfg = transformers.GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=32)
-    with pytest.raises(RewireError, match="GPT2LMHeadModel .*Llama-family"):
-        rewire(transformers.GPT2LMHeadModel(cfg), "residual full_attnres\n")
+    cfg = transformers.GPTNeoXConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2,
+                                     num_attention_heads=4, intermediate_size=64)
+    with pytest.raises(RewireError, match="GPTNeoXForCausalLM .*family rewire does not know"):
+        rewire(transformers.GPTNeoXForCausalLM(cfg), "residual full_attnres\n")
 
 
 class SandwichLayer(transformers.models.llama.modeling_llama.LlamaDecoderLayer):
@@ -173,3 +174,16 @@ def test_a_layer_that_departs_from_the_layout_is_caught_by_the_self_check():
     m.model.layers[1].__class__ = SandwichLayer
     with pytest.raises(RewireError, match="do not reproduce the model's output"):
         rewire(m, "residual full_attnres\n")
+
+
+def test_deepcopy_copies_the_pieces_with_the_model():
+    import copy
+    m = llama()
+    r = rewire(m, "residual block_attnres(blocks: 2)\n")
+    idx = tokens()
+    before = r(idx).logits
+    c = copy.deepcopy(r)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(1.0)
+    torch.testing.assert_close(c(idx).logits, before, rtol=0, atol=0)

@@ -219,3 +219,44 @@ def test_untraceable_model_gets_a_clear_error():
 def test_not_a_module_is_refused():
     with pytest.raises(RewireError, match="torch.nn.Module"):
         rewire(lambda idx: idx, "residual full_attnres\n")
+
+
+def test_deepcopy_copies_the_pieces_with_the_model():
+    import copy
+    m = gpt()
+    r = rewire(m, "residual full_attnres\n")
+    randomise(r)
+    idx, targets = tokens()
+    before = r(idx, targets)
+    c = copy.deepcopy(r)
+    assert not {id(p) for p in c.parameters()} & {id(p) for p in r.parameters()}
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(1.0)
+    after = c(idx, targets)  # the copy runs on its own weights, not the changed original
+    torch.testing.assert_close(after[0], before[0], rtol=0, atol=0)
+    torch.testing.assert_close(c(idx)[0], before[0][:, -1:], rtol=0, atol=1e-12)  # new pattern
+
+
+EXAMPLES = sorted((__import__("pathlib").Path(__file__).parents[1] / "examples").glob("*.restopo"))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_every_example_spec_rewires_nanogpt(path):
+    """The examples are written for restopo's own model; their model and train sections
+    are not read, only the residual one."""
+    m = gpt(n_layer=4)
+    r = rewire(m, path)
+    idx, targets = tokens()
+    logits, loss = r(idx, targets)
+    assert logits.shape == (2, 12, 128) and loss.isfinite()
+    loss.backward()
+    assert all(p.grad is not None for p in m.parameters())
+
+
+def test_denseformer_starts_as_the_standard_residual():
+    """DenseFormer's per-source scalars start at one: the plain sum, the original model."""
+    m = gpt()
+    r = rewire(m, "residual denseformer\n")
+    idx, targets = tokens()
+    torch.testing.assert_close(r(idx, targets)[0], m(idx, targets)[0], rtol=0, atol=1e-12)

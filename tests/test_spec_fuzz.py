@@ -19,7 +19,8 @@ TEXTS = [p.read_text() for p in EXAMPLES]
 TOKEN = re.compile(r"\s+|#[^\n]*|[A-Za-z_][A-Za-z0-9_]*|-?[0-9][0-9_.]*(?:[eE][+-]?[0-9]+)?[A-Za-z]*|.",
                    re.S)
 NUMBER = re.compile(r"-?[0-9]")
-JUNK = list("{}()[]:;,=#\"'@.\\/-+*\t\n\x00é€") + ["0", "9x", "1e", "__", "before", "window("]
+JUNK = list("{}()[]:;,=#\"'@.\\/-+*\t\n\x00é€") + [
+    "0", "9x", "1e", "__", "before", "window(", "1e999", "1" + "0" * 60, "-" + "9" * 5000]
 
 
 def tokens(text: str) -> list[str]:
@@ -66,7 +67,7 @@ def test_mutated_examples_give_spec_or_spec_error(text):
     except SpecError as e:
         assert_spec_error(e)
         return
-    if spec.model is not None:
+    if spec.model is not None and len(spec.model.kinds) <= 512:  # a mutated depth may be huge
         try:
             g = spec.ir()
         except SpecError as e:

@@ -130,6 +130,12 @@ def test_overrides_apply_and_are_recorded():
                               "parallel.stages=2")
     spec = load_spec(base, overrides=("residual=full_attnres(gate: sigmoid)",))
     assert spec.residual.name == "full_attnres" and spec.residual.option("gate") == "sigmoid"
+    # setting one way of cutting blocks replaces the other
+    spec = load_spec(EXAMPLES / "custom_wiring.restopo", overrides=("residual.blocks=4",))
+    assert (spec.residual.blocks, spec.residual.block_size) == (4, None)
+    spec = load_spec(base, overrides=("residual.block_size=4",))
+    assert (spec.residual.blocks, spec.residual.block_size) == (None, 4)
+    assert [len(b) for b in spec.topology.blocks] == [4, 4]
     # `custom` wiring needs its rules in braces, which a --set cannot give
     with pytest.raises(SpecError, match="unknown topology 'custom'"):
         load_spec(base, overrides=("residual=custom",))
@@ -213,3 +219,41 @@ def test_examples_have_the_paper_settings():
     tiny = load("tiny")
     assert (tiny.model.vocab, tiny.model.width, tiny.model.depth, tiny.model.heads,
             tiny.model.context, tiny.train.batch) == (256, 64, 4, 4, 64, 16)
+
+
+@pytest.mark.parametrize("value", ["1e400", "1" + "0" * 60, "9" * 5000, "-" + "9" * 5000,
+                                   "3000000000"])
+def test_huge_numbers_are_spec_errors(value):
+    text = ("model { vocab: 256; width: 64; depth: 2; heads: 4; context: 64 }\n"
+            f"residual full_attnres(window: {value})\ntrain {{ lr: {value} }}")
+    with pytest.raises(SpecErrors) as info:
+        parse_spec(text)
+    assert [e.line for e in info.value.errors] == [2, 3]
+
+
+def test_crlf_tabs_and_byte_order_mark(tmp_path):
+    p = tmp_path / "w.restopo"
+    text = "model {\r\n\tvocab: 256\r\n\twidth: 64; depth: 2\r\n\theads: 4; context: 8\r\n}\r\n" \
+           "residual block_attnres(blocks: 2)\r\n"
+    p.write_bytes(b"\xef\xbb\xbf" + text.encode())
+    spec = load_spec(p)
+    assert spec.model.depth == 2 and spec.residual.blocks == 2
+
+
+def test_named_topology_with_braces():
+    a = parse_spec("model { vocab: 256; width: 64; depth: 4; heads: 4; context: 8 }\n"
+                   "residual block_attnres {\n  blocks: 2\n  key_norm: none\n}")
+    b = parse_spec("model { vocab: 256; width: 64; depth: 4; heads: 4; context: 8 }\n"
+                   "residual block_attnres(blocks: 2, key_norm: none)")
+    assert a.residual == b.residual and a.topology == b.topology
+
+
+def test_data_override_takes_a_bare_path():
+    base = EXAMPLES / "tiny.restopo"
+    assert load_spec(base, ("train.data=data/corpus.txt",)).train.data == "data/corpus.txt"
+    assert load_spec(base, ('train.data="a b.txt"',)).train.data == "a b.txt"
+    assert load_spec(base, ("train.data=builtin:stdlib",)).train.data == "builtin:stdlib"
+    spec = load_spec(base, ("train.data=corpus",))
+    assert spec.train.data == "corpus" and spec.train.where("data").source == "<--set 1>"
+    with pytest.raises(SpecError, match="did you mean 'builtin:stdlib'"):
+        load_spec(base, ("train.data=stdlib",))

@@ -27,6 +27,7 @@ def cache(tmp_path_factory):
 @pytest.fixture
 def spec(tmp_path, cache, monkeypatch):
     monkeypatch.setenv("RESTOPO_CACHE", str(cache))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # the default: one thread
     path = tmp_path / "t.restopo"
     path.write_text(SPEC)
     return path
@@ -48,6 +49,18 @@ def test_train_then_extend_from_the_checkpoint_alone(spec, tmp_path, capsys):
     assert [r["step"] for r in recs] == list(range(1, 13))
     meta = json.loads((out / "ckpt" / "step_000012" / "meta.json").read_text())
     assert "train.steps=12" in meta["overrides"] and meta["spec_text"] == SPEC
+
+
+def test_a_new_run_never_mixes_with_an_old_ones_checkpoints(spec, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", str(spec), "--out", str(out), "--no-progress", "--steps", "8"]) == 0
+    err = _error(capsys, ["train", str(spec), "--out", str(out), "--steps", "4"])
+    assert "already holds a run (latest checkpoint step_000008)" in err and "--resume" in err
+    assert main(["train", str(spec), "--out", str(out), "--no-progress", "--steps", "4",
+                 "--overwrite"]) == 0
+    assert [p.name for p in (out / "ckpt").iterdir() if p.name.startswith("step")] == [
+        "step_000004"]
+    assert [r["step"] for r in metrics(out)] == [1, 2, 3, 4]
 
 
 def _error(capsys, argv):

@@ -20,6 +20,15 @@ def tiny_model(seed=0):
     return build_model(TINY, block_attnres(TINY.kinds, blocks=2), backend="eager")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models train fastest on one thread (and the test machine's cores are shared)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     return open_corpus("builtin:stdlib", cache_dir=tmp_path_factory.mktemp("cache"),

@@ -68,15 +68,17 @@ class Inject(torch.autograd.Function):
 
 
 class Boundary(torch.autograd.Function):
-    """A tensor crossing a stage boundary: a contiguous copy forward, a contiguous gradient
-    backward. gloo refuses non-contiguous tensors, and a gradient through `einsum` or `cat`
-    can arrive permuted while the runtime allocates buffers with the forward's strides. The
-    copy also keeps a forwarded input from being sent as the stage's own leaf."""
+    """A tensor crossing a stage boundary: a contiguous copy in the wire dtype forward, a
+    contiguous gradient backward. gloo refuses non-contiguous tensors, and a gradient through
+    `einsum` or `cat` can arrive permuted while the runtime allocates buffers with the
+    forward's strides. The copy also keeps a forwarded input from being sent as the stage's
+    own leaf, and a bf16 activation under autocast from meeting an fp32 receive buffer."""
 
     @staticmethod
-    def forward(ctx, x):
-        return x.clone(memory_format=torch.contiguous_format)
+    def forward(ctx, x, dtype=torch.float32):
+        ctx.dtype = x.dtype
+        return x.to(dtype).clone(memory_format=torch.contiguous_format)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad.contiguous()
+        return grad.to(ctx.dtype).contiguous(), None

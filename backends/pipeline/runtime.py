@@ -110,9 +110,11 @@ class Pipeline:
             plan, self.g, parts, aggs, rank, cached=cached, n_microbatches=n_microbatches)
         self.vocab = _vocab(parts.head)
         self._tied = _cross_rank_parameters(plan, self.g, parts, aggs)
+        self.width = plan.width or self.g.graph.get("width") or parts.embed.weight.shape[1]
         self._stages = None
         self._shape = None
-        self.sent = {"forward": 0, "backward": 0}
+        self.sent = {"forward": 0, "backward": 0}       # bytes sent by this process, all steps
+        self.last_sent = {"forward": 0, "backward": 0}  # ... in the last step
 
     # ------------------------------------------------------------------ parameters
     def parameters(self):
@@ -135,7 +137,7 @@ class Pipeline:
         if batch % M:
             raise ValueError(f"batch {batch} does not split into {M} microbatches; use a "
                              f"batch that is a multiple of the microbatch count")
-        mb, d = batch // M, self.plan.width or self.g.graph["width"]
+        mb, d = batch // M, self.width
         dev, C = self.device, self.plan.n_chunks
         stages = []
         for m in self.chunks:
@@ -181,7 +183,6 @@ class Pipeline:
         self._schedule.step(*args, **kwargs)
         self.chunks[0].cache.clear()
         for k in self.sent:
-            self.last_sent = getattr(self, "last_sent", {})
             self.last_sent[k] = sum(s.sent[k] for s in self._stages) - before[k]
             self.sent[k] += self.last_sent[k]
         self._sync_grads()

@@ -57,6 +57,9 @@ class ChunkModule(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, *inputs):
+        # PipelineStage does not tell the module which microbatch it runs; every schedule
+        # runs a stage's forwards in microbatch order, once each per step, and the runtime
+        # resets `calls` before each step, so the count names the microbatch (the cache key).
         mb = self.calls % self.n_microbatches
         self.calls += 1
         env = _Env(self, mb)
@@ -88,7 +91,7 @@ class ChunkModule(nn.Module):
             l = self.L + 1
             if l not in env.h:
                 env.h[l] = self._aggregate(env, l)
-            return self.head(env.h[l])
+            return self.head(env.h[l]).float()
         outs = [Boundary.apply(env.value(v)) for v in self.out_values]
         if self.keep:
             # Keep one copy of each value later chunks of this rank read, and route the

@@ -80,12 +80,20 @@ def phase1(completed: torch.Tensor, queries: torch.Tensor,
     return o1, m1, s1
 
 
+def _heads_of(o1, m1, s1) -> int:
+    """Depth heads of phase 1's result (m1 and s1 are [*batch, heads]); checks the shapes."""
+    heads = m1.shape[-1] if m1.dim() == o1.dim() else 0
+    if (heads < 1 or o1.shape[-1] % heads or tuple(m1.shape[:-1]) != tuple(o1.shape[:-1])
+            or m1.shape != s1.shape):
+        raise ValueError(f"m1 and s1 must be {tuple(o1.shape[:-1]) + (1,)} (or [..., heads]) "
+                         f"for o1 of shape {tuple(o1.shape)}; got {tuple(m1.shape)} and "
+                         f"{tuple(s1.shape)}")
+    return heads
+
+
 def _phase2(o1, m1, s1, partial, query, key_norm_weight, eps, norm_weight, norm_eps,
             key_norm, with_norm):
     d = o1.shape[-1]
-    if tuple(m1.shape) != tuple(o1.shape[:-1]) + (1,) or m1.shape != s1.shape:
-        raise ValueError(f"m1 and s1 must be {tuple(o1.shape[:-1]) + (1,)} for o1 of shape "
-                         f"{tuple(o1.shape)}; got {tuple(m1.shape)} and {tuple(s1.shape)}")
     if partial is not None and partial.shape != o1.shape:
         raise ValueError(f"partial has shape {tuple(partial.shape)}, expected {tuple(o1.shape)}")
     _check_query("query", query, (d,))
@@ -100,7 +108,7 @@ def phase2(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor, partial: torch.
            *, key_norm: bool = True) -> torch.Tensor:
     """Merge the block's partial sum (before this sublayer's output is added) into phase 1's
     (o1, m1, s1) of this sublayer's query; h = o1 / s1 when partial is None."""
-    if m1.shape[-1] != 1:  # depth heads > 1
+    if _heads_of(o1, m1, s1) != 1:  # depth heads > 1
         return _eager.phase2(o1, m1, s1, partial, query, key_norm_weight, eps,
                              key_norm=key_norm)
     h, _ = _phase2(o1, m1, s1, partial, query, key_norm_weight, eps, None, eps, key_norm, False)
@@ -115,7 +123,7 @@ def phase2_norm(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor,
     """phase2 fused with the next sublayer's PreNorm: (h, rms_norm(h) * norm_weight).
     norm_eps defaults to eps."""
     norm_eps = eps if norm_eps is None else norm_eps
-    if m1.shape[-1] != 1:
+    if _heads_of(o1, m1, s1) != 1:
         h = _eager.phase2(o1, m1, s1, partial, query, key_norm_weight, eps, key_norm=key_norm)
         return h, F.rms_norm(h, (h.shape[-1],), norm_weight, norm_eps)
     return _phase2(o1, m1, s1, partial, query, key_norm_weight, eps, norm_weight, norm_eps,

@@ -91,7 +91,8 @@ def phase1_op(completed: Tensor, queries: Tensor, key_norm_weights: Optional[Ten
 
 @phase1_op.register_fake
 def _(completed, queries, key_norm_weights, eps, key_norm):
-    S, n, batch, d = queries.shape[0], completed.shape[0], completed.shape[1:-1], completed.shape[-1]
+    S, n, d = queries.shape[0], completed.shape[0], completed.shape[-1]
+    batch = completed.shape[1:-1]
     acc = acc_dtype(completed.dtype)
     rows = batch.numel()
     return (completed.new_empty((S, *batch, d)), completed.new_empty((S, *batch, 1), dtype=acc),

@@ -403,7 +403,8 @@ def phase2_forward(o1, m1, s1, partial, query, gain, norm_weight, eps, norm_eps,
     if rows:
         nw = norm_weight if norm_weight is not None else u
         rt.kernel(_phase2_fwd, o1.device)[(triton.cdiv(rows, block_r),)](
-            o, m, s, p, u, nw, h, y if with_norm else h, rows, d, o.stride(0), p.stride(0), eps, norm_eps,
+            o, m, s, p, u, nw, h, y if with_norm else h, rows, d, o.stride(0), p.stride(0),
+            eps, norm_eps,
             HAS_PARTIAL=partial is not None, KEY_NORM=key_norm, HAS_NORM=with_norm,
             HAS_NW=norm_weight is not None, ACC=rt.tl_acc(o1.dtype), BLOCK_R=block_r,
             BLOCK_D=block_d, num_warps=rt.num_warps(block_r * block_d))

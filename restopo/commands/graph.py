@@ -63,7 +63,15 @@ def run(args) -> int:
     if suffix in (".dot", ".gv"):
         write_atomic(args.output, lambda tmp: _write_text(tmp, dot))
     elif engine != "matplotlib" and shutil.which("dot"):
-        write_atomic(args.output, lambda tmp: _render_dot(dot, suffix[1:], tmp))
+        try:
+            write_atomic(args.output, lambda tmp: _render_dot(dot, suffix[1:], tmp))
+        except (OSError, subprocess.SubprocessError) as e:
+            if engine == "graphviz":
+                print(f"restopo graph: error: dot failed: {_dot_message(e)}", file=sys.stderr)
+                return 1
+            print(f"restopo graph: dot failed ({_dot_message(e)}); drawing with matplotlib",
+                  file=sys.stderr)
+            write_atomic(args.output, lambda tmp: draw_matplotlib(g, title, tmp, suffix[1:]))
     else:
         write_atomic(args.output, lambda tmp: draw_matplotlib(g, title, tmp, suffix[1:]))
     print(f"wrote {args.output}")
@@ -90,6 +98,12 @@ def write_atomic(path: str, write) -> None:
 def _write_text(path: str, text: str) -> None:
     with open(path, "w", encoding="utf-8") as f:
         f.write(text)
+
+
+def _dot_message(e: Exception) -> str:
+    err = getattr(e, "stderr", None)
+    text = err.decode(errors="replace").strip() if isinstance(err, bytes) else str(e)
+    return text.splitlines()[-1] if text else type(e).__name__
 
 
 def _render_dot(dot: str, fmt: str, out: str) -> None:
@@ -196,9 +210,12 @@ def to_dot(g, title: str = "restopo") -> str:
 
 # -- the matplotlib fallback ----------------------------------------------------------------
 def layered_positions(g, keep) -> dict:
-    """Rows in execution order (the embedding on top); columns by kind."""
-    column = {"embedding": 0.0, "aggregation": 1.0, "sublayer": 2.0, "partial": 3.0,
-              "block": 3.6, "head": 2.0}
+    """Rows in execution order (the embedding on top, the head at the bottom); columns by
+    kind: values read by aggregations on the left and right, aggregations and sublayers
+    in the middle."""
+    column = {"embedding": 0.0, "aggregation": 1.2, "sublayer": 2.4, "partial": 3.4,
+              "block": 4.2, "head": 2.4}
+    L = len(g.graph["kinds"])
     pos = {}
     for n in keep:
         a = g.nodes[n]
@@ -206,15 +223,15 @@ def layered_positions(g, keep) -> dict:
         if kind == "embedding":
             row = 0.0
         elif kind == "aggregation":
-            row = a["index"] - 0.3
+            row = a["index"] - 0.4 if a["before"] != "head" else L + 1.3
         elif kind == "sublayer":
             row = float(a["index"])
         elif kind == "partial":
             row = a["produced"] + 0.5
         elif kind == "block":
-            row = a["produced"] + 0.7
+            row = a["produced"] + 0.6
         else:
-            row = len(g.graph["kinds"]) + 1.4
+            row = L + 2.0
         pos[n] = (column[kind], -row)
     return pos
 
@@ -230,28 +247,37 @@ def draw_matplotlib(g, title: str, out: str, fmt: str) -> None:
     sub = g.subgraph(keep)
     pos = layered_positions(g, keep)
     L = len(g.graph["kinds"])
-    fig, ax = plt.subplots(figsize=(9, max(4.0, 0.55 * (L + 3))))
+    fig, ax = plt.subplots(figsize=(9, max(4.0, 0.6 * (L + 3))))
     for b, members in enumerate(g.graph["blocks"], start=1):
-        top, bottom = -(members[0] - 0.7), -(members[-1] + 0.9)
-        ax.add_patch(FancyBboxPatch((0.6, bottom), 3.4, top - bottom,
+        top, bottom = -(members[0] - 0.75), -(members[-1] + 0.85)
+        ax.add_patch(FancyBboxPatch((0.75, bottom), 3.95, top - bottom,
                                     boxstyle="round,pad=0.02", fc="#f7f7f7", ec="#999999",
                                     ls="--", lw=0.8, zorder=0))
-        ax.text(4.05, (top + bottom) / 2, f"block {b}", va="center", fontsize=8, color="#555555")
+        ax.text(4.8, (top + bottom) / 2, f"block {b}", va="center", fontsize=8, color="#555555")
     colors = {"embedding": "#cfe8ff", "sublayer": "#ffe9c7", "block": "#d9f2d0",
               "partial": "#eef8ea", "aggregation": "#f3e1ff", "head": "#cfe8ff"}
-    nx.draw_networkx_edges(sub, pos, ax=ax, arrows=True, arrowsize=6, width=0.5,
-                           edge_color="#777777", alpha=0.6, node_size=600,
-                           connectionstyle="arc3,rad=0.15")
+    kinds = {n: g.nodes[n]["kind"] for n in keep}
+    member = [(u, v) for u, v in sub.edges() if kinds[v] in ("block", "partial")]
+    feeds = [(u, v) for u, v in sub.edges() if kinds[u] == "aggregation"]
+    reads = [(u, v) for u, v in sub.edges() if kinds[v] == "aggregation"]
+    common = dict(ax=ax, arrows=True, arrowsize=7, node_size=700)
+    nx.draw_networkx_edges(sub, pos, edgelist=member, width=0.4, style="dotted",
+                           edge_color="#aaaaaa", connectionstyle="arc3,rad=0.1", **common)
+    nx.draw_networkx_edges(sub, pos, edgelist=reads, width=0.6, edge_color="#3b6fb6",
+                           alpha=0.7, connectionstyle="arc3,rad=0.2", **common)
+    nx.draw_networkx_edges(sub, pos, edgelist=feeds, width=1.4, edge_color="#333333", **common)
     for kind, shape in (("aggregation", "o"), ("embedding", "s"), ("sublayer", "s"),
                         ("partial", "s"), ("block", "s"), ("head", "s")):
-        nodes = [n for n in keep if g.nodes[n]["kind"] == kind]
+        nodes = [n for n in keep if kinds[n] == kind]
         if nodes:
-            nx.draw_networkx_nodes(sub, pos, nodelist=nodes, node_shape=shape, node_size=600,
+            nx.draw_networkx_nodes(sub, pos, nodelist=nodes, node_shape=shape, node_size=700,
                                    node_color=colors[kind], edgecolors="#444444",
                                    linewidths=0.6, ax=ax)
     labels = {n: _label(g, n).replace("\\n", "\n") for n in keep}
     nx.draw_networkx_labels(sub, pos, labels=labels, font_size=5, ax=ax)
-    ax.set_title(title, fontsize=10)
+    ax.set_title(title + "\nblue: what each aggregation reads; dotted: block and partial sums",
+                 fontsize=9)
+    ax.set_xlim(-0.6, 5.4)
     ax.set_axis_off()
     fig.tight_layout()
     fig.savefig(out, format=fmt, dpi=150)

@@ -128,7 +128,8 @@ def format_text(report: dict) -> str:
     same = len(set(sizes)) == 1
     lines = [head,
              f"  blocks                 {report['blocks']} ("
-             + (f"{sizes[0]} sublayers each" if same else "sizes " + " ".join(map(str, sizes)))
+             + (f"{sizes[0]} sublayer{'s' * (sizes[0] != 1)}{' each' * (len(sizes) > 1)}"
+                if same else "sizes " + " ".join(map(str, sizes)))
              + ")",
              f"  live values per token  {report['live_values_per_token']}"]
     if report.get("added_parameters") is not None:

@@ -40,12 +40,23 @@ def register(subparsers) -> None:
                    help="aggregation kernels (default: triton on CUDA when available)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the latest checkpoint in OUT/ckpt")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start a new run in an OUT that holds an earlier run's checkpoints "
+                        "(they are deleted)")
     p.add_argument("--nproc", type=int, metavar="N",
                    help="launch N processes through torchrun (data parallel)")
     p.add_argument("--max-restarts", type=int, default=0, metavar="R",
                    help="with --nproc: let torchrun restart a failed job R times (each "
                         "restart resumes from the latest checkpoint)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--threads", type=int, metavar="N",
+                   help="CPU threads per process (default: $OMP_NUM_THREADS, else 1: the "
+                        "small models trained on CPU gain little from more threads and slow "
+                        "down badly when the cores are shared)")
+    p.add_argument("--pipeline", metavar="PxV",  # -- pipeline parallel (backends/pipeline) --
+                   help="pipeline parallel: P stages x V virtual stages (needs a multiple "
+                        "of P processes: --nproc P, or torchrun); the spec's parallel "
+                        "section gives schedule, microbatches and cache")
     p.set_defaults(func=run)
 
 
@@ -80,20 +91,52 @@ def _worker_argv(args) -> list[str]:
     argv += ["--device", args.device, "--backend", args.backend]
     if args.resume:
         argv.append("--resume")
+    if args.overwrite:
+        argv.append("--overwrite")
+    if args.pipeline:
+        argv += ["--pipeline", args.pipeline]
     if args.no_progress:
         argv.append("--no-progress")
+    if args.threads is not None:
+        argv += ["--threads", str(args.threads)]
     return argv
 
 
 def run(args) -> int:
+    import torch
+
     from ..train.checkpoint import CheckpointError
     from ..train.data import DataError
+    from ..backends.pipeline.plan import PlanError
     from ..train.loop import TrainingError
 
+    if args.threads is not None and args.threads < 1:
+        return _fail("--threads must be at least 1")
+    threads = torch.get_num_threads()
+    if args.threads is not None or "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(args.threads or 1)
     try:
         return _run(args)
-    except (DataError, CheckpointError, TrainingError, _Stop) as e:
+    except (DataError, CheckpointError, TrainingError, PlanError, _Stop) as e:
         return _fail(str(e))
+    finally:
+        torch.set_num_threads(threads)  # main() may run inside a longer-lived process
+
+
+def _fresh_start(out: Path, overwrite: bool) -> None:
+    """A new run must not mix with an old one's checkpoints (resume would pick theirs)."""
+    import shutil
+
+    from ..train.checkpoint import latest_checkpoint
+
+    old = latest_checkpoint(out / "ckpt")
+    if old is None:
+        return
+    if not overwrite:
+        raise _Stop(f"{out} already holds a run (latest checkpoint {old.name}); continue it "
+                    f"with --resume, start over with --overwrite, or choose another --out")
+    if os.environ.get("RANK", "0") == "0":
+        shutil.rmtree(out / "ckpt", ignore_errors=True)
 
 
 def _load_spec(args, out: Path | None):
@@ -106,7 +149,7 @@ def _load_spec(args, out: Path | None):
     if args.spec is None:
         if not (args.resume and out is not None):
             raise _Stop("give a SPEC file (or --resume with --out DIR to continue "
-                                   "a run from its checkpoint)")
+                        "a run from its checkpoint)")
         step_dir = latest_checkpoint(out / "ckpt")
         if step_dir is None:
             raise _Stop(f"nothing to resume: no checkpoint in {out / 'ckpt'}")
@@ -117,7 +160,9 @@ def _load_spec(args, out: Path | None):
     step_dir = latest_checkpoint(out / "ckpt") if resume else None
     if args.resume and step_dir is None:
         raise _Stop(f"--resume: no checkpoint in {out / 'ckpt'} to resume from; "
-                               f"drop --resume to start a new run")
+                    f"drop --resume to start a new run")
+    if not resume:
+        _fresh_start(out, args.overwrite)
     if step_dir is not None:
         old = read_meta(step_dir)
         if old.get("spec_text") != spec.text:
@@ -165,10 +210,15 @@ def _run(args) -> int:
                   f"on {corpus.description}; {cfg.steps} steps x {cfg.batch} x "
                   f"{cfg.context} tokens, {ctx.world} process(es) on {ctx.device}"
                   + (f"; resuming from {step_dir}" if step_dir else ""), file=sys.stderr)
+        from ..backends.pipeline.train import PipelineConfig
+        # --pipeline, or the spec's parallel section when several processes run
+        pipeline = PipelineConfig.resolve(args.pipeline, spec.parallel if ctx.distributed
+                                          or args.pipeline else None)
         try:
             summary = train(model, corpus, cfg, out, ctx,
                             meta=runspec.run_meta(spec, runspec.data_base(spec)),
-                            resume_from=step_dir, progress=not args.no_progress)
+                            resume_from=step_dir, progress=not args.no_progress,
+                            pipeline=pipeline)
         except DataError as e:
             raise spec.error(*e.where, str(e)) from None
     finally:

@@ -57,6 +57,10 @@ def lower(g: nx.DiGraph, parts: Parts, backend: str = "auto", two_phase: bool = 
         root.context = parts.context
     if aggregations is None:
         aggregations = nn.ModuleList(make_aggregation(g.nodes[a], d, backend) for a in aggs)
+        # new parameters live where the model's do (a rewired model may be bf16 on CUDA)
+        p = next((p for p in parts.embed.parameters() if p.is_floating_point()), None)
+        if p is not None:
+            aggregations.to(device=p.device, dtype=p.dtype)
     elif len(aggregations) != len(aggs):
         raise ValueError(f"got {len(aggregations)} aggregation modules for the IR's {len(aggs)}")
     root.aggregations = aggregations
@@ -64,7 +68,8 @@ def lower(g: nx.DiGraph, parts: Parts, backend: str = "auto", two_phase: bool = 
     root.phases = nn.ModuleList(
         TwoPhase([root.aggregations[g.nodes[m]["index"] - 1] for m in grp.members], backend)
         for grp in plan)
-    graph = _Emitter(g, parts, root, plan).emit()
+    emitter = _Emitter(g, parts, plan)
+    graph = emitter.emit()
     gm = fx.GraphModule(root, graph, class_name="RestopoModel")
     # GraphModule copies only what the graph calls; keep whole containers so every
     # aggregation (also ones lowered as plain adds) is in the module and its state_dict.
@@ -72,7 +77,7 @@ def lower(g: nx.DiGraph, parts: Parts, backend: str = "auto", two_phase: bool = 
         if hasattr(root, name):
             setattr(gm, name, getattr(root, name))
     gm.restopo_ir = g
-    gm.restopo_context_names = parts.context_names
+    gm.restopo_context_names = emitter.context_names
     gm.backend = backend
     return gm
 
@@ -88,24 +93,21 @@ def _width_of(embed: nn.Module) -> int:
 class _Emitter:
     """Writes the fx Graph: one node per value, named after the IR."""
 
-    def __init__(self, g: nx.DiGraph, parts: Parts, root: nn.Module, plan):
-        self.g, self.parts, self.root = g, parts, root
+    def __init__(self, g: nx.DiGraph, parts: Parts, plan):
+        self.g, self.parts = g, parts
         self.graph = fx.Graph()
         self.values: dict[str, fx.Node] = {}
         self.group_of = {m: (k, s) for k, grp in enumerate(plan)
                          for s, m in enumerate(grp.members)}
         self.plan = plan
         self.phase1: dict[int, fx.Node] = {}
+        self.context_names: tuple[str, ...] | None = None
 
     def node(self, op: str, target, args=(), kwargs=None, name: str | None = None) -> fx.Node:
         return self.graph.create_node(op, target, tuple(args), kwargs or {}, name=name)
 
-    def add(self, values: list[fx.Node], name: str) -> fx.Node:
-        out = values[0]
-        for i, v in enumerate(values[1:], start=2):
-            out = self.node("call_function", operator.add, (out, v),
-                            name=name if i == len(values) else None)
-        return out
+    def add(self, a: fx.Node, b: fx.Node, name: str) -> fx.Node:
+        return self.node("call_function", operator.add, (a, b), name=name)
 
     def emit(self) -> fx.Graph:
         g, L = self.g, self.g.graph["sublayers"]
@@ -130,7 +132,7 @@ class _Emitter:
         parts = self.parts
         if parts.context is None:
             return []
-        names = parts.context_names or _probe_context(parts)
+        names = self.context_names = parts.context_names or _probe_context(parts)
         ctx = self.node("call_module", "context", (idx, self.values["embedding"]),
                         name="context")
         return [self.node("call_function", operator.getitem, (ctx, i), name=n)
@@ -150,8 +152,7 @@ class _Emitter:
         else:  # a block of >= 2 sublayers: its last partial plus its last output
             prev = self.value(f"partial{at['index']}.{len(members)}")
             name = f"block{at['index']}"
-        out = self.node("call_function", operator.add,
-                        (prev, self.value(f"sublayer{members[-1]}")), name=name)
+        out = self.add(prev, self.value(f"sublayer{members[-1]}"), name)
         self.values[v] = out
         return out
 
@@ -162,14 +163,16 @@ class _Emitter:
         if is_stream(g, a):
             if l == 1:
                 return self.value("embedding")
-            prev_stream = l == 2 or is_stream(g, f"agg{l - 1}")
+            prev_stream = is_stream(g, f"agg{l - 1}")
             if method == "sum" and prev_stream:
-                return self.add([h_prev, self.value(f"sublayer{l - 1}")], f"h{l}")
+                return self.add(h_prev, self.value(f"sublayer{l - 1}"), f"h{l}")
             if method != "sum":
                 return self.node("call_module", target,
                                  (h_prev, self.value(f"sublayer{l - 1}")), name=f"h{l}")
-        if method == "sum":
-            return self.add([self.value(s) for s in srcs], f"h{l}")
+        if method == "sum" and len(srcs) == 1:
+            return self.value(srcs[0])
+        if method == "sum" and len(srcs) == 2:  # more sources: one call to the Sum module
+            return self.add(self.value(srcs[0]), self.value(srcs[1]), f"h{l}")
         if a in self.group_of:
             k, slot = self.group_of[a]
             grp = self.plan[k]

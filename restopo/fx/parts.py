@@ -3,8 +3,10 @@
 `Parts` is what `restopo.fx.lower.lower` needs to know about a transformer: how tokens
 become the first source v_0, the sublayers f_1..f_L (each with its PreNorm inside, so
 v_l = f_l(h_l) is the raw output without any residual added), and how the last aggregation
-h_{L+1} becomes logits. restopo's own reference model (restopo.nn.model) and rewired
-third-party models (restopo.fx.rewire) both hand their pieces over in this form.
+h_{L+1} becomes logits. `restopo.fx.lower.lower(g, parts, backend="auto")` wires them as the
+IR `g` says and returns a torch.fx GraphModule. restopo's own reference model
+(restopo.nn.model) and rewired third-party models (restopo.fx.rewire) both hand their
+pieces over in this form.
 """
 from __future__ import annotations
 

@@ -21,7 +21,6 @@ them again, so every weight has one name and one owner.
 from __future__ import annotations
 
 import contextlib
-import inspect
 from typing import Any, Callable
 
 import torch
@@ -59,10 +58,11 @@ def rewire(model: nn.Module, spec_or_path, backend: str = "auto", *,
     residual, reproduce the model's output. Raises RewireError for a model that is not a
     PreNorm transformer, SpecError for a residual section the model cannot take.
     """
+    residual = _residual(spec_or_path)  # a bad spec is reported before any tracing
     structure = recover(model)
     if verify:
         _verify(model, structure)
-    topology = _topology(spec_or_path, structure.kinds)
+    topology = residual(structure.kinds)
     g = build_ir(structure.kinds, topology, structure.width)
     default = structure.ends(pattern(structure.signature, *_probe_call(structure, model)))
     names = _context_names(model, structure, default)
@@ -79,18 +79,16 @@ def rewire(model: nn.Module, spec_or_path, backend: str = "auto", *,
     return Rewired(model, structure, body, topology)
 
 
-def _topology(spec_or_path, kinds: tuple[str, ...]) -> Topology:
+def _residual(spec_or_path) -> Callable[[tuple[str, ...]], Topology]:
+    """kinds -> Topology from the spec's residual section (its model section is not read)."""
     if isinstance(spec_or_path, Topology):
         raise TypeError("pass a Spec, a path, spec text or a callable kinds -> Topology; a "
                         "Topology is tied to one sublayer sequence")
     if callable(spec_or_path) and not hasattr(spec_or_path, "residual"):
-        return spec_or_path(kinds)
+        return spec_or_path
     from ..api import load
     spec = load(spec_or_path)
-    if spec.residual is None:
-        raise RewireError(f"{spec.path}: the spec has no residual section; rewire reads only "
-                          f"that section (e.g. `residual full_attnres`)")
-    return spec.residual.resolve(tuple(kinds))
+    return lambda kinds: spec.residual.resolve(tuple(kinds))
 
 
 # ------------------------------------------------------------------ pieces for the lowering
@@ -188,6 +186,11 @@ class Rewired(nn.Module):
         call = Call(ends.arguments(s.signature, args, kwargs), ends)
         h = self.body(call)
         return ends.back(h, *ends.extra(*call.args))
+
+    def _apply(self, fn, *args, **kwargs):
+        out = super()._apply(fn, *args, **kwargs)
+        self.structure.resync(self.model)  # .to()/.double() replace buffers, not update them
+        return out
 
     def extra_repr(self) -> str:
         return f"topology={self.topology.name}, sublayers={len(self.kinds)}"

@@ -10,9 +10,11 @@ tracer (restopo.fx.trace) and the known-family builders (restopo.fx.hf) both pro
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+import operator
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import torch
 from torch import nn
 
 
@@ -23,8 +25,8 @@ class RewireError(ValueError):
 SUPPORTED = (
     "rewire supports PreNorm transformers, whose every sublayer adds into one residual "
     "stream as x = x + f(norm(x)) with f an attention or an MLP: models torch.fx can trace "
-    "(such as a nanoGPT-style GPT), and Hugging Face Llama-family causal LMs "
-    "(LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)")
+    "(such as a nanoGPT-style GPT), and these Hugging Face causal LMs: LlamaForCausalLM, "
+    "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, GPT2LMHeadModel")
 
 
 @dataclass
@@ -73,6 +75,21 @@ class Structure:
     family: str = "fx"
     vocab: int | None = None   # token ids for the self-check are drawn below it
     context_names: tuple[str, ...] | None = None  # how the lowered code names the context
+    # GraphModules cut from a trace: they hold the model's buffers by reference, and a
+    # buffer is replaced (not updated in place) when the model moves; see `resync`
+    graph_modules: list = field(default_factory=list)
+
+    def resync(self, model: nn.Module) -> None:
+        """Point every buffer the traced pieces hold at the model's current tensor."""
+        for gm in self.graph_modules:
+            for name, buf in list(gm.named_buffers()):
+                try:
+                    current = operator.attrgetter(name)(model)
+                except AttributeError:
+                    continue
+                if current is not buf and isinstance(current, torch.Tensor):
+                    owner, _, leaf = name.rpartition(".")
+                    gm.get_submodule(owner)._buffers[leaf] = current
 
 
 def bind(signature: inspect.Signature, args: tuple, kwargs: dict) -> tuple:

@@ -28,7 +28,7 @@ from torch import fx, nn
 
 from .structure import SUPPORTED, Ends, RewireError, Structure, pattern
 
-NORM = re.compile(r"norm", re.I)
+NORM = re.compile(r"norm(\d*d)?$", re.I)  # LayerNorm, LlamaRMSNorm, BatchNorm1d; not NormBlock
 ATTN = re.compile(r"attn|attention", re.I)
 MLP = re.compile(r"mlp|feed_?forward|ffn|ffw|swiglu|geglu|moe|experts?$", re.I)
 ADDS = (operator.add, operator.iadd, torch.add)
@@ -47,43 +47,72 @@ def classify(module: nn.Module) -> str | None:
 
 
 class SublayerTracer(fx.Tracer):
-    """fx tracer whose leaves are the innermost norm / attention / MLP modules.
+    """fx tracer whose leaves are the norm, attention and MLP modules.
 
-    Only the innermost are leaves, so a block named like a sublayer ("AttentionBlock")
-    that holds its own norm and attention is still traced through. Shape asserts in the
-    forward (`assert t <= block_size`) are recorded as torch._assert instead of failing.
+    A module named like a sublayer that holds a norm and a sublayer of its own (an
+    "AttentionBlock" with its PreNorm inside) is traced through instead; an MoE holding
+    expert MLPs, or an attention holding q/k norms, stays one leaf. Guards on traced values
+    that only raise (`assert t <= block_size`) are recorded as torch._assert.
     """
 
     def __init__(self):
         super().__init__()
-        self._innermost: dict[int, bool] = {}
+        self._leaf: dict[int, bool] = {}
+        # buffers read in a forward (rotary tables, masks) become graph values, so that
+        # slicing them by a traced length works
+        self.proxy_buffer_attributes = True
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        if classify(m) is not None and self._is_innermost(m):
+        if classify(m) is not None and self._is_sublayer_leaf(m):
             return True
         return super().is_leaf_module(m, qualname)
 
-    def _is_innermost(self, m: nn.Module) -> bool:
+    def _is_sublayer_leaf(self, m: nn.Module) -> bool:
         key = id(m)
-        if key not in self._innermost:
-            self._innermost[key] = not any(
-                classify(c) is not None and classify(c) != "norm" or
-                classify(m) == "norm" and classify(c) == "norm"
-                for c in m.modules() if c is not m)
-        return self._innermost[key]
+        if key not in self._leaf:
+            inner = {classify(c) for c in m.modules() if c is not m}
+            block = "norm" in inner and bool(inner & {"attn", "mlp"})
+            self._leaf[key] = classify(m) == "norm" or not block
+        return self._leaf[key]
 
     def to_bool(self, obj):
-        # Proxy.__bool__ -> to_bool: the caller's frame is two up. An `assert cond` jumps
-        # over LOAD_ASSERTION_ERROR when cond holds; record it and let the trace go on.
+        # A guard (`assert t <= block_size`, `if t > block_size: raise ...`) branches on a
+        # traced value only to raise: take the branch that does not raise and record the
+        # condition as a torch._assert, as fx does for asserts on older Pythons.
+        # Proxy.__bool__ -> to_bool: the forward's frame is two up.
         frame = inspect.currentframe().f_back.f_back
-        insts = list(dis.get_instructions(frame.f_code))
-        at = next((k for k, ins in enumerate(insts) if ins.offset == frame.f_lasti), None)
-        if (at is not None and at + 1 < len(insts) and "IF_TRUE" in insts[at].opname
-                and insts[at + 1].opname == "LOAD_ASSERTION_ERROR"):
-            self.create_proxy("call_function", torch._assert,
-                              (obj, "assertion in the traced forward failed"), {})
-            return True
-        return super().to_bool(obj)
+        passes = _guard_outcome(frame)
+        if passes is None:
+            return super().to_bool(obj)
+        cond = obj if passes else self.create_proxy("call_function", operator.not_, (obj,), {})
+        self.create_proxy("call_function", torch._assert,
+                          (cond, "a guard in the traced forward failed"), {})
+        return passes
+
+
+_ENDS_BLOCK = ("JUMP", "RETURN", "FOR_ITER", "RERAISE")
+
+
+def _guard_outcome(frame) -> bool | None:
+    """For a conditional jump whose fall-through path raises: the truth value that skips
+    the raise. None when the branch is not such a guard."""
+    insts = list(dis.get_instructions(frame.f_code))
+    at = next((k for k, ins in enumerate(insts) if ins.offset == frame.f_lasti), None)
+    if at is None or "JUMP" not in insts[at].opname:
+        return None
+    op = insts[at].opname
+    if "IF_TRUE" in op:
+        jumps_on = True
+    elif "IF_FALSE" in op:
+        jumps_on = False
+    else:
+        return None
+    for ins in insts[at + 1:]:  # the fall-through path: taken when the jump is not
+        if ins.opname == "RAISE_VARARGS":
+            return jumps_on
+        if any(word in ins.opname for word in _ENDS_BLOCK):
+            return None
+    return None
 
 
 def trace(model: nn.Module, fixed: Iterable[tuple[str, object]] = ()) -> fx.Graph:
@@ -172,6 +201,10 @@ class _Split:
         self.model, self.G = model, G
         adds = G.residual_adds()
         name = type(model).__name__
+        # adds before the first attention/MLP branch belong to the embedding
+        # (x = x + pos(x)); the stream starts at the first one that adds a sublayer
+        while adds and not self._has_sublayer(adds[0]):
+            adds.pop(0)
         if not adds:
             raise RewireError(
                 f"{name} has no residual adds (no `x = x + f(...)` whose f reads x): there is "
@@ -180,6 +213,7 @@ class _Split:
         self.adds, self.streams, self.branches = zip(*adds)
         for k in range(1, len(adds)):
             if self.streams[k] is not self.adds[k - 1]:
+                self._check_parallel(k)
                 raise RewireError(
                     f"{name}: the residual adds do not form one stream: "
                     f"`{self.adds[k].name}` adds into `{self.streams[k].name}`, not into the "
@@ -197,12 +231,21 @@ class _Split:
         self._check_front(inside)
         self.kinds = tuple(self._check_region(k) for k in range(len(self.adds)))
         front = set(self.front_nodes)
-        reads = lambda nodes: {a for n in nodes for a in n.all_input_nodes if a in front}  # noqa: E731
+        for nodes, stream in [*zip(self.regions, self.streams), (self.back_nodes, last)]:
+            self._check_inputs(nodes, front | {stream})
+
+        def reads(nodes):  # the front values a piece reads
+            return {a for n in nodes for a in n.all_input_nodes if a in front}
         self.context = G.ordered(set().union(*(reads(r) for r in self.regions)) - {self.v0})
         self.back_reads = G.ordered(reads(self.back_nodes))
         if any(self.v0 in G.anc[n] or n is self.v0 for n in self.back_reads):
             raise RewireError(f"{name}: its head reads the embedding output directly; the "
                               f"rewired stream replaces it. {SUPPORTED}")
+
+    def _has_sublayer(self, add) -> bool:
+        _, x, y = add
+        region = {n for n in self.G.anc[y] if x in self.G.anc[n]} | {y}
+        return any(self.G.kind(n) in ("attn", "mlp") for n in region)
 
     # ----------------------------------------------------------------- checks
     def _check_post_norm(self, adds) -> None:
@@ -215,6 +258,19 @@ class _Split:
                     f"`{add.name}` goes through the norm `{self.G.where(users[0])}` before the "
                     f"next sublayer (x = norm(x + f(x))). {SUPPORTED}")
 
+    def _check_parallel(self, k: int) -> None:
+        """The stream went through an add that is not a residual add: is its other operand a
+        branch of an earlier stream value (attention and MLP side by side, as in GPT-J)?"""
+        x, prev = self.streams[k], self.adds[k - 1]
+        if x.op == "call_function" and x.target in ADDS and prev in x.args:
+            other = next(a for a in x.args if a is not prev)
+            if isinstance(other, fx.Node) and any(s in self.G.anc[other] for s in self.streams):
+                raise RewireError(
+                    f"{type(self.model).__name__} has parallel sublayers: `{x.name}` adds "
+                    f"`{other.name}`, computed from the stream before `{prev.name}`, so the "
+                    f"attention and the MLP read the same input (a GPT-J / GPT-NeoX parallel "
+                    f"block), not one after the other. {SUPPORTED}")
+
     def _check_front(self, inside: set[fx.Node]) -> None:
         for n in self.front_nodes:
             hit = self.G.anc[n] & inside
@@ -225,11 +281,21 @@ class _Split:
                     f"`{src.name}` between sublayers, which a rewired stream no longer has. "
                     f"{SUPPORTED}")
 
+    def _check_inputs(self, nodes: set[fx.Node], allowed: set[fx.Node]) -> None:
+        """A piece may read its own stream value and the front, nothing else in between."""
+        for n in self.G.ordered(nodes):
+            for a in n.all_input_nodes:
+                if a not in nodes and a not in allowed:
+                    raise RewireError(
+                        f"{type(self.model).__name__}: `{self.G.where(n)}` reads the hidden "
+                        f"state `{a.name}` between sublayers, which a rewired stream no "
+                        f"longer has. {SUPPORTED}")
+
     def _check_region(self, k: int) -> str:
         G, region, x = self.G, self.regions[k], self.streams[k]
         where = " + ".join(G.where(n) for n in G.ordered(region) if n.op == "call_module")
         for n in G.ordered(region):
-            if x in n.all_input_nodes and G.kind(n) != "norm":
+            if x in n.all_input_nodes and G.kind(n) != "norm" and not _metadata(n):
                 raise RewireError(
                     f"{type(self.model).__name__}: the sublayer `{where}` reads the residual "
                     f"stream directly in `{G.where(n)}`, not through a norm, so it is not "
@@ -269,6 +335,24 @@ class _Split:
         raise RewireError(f"{type(self.model).__name__}: cannot read the width from the first "
                           f"sublayer's norm; give it a 1-d weight or normalized_shape")
 
+    def context_names(self) -> tuple[str, ...]:
+        """Readable names for the context values: the buffer, input or module each one is
+        read from (`cos`, `sin`, `mask`), numbered when two share a name."""
+        out: list[str] = []
+        for n in self.context:
+            src = n
+            while src.op in ("call_function", "call_method") and src.args and isinstance(
+                    src.args[0], fx.Node):
+                src = src.args[0]
+            base = str(src.target).split(".")[-1] if src.op != "call_function" else n.name
+            base = re.sub(r"\W", "_", base).strip("_") or "context"
+            name, k = base, 1
+            while name in out:
+                k += 1
+                name = f"{base}_{k}"
+            out.append(name)
+        return tuple(out)
+
     def vocab(self) -> int | None:
         """The size of the embedding table read with the first argument (token ids)."""
         first = next((n for n in self.G.nodes if n.op == "placeholder"), None)
@@ -306,7 +390,24 @@ class _Split:
         back = _extract(self.model, back_body, [self.adds[-1], *self.back_reads],
                         ["h", *(f"e{i}" for i in range(len(self.back_reads)))],
                         G.output.args[0], "Head")
-        return Ends(front=embed, context=context, extra=extra, back=back)
+        self.graph_modules = [embed, context, extra, back]
+        sig = inspect.signature(self.model.forward)
+        return Ends(front=_spreading(embed, sig), context=_spreading(context, sig, lead=1),
+                    extra=_spreading(extra, sig), back=back)
+
+
+# ops that read only a tensor's shape, dtype or device: a sublayer may apply them to the
+# stream itself (to build a mask, say), since every h_l has the stream's shape
+METADATA_ATTRS = ("shape", "dtype", "device", "ndim", "is_cuda")
+METADATA_METHODS = ("size", "dim", "new_ones", "new_zeros", "new_full", "new_empty",
+                    "new_tensor", "get_device")
+
+
+def _metadata(n: fx.Node) -> bool:
+    if n.op == "call_method":
+        return n.target in METADATA_METHODS
+    return (n.op == "call_function" and n.target is getattr and len(n.args) == 2
+            and n.args[1] in METADATA_ATTRS)
 
 
 def _extract(root: nn.Module, nodes: list[fx.Node], inputs: list[fx.Node],
@@ -344,28 +445,41 @@ def recover_structure(model: nn.Module) -> Structure:
     signature = inspect.signature(model.forward)
     default = pattern(signature, *_defaults_call(signature))
     split = recover(model, default)
-    layout = [split.signature_of_region(k) for k in range(len(split.adds))]
-    n_ctx = len(split.context)
-    cache = {default: split.ends()}
+    sublayers = [split.sublayer(k) for k in range(len(split.adds))]
+    patterns = Patterns(model, default, split, sublayers)
+    return Structure(kinds=split.kinds, width=split.width(), sublayers=sublayers,
+                     graph_modules=patterns.graph_modules, names=split.names(), ends=patterns,
+                     signature=signature, family="fx", vocab=split.vocab(),
+                     context_names=split.context_names())
 
-    def ends(key: tuple[str, ...]) -> Ends:
-        if key not in cache:
-            other = recover(model, key)
-            same = ([other.signature_of_region(k) for k in range(len(other.adds))] == layout
-                    and len(other.context) == n_ctx)
-            if not same:
+
+class Patterns:
+    """key -> Ends: traces the model once per call pattern, on first use.
+
+    A plain object (not a closure), so that copy.deepcopy of a rewired model copies the
+    traced pieces along with the model they call."""
+
+    def __init__(self, model: nn.Module, default: tuple, split: "_Split",
+                 sublayers: list[fx.GraphModule]):
+        self.model = model
+        self.layout = [split.signature_of_region(k) for k in range(len(split.adds))]
+        self.n_context = len(split.context)
+        self.cache = {default: split.ends()}
+        self.graph_modules = [*sublayers, *split.graph_modules]
+
+    def __call__(self, key: tuple) -> Ends:
+        if key not in self.cache:
+            other = recover(self.model, key)
+            layout = [other.signature_of_region(k) for k in range(len(other.adds))]
+            if layout != self.layout or len(other.context) != self.n_context:
                 given = ", ".join(f"{n}={v!r}" for n, v in key) or "no fixed arguments"
                 raise RewireError(
-                    f"{type(model).__name__}: called with {given}, its sublayers run "
+                    f"{type(self.model).__name__}: called with {given}, its sublayers run "
                     f"differently from the default call; rewire needs one set of sublayers "
                     f"for every call")
-            cache[key] = other.ends()
-        return cache[key]
-
-    return Structure(kinds=split.kinds, width=split.width(),
-                     sublayers=[split.sublayer(k) for k in range(len(split.adds))],
-                     names=split.names(), ends=ends, signature=signature, family="fx",
-                     vocab=split.vocab(), context_names=tuple(n.name for n in split.context))
+            self.cache[key] = other.ends()
+            self.graph_modules.extend(other.graph_modules)
+        return self.cache[key]
 
 
 def _defaults_call(signature: inspect.Signature) -> tuple[tuple, dict]:
@@ -379,3 +493,30 @@ def _defaults_call(signature: inspect.Signature) -> tuple[tuple, dict]:
         else:
             args.append(torch.empty(0))
     return tuple(args), kwargs
+
+
+class _Spread:
+    """fn called with values in signature order, a *args tuple and a **kwargs dict spread out
+    again (the traced forward keeps them as varargs); `lead` values go first unchanged."""
+
+    def __init__(self, fn, signature: inspect.Signature, lead: int = 0):
+        self.fn, self.lead = fn, lead
+        self.kinds = [p.kind for p in signature.parameters.values()]
+
+    def __call__(self, *values):
+        args, kwargs = list(values[:self.lead]), {}
+        for kind, v in zip(self.kinds, values[self.lead:]):
+            if kind == inspect.Parameter.VAR_POSITIONAL:
+                args.extend(v)
+            elif kind == inspect.Parameter.VAR_KEYWORD:
+                kwargs.update(v)
+            else:
+                args.append(v)
+        return self.fn(*args, **kwargs)
+
+
+def _spreading(fn, signature: inspect.Signature, lead: int = 0):
+    varargs = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    if any(p.kind in varargs for p in signature.parameters.values()):
+        return _Spread(fn, signature, lead)
+    return fn

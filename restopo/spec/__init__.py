@@ -3,6 +3,50 @@
     from restopo.spec import load_spec, parse_spec, SpecError
     spec = load_spec("examples/tiny.restopo", overrides=("model.width=64",))
     spec.model.kinds, spec.topology, spec.ir()
+
+The language (grammar: grammars/restopo.lark; meaning: check.py)
+------------------------------------------------------------------
+A spec is a few sections, in any order, each at most once. Entries are `key: value`,
+separated by newlines or ';' (optional where the next `key:` makes the boundary plain).
+Comments run from '#' to the end of the line. Numbers: 256, 3e-3, 1_024, with a unit where
+natural: 4x (a ratio), 32k (thousand), 2M (million). Paths are quoted.
+
+    model tiny {                                 # the label is optional
+      vocab: 256; width: 64; depth: 4; heads: 4; context: 64      # required
+      mlp: swiglu(4x)                            # swiglu | gelu, (ratio) default 4x
+      layer: attn mlp                            # one transformer layer's sublayers
+      tie_embeddings: true
+    }
+
+    residual standard                            # h_l = v_0 + sum of earlier outputs
+    residual full_attnres                        # options: query, gate, key_norm, heads,
+    residual full_attnres(window: 8)             #   window (embedding + last w outputs)
+    residual block_attnres(blocks: 8)            # or block_size: S (sublayers, even)
+    residual block_attnres(blocks: 8, query: static, gate: softmax, key_norm: rms, heads: 1)
+    residual rezero | layerscale | highway | denseformer
+
+    residual custom {                            # any label; named topologies spelled out
+      blocks: 4                                  # or block_size: 8; default one per sublayer
+      before sublayer: attend(embedding, blocks, partial; query: static, key_norm: rms)
+      before head: attend(embedding, blocks)     # default: the sublayer rule minus partial
+    }
+
+    parallel { pipeline(stages: 2, virtual: 2, schedule: interleaved_1f1b, microbatches: 8) }
+    train { data: builtin:stdlib; steps: 300; batch: 16; lr: 3e-3; schedule: cosine; warmup: 30 }
+
+Rules: a method (attend | sum | scalars | rezero | layerscale | highway) over sources
+(embedding | sublayers | window(w) | blocks | partial); options after ';' (or ',') apply to
+attend only. The stream methods (rezero, layerscale, highway) always read the embedding
+and every earlier sublayer. The sublayer rule must read the embedding (the first sublayer
+has nothing else); the head rule cannot read partial.
+
+Overrides: `section.key=value` sets or adds a key (in a one-liner's options too);
+`residual=VALUE` / `parallel=VALUE` replace a one-line section. They are checked like the
+file; their errors point into `--set ...` (path `<--set N>`).
+
+Errors: SpecError(path, line, column, message, hint); several at once raise SpecErrors
+(`.errors`), itself a SpecError. str() gives `FILE:LINE:COL: error: MESSAGE`, the line, a
+caret, and `hint: ...`.
 """
 from __future__ import annotations
 
@@ -26,7 +70,7 @@ def load_spec(path, overrides=()) -> Spec:
     ...) propagate unchanged; mistakes in the text raise SpecError."""
     path = os.fspath(path)
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:  # -sig: tolerate a byte-order mark
             text = f.read()
     except UnicodeDecodeError as e:
         e.restopo_path = path  # so the CLI can name the file

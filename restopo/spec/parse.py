@@ -10,7 +10,7 @@ from functools import lru_cache
 from importlib import resources
 
 from lark import Lark, Token, Transformer, v_args
-from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
+from lark.exceptions import UnexpectedCharacters, UnexpectedInput, UnexpectedToken
 
 from .errors import SpecError
 from .nodes import (Arg, Call, Entry, Key, ListValue, Name, Number, Pos, Qualified, Section,
@@ -83,7 +83,11 @@ class ToNodes(Transformer):
         text = str(tok)
         digits, unit = _NUMBER.fullmatch(text).groups()
         plain = digits.replace("_", "")
-        value = int(plain) if re.fullmatch(r"-?[0-9]+", plain) else float(plain)
+        if re.fullmatch(r"-?[0-9]+", plain):
+            # beyond any sane value; also keeps clear of int()'s digit limit
+            value = int(plain) if len(plain) <= 40 else float("inf") * (-1 if plain[0] == "-" else 1)
+        else:
+            value = float(plain)
         return Number(text, value, unit, self._tok(tok))
 
     def string(self, children):
@@ -140,7 +144,7 @@ def parse_value(text: str, source: str, offset: int = 0):
 _WORDS = {
     "NAME": "a name", "NUMBER": "a number", "STRING": 'a "quoted string"',
     "KEY": "a key such as 'width:'", "LBRACE": "'{'", "RBRACE": "'}'", "LPAR": "'('",
-    "RPAR": "')'", "COLON": "':'", "SEMICOLON": "';'", "COMMA": "','", "_ARGSEP": "',' or ';'",
+    "RPAR": "')'", "COLON": "':'", "SEMICOLON": "';'", "COMMA": "','",
     "$END": "the end of the file",
 }
 _ORDER = list(_WORDS)
@@ -161,10 +165,8 @@ def _describe_token(tok: Token) -> str:
         return "end of file"
     if tok.type == "KEY":
         return f"key '{str(tok).rstrip(':').strip()}:'"
-    if tok.type in ("NAME", "NUMBER", "STRING"):
-        return f"{_WORDS[tok.type].split(' ', 1)[-1].strip('a ')} {str(tok)!r}".replace(
-            "name", "name").strip()
-    return f"'{tok}'"
+    kind = {"NAME": "name", "NUMBER": "number", "STRING": "string"}.get(tok.type)
+    return f"{kind} {str(tok)!r}" if kind else f"'{tok}'"
 
 
 def _line(text: str, line: int) -> str | None:
@@ -210,12 +212,24 @@ def _end_position(text: str) -> tuple[int, int]:
     return n, len(last) + 1
 
 
+def _in_context(expected: set, text: str, offset: int) -> set:
+    """Drop closers that cannot apply here: LALR merges states, so Lark may offer ')' outside
+    any parenthesis or '}' outside any braces."""
+    opened = _unclosed(text, offset)
+    inner = opened[0] if opened else None
+    if inner != "(":
+        expected -= {"RPAR", "COMMA"}
+    if inner != "{":
+        expected -= {"RBRACE"}
+    return expected
+
+
 def syntax_error(e: UnexpectedInput, text: str, path: str, what: str = "spec") -> SpecError:
     """Map Lark's UnexpectedToken/UnexpectedCharacters/UnexpectedEOF to a SpecError in words."""
     if isinstance(e, UnexpectedCharacters):
         line, col = e.line, e.column
         char = text[e.pos_in_stream] if e.pos_in_stream < len(text) else ""
-        expected = set(e.allowed or ())
+        expected = _in_context(set(e.allowed or ()), text, e.pos_in_stream)
         message = f"unexpected character {char!r}"
         hint = f"expected {expected_words(expected)}" if expected else None
         if char == "=":
@@ -232,12 +246,19 @@ def syntax_error(e: UnexpectedInput, text: str, path: str, what: str = "spec") -
 
     if isinstance(e, UnexpectedToken) and e.token.type != "$END":
         tok = e.token
-        expected = set(e.expected or ())
+        expected = _in_context(set(e.expected or ()), text, tok.start_pos)
         message = f"unexpected {_describe_token(tok)}"
         hint = f"expected {expected_words(expected)}"
-        if tok.type == "COLON" and "LBRACE" in expected:
+        before = text[:tok.start_pos].split()
+        if tok.type == "COLON" and "LBRACE" in expected and before and before[-1] not in (
+                "model", "residual", "parallel", "train"):
+            hint = (f"'{before[-1]}: ...' must be inside a section's braces, e.g. "
+                    f"'model {{ {before[-1]}: ... }}'")
+        elif tok.type == "COLON" and "LBRACE" in expected:
             hint = ("a section has no ':' after its name: write 'residual standard', "
                     "'residual block_attnres(blocks: 8)' or 'model tiny { ... }'")
+        elif tok.type == "KEY" and "KEY" not in expected and _unclosed(text, tok.start_pos):
+            hint = f"separate it from the value before with ',' or ';'; {hint}"
         elif tok.type == "KEY" and "KEY" not in expected and what == "spec":
             hint = ("keys belong inside a section's braces, e.g. 'model tiny { width: 64 }'; "
                     f"{hint}")
@@ -258,5 +279,7 @@ def syntax_error(e: UnexpectedInput, text: str, path: str, what: str = "spec") -
                          f"add '{close}' to close it", _line(text, line))
     line, col = _end_position(text)
     message = "unexpected end of file" if what == "spec" else "the value ends too soon"
-    return SpecError(path, line, col, message, f"expected {expected_words(expected)}",
+    last = re.findall(r"[^\s#]+", "\n".join(l.split("#", 1)[0] for l in text.splitlines()))
+    after = f" after '{last[-1]}'" if last else ""
+    return SpecError(path, line, col, message, f"expected {expected_words(expected)}{after}",
                      _line(text, line))

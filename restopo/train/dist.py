@@ -73,8 +73,12 @@ def setup(device_choice: str = "auto") -> DistContext:
     timeout = timedelta(seconds=float(os.environ.get("RESTOPO_DIST_TIMEOUT",
                                                      DEFAULT_TIMEOUT_S)))
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout,
-                                rank=rank, world_size=world)
+        # torchrun keeps its store across restarts: the keys of a killed attempt (a dead
+        # rank's address) would be read by the next one, so each attempt gets its own prefix
+        store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
+        store = dist.PrefixStore(f"restopo/attempt{restart_count()}/", store)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store,
+                                timeout=timeout, rank=rank, world_size=world)
     return DistContext(rank, world, local_rank, device)
 
 

@@ -157,8 +157,12 @@ def evaluate(model, batches, device: torch.device, ctx: DistContext) -> float:
 
 def train(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, out: str | os.PathLike,
           ctx: DistContext | None = None, *, meta: dict | None = None,
-          resume_from: str | os.PathLike | None = None, progress: bool = True) -> dict:
+          resume_from: str | os.PathLike | None = None, progress: bool = True,
+          pipeline=None) -> dict:
     """Train `model` in place; returns a summary (final loss, val loss, paths).
+
+    `pipeline` (a restopo.backends.pipeline.train.PipelineConfig) trains through pipeline
+    stages instead of data parallel alone (see that module).
 
     Only rank 0 writes (checkpoints, metrics, plot, bar). `meta` (spec text, overrides, ...)
     is stored in every checkpoint.
@@ -168,7 +172,13 @@ def train(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, out: str | o
     ctx = ctx or DistContext()
     out = Path(out)
     device = ctx.device
-    per_rank = cfg.batch // ctx.world if cfg.batch % ctx.world == 0 else None
+    pipe = None  # -- pipeline parallel: restopo.backends.pipeline.train --
+    data_rank, data_world = ctx.rank, ctx.world
+    if pipeline is not None:
+        from ..backends.pipeline.train import PipelinedStep
+        pipe = PipelinedStep(model.to(device), pipeline, ctx, cfg.batch)
+        data_rank, data_world = pipe.data_rank, pipe.data_world
+    per_rank = cfg.batch // data_world if cfg.batch % data_world == 0 else None
     if per_rank is None or per_rank % cfg.accum:
         raise DataError(f"train.batch ({cfg.batch}) must split evenly over {ctx.world} "
                         f"process(es) x {cfg.accum} accumulation step(s)", ("train", "batch"))
@@ -177,16 +187,16 @@ def train(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, out: str | o
 
     raw = model.to(device)
     net = raw
-    if ctx.distributed:
+    if ctx.distributed and pipe is None:
         from torch.nn.parallel import DistributedDataParallel
 
         net = DistributedDataParallel(raw, device_ids=[device.index] if device.type == "cuda"
                                       else None)
     optimizer = make_optimizer(raw, cfg, device)
     sampler = BatchSampler(corpus.train, cfg.context, cfg.batch, seed=cfg.seed,
-                           rank=ctx.rank, world=ctx.world)
+                           rank=data_rank, world=data_world)
     val_batches = fixed_batches(corpus.val, cfg.context, cfg.batch, cfg.eval_batches,
-                                seed=cfg.seed, rank=ctx.rank, world=ctx.world)
+                                seed=cfg.seed, rank=data_rank, world=data_world)
 
     start, elapsed0 = 0, 0.0
     last = {"loss": None, "val_loss": None}
@@ -203,6 +213,8 @@ def train(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, out: str | o
     tokens_per_step = cfg.batch * cfg.context
 
     def save(step: int) -> None:
+        if pipe is not None:
+            pipe.sync(optimizer)  # rank 0 gathers every stage's weights and AdamW state
         if ctx.is_main:
             state = {"step": step, "data": sampler.state_dict(),
                      "torch_cpu": torch.get_rng_state(),
@@ -226,13 +238,18 @@ def train(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, out: str | o
             x, y = sampler.next()
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             loss_sum = torch.zeros((), device=device)
-            for i, (xm, ym) in enumerate(zip(x.chunk(cfg.accum), y.chunk(cfg.accum))):
+            if pipe is not None:  # the schedule's microbatches replace accumulation
+                loss_sum = pipe.step(x, y) * cfg.accum
+            for i, (xm, ym) in enumerate(zip(x.chunk(cfg.accum), y.chunk(cfg.accum))
+                                         if pipe is None else ()):
                 sync = i == cfg.accum - 1 or not ctx.distributed
                 with (contextlib.nullcontext() if sync else net.no_sync()), _autocast(device):
                     loss = _loss(net, xm, ym)
                 (loss / cfg.accum).backward()
                 loss_sum += loss.detach()
-            if cfg.grad_clip > 0:
+            if cfg.grad_clip > 0 and pipe is not None:
+                pipe.clip_grad_norm_(cfg.grad_clip)
+            elif cfg.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(raw.parameters(), cfg.grad_clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -242,6 +259,8 @@ def train(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, out: str | o
 
             val_loss = None
             if done % cfg.eval_every == 0 or done == cfg.steps:
+                if pipe is not None:
+                    pipe.sync()  # every rank evaluates the whole, current model
                 val_loss = evaluate(raw, val_batches, device, ctx)
                 last["val_loss"] = val_loss
             if done % cfg.log_every == 0 or done in (1, cfg.steps) or val_loss is not None:

@@ -27,6 +27,13 @@ def leaf(x, dtype=None):
     return x.requires_grad_()
 
 
+def ref_leaf(x, dtype):
+    """The float64 reference input for a kernel input of `dtype`: the same rounded values,
+    so the comparison measures the kernel, not the rounding of its inputs (phase 1's max
+    makes its standalone gradient jump when rounding changes which logit is largest)."""
+    return x.detach().to(dtype).to(torch.float64).requires_grad_()
+
+
 def grads(out, inputs, cotangent):
     """d(sum(out * cotangent))/d(inputs) with None where an input is unused."""
     outs = out if isinstance(out, (tuple, list)) else (out,)

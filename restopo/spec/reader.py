@@ -1,0 +1,203 @@
+"""Reading values out of a section: the Checker that records errors and the typed readers
+(numbers with units, whole numbers in a range, names from a fixed set, booleans).
+
+Every reader returns None after recording an error, so a check can go on and find the
+next, independent mistake.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .errors import SpecError, did_you_mean
+from .nodes import Key, ListValue, Name, Number, Pos, Value, describe
+from .objects import SourceText
+
+RULE_TARGETS = ("sublayer", "head")
+UNITS = {"": 1, "k": 1_000, "M": 1_000_000}
+MAX_INT = 2**31 - 1        # no count or rate in a spec needs more
+MAX_DEPTH = 65_536         # transformer layers; the IR is O(depth^2) for Full AttnRes
+SEP_HINT = "put each entry on its own line or separate entries with ';'"
+
+# How a key is written, for hints.
+EXAMPLES = {"vocab": "vocab: 256", "width": "width: 64", "depth": "depth: 4",
+            "heads": "heads: 4", "context": "context: 64", "stages": "stages: 2",
+            "lr": "lr: 3e-3", "min_lr": "min_lr: 3e-4", "weight_decay": "weight_decay: 0.1",
+            "grad_clip": "grad_clip: 1.0", "window": "window(8)", "blocks": "blocks: 8",
+            "block_size": "block_size: 4", "mlp ratio": "swiglu(4x)",
+            "mlp_ratio": "mlp_ratio: 4x"}
+
+
+@dataclass
+class Field:
+    key: Key
+    value: Value
+    pos: Pos
+
+
+@dataclass
+class View:
+    """A section with its entries gathered by key, before and after --set overrides."""
+
+    kind: Name
+    label: Name | None = None
+    head: Name | None = None          # `block_attnres` in `residual block_attnres(...)`
+    fields: dict[str, Field] = field(default_factory=dict)
+    braces: bool = True               # written `kind { ... }` (else the one-line form)
+    pos: Pos | None = None
+    bad: bool = False                 # its head already had an error (don't pile on more)
+
+
+class Checker:
+    """Collects the errors of one spec (file and overrides) with their source lines."""
+
+    def __init__(self, src: SourceText):
+        self.src = src
+        self.errors: list[SpecError] = []
+
+    def error(self, pos: Pos, message: str, hint: str | None = None) -> None:
+        self.errors.append(self.src.error(pos, message, hint))
+
+    # -- value readers: return None after recording an error ---------------------------
+    def single(self, f: Field, name: str) -> Value | None:
+        if isinstance(f.value, ListValue):
+            self.error(f.value.items[1].pos,
+                       f"'{name}' takes one value, got {len(f.value.items)}", SEP_HINT)
+            return None
+        return f.value
+
+    def number(self, f: Field, name: str, *, ratio: bool = False):
+        v = self.single(f, name)
+        if v is None:
+            return None
+        if not isinstance(v, Number):
+            self.error(v.pos, f"'{name}' must be a number, got '{describe(v)}'",
+                       f"e.g. {EXAMPLES.get(name, name + ': 1')}")
+            return None
+        if v.unit != "x" and v.unit not in UNITS:
+            self.error(v.pos, f"unknown unit '{v.unit}' in '{v.text}'",
+                       "units: x (a ratio), k (thousand), M (million); e.g. 4x, 32k, 3e-3")
+            return None
+        value = v.value * UNITS.get(v.unit, 1)
+        if (isinstance(value, int) and abs(value) > MAX_INT) or (
+                isinstance(value, float) and not abs(value) <= MAX_INT):
+            shown = v.text if len(v.text) <= 24 else v.text[:20] + "..."
+            self.error(v.pos, f"'{name}' is too large: {shown}",
+                       f"values are at most {MAX_INT:,}")
+            return None
+        if v.unit == "x" and not ratio:
+            self.error(v.pos, f"'{name}' is not a ratio; write {describe_number(v.value)} "
+                       f"without 'x'", "the 'x' unit marks a ratio, as in mlp: swiglu(4x)")
+            return None
+        return value
+
+    def integer(self, f: Field, name: str, lo: int | None = None, hi: int | None = None,
+                why: str | None = None) -> int | None:
+        n = self.number(f, name)
+        if n is None:
+            return None
+        if n != int(n):
+            self.error(f.value.pos, f"'{name}' must be a whole number, got {f.value.text}",
+                       f"e.g. {EXAMPLES.get(name, name + ': 1')}")
+            return None
+        n = int(n)
+        return self.in_range(f, name, n, lo, hi, why)
+
+    def real(self, f: Field, name: str, lo: float | None = None, *, above: bool = False,
+             hi: float | None = None, why: str | None = None,
+             ratio: bool = False) -> float | None:
+        x = self.number(f, name, ratio=ratio)
+        if x is None:
+            return None
+        x = float(x)
+        if lo is not None and (x <= lo if above else x < lo):
+            self.error(f.value.pos, f"'{name}' must be {'greater than' if above else 'at least'} "
+                       f"{describe_number(lo)}, got {f.value.text}", why)
+            return None
+        if hi is not None and x > hi:
+            self.error(f.value.pos, f"'{name}' must be at most {describe_number(hi)}, "
+                       f"got {f.value.text}", why)
+            return None
+        return x
+
+    def in_range(self, f: Field, name: str, n, lo, hi, why) -> int | None:
+        if lo is not None and n < lo:
+            self.error(f.value.pos, f"'{name}' must be at least {lo}, got {f.value.text}", why)
+            return None
+        if hi is not None and n > hi:
+            self.error(f.value.pos, f"'{name}' must be at most {hi}, got {f.value.text}", why)
+            return None
+        return n
+
+    def choice(self, f: Field, name: str, choices) -> str | None:
+        v = self.single(f, name)
+        if v is None:
+            return None
+        if not isinstance(v, Name):
+            self.error(v.pos, f"'{name}' must be one of {alts(choices)}, got '{describe(v)}'")
+            return None
+        if v.text not in choices:
+            self.error(v.pos, f"unknown {name} '{v.text}'", did_you_mean(v.text, choices))
+            return None
+        return v.text
+
+    def boolean(self, f: Field, name: str) -> bool | None:
+        got = self.choice(f, name, ("true", "false"))
+        return None if got is None else got == "true"
+
+    # -- gathering entries by key ------------------------------------------------------
+    def gather(self, view: View, entries) -> None:
+        for e in entries:
+            if e.key is None:
+                continue
+            k = e.key.text
+            if k in view.fields:
+                first = view.fields[k].key.pos
+                self.error(e.key.pos, f"duplicate key '{k}' in {view.kind.text} (first given "
+                           f"at line {first.line})", "remove one of them")
+                continue
+            view.fields[k] = Field(e.key, e.value, e.pos)
+
+    def unknown_keys(self, view: View, allowed, where: str) -> set[str]:
+        """Report keys not in `allowed`; returns the keys suggested by did-you-mean."""
+        suggested = set()
+        for k, f in list(view.fields.items()):
+            if k in allowed:
+                continue
+            del view.fields[k]
+            words = f.key.words
+            if len(words) == 2 and words[0] != "before":
+                self.error(f.key.pos, f"unexpected '{k}:' in {where}", SEP_HINT)
+            elif len(words) == 2 and "before sublayer" in allowed:
+                self.error(f.key.pos, f"unknown rule target '{words[1]}'",
+                           "rules are 'before sublayer:' (every sublayer) and 'before head:'"
+                           + dym_suffix(words[1], RULE_TARGETS))
+            else:
+                hint = did_you_mean(k, allowed)
+                if hint and hint.startswith("did you mean"):
+                    suggested.add(hint.split("'")[1])
+                self.error(f.key.pos, f"unknown key '{k}' in {where}", hint)
+        return suggested
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of n in increasing order (O(sqrt n): widths can be large)."""
+    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def describe_number(x) -> str:
+    return str(int(x)) if float(x) == int(x) else repr(float(x))
+
+
+def alts(choices) -> str:
+    choices = list(choices)
+    return ", ".join(choices[:-1]) + " or " + choices[-1] if len(choices) > 1 else choices[0]
+
+
+def dym_suffix(word, choices) -> str:
+    hint = did_you_mean(word, choices)
+    return f"; {hint}" if hint and hint.startswith("did") else ""
+
+
+def positions(view: View) -> tuple[tuple[str, Pos], ...]:
+    return tuple((k, f.value.pos) for k, f in view.fields.items())

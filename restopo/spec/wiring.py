@@ -1,0 +1,265 @@
+"""Checking the residual section: named one-liners (`block_attnres(blocks: 8)`) and custom
+wiring (`before sublayer: attend(embedding, blocks, partial)`), then the parts that depend
+on the model (the partition of its depth, depth heads that divide its width).
+"""
+from __future__ import annotations
+
+from .. import topology as T
+from .errors import SpecError, did_you_mean
+from .nodes import Arg, Call, Key, ListValue, Name, describe
+from .objects import ModelSpec, ResidualSpec, RuleSpec
+from .reader import SEP_HINT, Checker, Field, View, alts, divisors, positions
+from .resolve import ATTEND_OPTIONS
+
+NAMED_OPTIONS = {
+    "standard": (), "rezero": (), "layerscale": (), "highway": (), "denseformer": (),
+    "full_attnres": ATTEND_OPTIONS + ("window",),
+    "block_attnres": ("blocks", "block_size") + ATTEND_OPTIONS,
+}
+CUSTOM_KEYS = ("blocks", "block_size", "before sublayer", "before head")
+
+
+def check_residual(view: View, c: Checker) -> ResidualSpec | None:
+    if view.head is not None:  # a named one-liner
+        res = _named(view, c)
+        return None if view.bad else res
+    if not view.braces:
+        return None  # the line form already reported its error
+    label = view.label
+    if label is not None and not any(k.startswith("before") for k in view.fields):
+        hint = did_you_mean(label.text, NAMED_OPTIONS)
+        if hint and hint.startswith("did"):
+            c.error(label.pos, f"unknown topology '{label.text}'", hint)
+            return None
+    return _custom(view, c)
+
+
+def _named(view: View, c: Checker) -> ResidualSpec | None:
+    name = view.head
+    if name.text not in NAMED_OPTIONS:
+        if name.text == "custom":
+            hint = "custom wiring is written with braces: residual custom { before sublayer: ... }"
+        elif name.text in T.METHODS:
+            hint = (f"'{name.text}' is an aggregation method; use it in custom wiring: "
+                    f"residual custom {{ before sublayer: {name.text}(embedding, sublayers) }}")
+        else:
+            hint = did_you_mean(name.text, NAMED_OPTIONS)
+        c.error(name.pos, f"unknown topology '{name.text}'", hint)
+        return None
+    allowed = NAMED_OPTIONS[name.text]
+    before = len(c.errors)
+    for k, f in list(view.fields.items()):
+        if k in allowed:
+            continue
+        del view.fields[k]
+        if not allowed:
+            c.error(f.key.pos, f"'{name.text}' takes no options, got '{k}'",
+                    f"write 'residual {name.text}'")
+            continue
+        owner = next((n for n, opts in NAMED_OPTIONS.items() if k in opts), None)
+        if owner:
+            c.error(f.key.pos, f"option '{k}' does not apply to {name.text}",
+                    f"'{k}' is an option of {owner}; {name.text} takes {alts(allowed)}")
+        else:
+            c.error(f.key.pos, f"unknown option '{k}' for {name.text}",
+                    did_you_mean(k, allowed))
+    opts = _attend_options(view.fields, c)
+    blocks, block_size = _blocks(view, c)
+    window = None
+    if "window" in view.fields:
+        window = c.integer(view.fields["window"], "window", 1,
+                           why="the window counts earlier sublayer outputs")
+    if len(c.errors) > before or None in opts.values():
+        return None
+    if window is not None:
+        opts["window"] = window
+    return ResidualSpec(name.text, "named", tuple(opts.items()), blocks, block_size,
+                        pos=name.pos, positions=positions(view), source=c.src)
+
+
+def _attend_options(fields: dict[str, Field], c: Checker) -> dict:
+    out = {}
+    for k, choices in (("query", T.QUERY_KINDS), ("gate", T.GATES), ("key_norm", T.KEY_NORMS)):
+        if k in fields:
+            out[k] = c.choice(fields[k], k, choices)
+    if "heads" in fields:
+        out["heads"] = c.integer(fields["heads"], "heads", 1,
+                                 why="depth-attention heads; they must divide width")
+    return out
+
+
+def _blocks(view: View, c: Checker):
+    f = view.fields
+    blocks = block_size = None
+    if "blocks" in f and "block_size" in f:
+        second = max(f["blocks"], f["block_size"],
+                     key=lambda x: (x.key.pos.source.startswith("<--set "), x.key.pos.source,
+                                    x.key.pos.line, x.key.pos.column))
+        c.error(second.key.pos, "give either 'blocks' or 'block_size', not both",
+                "blocks: N cuts the model into N blocks; block_size: S makes blocks of S sublayers")
+        return None, None
+    if "blocks" in f:
+        blocks = c.integer(f["blocks"], "blocks", 1, why="the number of blocks")
+    if "block_size" in f:
+        block_size = c.integer(f["block_size"], "block_size", 1,
+                               why="block_size counts sublayers (2 per transformer layer)")
+    return blocks, block_size
+
+
+def _custom(view: View, c: Checker) -> ResidualSpec | None:
+    before = len(c.errors)
+    c.unknown_keys(view, CUSTOM_KEYS, "custom wiring")
+    f = view.fields
+    blocks, block_size = _blocks(view, c)
+    if "before sublayer" not in f:
+        c.error((view.label or view.kind).pos, "custom wiring needs a 'before sublayer:' rule",
+                "e.g. before sublayer: attend(embedding, blocks, partial)")
+        return None
+    sub = _rule(f["before sublayer"], "sublayer", c)
+    head = _rule(f["before head"], "head", c) if "before head" in f else None
+    if len(c.errors) > before or sub is None:
+        return None
+    if head is None:  # the head reads what the sublayers read; no partial is open there
+        head = RuleSpec(sub.method, tuple(s for s in sub.sources if s.name != "partial"),
+                        sub.query, sub.gate, sub.key_norm, sub.heads, pos=sub.pos)
+    name = view.label.text if view.label else "custom"
+    return ResidualSpec(name, "custom", (), blocks, block_size, sub, head,
+                        pos=(view.label or view.kind).pos, positions=positions(view),
+                        source=c.src)
+
+
+def _rule(fl: Field, target: str, c: Checker) -> RuleSpec | None:
+    v = fl.value
+    if isinstance(v, ListValue):
+        c.error(v.items[1].pos, f"a rule is one call, got {len(v.items)} values",
+                "e.g. attend(embedding, blocks, partial); " + SEP_HINT)
+        return None
+    name = v.name if isinstance(v, Call) else v
+    if not isinstance(name, Name):
+        c.error(v.pos, f"expected an aggregation such as attend(...), got '{describe(v)}'",
+                f"methods: {', '.join(T.METHODS)}")
+        return None
+    if name.text not in T.METHODS:
+        if name.text in NAMED_OPTIONS:
+            hint = (f"'{name.text}' is a named topology: write 'residual {name.text}' instead "
+                    f"of custom wiring, or use a method: {', '.join(T.METHODS)}")
+        else:
+            hint = did_you_mean(name.text, T.METHODS)
+        c.error(name.pos, f"unknown aggregation method '{name.text}'", hint)
+        return None
+    method = name.text
+    args = v.args if isinstance(v, Call) else ()
+    before = len(c.errors)
+    sources, seen = [], {}
+    for a in args:
+        if a.key is None:
+            s = _source(a, target, c)
+            if s is None:
+                continue
+            if str(s) in seen or (s.name == "window" and "window" in seen):
+                c.error(a.pos, f"source '{s}' is listed twice", "list each source once")
+                continue
+            seen[str(s)] = seen[s.name] = a
+            sources.append(s)
+    options = {}
+    named = {a.key.text: Field(a.key, a.value, a.pos) for a in args if a.key is not None}
+    for k, fa in named.items():
+        if k not in ATTEND_OPTIONS:
+            c.error(fa.key.pos, f"unknown option '{k}' for {method}",
+                    did_you_mean(k, ATTEND_OPTIONS) if method == "attend"
+                    else f"{method} takes no options")
+        elif method != "attend":
+            c.error(fa.key.pos, f"option '{k}' does not apply to {method}",
+                    f"only attend takes {alts(ATTEND_OPTIONS)}")
+    if len([a for a in args if a.key is not None]) != len(named):
+        dup = [a for a in args if a.key is not None]
+        keys = [a.key.text for a in dup]
+        second = next(a for i, a in enumerate(dup) if a.key.text in keys[:i])
+        c.error(second.key.pos, f"option '{second.key.text}' is given twice", "keep one")
+    if method == "attend":
+        options = _attend_options({k: v for k, v in named.items() if k in ATTEND_OPTIONS}, c)
+    if method in T.STREAM_METHODS:
+        wrong = [a for a in args if a.key is None and str(_quiet_source(a)) not in
+                 ("embedding", "sublayers")]
+        if wrong:
+            c.error(wrong[0].pos, f"{method} updates one running stream and always reads the "
+                    f"embedding and every earlier sublayer",
+                    f"write {method}() or {method}(embedding, sublayers)")
+            return None
+        if not sources:
+            sources = list(T.STANDARD_SOURCES)
+    if len(c.errors) > before or None in options.values():
+        return None
+    pos = v.pos
+    if not sources:
+        c.error(pos, f"this {method} reads no source",
+                f"list its sources, e.g. {method}(embedding, "
+                f"{'blocks, partial' if target == 'sublayer' else 'blocks'})")
+        return None
+    if target == "sublayer" and "embedding" not in seen and method not in T.STREAM_METHODS:
+        listed = [f"'{s}'" for s in sources]
+        c.error(pos, "the first sublayer would read no source: "
+                f"{' and '.join(listed) if len(listed) < 3 else ', '.join(listed)} "
+                f"{'is' if len(listed) == 1 else 'are'} empty before it",
+                f"add 'embedding', e.g. {method}(embedding, ...)")
+        return None
+    return RuleSpec(method, tuple(sources), pos=pos, **options)
+
+
+def _quiet_source(a: Arg):
+    v = a.value
+    return v.text if isinstance(v, Name) else None
+
+
+def _source(a: Arg, target: str, c: Checker) -> T.Source | None:
+    v = a.value
+    names = [n for n in T.SOURCE_NAMES]
+    if isinstance(v, Name):
+        if v.text == "window":
+            c.error(v.pos, "window needs a size", "e.g. window(8): the last 8 sublayer outputs")
+            return None
+        if v.text not in names:
+            c.error(v.pos, f"unknown source '{v.text}'", did_you_mean(v.text, names))
+            return None
+        if v.text == "partial" and target == "head":
+            c.error(v.pos, "'partial' cannot be read before the head: every block is complete "
+                    "there", "read 'blocks' (all blocks) at the head")
+            return None
+        return T.Source(v.text)
+    if isinstance(v, Call) and v.name.text == "window":
+        if len(v.args) != 1 or v.args[0].key is not None:
+            c.error(v.pos, "window takes one size", "e.g. window(8)")
+            return None
+        w = c.integer(Field(Key(("window",), v.pos), v.args[0].value, v.pos), "window", 1,
+                      why="the window counts earlier sublayer outputs")
+        return None if w is None else T.Source("window", w)
+    if isinstance(v, Call):
+        c.error(v.name.pos, f"unknown source '{v.name.text}(...)'",
+                did_you_mean(v.name.text, names))
+        return None
+    c.error(v.pos, f"expected a source, got '{describe(v)}'",
+            f"sources: {', '.join(names)}")
+    return None
+
+
+def check_against_model(model: ModelSpec, residual: ResidualSpec, view: View, c: Checker):
+    """What only the model decides: depth heads must divide its width, and the blocks must
+    partition its sublayers (`blocks: N` allowed for this depth, block_size whole layers)."""
+    heads = []
+    if residual.form == "named" and residual.option("heads"):
+        heads.append((residual.option("heads"), view.fields["heads"].value.pos))
+    for rule in (residual.sublayer_rule, residual.head_rule):
+        if rule is not None and rule.heads > 1 and rule.heads not in [h for h, _ in heads]:
+            heads.append((rule.heads, rule.pos))
+    for h, pos in heads:
+        if model.width % h:
+            c.error(pos, f"depth-attention heads ({h}) must divide width ({model.width})",
+                    f"heads that divide {model.width}: "
+                    + ", ".join(str(d) for d in divisors(model.width) if d <= 64))
+    # The partition depends on the depth; the rules' sources were checked statically (the
+    # sublayer rule reads the embedding, the head no partial), so every aggregation the IR
+    # will hold reads at least one value and building it here would only cost time.
+    try:
+        residual.resolve(model.kinds)
+    except SpecError as e:
+        c.errors.append(e)

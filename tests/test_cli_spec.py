@@ -1,0 +1,212 @@
+"""The CLI foundation and the check / inspect / graph commands, through main([...]) and
+once through the installed console script."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from restopo.cli import COMMANDS, main
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+BLOCK = str(EXAMPLES / "block_attnres.restopo")
+TINY = str(EXAMPLES / "tiny.restopo")
+
+
+@pytest.fixture
+def bad(tmp_path):
+    p = tmp_path / "bad.restopo"
+    p.write_text("model { vocab: 256; widht: 64; depth: 4; heads: 4; context: 64 }\n"
+                 "residual block_attnres(blocks: 9)\n")
+    return str(p)
+
+
+def test_check_all_examples_ok(capsys):
+    files = sorted(str(p) for p in EXAMPLES.glob("*.restopo"))
+    assert main(["check", *files]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == len(files)
+    assert all(": ok (" in line for line in out)
+    line = next(x for x in out if x.startswith(BLOCK))
+    assert line == f"{BLOCK}: ok (32 sublayers, topology block_attnres, 8 blocks, " \
+                   "9 live values per token)"
+
+
+def test_check_reports_every_file_and_exits_1(bad, capsys):
+    assert main(["check", bad, TINY, bad]) == 1
+    cap = capsys.readouterr()
+    assert cap.out.splitlines() == [f"{TINY}: ok (8 sublayers, topology block_attnres, 2 blocks, "
+                                    "3 live values per token)"]
+    assert cap.err.count(f"{bad}:1:21: error: unknown key 'widht' in model") == 2
+    assert "hint: did you mean 'width'?" in cap.err
+    assert "2 of 3 files have mistakes" in cap.err
+    assert "Traceback" not in cap.err
+
+
+def test_check_with_override_error_names_the_set(capsys):
+    assert main(["check", TINY, "--set", "model.widht=64"]) == 1
+    err = capsys.readouterr().err
+    assert err.splitlines()[:4] == [
+        "<--set 1>:1:13: error: unknown key 'widht' in model",
+        "    --set model.widht=64",
+        "                ^",
+        "hint: did you mean 'width'?"]
+
+
+@pytest.mark.parametrize("argv,code,stream,text", [
+    (["check", "does-not-exist.restopo"], 1, "err", "does-not-exist.restopo: no such file"),
+    (["check", str(EXAMPLES)], 1, "err", "is a directory"),
+    (["inspect", "does-not-exist.restopo"], 1, "err", "no such file"),
+    (["check"], 2, "err", "usage:"),
+    (["inspect", TINY, "--format", "yaml"], 2, "err", "invalid choice"),
+    (["frobnicate"], 2, "err", "invalid choice"),
+    ([], 2, "err", "usage:"),
+    (["--version"], 0, "out", "restopo 0.1.0"),
+    (["--help"], 0, "out", "examples:"),
+])
+def test_exit_codes(argv, code, stream, text, capsys):
+    assert main(argv) == code
+    cap = capsys.readouterr()
+    assert text in getattr(cap, stream)
+    assert "Traceback" not in cap.err
+
+
+def test_binary_file_is_one_line(tmp_path, capsys):
+    p = tmp_path / "x.restopo"
+    p.write_bytes(b"\xff\xfe\x00model")
+    assert main(["check", str(p)]) == 1
+    err = capsys.readouterr().err
+    assert err.strip().count("\n") == 0 and "not UTF-8 text" in err and str(p) in err
+
+
+@pytest.mark.parametrize("name", [c for c in COMMANDS if c in ("check", "inspect", "graph")])
+def test_subcommand_help_has_examples(name, capsys):
+    assert main([name, "--help"]) == 0
+    assert "examples:" in capsys.readouterr().out
+
+
+def test_inspect_json_shape(capsys):
+    assert main(["inspect", BLOCK, "--format", "json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    for key in ("sublayers", "blocks", "live_values_per_token", "added_parameters",
+                "aggregations"):
+        assert key in data
+    assert (data["sublayers"], data["blocks"], data["live_values_per_token"]) == (32, 8, 9)
+    aggs = data["aggregations"]
+    assert [a["index"] for a in aggs] == list(range(1, 34))
+    assert aggs[0] == {**aggs[0], "before": "attn", "sources": ["embedding"]}
+    assert aggs[5]["before"] == "mlp" and aggs[5]["sources"] == ["embedding", "block1", "partial"]
+    assert aggs[-1]["before"] == "head"
+    assert aggs[-1]["sources"] == ["embedding"] + [f"block{n}" for n in range(1, 9)]
+    # 33 aggregation points x (pseudo-query + key-norm gain) of width 64
+    assert data["added_parameters"] == 33 * 2 * 64
+
+
+def test_inspect_text_table_and_overrides(capsys):
+    assert main(["inspect", TINY, "--set", "residual=full_attnres"]) == 0
+    out = capsys.readouterr().out
+    assert "full_attnres, 8 sublayers" in out
+    assert "live values per token  9" in out
+    rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
+    assert rows[0][:3] == ["1", "attn", "attend"]
+    assert rows[-1][:3] == ["9", "head", "attend"]
+    assert out.rstrip().endswith("(9) embedding, sublayer1..sublayer8")
+
+
+def test_inspect_residual_only_spec_is_a_spec_error(tmp_path, capsys):
+    p = tmp_path / "r.restopo"
+    p.write_text("residual full_attnres\n")
+    assert main(["inspect", str(p)]) == 1
+    err = capsys.readouterr().err
+    assert f"{p}:1:10: error: the IR needs a model section" in err
+    assert main(["check", str(p)]) == 0
+    assert "residual full_attnres only" in capsys.readouterr().out
+
+
+def test_graph_writes_dot(tmp_path, capsys):
+    out = tmp_path / "g.dot"
+    assert main(["graph", TINY, "-o", str(out)]) == 0
+    dot = out.read_text()
+    assert dot.startswith('digraph "restopo" {') and dot.rstrip().endswith("}")
+    assert dot.count("subgraph \"cluster_block") == 2 and '"cluster_head"' in dot
+    # every read of the IR is an edge: agg6 reads embedding, block1 and partial2.2
+    for src in ("embedding", "block1", "partial2.2"):
+        assert f'"{src}" -> "agg6"' in dot
+    assert '"agg9" -> "head"' in dot
+    assert [p.name for p in tmp_path.iterdir()] == ["g.dot"]  # no temporary left behind
+
+
+@pytest.mark.parametrize("engine", ["matplotlib"] + (["graphviz"] if shutil.which("dot") else []))
+@pytest.mark.parametrize("suffix,magic", [(".png", b"\x89PNG"), (".svg", b"<")])
+def test_graph_writes_pictures(tmp_path, engine, suffix, magic):
+    out = tmp_path / f"g{suffix}"
+    assert main(["graph", TINY, "-o", str(out), "--engine", engine]) == 0
+    data = out.read_bytes()
+    assert data.startswith(magic) or (suffix == ".svg" and b"<svg" in data[:400])
+    assert len(data) > 1000
+    assert sorted(p.name for p in tmp_path.iterdir()) == [out.name]
+
+
+def test_graph_bad_suffix_is_usage_error(tmp_path, capsys):
+    assert main(["graph", TINY, "-o", str(tmp_path / "g.pdf")]) == 2
+    assert "must end in" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_graph_spec_error_leaves_no_file(tmp_path, bad, capsys):
+    out = tmp_path / "g.png"
+    assert main(["graph", bad, "-o", str(out)]) == 1
+    assert not out.exists()
+
+
+def test_console_script_subprocess(bad):
+    exe = shutil.which("restopo")
+    cmd = [exe] if exe else [sys.executable, "-m", "restopo"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    ok = subprocess.run(cmd + ["check", TINY], capture_output=True, text=True, timeout=120,
+                        env=env)
+    assert ok.returncode == 0 and ": ok (" in ok.stdout
+    err = subprocess.run(cmd + ["check", bad], capture_output=True, text=True, timeout=120,
+                         env=env)
+    assert err.returncode == 1 and "Traceback" not in err.stderr
+    assert "error: unknown key 'widht'" in err.stderr
+    usage = subprocess.run(cmd + ["inspect"], capture_output=True, text=True, timeout=120,
+                           env=env)
+    assert usage.returncode == 2 and "usage:" in usage.stderr
+    mod = subprocess.run([sys.executable, "-m", "restopo", "--version"], capture_output=True,
+                         text=True, timeout=120, env=env)
+    assert mod.returncode == 0 and mod.stdout.startswith("restopo ")
+
+
+def test_a_command_that_cannot_import_is_reported_not_raised(monkeypatch, capsys):
+    import restopo.cli as cli
+    monkeypatch.setattr(cli, "COMMANDS", cli.COMMANDS + ("nosuchcommand",))
+    assert cli.main(["check", TINY]) == 0          # the others still work
+    assert cli.main(["nosuchcommand", "x"]) == 1
+    err = capsys.readouterr().err
+    assert "restopo nosuchcommand: unavailable here" in err and "Traceback" not in err
+
+
+def test_graph_falls_back_when_dot_fails(tmp_path, monkeypatch, capsys):
+    """A broken Graphviz install still gives a picture (auto) or a one-line error."""
+    import restopo.commands.graph as graph
+    fake = tmp_path / "bin" / "dot"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\necho 'dot: broken' >&2\nexit 3\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}{os.pathsep}{os.environ['PATH']}")
+    out = tmp_path / "g.png"
+    assert graph.shutil.which("dot") == str(fake)
+    assert main(["graph", TINY, "-o", str(out)]) == 0
+    assert out.read_bytes().startswith(b"\x89PNG")
+    assert "dot failed (dot: broken); drawing with matplotlib" in capsys.readouterr().err
+    out.unlink()
+    assert main(["graph", TINY, "-o", str(out), "--engine", "graphviz"]) == 1
+    assert "dot failed: dot: broken" in capsys.readouterr().err and not out.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bin"]

@@ -1,0 +1,141 @@
+"""`restopo diagnose`: the figures are written, and the depth weights it reports are right.
+
+The weights are recomputed from each aggregation's parameters over its IR sources; the check
+that holds them is independent of that code: sum_i w_i v_i must equal the h_l the model
+itself fed to sublayer l (captured by a hook), token by token.
+"""
+import json
+
+import pytest
+import torch
+
+from restopo import topology as T
+from restopo.api import aggregations, build_model
+from restopo.cli import main
+from restopo.ir import build_ir
+from restopo.spec.objects import ModelSpec
+from restopo.train.diagnose import collect, depth_weights
+
+M = ModelSpec(vocab=256, width=32, depth=3, heads=4, context=16)
+
+SPEC = """\
+model t { vocab: 256; width: 32; depth: 2; heads: 4; context: 32 }
+residual RESIDUAL
+train { data: builtin:stdlib; steps: 4; batch: 4; warmup: 1; eval_every: 4; eval_batches: 1
+        save_every: 4; log_every: 1 }
+"""
+
+
+def batches(n=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, 256, (2, 16), generator=g),
+             torch.randint(0, 256, (2, 16), generator=g)) for _ in range(n)]
+
+
+def randomised(top, seed=0):
+    torch.manual_seed(seed)
+    model = build_model(M, top, backend="eager")
+    with torch.no_grad():  # trained-looking parameters: queries, gains, scalars, gates
+        for agg in aggregations(model):
+            for p in agg.parameters():
+                p.add_(torch.randn_like(p) * 0.7)
+    return model
+
+
+TOPOLOGIES = {
+    "standard": T.standard(M.kinds),
+    "full": T.full_attnres(M.kinds),
+    "block": T.block_attnres(M.kinds, blocks=2),
+    "block_size4": T.block_attnres(M.kinds, block_size=4),
+    "full_sigmoid_heads": T.full_attnres(M.kinds, gate="sigmoid", heads=4),
+    "full_input_dependent": T.full_attnres(M.kinds, query="input_dependent"),
+    "full_no_key_norm": T.full_attnres(M.kinds, key_norm="none"),
+    "denseformer": T.denseformer(M.kinds),
+    "rezero": T.rezero(M.kinds),
+    "layerscale": T.layerscale(M.kinds),
+    "highway": T.highway(M.kinds),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TOPOLOGIES))
+def test_weights_reconstruct_every_aggregation(name):
+    top = TOPOLOGIES[name]
+    numbers = collect(randomised(top), build_ir(M.kinds, top, M.width), batches(),
+                      torch.device("cpu"))
+    assert numbers["reconstruction_error"] < 1e-4
+    aggs = numbers["aggregations"]
+    assert [a["index"] for a in aggs] == list(range(1, M.depth * 2 + 2))
+    if top.sublayer_rule.method == "attend" and top.sublayer_rule.gate == "softmax":
+        for a in aggs:  # a softmax's mean weights still sum to one
+            assert sum(a["weights"]) == pytest.approx(1.0, abs=1e-5)
+    if name == "standard":
+        assert all(w == 1.0 for a in aggs for w in a["weights"])
+    assert len(numbers["output_rms"]) == len(numbers["param_grad_norm"]) == 2 * M.depth
+    assert all(g > 0 for g in numbers["param_grad_norm"])
+    assert len(numbers["input_rms"]) == 2 * M.depth + 1
+
+
+def test_fresh_attnres_is_the_plain_mean():
+    top = TOPOLOGIES["block"]
+    torch.manual_seed(0)
+    model = build_model(M, top, backend="eager")  # zero pseudo-queries
+    numbers = collect(model, build_ir(M.kinds, top, M.width), batches(1), torch.device("cpu"))
+    for a in numbers["aggregations"]:
+        n = len(a["sources"])
+        assert a["weights"] == pytest.approx([1 / n] * n, abs=1e-6)
+
+
+def test_wrong_weights_would_be_caught():
+    """The reconstruction check has teeth: perturb a query after the forward pass and the
+    recomputed weights no longer rebuild the captured h."""
+    top = TOPOLOGIES["full"]
+    model = randomised(top)
+    g = build_ir(M.kinds, top, M.width)
+    captured = {}
+    subs = list(model.get_submodule("sublayers"))
+    hooks = [model.get_submodule("embed").register_forward_hook(
+        lambda m, a, o: captured.__setitem__(0, o))]
+    for i, s in enumerate(subs, start=1):
+        hooks.append(s.register_forward_pre_hook(
+            lambda m, a, i=i: captured.__setitem__(("h", i), a[0])))
+        hooks.append(s.register_forward_hook(lambda m, a, o, i=i: captured.__setitem__(i, o)))
+    hooks.append(model.get_submodule("head").register_forward_pre_hook(
+        lambda m, a: captured.__setitem__(("h", len(subs) + 1), a[0])))
+    with torch.no_grad():
+        model(batches(1)[0][0])
+        v = [captured[i] for i in range(len(subs) + 1)]
+        h = [captured[("h", i)] for i in range(1, len(subs) + 2)]
+        assert max(e for *_, e in depth_weights(g, aggregations(model), v, h)) < 1e-5
+        aggregations(model)[3].pseudo_query.add_(1.0)
+        assert max(e for *_, e in depth_weights(g, aggregations(model), v, h)) > 1e-3
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("restopo-cache")
+
+
+@pytest.mark.parametrize("residual", ["block_attnres(blocks: 2)", "standard"])
+def test_diagnose_command_writes_figures(tmp_path, monkeypatch, capsys, residual, cache):
+    monkeypatch.setenv("RESTOPO_CACHE", str(cache))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # train's default: one thread
+    spec = tmp_path / "t.restopo"
+    spec.write_text(SPEC.replace("RESIDUAL", residual))
+    out = tmp_path / "run"
+    assert main(["train", str(spec), "--out", str(out), "--no-progress"]) == 0
+    capsys.readouterr()
+    assert main(["diagnose", str(out), "--batches", "1", "--batch-size", "2"]) == 0
+    printed = capsys.readouterr().out
+    for name in ("magnitude.png", "gradients.png", "depth_attention.png"):
+        png = out / "diagnose" / name
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and name in printed
+    numbers = json.loads((out / "diagnose" / "diagnose.json").read_text())
+    assert numbers["step"] == 4 and numbers["reconstruction_error"] < 1e-4
+
+
+def test_diagnose_bad_checkpoint(tmp_path, capsys):
+    assert main(["diagnose", str(tmp_path / "missing")]) == 1
+    err = capsys.readouterr().err
+    assert "does not exist" in err and "Traceback" not in err
+    assert main(["diagnose", str(tmp_path)]) == 1
+    assert "no complete checkpoint" in capsys.readouterr().err

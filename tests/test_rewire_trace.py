@@ -1,0 +1,264 @@
+"""Structure recovery by torch.fx tracing: what it finds, and what it refuses."""
+import pytest
+import torch
+import torch.nn as nn
+
+import restopo
+from restopo.fx.rewire import RewireError, recover, rewire
+from restopo.fx.trace import classify
+
+from models import attnres_loop as loop
+from models.metallama import ModelArgs, Transformer
+from models.nanogpt import GPT, GPTConfig
+
+
+def metallama(n_layers=3, seed=0):
+    torch.manual_seed(seed)
+    return Transformer(ModelArgs(n_layers=n_layers))
+
+
+def metallama_pieces(m, idx):
+    T = idx.shape[1]
+    cos, sin = m.cos[:T], m.sin[:T]
+    subs = []
+    for layer in m.layers:
+        subs.append(lambda h, ly=layer: ly.attention(ly.attention_norm(h), cos, sin))
+        subs.append(lambda h, ly=layer: ly.feed_forward(ly.ffn_norm(h)))
+    return m.tok_embeddings(idx), subs, lambda h: m.output(m.norm(h))
+
+
+def tokens(T=10, seed=1):
+    return torch.randint(0, 128, (2, T), generator=torch.Generator().manual_seed(seed))
+
+
+def test_recovers_nanogpt_sublayers_in_order():
+    s = recover(GPT(GPTConfig(n_layer=2)))
+    assert s.kinds == ("attn", "mlp", "attn", "mlp")
+    assert s.width == 32 and s.vocab == 128
+    assert s.names[1] == "transformer.h.0.ln_2 + transformer.h.0.mlp"
+
+
+def test_context_read_by_every_sublayer_is_passed_along():
+    m = metallama().double()
+    s = recover(m)
+    assert s.context_names == ("cos", "sin")
+    idx = tokens()
+    torch.testing.assert_close(rewire(m, "residual standard\n")(idx), m(idx), rtol=0, atol=1e-12)
+
+
+def test_metallama_random_queries_equal_the_naive_loop():
+    m = metallama().double()
+    r = rewire(m, "residual block_attnres(blocks: 2)\n")
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for a in restopo.aggregations(r):
+            a.pseudo_query.copy_(torch.randn(32, generator=g, dtype=torch.float64))
+    idx = tokens()
+    v0, subs, head = metallama_pieces(m, idx)
+    queries = [a.pseudo_query for a in restopo.aggregations(r)]
+    gains = [a.key_norm.weight for a in restopo.aggregations(r)]
+    want = loop.run(v0, subs, head, loop.layer_blocks(3, 2), loop.attend, queries, gains)
+    torch.testing.assert_close(r(idx), want, rtol=0, atol=1e-10)
+
+
+def test_moving_the_rewired_model_moves_the_buffers_it_reads():
+    """.double() replaces the model's rotary buffers; the traced pieces must follow."""
+    m = metallama()
+    r = rewire(m, "residual full_attnres\n").double()
+    assert m.cos.dtype == torch.float64
+    idx = tokens()
+    v0, subs, head = metallama_pieces(m, idx)
+    want = loop.run(v0, subs, head, loop.full_blocks(6), loop.mean)
+    torch.testing.assert_close(r(idx), want, rtol=0, atol=1e-10)
+
+
+class FlagGPT(GPT):
+    """Branches on a bool argument: each value is traced as its own call pattern."""
+
+    def forward(self, idx, targets=None, double_logits: bool = False):
+        logits, loss = super().forward(idx, targets)
+        if double_logits:
+            logits = 2 * logits
+        return logits, loss
+
+
+def test_scalar_arguments_are_traced_per_value():
+    torch.manual_seed(0)
+    m = FlagGPT(GPTConfig()).double()
+    r = rewire(m, "residual standard\n")
+    idx = tokens()
+    for flag in (False, True):
+        torch.testing.assert_close(r(idx, idx, double_logits=flag)[0],
+                                   m(idx, idx, double_logits=flag)[0], rtol=0, atol=1e-12)
+
+
+class HiddenStatesGPT(GPT):
+    """Returns every block's output as well: there is no such value once rewired."""
+
+    def forward(self, idx):
+        x = self.transformer.wte(idx)
+        states = []
+        for block in self.transformer.h:
+            x = block(x)
+            states.append(x)
+        return self.lm_head(self.transformer.ln_f(x)), states
+
+
+def test_reading_hidden_states_between_sublayers_is_refused():
+    with pytest.raises(RewireError, match="reads the hidden state"):
+        rewire(HiddenStatesGPT(GPTConfig()), "residual full_attnres\n")
+
+
+class ParallelBlock(nn.Module):
+    """GPT-J style: attention and MLP read the same norm and add together."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.attn = nn.MultiheadAttention(d, 4, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(d, d), nn.GELU())
+        self.mlp.__class__ = type("MLP", (nn.Sequential,), {})
+
+    def forward(self, x):
+        y = self.ln(x)
+        return x + self.attn(y, y, y, need_weights=False)[0] + self.mlp(y)
+
+
+class ParallelModel(nn.Module):
+    def __init__(self, d=32):
+        super().__init__()
+        self.emb = nn.Embedding(128, d)
+        self.blocks = nn.ModuleList(ParallelBlock(d) for _ in range(2))
+        self.head = nn.Linear(d, 128)
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def test_parallel_block_is_refused():
+    with pytest.raises(RewireError, match="parallel sublayers"):
+        rewire(ParallelModel(), "residual full_attnres\n")
+
+
+def test_classify_by_class_name():
+    assert classify(nn.LayerNorm(4)) == "norm" and classify(nn.RMSNorm(4)) == "norm"
+    assert classify(nn.MultiheadAttention(4, 1)) == "attn"
+    assert classify(GPT(GPTConfig()).transformer.h[0].mlp) == "mlp"
+    assert classify(nn.Linear(2, 2)) is None
+
+
+class PosModuleGPT(GPT):
+    """An embedding that adds a learned position module reading x: part of v_0, not a
+    sublayer."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.pos = nn.Linear(config.n_embd, config.n_embd)
+
+    def forward(self, idx, targets=None):
+        x = self.transformer.wte(idx)
+        x = x + self.pos(x)
+        for block in self.transformer.h:
+            x = block(x)
+        return self.lm_head(self.transformer.ln_f(x)), None
+
+
+def test_adds_before_the_first_sublayer_belong_to_the_embedding():
+    torch.manual_seed(0)
+    m = PosModuleGPT(GPTConfig()).double()
+    s = recover(m)
+    assert s.kinds == ("attn", "mlp", "attn", "mlp")
+    idx = tokens()
+    torch.testing.assert_close(rewire(m, "residual standard\n")(idx)[0], m(idx)[0],
+                               rtol=0, atol=1e-12)
+
+
+class GuardedGPT(GPT):
+    """Guards on the traced length written as `if ...: raise`, both ways round."""
+
+    def forward(self, idx, targets=None):
+        t = idx.size(1)
+        if t > self.config.block_size:
+            raise ValueError(f"sequence of {t} tokens exceeds the block size")
+        if not t >= 1:
+            raise ValueError("empty sequence")
+        return super().forward(idx, targets)
+
+
+def test_guards_that_raise_are_traced_through():
+    torch.manual_seed(0)
+    m = GuardedGPT(GPTConfig()).double()
+    r = rewire(m, "residual standard\n")
+    idx = tokens()
+    torch.testing.assert_close(r(idx, idx)[1], m(idx, idx)[1], rtol=0, atol=1e-12)
+    with pytest.raises(Exception, match="guard"):
+        r(torch.zeros(1, 65, dtype=torch.long))
+
+
+class AttentionBlock(nn.Module):
+    """Named like an attention, but a whole block with its PreNorm: traced through."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.attn = nn.MultiheadAttention(d, 4, batch_first=True)
+        self.norm2 = nn.LayerNorm(d)
+        self.moe = MoE(d)
+
+    def forward(self, x):
+        y = self.norm(x)
+        mask = x.new_ones(x.shape[1], x.shape[1], dtype=torch.bool).triu(1)
+        x = x + self.attn(y, y, y, attn_mask=mask, need_weights=False)[0]
+        return x + self.moe(self.norm2(x))
+
+
+class MoE(nn.Module):
+    """Soft mixture of two expert MLPs: one sublayer, one leaf."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.gate = nn.Linear(d, 2)
+        self.experts = nn.ModuleList(
+            type("ExpertMLP", (nn.Sequential,), {})(nn.Linear(d, 2 * d), nn.GELU(),
+                                                    nn.Linear(2 * d, d)) for _ in range(2))
+
+    def forward(self, x):
+        w = torch.softmax(self.gate(x), -1)
+        return sum(w[..., i:i + 1] * e(x) for i, e in enumerate(self.experts))
+
+
+class BlockModel(nn.Module):
+    def __init__(self, d=32):
+        super().__init__()
+        self.emb = nn.Embedding(128, d)
+        self.blocks = nn.ModuleList(AttentionBlock(d) for _ in range(2))
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, 128)
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.norm(x))
+
+
+def test_blocks_named_like_sublayers_are_traced_through_and_moe_is_one_leaf():
+    torch.manual_seed(0)
+    m = BlockModel().double()
+    s = recover(m)
+    assert s.kinds == ("attn", "mlp", "attn", "mlp")
+    assert s.names[1] == "blocks.0.norm2 + blocks.0.moe"
+    idx = tokens()
+    torch.testing.assert_close(rewire(m, "residual standard\n")(idx), m(idx), rtol=0, atol=1e-12)
+    r = rewire(m, "residual full_attnres\n")
+    assert r(idx).shape == (2, 10, 128)
+
+
+def test_classify_norms_by_the_end_of_the_class_name():
+    from models.nanogpt import PostNormBlock
+    for name in ("LayerNorm", "LlamaRMSNorm", "BatchNorm1d", "T5LayerNorm"):
+        assert classify(type(name, (nn.Module,), {})()) == "norm", name
+    assert classify(PostNormBlock(GPTConfig())) is None
