@@ -260,3 +260,23 @@ def test_denseformer_starts_as_the_standard_residual():
     r = rewire(m, "residual denseformer\n")
     idx, targets = tokens()
     torch.testing.assert_close(r(idx, targets)[0], m(idx, targets)[0], rtol=0, atol=1e-12)
+
+
+def test_triton_backend_matches_eager():
+    """The fused kernels (Triton's interpreter on CPU) run the rewired stream too."""
+    pytest.importorskip("triton")
+    torch.manual_seed(0)
+    m = GPT(GPTConfig(n_layer=2))
+    fused = rewire(m, "residual block_attnres(blocks: 2)\n", backend="triton")
+    eager = rewire(m, "residual block_attnres(blocks: 2)\n", backend="eager")
+    with torch.no_grad():
+        for a, b in zip(restopo.aggregations(fused), restopo.aggregations(eager)):
+            a.pseudo_query.normal_()
+            b.pseudo_query.copy_(a.pseudo_query)
+    idx, targets = tokens(T=8)
+    (lf, loss_f), (le, loss_e) = fused(idx, targets), eager(idx, targets)
+    torch.testing.assert_close(lf, le, rtol=1e-5, atol=1e-5)
+    loss_f.backward()
+    loss_e.backward()
+    for a, b in zip(restopo.aggregations(fused), restopo.aggregations(eager)):
+        torch.testing.assert_close(a.pseudo_query.grad, b.pseudo_query.grad, rtol=1e-4, atol=1e-6)

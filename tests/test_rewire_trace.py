@@ -2,6 +2,7 @@
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import restopo
 from restopo.fx.rewire import RewireError, recover, rewire
@@ -262,3 +263,24 @@ def test_classify_norms_by_the_end_of_the_class_name():
     for name in ("LayerNorm", "LlamaRMSNorm", "BatchNorm1d", "T5LayerNorm"):
         assert classify(type(name, (nn.Module,), {})()) == "norm", name
     assert classify(PostNormBlock(GPTConfig())) is None
+
+
+class FunctionalDropoutGPT(GPT):
+    """Reads self.training in its own forward (functional dropout on the embedding)."""
+
+    def forward(self, idx, targets=None):
+        pos = torch.arange(idx.size(1))
+        x = F.dropout(self.transformer.wte(idx) + self.transformer.wpe(pos), 0.5, self.training)
+        for block in self.transformer.h:
+            x = block(x)
+        return self.lm_head(self.transformer.ln_f(x)), None
+
+
+def test_train_and_eval_are_traced_apart():
+    torch.manual_seed(0)
+    m = FunctionalDropoutGPT(GPTConfig()).double()
+    r = rewire(m, "residual standard\n").train()
+    idx = tokens()
+    assert not torch.equal(r(idx)[0], r(idx)[0])  # dropout on
+    r.eval()
+    torch.testing.assert_close(r(idx)[0], m(idx)[0], rtol=0, atol=1e-12)

@@ -4,7 +4,9 @@ Kernels are written as plain Python functions and compiled per device at first l
 CUDA tensors get a compiled `JITFunction`, CPU tensors get triton's interpreter
 (`InterpretedFunction`), which is only allowed when TRITON_INTERPRET=1 is set. Choosing at
 launch time (instead of decorating with `@triton.jit` at import) means it does not matter
-whether something else imported triton before the variable was set.
+whether something else imported triton before the variable was set. (One limit of triton
+itself: once the interpreter has run in a process, triton.language stays patched for it, so
+do not mix interpreted CPU launches and compiled CUDA launches in one process.)
 """
 from __future__ import annotations
 

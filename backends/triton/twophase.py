@@ -5,12 +5,13 @@ sublayer's RMSNorm). Forward and backward kernels and their launchers.
 Math: backends/eager/depth.py:phase1 / phase2 with heads=1. u_s = gain_s * query_s.
 
 Reads of the completed blocks in phase 1 (n blocks, S queries, per token row):
-- forward: pass A (`_phase1_logits`) streams each block once in channel chunks and computes its
-  RMS and the logits of all S queries at once; pass B (`_phase1_sum`) streams each block once
-  more and accumulates the S un-normalised outputs. 2 reads of the completed blocks for all S
-  queries, against S reads for S separate aggregations. (A single read would need the S
-  accumulators of d channels each in registers at once; pass B runs over channel chunks, and
-  a row tile's blocks are usually still in L2 from pass A.)
+- forward (`_phase1_fwd`): pass A streams each block once in channel chunks and computes its
+  RMS and the logits of all S queries at once; pass B, in the same program, streams the blocks
+  again and accumulates the S un-normalised outputs. So 2 reads of the completed blocks for
+  all S queries, against S reads for S separate aggregations; with 2 rows per program the
+  second read should mostly hit L2 (n x 2 x d values per program), but that is not measured
+  here. (A single read would need S accumulators of d channels per row at once, more than a
+  program's registers hold at d in the thousands.)
 - backward: `_phase1_dlogits` reads each block once (with the S output gradients of the
   chunk, re-read per block: they come from L2 inside a row tile), `_phase1_dsources` reads
   each block and the output gradients once more and writes the block gradients.
@@ -26,17 +27,20 @@ from .single import folded_query, rows_view
 
 
 # ---- phase 1 ------------------------------------------------------------------------------
-def _phase1_logits(V, U, Z, M, SUM, R, D, n, S, stride_vn, stride_vr, stride_vd, eps,
-                   KEY_NORM: tl.constexpr, ACC: tl.constexpr, BLOCK_R: tl.constexpr,
-                   BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
+def _phase1_fwd(V, U, Z, M, SUM, O1, R, D, n, S, stride_vn, stride_vr, stride_vd, eps,
+                KEY_NORM: tl.constexpr, ACC: tl.constexpr, BLOCK_R: tl.constexpr,
+                BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
     pid = tl.program_id(0)
     rows = (pid * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     qs = tl.arange(0, BLOCK_S)
     rmask = rows < R
     smask = qs < S
+    # pass A: each block's RMS and its logits against all S queries, with the running max
+    # and sum of exponentials (online softmax)
     m = tl.full([BLOCK_R, BLOCK_S], float("-inf"), ACC)
     ssum = tl.zeros([BLOCK_R, BLOCK_S], ACC)
-    vp = V + rows[:, None] * stride_vr
+    vrow = V + rows[:, None] * stride_vr
+    vp = vrow
     zp = Z + qs[None, :] * R + rows[:, None]
     zmask = rmask[:, None] & smask[None, :]
     for _ in range(n):
@@ -64,33 +68,27 @@ def _phase1_logits(V, U, Z, M, SUM, R, D, n, S, stride_vn, stride_vr, stride_vd,
     so = qs[None, :] * R + rows[:, None]
     tl.store(M + so, m, mask=zmask)
     tl.store(SUM + so, ssum, mask=zmask)
-
-
-def _phase1_sum(V, Z, M, O1, R, D, n, S, stride_vn, stride_vr, stride_vd,
-                ACC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
-                BLOCK_C: tl.constexpr):
-    pid = tl.program_id(0)
-    rows = (pid * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    qs = tl.arange(0, BLOCK_S)
-    rmask = rows < R
-    cmask = cols < D
-    smask = qs < S
+    # Z is read back below, possibly by other threads of this program
+    tl.debug_barrier()
+    # pass B: the S un-normalised outputs, chunk by chunk; this program's blocks were just
+    # read in pass A, so with small row tiles they come back from L2
     sr = qs[:, None] * R + rows[None, :]                      # [S, R] offsets
     srmask = smask[:, None] & rmask[None, :]
-    m = tl.load(M + sr, mask=srmask, other=0.0)
-    acc = tl.zeros([BLOCK_S, BLOCK_R, BLOCK_C], ACC)
-    vp = V + rows[:, None] * stride_vr + cols[None, :] * stride_vd
-    zp = Z + sr
-    vmask = rmask[:, None] & cmask[None, :]
-    for _ in range(n):
-        e = tl.exp(tl.load(zp, mask=srmask, other=0.0) - m)
-        v = tl.load(vp, mask=vmask, other=0.0).to(ACC)
-        acc += e[:, :, None] * v[None, :, :]
-        vp += stride_vn
-        zp += S * R
-    op = O1 + (qs[:, None, None] * R + rows[None, :, None]) * D + cols[None, None, :]
-    tl.store(op, acc, mask=srmask[:, :, None] & cmask[None, None, :])
+    mt = tl.load(M + sr, mask=srmask, other=0.0)
+    for c0 in range(0, D, BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        cmask = cols < D
+        acc = tl.zeros([BLOCK_S, BLOCK_R, BLOCK_C], ACC)
+        vq = vrow + cols[None, :] * stride_vd
+        zq = Z + sr
+        for _ in range(n):
+            e = tl.exp(tl.load(zq, mask=srmask, other=0.0) - mt)
+            v = tl.load(vq, mask=rmask[:, None] & cmask[None, :], other=0.0).to(ACC)
+            acc += e[:, :, None] * v[None, :, :]
+            vq += stride_vn
+            zq += S * R
+        op = O1 + (qs[:, None, None] * R + rows[None, :, None]) * D + cols[None, None, :]
+        tl.store(op, acc, mask=srmask[:, :, None] & cmask[None, None, :])
 
 
 def _phase1_dlogits(V, DO1, DM, DS, Z, M, DZ, RINV, COEF, R, D, n, S,
@@ -189,11 +187,18 @@ def _phase1_dsources(V, U, DO1, Z, M, DZ, RINV, COEF, DV, DU_PART, R, D, n, S, s
     tl.store(dp, du, mask=smask[:, None] & cmask[None, :])
 
 
-def _phase1_tiles(rows: int, d: int, S: int, device: torch.device):
+def _phase1_tiles(rows: int, d: int, S: int, device: torch.device, forward: bool):
+    """(BLOCK_R, BLOCK_S, BLOCK_C). On a GPU the forward takes 2 rows per program so that a
+    program's blocks (n x 2 x d) are still in L2 when pass B reads them again, and wide channel
+    chunks; the backward takes 16 rows, which keeps its per-program partials of dqueries
+    small."""
     block_s = rt.next_pow2(S)
+    if device.type == "cuda" and "rows" not in rt._override:
+        block_r = 2 if forward else 16
+        block_c = max(32, min(rt.next_pow2(d), 8192 // (block_s * block_r)))
+        return block_r, block_s, rt._override.get("chunk", block_c)
     block_c = rt.chunk_size(d, device)
-    block_r = rt.row_tile(rows, block_s * block_c, device,
-                          budget=8192 if device.type == "cuda" else 1 << 16)
+    block_r = rt.row_tile(rows, block_s * block_c, device, budget=1 << 16)
     return block_r, block_s, block_c
 
 
@@ -220,17 +225,14 @@ def phase1_forward(completed: torch.Tensor, queries: torch.Tensor, gains: torch.
     z = torch.empty((n, S, rows), dtype=acc, device=dev)
     if rows:
         u = _folded_queries(queries, gains, key_norm, acc)
-        block_r, block_s, block_c = _phase1_tiles(rows, d, S, dev)
+        block_r, block_s, block_c = _phase1_tiles(rows, d, S, dev, forward=True)
         r_tiles = triton.cdiv(rows, block_r)
         warps = rt.num_warps(block_r * block_s * block_c)
         strides = (v.stride(0), v.stride(1), v.stride(2))
-        rt.kernel(_phase1_logits, dev)[(r_tiles,)](
-            v, u, z, m1, s1, rows, d, n, S, *strides, eps, KEY_NORM=key_norm,
+        rt.kernel(_phase1_fwd, dev)[(r_tiles,)](
+            v, u, z, m1, s1, o1, rows, d, n, S, *strides, eps, KEY_NORM=key_norm,
             ACC=rt.tl_acc(completed.dtype), BLOCK_R=block_r, BLOCK_S=block_s,
             BLOCK_C=block_c, num_warps=warps)
-        rt.kernel(_phase1_sum, dev)[(r_tiles, triton.cdiv(d, block_c))](
-            v, z, m1, o1, rows, d, n, S, *strides, ACC=rt.tl_acc(completed.dtype),
-            BLOCK_R=block_r, BLOCK_S=block_s, BLOCK_C=block_c, num_warps=warps)
     return (o1.view((S, *batch, d)), m1.view((S, *batch, 1)), s1.view((S, *batch, 1)), z)
 
 
@@ -245,7 +247,7 @@ def phase1_backward(do1, dm1, ds1, completed, queries, gains, z, m1, eps, key_no
     if not rows:
         return dv, torch.zeros((S, d), dtype=acc, device=dev)
     u = _folded_queries(queries, gains, key_norm, acc)
-    block_r, block_s, block_c = _phase1_tiles(rows, d, S, dev)
+    block_r, block_s, block_c = _phase1_tiles(rows, d, S, dev, forward=False)
     r_tiles = triton.cdiv(rows, block_r)
     warps = rt.num_warps(block_r * block_s * block_c)
     strides = (v.stride(0), v.stride(1), v.stride(2))

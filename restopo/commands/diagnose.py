@@ -37,14 +37,16 @@ def run(args) -> int:
     from ..train.checkpoint import CheckpointError
     from ..train.data import DataError
     from ..train.diagnose import diagnose
+    from ..train.dist import cpu_threads
 
     if args.batches < 1 or args.batch_size < 1:
         print("restopo diagnose: error: --batches and --batch-size must be at least 1",
               file=sys.stderr)
         return 1
     try:
-        result = diagnose(args.checkpoint, args.out, batches=args.batches,
-                          batch_size=args.batch_size, device=args.device)
+        with cpu_threads(None):
+            result = diagnose(args.checkpoint, args.out, batches=args.batches,
+                              batch_size=args.batch_size, device=args.device)
     except (CheckpointError, DataError, ValueError) as e:
         print(f"restopo diagnose: error: {e}", file=sys.stderr)
         return 1

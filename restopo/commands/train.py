@@ -103,8 +103,7 @@ def _worker_argv(args) -> list[str]:
 
 
 def run(args) -> int:
-    import torch
-
+    from ..train.dist import cpu_threads
     from ..train.checkpoint import CheckpointError
     from ..train.data import DataError
     from ..backends.pipeline.plan import PlanError
@@ -112,15 +111,11 @@ def run(args) -> int:
 
     if args.threads is not None and args.threads < 1:
         return _fail("--threads must be at least 1")
-    threads = torch.get_num_threads()
-    if args.threads is not None or "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(args.threads or 1)
     try:
-        return _run(args)
+        with cpu_threads(args.threads):
+            return _run(args)
     except (DataError, CheckpointError, TrainingError, PlanError, _Stop) as e:
         return _fail(str(e))
-    finally:
-        torch.set_num_threads(threads)  # main() may run inside a longer-lived process
 
 
 def _fresh_start(out: Path, overwrite: bool) -> None:

@@ -232,9 +232,9 @@ def _context_names(model, structure: Structure, ends: Ends) -> tuple[str, ...]:
 def _verify(model: nn.Module, structure: Structure) -> None:
     """The recovered pieces, summed as a standard residual, must give the model's output."""
     args, kwargs = _probe_call(structure, model)
-    ends = structure.ends(pattern(structure.signature, args, kwargs))
-    call = ends.arguments(structure.signature, args, kwargs)
     with _eval_mode(model):
+        ends = structure.ends(pattern(structure.signature, args, kwargs))
+        call = ends.arguments(structure.signature, args, kwargs)
         want = model(*args, **kwargs)
         v0 = ends.front(*call)
         ctx = ends.context(v0, *call)

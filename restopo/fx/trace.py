@@ -454,7 +454,8 @@ def recover_structure(model: nn.Module) -> Structure:
 
 
 class Patterns:
-    """key -> Ends: traces the model once per call pattern, on first use.
+    """key -> Ends: traces the model once per call pattern (and train/eval mode, since a
+    forward may read `self.training` outside its leaf modules), on first use.
 
     A plain object (not a closure), so that copy.deepcopy of a rewired model copies the
     traced pieces along with the model they call."""
@@ -464,11 +465,12 @@ class Patterns:
         self.model = model
         self.layout = [split.signature_of_region(k) for k in range(len(split.adds))]
         self.n_context = len(split.context)
-        self.cache = {default: split.ends()}
+        self.cache = {(default, model.training): split.ends()}
         self.graph_modules = [*sublayers, *split.graph_modules]
 
     def __call__(self, key: tuple) -> Ends:
-        if key not in self.cache:
+        mode = (key, self.model.training)
+        if mode not in self.cache:
             other = recover(self.model, key)
             layout = [other.signature_of_region(k) for k in range(len(other.adds))]
             if layout != self.layout or len(other.context) != self.n_context:
@@ -477,9 +479,9 @@ class Patterns:
                     f"{type(self.model).__name__}: called with {given}, its sublayers run "
                     f"differently from the default call; rewire needs one set of sublayers "
                     f"for every call")
-            self.cache[key] = other.ends()
+            self.cache[mode] = other.ends()
             self.graph_modules.extend(other.graph_modules)
-        return self.cache[key]
+        return self.cache[mode]
 
 
 def _defaults_call(signature: inspect.Signature) -> tuple[tuple, dict]:

@@ -8,6 +8,7 @@ and exits non-zero, and the launcher says so in one line.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -34,6 +35,20 @@ class DistContext:
     @property
     def distributed(self) -> bool:
         return self.world > 1
+
+
+@contextlib.contextmanager
+def cpu_threads(n: int | None):
+    """Run with `n` torch CPU threads (None: $OMP_NUM_THREADS when set, else 1), then put
+    the old count back. The small models restopo trains on CPU gain little from more
+    threads and slow down many times over when the cores are shared."""
+    before = torch.get_num_threads()
+    if n is not None or "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(n or 1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def under_torchrun() -> bool:

@@ -49,12 +49,10 @@ def cases(d=2048, rows=16384, S=4):
         for fn in (twophase._phase2_fwd, twophase._phase2_bwd):
             yield fn, dict(HAS_PARTIAL=partial, KEY_NORM=True, HAS_NORM=norm, HAS_NW=norm,
                            ACC=tl.float32, BLOCK_R=br, BLOCK_D=bd), warps
-    br, bs, bc = twophase._phase1_tiles(rows, d, S, cuda)
-    for fn in (twophase._phase1_logits, twophase._phase1_sum, twophase._phase1_dlogits,
-               twophase._phase1_dsources):
-        c = dict(ACC=tl.float32, BLOCK_R=br, BLOCK_S=bs, BLOCK_C=bc)
-        if "KEY_NORM" in inspect.signature(fn).parameters:
-            c["KEY_NORM"] = True
+    for fn, forward in ((twophase._phase1_fwd, True), (twophase._phase1_dlogits, False),
+                        (twophase._phase1_dsources, False)):
+        br, bs, bc = twophase._phase1_tiles(rows, d, S, cuda, forward)
+        c = dict(ACC=tl.float32, KEY_NORM=True, BLOCK_R=br, BLOCK_S=bs, BLOCK_C=bc)
         yield fn, c, rt.num_warps(br * bs * bc)
 
 
