@@ -284,3 +284,33 @@ def test_train_and_eval_are_traced_apart():
     assert not torch.equal(r(idx)[0], r(idx)[0])  # dropout on
     r.eval()
     torch.testing.assert_close(r(idx)[0], m(idx)[0], rtol=0, atol=1e-12)
+
+
+class FunctionalDropoutBlock(nn.Module):
+    """Dropout on the branch written in the block itself: the sublayer reads self.training."""
+
+    def __init__(self, config):
+        super().__init__()
+        from models.nanogpt import MLP, CausalSelfAttention, LayerNorm
+        self.ln_1, self.attn = LayerNorm(config.n_embd, True), CausalSelfAttention(config)
+        self.ln_2, self.mlp = LayerNorm(config.n_embd, True), MLP(config)
+
+    def forward(self, x):
+        x = x + F.dropout(self.attn(self.ln_1(x)), 0.5, self.training)
+        return x + F.dropout(self.mlp(self.ln_2(x)), 0.5, self.training)
+
+
+class BranchDropoutGPT(GPT):
+    block = FunctionalDropoutBlock
+
+
+def test_sublayers_that_read_training_are_traced_per_mode():
+    torch.manual_seed(0)
+    m = BranchDropoutGPT(GPTConfig()).double()  # built in train mode
+    r = rewire(m, "residual full_attnres\n").train()
+    idx, _ = tokens(), None
+    assert not torch.equal(r(idx)[0], r(idx)[0])
+    r.eval()
+    torch.testing.assert_close(r(idx)[0], r(idx)[0], rtol=0, atol=0)
+    torch.testing.assert_close(rewire(m.eval(), "residual standard\n")(idx)[0], m(idx)[0],
+                               rtol=0, atol=1e-12)

@@ -115,3 +115,21 @@ def test_help_has_examples(capsys):
     assert main(["train", "--help"]) == 0
     out = capsys.readouterr().out
     assert "--nproc" in out and "restopo train examples/tiny.restopo" in out
+
+
+def test_relative_data_is_read_next_to_the_spec_even_when_resuming(spec, tmp_path, monkeypatch):
+    folder = tmp_path / "project"
+    folder.mkdir()
+    (folder / "corpus.txt").write_text("def f(x):\n    return x + 1\n" * 400)
+    moved = folder / "t.restopo"
+    moved.write_text(SPEC.replace("builtin:stdlib", '"corpus.txt"'))
+    monkeypatch.chdir(tmp_path)  # a relative spec path: the data is next to the spec
+    out = tmp_path / "run"
+    assert main(["train", "project/t.restopo", "--out", str(out), "--no-progress",
+                 "--steps", "4"]) == 0
+    moved.unlink()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # resumed from another folder, without the spec file
+    assert main(["train", "--resume", "--out", str(out), "--steps", "6", "--no-progress"]) == 0
+    assert [r["step"] for r in metrics(out)] == list(range(1, 7))

@@ -144,3 +144,29 @@ def test_batch_must_split_over_accumulation(tmp_path):
 
     with pytest.raises(DataError, match="must split evenly"):
         train(tiny_model(), data, cfg(batch=6, accum=4), tmp_path, progress=False)
+
+
+def test_tensorboard_gets_the_same_scalars_when_installed(tmp_path, corpus, monkeypatch):
+    import sys
+    import types
+
+    written = []
+
+    class FakeWriter:
+        def __init__(self, logdir):
+            written.append(("dir", logdir))
+
+        def add_scalar(self, tag, value, step):
+            written.append((tag, value, step))
+
+        def close(self):
+            written.append(("closed",))
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard",
+                        types.SimpleNamespace(SummaryWriter=FakeWriter))
+    train(tiny_model(), corpus, cfg(steps=3, eval_every=3, save_every=3), tmp_path,
+          progress=False)
+    assert written[0] == ("dir", str(tmp_path / "tensorboard")) and written[-1] == ("closed",)
+    losses = {step: v for tag, v, step in (w for w in written if w[0] == "loss")}
+    assert losses == {r["step"]: r["loss"] for r in records(tmp_path)}
+    assert ("val_loss", records(tmp_path)[-1]["val_loss"], 3) in written

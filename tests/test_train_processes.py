@@ -90,12 +90,13 @@ def test_sigkill_mid_run_then_resume_completes(tmp_path, env):
     assert latest == f"step_{killed_at + 6:06d}"
 
 
-def test_two_processes_match_one_with_the_same_global_batch(tmp_path, env):
+def test_two_processes_match_one_with_the_same_global_batch(tmp_path, env, monkeypatch):
+    from restopo.cli import main
+
     spec = write_spec(tmp_path, 6)
     one, two = tmp_path / "one", tmp_path / "two"
-    r1 = subprocess.run(restopo("train", spec, "--out", one, "--no-progress"), env=env,
-                        capture_output=True, text=True, timeout=120)
-    assert r1.returncode == 0, r1.stderr
+    monkeypatch.setenv("RESTOPO_CACHE", env["RESTOPO_CACHE"])
+    assert main(["train", str(spec), "--out", str(one), "--no-progress", "--threads", "1"]) == 0
     r2 = subprocess.run(restopo("train", spec, "--out", two, "--no-progress", "--nproc", 2),
                         env=env, capture_output=True, text=True, timeout=120)
     assert r2.returncode == 0, r2.stderr

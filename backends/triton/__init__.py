@@ -10,6 +10,11 @@ options (depth heads > 1, the sigmoid gate) are computed by the eager reference 
 same results, unfused. Inputs may be fp32, fp16, bf16 (accumulated in fp32) or fp64
 (accumulated in fp64, for gradcheck). Phase 1 returns m1 and s1 in the accumulation dtype
 (fp32 for half inputs, like flash-attention's logsumexp), not in the input dtype.
+
+Layout: runtime.py (availability, launching, tiles), single.py (single-read kernels),
+twophase.py (phase 1 / phase 2 kernels), ops.py (torch.library custom ops with fake
+implementations and autograd). Tests: `pytest tests/triton` (interpreter on CPU, including an
+offline sm_90 compile of every kernel); benchmark: `python bench/kernels.py` on a GPU.
 """
 from __future__ import annotations
 

@@ -12,9 +12,10 @@ Reads of the completed blocks in phase 1 (n blocks, S queries, per token row):
   second read should mostly hit L2 (n x 2 x d values per program), but that is not measured
   here. (A single read would need S accumulators of d channels per row at once, more than a
   program's registers hold at d in the thousands.)
-- backward: `_phase1_dlogits` reads each block once (with the S output gradients of the
-  chunk, re-read per block: they come from L2 inside a row tile), `_phase1_dsources` reads
-  each block and the output gradients once more and writes the block gradients.
+- backward: `_phase1_dlogits` reads each block once, with the S output gradients of each
+  chunk re-read per block (2 rows per program on a GPU, so the re-reads should come from L2);
+  `_phase1_dsources` reads each block and the output gradients once more and writes the block
+  gradients.
 Logits z [n, S, rows] go through a small fp32 scratch (S / d of the block traffic).
 """
 from __future__ import annotations
@@ -187,14 +188,17 @@ def _phase1_dsources(V, U, DO1, Z, M, DZ, RINV, COEF, DV, DU_PART, R, D, n, S, s
     tl.store(dp, du, mask=smask[:, None] & cmask[None, :])
 
 
-def _phase1_tiles(rows: int, d: int, S: int, device: torch.device, forward: bool):
-    """(BLOCK_R, BLOCK_S, BLOCK_C). On a GPU the forward takes 2 rows per program so that a
-    program's blocks (n x 2 x d) are still in L2 when pass B reads them again, and wide channel
-    chunks; the backward takes 16 rows, which keeps its per-program partials of dqueries
-    small."""
+def _phase1_tiles(rows: int, d: int, S: int, device: torch.device, kernel: str):
+    """(BLOCK_R, BLOCK_S, BLOCK_C) for kernel "fwd", "dlogits" or "dsources".
+
+    On a GPU, "fwd" and "dlogits" take 2 rows per program with wide channel chunks, so what a
+    program reads twice (its blocks in "fwd", its S output gradients in "dlogits", about
+    n x 2 x d and S x 2 x d values) is still in L2 the second time; "dsources" reads each
+    thing once and takes 16 rows, which keeps its per-program partials of du small.
+    """
     block_s = rt.next_pow2(S)
     if device.type == "cuda" and "rows" not in rt._override:
-        block_r = 2 if forward else 16
+        block_r = 16 if kernel == "dsources" else 2
         block_c = max(32, min(rt.next_pow2(d), 8192 // (block_s * block_r)))
         return block_r, block_s, rt._override.get("chunk", block_c)
     block_c = rt.chunk_size(d, device)
@@ -225,7 +229,7 @@ def phase1_forward(completed: torch.Tensor, queries: torch.Tensor, gains: torch.
     z = torch.empty((n, S, rows), dtype=acc, device=dev)
     if rows:
         u = _folded_queries(queries, gains, key_norm, acc)
-        block_r, block_s, block_c = _phase1_tiles(rows, d, S, dev, forward=True)
+        block_r, block_s, block_c = _phase1_tiles(rows, d, S, dev, "fwd")
         r_tiles = triton.cdiv(rows, block_r)
         warps = rt.num_warps(block_r * block_s * block_c)
         strides = (v.stride(0), v.stride(1), v.stride(2))
@@ -247,9 +251,6 @@ def phase1_backward(do1, dm1, ds1, completed, queries, gains, z, m1, eps, key_no
     if not rows:
         return dv, torch.zeros((S, d), dtype=acc, device=dev)
     u = _folded_queries(queries, gains, key_norm, acc)
-    block_r, block_s, block_c = _phase1_tiles(rows, d, S, dev, forward=False)
-    r_tiles = triton.cdiv(rows, block_r)
-    warps = rt.num_warps(block_r * block_s * block_c)
     strides = (v.stride(0), v.stride(1), v.stride(2))
     do1 = do1.reshape(S, rows, d).contiguous()
     dm1 = dm1.reshape(S, rows).to(acc).contiguous()
@@ -258,14 +259,20 @@ def phase1_backward(do1, dm1, ds1, completed, queries, gains, z, m1, eps, key_no
     dz = torch.empty((n, S, rows), dtype=acc, device=dev)
     rinv = torch.empty((n, rows), dtype=acc, device=dev)
     coef = torch.empty((n, rows), dtype=acc, device=dev)
-    meta = dict(KEY_NORM=key_norm, ACC=rt.tl_acc(completed.dtype), BLOCK_R=block_r,
-                BLOCK_S=block_s, BLOCK_C=block_c, num_warps=warps)
-    rt.kernel(_phase1_dlogits, dev)[(r_tiles,)](
-        v, do1, dm1, ds1, z, m1, dz, rinv, coef, rows, d, n, S, *strides, eps, **meta)
+    tl_acc = rt.tl_acc(completed.dtype)
+    # the two kernels index the scratch by row, not by tile, so their tiles may differ
+    block_r, block_s, block_c = _phase1_tiles(rows, d, S, dev, "dlogits")
+    rt.kernel(_phase1_dlogits, dev)[(triton.cdiv(rows, block_r),)](
+        v, do1, dm1, ds1, z, m1, dz, rinv, coef, rows, d, n, S, *strides, eps,
+        KEY_NORM=key_norm, ACC=tl_acc, BLOCK_R=block_r, BLOCK_S=block_s, BLOCK_C=block_c,
+        num_warps=rt.num_warps(block_r * block_s * block_c))
+    block_r, block_s, block_c = _phase1_tiles(rows, d, S, dev, "dsources")
+    r_tiles = triton.cdiv(rows, block_r)
     du_part = torch.empty((r_tiles, S, d), dtype=acc, device=dev)
     rt.kernel(_phase1_dsources, dev)[(r_tiles, triton.cdiv(d, block_c))](
         v, u, do1, z, m1, dz, rinv, coef, dv, du_part, rows, d, n, S, rows * d, *strides,
-        **meta)
+        KEY_NORM=key_norm, ACC=tl_acc, BLOCK_R=block_r, BLOCK_S=block_s, BLOCK_C=block_c,
+        num_warps=rt.num_warps(block_r * block_s * block_c))
     return dv, du_part.sum(0)
 
 

@@ -103,10 +103,10 @@ def _worker_argv(args) -> list[str]:
 
 
 def run(args) -> int:
-    from ..train.dist import cpu_threads
+    from ..backends.pipeline.plan import PlanError
     from ..train.checkpoint import CheckpointError
     from ..train.data import DataError
-    from ..backends.pipeline.plan import PlanError
+    from ..train.dist import cpu_threads
     from ..train.loop import TrainingError
 
     if args.threads is not None and args.threads < 1:
@@ -197,7 +197,10 @@ def _run(args) -> int:
         corpus = runspec.open_data(spec, progress=ctx.is_main and not args.no_progress)
         if ctx.is_main:
             dist.barrier(ctx)
-        model = runspec.build_model(spec, args.backend)
+        try:
+            model = runspec.build_model(spec, args.backend)
+        except RuntimeError as e:  # a backend that cannot run here says why
+            raise _Stop(str(e)) from None
         cfg = TrainConfig.from_spec(spec.train, spec.model.context)
         if ctx.is_main:
             n_params = sum(p.numel() for p in model.parameters())

@@ -58,7 +58,7 @@ def rewire(model: nn.Module, spec_or_path, backend: str = "auto", *,
     residual, reproduce the model's output. Raises RewireError for a model that is not a
     PreNorm transformer, SpecError for a residual section the model cannot take.
     """
-    residual = _residual(spec_or_path)  # a bad spec is reported before any tracing
+    residual, spec = _residual(spec_or_path)  # a bad spec is reported before any tracing
     structure = recover(model)
     if verify:
         _verify(model, structure)
@@ -76,19 +76,22 @@ def rewire(model: nn.Module, spec_or_path, backend: str = "auto", *,
     p = next(model.parameters(), None)
     if p is not None:
         body.aggregations.to(device=p.device, dtype=p.dtype if p.is_floating_point() else None)
-    return Rewired(model, structure, body, topology)
+    rewired = Rewired(model, structure, body, topology)
+    if spec is not None:  # as restopo.compile does, so checkpoints can store the spec
+        rewired.spec_text, rewired.restopo_spec = spec.text, spec
+    return rewired
 
 
-def _residual(spec_or_path) -> Callable[[tuple[str, ...]], Topology]:
-    """kinds -> Topology from the spec's residual section (its model section is not read)."""
+def _residual(spec_or_path):
+    """(kinds -> Topology, the Spec or None): the spec's residual section only."""
     if isinstance(spec_or_path, Topology):
         raise TypeError("pass a Spec, a path, spec text or a callable kinds -> Topology; a "
                         "Topology is tied to one sublayer sequence")
     if callable(spec_or_path) and not hasattr(spec_or_path, "residual"):
-        return spec_or_path
+        return spec_or_path, None
     from ..api import load
     spec = load(spec_or_path)
-    return lambda kinds: spec.residual.resolve(tuple(kinds))
+    return (lambda kinds: spec.residual.resolve(tuple(kinds))), spec
 
 
 # ------------------------------------------------------------------ pieces for the lowering

@@ -445,43 +445,72 @@ def recover_structure(model: nn.Module) -> Structure:
     signature = inspect.signature(model.forward)
     default = pattern(signature, *_defaults_call(signature))
     split = recover(model, default)
-    sublayers = [split.sublayer(k) for k in range(len(split.adds))]
-    patterns = Patterns(model, default, split, sublayers)
-    return Structure(kinds=split.kinds, width=split.width(), sublayers=sublayers,
+    patterns = Patterns(model, default, split)
+    return Structure(kinds=split.kinds, width=split.width(),
+                     sublayers=[ModeSublayer(patterns, k) for k in range(len(split.adds))],
                      graph_modules=patterns.graph_modules, names=split.names(), ends=patterns,
                      signature=signature, family="fx", vocab=split.vocab(),
                      context_names=split.context_names())
 
 
 class Patterns:
-    """key -> Ends: traces the model once per call pattern (and train/eval mode, since a
-    forward may read `self.training` outside its leaf modules), on first use.
+    """Traces the model once per call pattern and train/eval mode, on first use.
 
-    A plain object (not a closure), so that copy.deepcopy of a rewired model copies the
-    traced pieces along with the model they call."""
+    A forward may read `self.training` outside its leaf modules (functional dropout), so
+    each mode has its own trace; within a mode every call pattern must cut into the same
+    sublayers. A plain object (not closures), so that copy.deepcopy of a rewired model
+    copies the traced pieces along with the model they call.
+    """
 
-    def __init__(self, model: nn.Module, default: tuple, split: "_Split",
-                 sublayers: list[fx.GraphModule]):
-        self.model = model
-        self.layout = [split.signature_of_region(k) for k in range(len(split.adds))]
-        self.n_context = len(split.context)
-        self.cache = {(default, model.training): split.ends()}
-        self.graph_modules = [*sublayers, *split.graph_modules]
+    def __init__(self, model: nn.Module, default: tuple, split: "_Split"):
+        self.model, self.default = model, default
+        self.cache: dict[tuple, Ends] = {}
+        self.layouts: dict[bool, tuple] = {}
+        self.sublayers: dict[bool, list[fx.GraphModule]] = {}
+        self.graph_modules: list[fx.GraphModule] = []
+        self._add(default, model.training, split)
+
+    def _add(self, key: tuple, training: bool, split: "_Split") -> None:
+        layout = ([split.signature_of_region(k) for k in range(len(split.adds))],
+                  len(split.context))
+        if training not in self.layouts:
+            if self.layouts and len(layout[0]) != len(next(iter(self.layouts.values()))[0]):
+                raise RewireError(f"{type(self.model).__name__}: in "
+                                  f"{'train' if training else 'eval'} mode it has another "
+                                  f"number of sublayers")
+            self.layouts[training] = layout
+            self.sublayers[training] = [split.sublayer(k) for k in range(len(split.adds))]
+            self.graph_modules.extend(self.sublayers[training])
+        elif layout != self.layouts[training]:
+            given = ", ".join(f"{n}={v!r}" for n, v in key) or "no fixed arguments"
+            raise RewireError(
+                f"{type(self.model).__name__}: called with {given}, its sublayers run "
+                f"differently from the default call; rewire needs one set of sublayers "
+                f"for every call")
+        self.cache[(key, training)] = split.ends()
+        self.graph_modules.extend(split.graph_modules)
 
     def __call__(self, key: tuple) -> Ends:
-        mode = (key, self.model.training)
-        if mode not in self.cache:
-            other = recover(self.model, key)
-            layout = [other.signature_of_region(k) for k in range(len(other.adds))]
-            if layout != self.layout or len(other.context) != self.n_context:
-                given = ", ".join(f"{n}={v!r}" for n, v in key) or "no fixed arguments"
-                raise RewireError(
-                    f"{type(self.model).__name__}: called with {given}, its sublayers run "
-                    f"differently from the default call; rewire needs one set of sublayers "
-                    f"for every call")
-            self.cache[mode] = other.ends()
-            self.graph_modules.extend(other.graph_modules)
-        return self.cache[mode]
+        training = self.model.training
+        if (key, training) not in self.cache:
+            self._add(key, training, recover(self.model, key))
+        return self.cache[(key, training)]
+
+    def sublayer(self, k: int) -> fx.GraphModule:
+        training = self.model.training
+        if training not in self.sublayers:
+            self(self.default)
+        return self.sublayers[training][k]
+
+
+class ModeSublayer:
+    """Sublayer k of the trace for the model's current train/eval mode."""
+
+    def __init__(self, patterns: Patterns, k: int):
+        self.patterns, self.k = patterns, k
+
+    def __call__(self, h, *context):
+        return self.patterns.sublayer(self.k)(h, *context)
 
 
 def _defaults_call(signature: inspect.Signature) -> tuple[tuple, dict]:

@@ -1,0 +1,10 @@
+"""Training: `restopo train` and `restopo diagnose`.
+
+data        corpora (builtin:stdlib, text, uint16 .bin) and the seeded global-batch sampler
+loop        the training loop over any model(idx) -> logits
+checkpoint  atomic safetensors checkpoints, `latest` pointer, resume
+dist        torchrun launch and the process group inside each worker
+plots       loss curves and the diagnose figures (PNG)
+diagnose    output magnitude, gradient norm and depth-attention weights of a checkpoint
+runspec     spec (file or checkpoint copy) -> seeded model and data
+"""

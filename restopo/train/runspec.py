@@ -26,13 +26,14 @@ def from_text(text: str, path: str, overrides=()):
 
 
 def data_base(spec) -> str:
-    """Folder a relative `data:` path is read from: the spec file's folder, or the current
-    folder when the data path came from --set on the command line."""
+    """Folder a relative `data:` path is read from: the spec file's folder (kept in the
+    checkpoint, so a resumed run reads the same data from anywhere), or the current folder
+    when the data path came from --set on the command line."""
     pos = spec.train.where("data")
-    if pos is not None and str(pos.source).startswith("<--set"):
+    path = str(spec.path)
+    if (pos is not None and str(pos.source).startswith("<--set")) or path.startswith("<"):
         return os.getcwd()
-    path = Path(str(spec.path))
-    return str(path.parent.resolve()) if path.is_file() else os.getcwd()
+    return str(Path(path).resolve().parent)
 
 
 def build_model(spec, backend: str = "auto", seed: int | None = None) -> torch.nn.Module:
@@ -45,7 +46,9 @@ def build_model(spec, backend: str = "auto", seed: int | None = None) -> torch.n
 
 def run_meta(spec, base: str) -> dict:
     """What a checkpoint records about the spec (JSON)."""
-    return {"spec_text": spec.text, "spec_path": str(spec.path),
+    path = str(spec.path)
+    return {"spec_text": spec.text,
+            "spec_path": path if path.startswith("<") else str(Path(path).resolve()),
             "overrides": list(spec.overrides or ()), "data_base": base,
             "title": f"{Path(str(spec.path)).stem} ({spec.topology.name})"}
 

@@ -49,9 +49,9 @@ def cases(d=2048, rows=16384, S=4):
         for fn in (twophase._phase2_fwd, twophase._phase2_bwd):
             yield fn, dict(HAS_PARTIAL=partial, KEY_NORM=True, HAS_NORM=norm, HAS_NW=norm,
                            ACC=tl.float32, BLOCK_R=br, BLOCK_D=bd), warps
-    for fn, forward in ((twophase._phase1_fwd, True), (twophase._phase1_dlogits, False),
-                        (twophase._phase1_dsources, False)):
-        br, bs, bc = twophase._phase1_tiles(rows, d, S, cuda, forward)
+    for fn, kind in ((twophase._phase1_fwd, "fwd"), (twophase._phase1_dlogits, "dlogits"),
+                     (twophase._phase1_dsources, "dsources")):
+        br, bs, bc = twophase._phase1_tiles(rows, d, S, cuda, kind)
         c = dict(ACC=tl.float32, KEY_NORM=True, BLOCK_R=br, BLOCK_S=bs, BLOCK_C=bc)
         yield fn, c, rt.num_warps(br * bs * bc)
 

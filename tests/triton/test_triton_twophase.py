@@ -1,6 +1,8 @@
 """Phase 1 / phase 2 kernels against the eager reference, and two-phase == single read."""
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch.nn.functional as F
 
 import restopo.backends.triton as T
@@ -228,3 +230,24 @@ def test_phase2_shape_errors():
         T.phase2(o1, torch.zeros(3), torch.zeros(3), None, torch.zeros(8))
     with pytest.raises(ValueError, match="partial has shape"):
         T.phase2(o1, torch.zeros(3, 1), torch.ones(3, 1), torch.zeros(2, 8), torch.zeros(8))
+
+
+def test_phase1_backward_kernels_with_different_tiles(monkeypatch):
+    """On a GPU the two backward kernels of phase 1 use different row tiles (they share their
+    scratch by row): the gradients must not depend on it."""
+    from restopo.backends.triton import twophase
+
+    def tiles(rows, d, S, device, kernel):
+        return {"fwd": (4, 4, 32), "dlogits": (2, 4, 64), "dsources": (8, 4, 16)}[kernel]
+
+    monkeypatch.setattr(twophase, "_phase1_tiles", tiles)
+    check_phase1(5, 3, 96, torch.float32, tile=(None, None))
+
+
+@settings(max_examples=10, deadline=None)
+@given(n=st.integers(1, 6), S=st.integers(1, 5), rows=st.integers(1, 7), d=st.integers(1, 50),
+       tile=st.sampled_from([(1, 16), (2, 8), (4, 32)]), seed=st.integers(0, 99))
+def test_phase1_any_shape_float64(n, S, rows, d, tile, seed):
+    """Random shapes, odd widths and chunk sizes, in float64."""
+    v, _, _ = make_sources(n, (rows,), d, seed=seed)
+    check_phase1(n, S, d, torch.float64, batch=(rows,), tile=tile, v64=v)
