@@ -2,8 +2,10 @@
 
 For each topology (standard, Full AttnRes, Block AttnRes with N blocks) on the same model
 dimensions, in eager mode and under torch.compile, this measures
-  step  the median wall time of one forward + backward (loss = mean logsumexp of the logits),
-        the topologies taking turns in every round so drift hits them alike;
+  step  the wall time of one forward + backward (loss = mean logsumexp of the logits): the
+        fastest of the timed rounds (other processes on the machine only ever add time;
+        the median is printed beside it), the topologies taking turns in every round so
+        drift hits them alike;
   saved the bytes of activations autograd keeps for backward at the end of the forward pass
         (unique storages seen by torch.autograd.graph.saved_tensors_hooks). On CPU there is
         no allocator peak counter; this is the memory that grows with depth and batch, i.e.
@@ -46,6 +48,7 @@ def parse_args(argv=None):
     p.add_argument("--backend", default="eager", choices=("auto", "eager", "triton"),
                    help="aggregation ops (triton needs CUDA)")
     p.add_argument("--no-compile", action="store_true", help="eager mode only")
+    p.add_argument("--compile-only", action="store_true", help="torch.compile mode only")
     p.add_argument("--quick", action="store_true",
                    help="tiny smoke run: width 64, depth 4, context 64, batch 2, 2 rounds")
     args = p.parse_args(argv)
@@ -117,7 +120,8 @@ def measure(args, mode: str, models: dict) -> dict:
             if r >= args.warmup:
                 times[name].append(time.perf_counter() - t0)
         print(f"  {mode}: round {r + 1}/{args.warmup + args.iters}", file=sys.stderr)
-    return {name: dict(step=statistics.median(times[name]), saved=saved[name]) for name in fns}
+    return {name: dict(step=min(times[name]), median=statistics.median(times[name]),
+                       saved=saved[name]) for name in fns}
 
 
 def main(argv=None) -> int:
@@ -129,14 +133,18 @@ def main(argv=None) -> int:
           f"{args.context}, batch {args.batch}, heads {args.heads}, vocab {args.vocab}, "
           f"device {args.device}, aggregation backend {args.backend}, "
           f"threads {torch.get_num_threads()}, torch {torch.__version__}")
-    modes = ["eager"] + ([] if args.no_compile else ["compile"])
+    modes = ([] if args.compile_only else ["eager"]) + ([] if args.no_compile else ["compile"])
+    if not modes:
+        print("--no-compile and --compile-only leave nothing to measure", file=sys.stderr)
+        return 2
     results = {mode: measure(args, mode, models) for mode in modes}
-    print(f"\n{'mode':8} {'topology':10} {'step ms':>9} {'x std':>6} {'saved MiB':>10} "
-          f"{'x std':>6}")
+    print(f"\n{'mode':8} {'topology':10} {'step ms':>9} {'x std':>6} {'median ms':>10} "
+          f"{'x std':>6} {'saved MiB':>10} {'x std':>6}")
     for mode, res in results.items():
         base = res["standard"]
         for name, r in res.items():
             print(f"{mode:8} {name:10} {1e3 * r['step']:9.1f} {r['step'] / base['step']:6.3f} "
+                  f"{1e3 * r['median']:10.1f} {r['median'] / base['median']:6.3f} "
                   f"{r['saved'] / 2**20:10.1f} {r['saved'] / base['saved']:6.3f}")
     return 0
 

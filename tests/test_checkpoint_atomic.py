@@ -1,6 +1,4 @@
 """Checkpoints: round trip (tied weights, optimizer, RNG), atomicity, pruning, resolution."""
-import json
-
 import pytest
 import torch
 from torch import nn
@@ -147,4 +145,3 @@ def test_wrong_model_is_a_clear_error(tmp_path):
     (path / "meta.json").write_text("{not json")
     with pytest.raises(CheckpointError, match="cannot read"):
         ck.read_meta(path)
-    json.loads(json.dumps({"ok": 1}))

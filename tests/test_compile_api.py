@@ -45,8 +45,8 @@ def test_compile_rejects_bad_specs_clearly(tmp_path):
 
 def test_triton_backend_error_names_why(monkeypatch):
     from restopo import ops
-    monkeypatch.setattr(ops, "triton_unavailable_reason",
-                        lambda: "no CUDA device and TRITON_INTERPRET is not set to 1")
+    why = "no CUDA device and TRITON_INTERPRET is not set to 1"
+    monkeypatch.setattr(ops, "triton_unavailable_reason", lambda device=None: why)
     with pytest.raises(RuntimeError, match="no CUDA device"):
         restopo.compile(TEXT, backend="triton")
 

@@ -56,11 +56,15 @@ class Corpus:
     vocab: int          # ids are < vocab
     description: str
 
+    @property
+    def byte_level(self) -> bool:
+        """Raw bytes (vocab 256 by construction), as opposed to pre-tokenized ids."""
+        return self.train.dtype == np.uint8
+
     def check(self, spec_vocab: int, context: int) -> None:
         """Raise DataError unless the spec's model can train on this corpus."""
         if self.vocab > spec_vocab:
-            what = ("byte-level data needs model.vocab >= 256"
-                    if self.description.startswith(("builtin", "text")) else
+            what = ("byte-level data needs model.vocab >= 256" if self.byte_level else
                     f"token ids go up to {self.vocab - 1}, so model.vocab must be at least "
                     f"{self.vocab}")
             raise DataError(f"{self.description}: vocab mismatch: {what}; the spec has "
@@ -313,8 +317,12 @@ class BatchSampler:
         self.generator.set_state(state["generator"])
 
 
-def fixed_batches(tokens: np.ndarray, context: int, batch: int, count: int, *, seed: int,
-                  rank: int = 0, world: int = 1):
-    """The same `count` validation batches every time (this rank's rows of each)."""
-    sampler = BatchSampler(tokens, context, batch, seed=seed + 7919, rank=rank, world=world)
+VAL_SEED = 7919
+
+
+def fixed_batches(tokens: np.ndarray, context: int, batch: int, count: int, *,
+                  seed: int = VAL_SEED, rank: int = 0, world: int = 1):
+    """The same `count` validation batches every time (this rank's rows of each). The seed
+    is not the training seed: runs with different seeds are scored on the same windows."""
+    sampler = BatchSampler(tokens, context, batch, seed=seed, rank=rank, world=world)
     return [sampler.next() for _ in range(count)]

@@ -248,9 +248,11 @@ def write_figures(numbers: dict, graph, out_dir: Path, title: str) -> dict[str, 
     methods = {a["method"] for a in numbers["aggregations"]}
     if methods == {"sum"}:
         heat_title = f"{title}: standard residual, every source has weight 1 (uniform)"
-    else:
-        heat_title = (f"{title}: depth-attention weights ({', '.join(sorted(methods))}), "
-                      f"mean over tokens")
+    elif methods <= {"attend"}:
+        heat_title = f"{title}: depth-attention weights, mean over tokens"
+    else:  # scalars, stream updates, mixtures: what each source contributes to h_l
+        heat_title = (f"{title}: effective source weights ({', '.join(sorted(methods))}), "
+                      f"mean over tokens and channels")
     paths["depth_attention"] = plot_heatmap(matrix, out_dir / "depth_attention.png",
                                             rows=labels, cols=cols, title=heat_title,
                                             vmin=0.0)
@@ -271,8 +273,7 @@ def diagnose(checkpoint: str, out_dir: str | None = None, *, batches: int = 4,
     load_checkpoint(step_dir, model)
     corpus = open_corpus(spec.train.data, base_dir=data_base or meta.get("data_base"))
     corpus.check(spec.model.vocab, spec.model.context)
-    val = fixed_batches(corpus.val, spec.model.context, batch_size, batches,
-                        seed=spec.train.seed)
+    val = fixed_batches(corpus.val, spec.model.context, batch_size, batches)
     graph = spec.ir()
     numbers = collect(model, graph, val, torch.device(device))
     numbers["checkpoint"] = str(step_dir)

@@ -196,7 +196,7 @@ def train(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, out: str | o
     sampler = BatchSampler(corpus.train, cfg.context, cfg.batch, seed=cfg.seed,
                            rank=data_rank, world=data_world)
     val_batches = fixed_batches(corpus.val, cfg.context, cfg.batch, cfg.eval_batches,
-                                seed=cfg.seed, rank=data_rank, world=data_world)
+                                rank=data_rank, world=data_world)
 
     start, elapsed0 = 0, 0.0
     last = {"loss": None, "val_loss": None}
