@@ -69,16 +69,27 @@ def _pick(backend: str, tensor: torch.Tensor) -> str:
     return "eager"
 
 
+def _first(sources) -> torch.Tensor:
+    return sources if isinstance(sources, torch.Tensor) else sources[0]
+
+
+def _stacked(sources) -> torch.Tensor:
+    return sources if isinstance(sources, torch.Tensor) else torch.stack(tuple(sources))
+
+
 def depth_attention(sources: torch.Tensor, query: torch.Tensor,
                     key_norm_weight: torch.Tensor | None = None, eps: float = 1e-6, *,
                     key_norm: bool = True, gate: str = "softmax", heads: int = 1,
                     backend: str = "eager") -> torch.Tensor:
-    """h = sum_i alpha_i v_i, alpha = softmax_i(query . RMSNorm(v_i)) (or sigmoid); [*batch, d]."""
-    if sources.dim() < 2:
+    """h = sum_i alpha_i v_i, alpha = softmax_i(query . RMSNorm(v_i)) (or sigmoid); [*batch, d].
+
+    `sources` is [n, *batch, d], or a sequence of n [*batch, d] tensors: the eager backend
+    then keeps no stacked copy for backward (the fused kernels take them stacked)."""
+    if isinstance(sources, torch.Tensor) and sources.dim() < 2:
         raise ValueError(f"sources must be [n, *batch, d]; got shape {tuple(sources.shape)}")
     # Per-token (input-dependent) queries have no fused kernel: they run eagerly.
-    if query.dim() == 1 and _pick(backend, sources) == "triton":
-        return _triton_module().depth_attention(sources, query, key_norm_weight, eps,
+    if query.dim() == 1 and _pick(backend, _first(sources)) == "triton":
+        return _triton_module().depth_attention(_stacked(sources), query, key_norm_weight, eps,
                                                 key_norm=key_norm, gate=gate, heads=heads)
     return _eager.depth_attention(sources, query, key_norm_weight, eps, key_norm=key_norm,
                                   gate=gate, heads=heads)
@@ -87,9 +98,10 @@ def depth_attention(sources: torch.Tensor, query: torch.Tensor,
 def phase1(completed: torch.Tensor, queries: torch.Tensor,
            key_norm_weights: torch.Tensor | None = None, eps: float = 1e-6, *,
            key_norm: bool = True, heads: int = 1, backend: str = "eager"):
-    """Phase 1 for one block: (o1 [S, *batch, d], m1 [S, *batch, heads], s1 [S, *batch, heads])."""
-    if _pick(backend, completed) == "triton":
-        return _triton_module().phase1(completed, queries, key_norm_weights, eps,
+    """Phase 1 for one block: (o1 [S, *batch, d], m1 [S, *batch, heads], s1 [S, *batch, heads]).
+    `completed` is [n, *batch, d] or a sequence of n [*batch, d] tensors."""
+    if _pick(backend, _first(completed)) == "triton":
+        return _triton_module().phase1(_stacked(completed), queries, key_norm_weights, eps,
                                        key_norm=key_norm, heads=heads)
     return _eager.phase1(completed, queries, key_norm_weights, eps, key_norm=key_norm,
                          heads=heads)

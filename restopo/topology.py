@@ -20,7 +20,9 @@ SOURCE_NAMES = ("embedding", "sublayers", "window", "blocks", "partial")
 # How an aggregation combines its sources.
 #   attend      softmax (or sigmoid) depth attention with a pseudo-query (AttnRes)
 #   sum         weight one on every source (the standard residual when it reads everything)
-#   scalars     a learned static scalar per (aggregation, source), init 1 (DenseFormer)
+#   scalars     a learned static scalar per (aggregation, source): gate none (DenseFormer,
+#               raw weights, init 1) or softmax/sigmoid over the scalars (init 0; the AttnRes
+#               ablation "Full with static per-source scalars")
 #   rezero      stream update h += alpha * v, alpha a learned scalar, init 0
 #   layerscale  stream update h += gamma * v, gamma a learned per-channel vector
 #   highway     stream update h += g * (v - h), g = sigmoid(W norm(h) + b), an input gate
@@ -30,7 +32,8 @@ METHODS = ("attend", "sum", "scalars", "rezero", "layerscale", "highway")
 STREAM_METHODS = ("rezero", "layerscale", "highway")
 
 QUERY_KINDS = ("static", "input_dependent")
-GATES = ("softmax", "sigmoid")
+GATES = ("softmax", "sigmoid")                  # attend
+SCALAR_GATES = ("none", "softmax", "sigmoid")   # scalars; none: DenseFormer's raw weights
 KEY_NORMS = ("rms", "none")
 
 
@@ -53,16 +56,39 @@ class Source:
         return f"window({self.window})" if self.name == "window" else self.name
 
 
+def default_gate(method: str) -> str:
+    """The gate a rule gets when none is given: DenseFormer's raw scalars for `scalars`,
+    the softmax of AttnRes otherwise (methods other than attend and scalars ignore it)."""
+    return "none" if method == "scalars" else "softmax"
+
+
+def gates_of(method: str) -> tuple[str, ...]:
+    """The gates `method` accepts (empty: the method takes no gate)."""
+    return {"attend": GATES, "scalars": SCALAR_GATES}.get(method, ())
+
+
 @dataclass(frozen=True)
 class Rule:
-    """What one kind of aggregation point reads and how it weighs it."""
+    """What one kind of aggregation point reads and how it weighs it.
+
+    `gate=None` means the method's default (`default_gate`), so `Rule("scalars", ...)` is
+    DenseFormer and equals `Rule("scalars", ..., gate="none")`.
+    """
 
     method: str
     sources: tuple[Source, ...]
     query: str = "static"
-    gate: str = "softmax"
+    gate: str | None = None
     key_norm: str = "rms"
     heads: int = 1
+
+    def __post_init__(self):
+        if self.gate is None:
+            object.__setattr__(self, "gate", default_gate(self.method))
+        allowed = gates_of(self.method)
+        if allowed and self.gate not in allowed:
+            raise ValueError(f"{self.method} takes gate {' | '.join(allowed)}; "
+                             f"got {self.gate!r}")
 
 
 @dataclass(frozen=True)
@@ -202,9 +228,15 @@ def highway(kinds: tuple[str, ...]) -> Topology:
     return _single_stream("highway", "highway", kinds)
 
 
-def denseformer(kinds: tuple[str, ...]) -> Topology:
-    """Static learned scalar weights over the embedding and every earlier sublayer output."""
-    rule = Rule("scalars", STANDARD_SOURCES)
+def denseformer(kinds: tuple[str, ...], gate: str = "none") -> Topology:
+    """Static learned scalar weights over the embedding and every earlier sublayer output.
+
+    gate "none": DenseFormer, h_l = sum_i a_i v_i with a init 1 (the standard residual at
+    step 0). gate "softmax": the AttnRes ablation "Full with static per-source scalars",
+    alpha = softmax(a) with a init 0 (the plain mean at step 0, like Full AttnRes); gate
+    "sigmoid": alpha = sigmoid(a), a init 0.
+    """
+    rule = Rule("scalars", STANDARD_SOURCES, gate=gate)
     return Topology("denseformer", tuple((i,) for i in range(1, len(kinds) + 1)), rule, rule)
 
 

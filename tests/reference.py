@@ -75,6 +75,25 @@ def attend(srcs: list[torch.Tensor], agg, rule) -> torch.Tensor:
     return out
 
 
+def scalars(srcs: list[torch.Tensor], agg, rule) -> torch.Tensor:
+    """h = sum_i alpha_i v_i over static per-source scalars a: alpha = a (gate none,
+    DenseFormer), softmax_i(a) or sigmoid(a), written out one source at a time."""
+    a = [agg.weights[i] for i in range(len(srcs))]
+    if rule.gate == "softmax":
+        top = max(a)
+        e = [torch.exp(x - top) for x in a]
+        total = sum(e)
+        alpha = [x / total for x in e]
+    elif rule.gate == "sigmoid":
+        alpha = [1 / (1 + torch.exp(-x)) for x in a]
+    else:
+        alpha = a
+    out = 0
+    for w, v in zip(alpha, srcs):
+        out = out + w * v
+    return out
+
+
 def forward(model, topology: Topology, idx: torch.Tensor) -> torch.Tensor:
     """Logits of `model`'s pieces wired as `topology`, one sublayer at a time."""
     L = len(model.sublayers)
@@ -100,7 +119,7 @@ def forward(model, topology: Topology, idx: torch.Tensor) -> torch.Tensor:
             if rule.method == "sum":
                 h = sum(srcs)
             elif rule.method == "scalars":
-                h = sum(a * s for a, s in zip(agg.weights, srcs))
+                h = scalars(srcs, agg, rule)
             else:
                 h = attend(srcs, agg, rule)
         if l <= L:

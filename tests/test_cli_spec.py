@@ -119,6 +119,21 @@ def test_inspect_text_table_and_overrides(capsys):
     assert out.rstrip().endswith("(9) embedding, sublayer1..sublayer8")
 
 
+def test_inspect_shows_the_scalars_gate(capsys):
+    """The static-scalars ablation and DenseFormer differ only in their gate: inspect says so."""
+    assert main(["inspect", str(EXAMPLES / "full_scalars.restopo"), "--format", "json"]) == 0
+    soft = json.loads(capsys.readouterr().out)
+    assert main(["inspect", str(EXAMPLES / "denseformer.restopo"), "--format", "json"]) == 0
+    dense = json.loads(capsys.readouterr().out)
+    assert {a["gate"] for a in soft["aggregations"]} == {"softmax"}
+    assert {a["gate"] for a in dense["aggregations"]} == {"none"}
+    assert soft["added_parameters"] == dense["added_parameters"] == sum(range(1, 34))
+    assert main(["inspect", str(EXAMPLES / "full_scalars.restopo")]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()
+            if line.strip()[:1].isdigit()]
+    assert rows[0][:5] == ["1", "attn", "scalars", "gate", "softmax"]
+
+
 def test_inspect_residual_only_spec_is_a_spec_error(tmp_path, capsys):
     p = tmp_path / "r.restopo"
     p.write_text("residual full_attnres\n")

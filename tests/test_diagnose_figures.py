@@ -51,6 +51,8 @@ TOPOLOGIES = {
     "full_input_dependent": T.full_attnres(M.kinds, query="input_dependent"),
     "full_no_key_norm": T.full_attnres(M.kinds, key_norm="none"),
     "denseformer": T.denseformer(M.kinds),
+    "full_scalars_softmax": T.denseformer(M.kinds, gate="softmax"),
+    "full_scalars_sigmoid": T.denseformer(M.kinds, gate="sigmoid"),
     "rezero": T.rezero(M.kinds),
     "layerscale": T.layerscale(M.kinds),
     "highway": T.highway(M.kinds),
@@ -65,7 +67,7 @@ def test_weights_reconstruct_every_aggregation(name):
     assert numbers["reconstruction_error"] < 1e-4
     aggs = numbers["aggregations"]
     assert [a["index"] for a in aggs] == list(range(1, M.depth * 2 + 2))
-    if top.sublayer_rule.method == "attend" and top.sublayer_rule.gate == "softmax":
+    if top.sublayer_rule.gate == "softmax" and top.sublayer_rule.method in ("attend", "scalars"):
         for a in aggs:  # a softmax's mean weights still sum to one
             assert sum(a["weights"]) == pytest.approx(1.0, abs=1e-5)
     if name == "standard":
@@ -83,6 +85,20 @@ def test_fresh_attnres_is_the_plain_mean():
     for a in numbers["aggregations"]:
         n = len(a["sources"])
         assert a["weights"] == pytest.approx([1 / n] * n, abs=1e-6)
+
+
+def test_fresh_scalars_weights_follow_the_gate():
+    """Fresh softmax scalars weigh every source 1/n (the plain mean); DenseFormer's raw
+    scalars weigh each 1 (the sum): the recomputed weights read the IR's gate."""
+    for gate, want in (("softmax", lambda n: [1 / n] * n), ("none", lambda n: [1.0] * n)):
+        top = T.denseformer(M.kinds, gate=gate)
+        torch.manual_seed(0)
+        model = build_model(M, top, backend="eager")
+        numbers = collect(model, build_ir(M.kinds, top, M.width), batches(1),
+                          torch.device("cpu"))
+        assert numbers["reconstruction_error"] < 1e-4
+        for a in numbers["aggregations"]:
+            assert a["weights"] == pytest.approx(want(len(a["sources"])), abs=1e-6)
 
 
 def test_wrong_weights_would_be_caught():

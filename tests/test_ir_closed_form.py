@@ -89,6 +89,33 @@ def test_full_and_standard(depth):
     assert live_values_per_token(parse_spec(spec_text(depth, "standard")).ir()) == 1
 
 
+@pytest.mark.parametrize("depth", [1, 3, 8])
+@pytest.mark.parametrize("gate", ["none", "softmax", "sigmoid"])
+def test_static_scalars(depth, gate):
+    """Scalars read the sources of Full AttnRes with one parameter per source (whatever the
+    gate), keep every source live, and are never batched as two-phase depth attention."""
+    L = 2 * depth
+    g = parse_spec(spec_text(depth, f"denseformer(gate: {gate})")).ir()
+    s = summary(g)
+    assert [a["sources"] for a in s["aggregations"]] == [
+        ["embedding"] + [f"sublayer{i}" for i in range(1, l)] for l in range(1, L + 2)]
+    assert [(a["method"], a["gate"]) for a in s["aggregations"]] == [("scalars", gate)] * (L + 1)
+    assert s["added_parameters"] == (L + 1) * (L + 2) // 2
+    assert live_values_per_token(g) == L + 1 and s["two_phase_groups"] == []
+
+
+def test_rule_gate_defaults_per_method():
+    """A rule without a gate takes its method's default: DenseFormer's raw scalars, the
+    softmax of depth attention; a gate the method does not know is refused."""
+    from restopo.topology import STANDARD_SOURCES, Rule
+    assert Rule("scalars", STANDARD_SOURCES) == Rule("scalars", STANDARD_SOURCES, gate="none")
+    assert Rule("attend", STANDARD_SOURCES).gate == "softmax"
+    assert Rule("scalars", STANDARD_SOURCES, gate="softmax") != Rule("scalars", STANDARD_SOURCES)
+    for method, gate in (("attend", "none"), ("scalars", "relu")):
+        with pytest.raises(ValueError, match="takes gate"):
+            Rule(method, STANDARD_SOURCES, gate=gate)
+
+
 @pytest.mark.parametrize("depth,window", [(4, 1), (4, 3), (8, 8), (16, 8), (3, 20)])
 def test_sliding_window(depth, window):
     g = parse_spec(spec_text(depth, f"full_attnres(window: {window})")).ir()

@@ -48,6 +48,13 @@ def mixed_head(kinds, head_method):
                     Rule(head_method, STANDARD_SOURCES))
 
 
+def block_scalars(kinds, gate):
+    """Static per-source scalars over the blocks and the partial (Block wiring, no query)."""
+    rule = Rule("scalars", BLOCK_SOURCES, gate=gate)
+    head = Rule("scalars", (Source("embedding"), Source("blocks")), gate=gate)
+    return Topology(f"block_scalars_{gate}", T.partition_by_count(kinds, 2), rule, head)
+
+
 def topologies(depth):
     k = T.sublayer_kinds(depth)
     yield "standard", T.standard(k)
@@ -67,6 +74,9 @@ def topologies(depth):
     yield "block2_sigmoid", T.block_attnres(k, blocks=2, gate="sigmoid")
     yield "window2", window(k, 2)
     yield "denseformer", T.denseformer(k)
+    yield "full_scalars_softmax", T.denseformer(k, gate="softmax")
+    yield "full_scalars_sigmoid", T.denseformer(k, gate="sigmoid")
+    yield "block2_scalars_softmax", block_scalars(k, "softmax")
     yield "rezero", T.rezero(k)
     yield "layerscale", T.layerscale(k)
     yield "highway", T.highway(k)
@@ -144,6 +154,35 @@ def test_zero_queries_give_mean_of_sources():
             torch.testing.assert_close(out, torch.stack(args).mean(0))
         torch.testing.assert_close(model(torch.ones(1, 3, dtype=torch.long)),
                                    d(torch.ones(1, 3, dtype=torch.long)))
+
+
+@pytest.mark.parametrize("gate,combine", [
+    ("softmax", lambda xs: torch.stack(xs).mean(0)),       # zero scalars: the plain mean
+    ("sigmoid", lambda xs: 0.5 * torch.stack(xs).sum(0)),  # sigmoid(0) = 1/2 on every source
+    ("none", lambda xs: torch.stack(xs).sum(0)),           # DenseFormer: ones, the plain sum
+])
+def test_fresh_scalars_start_as_their_gate_says(gate, combine):
+    """Static per-source scalars under a softmax start like Full AttnRes (the mean of the
+    sources); DenseFormer's raw scalars start as the standard residual (their sum)."""
+    for topo in (T.denseformer(T.sublayer_kinds(3), gate=gate),
+                 block_scalars(T.sublayer_kinds(3), gate)):
+        model = build_model(cfg(3), topo).double()
+        seen = []
+        hooks = [a.register_forward_hook(lambda m, args, out: seen.append((args, out)))
+                 for a in model.aggregations]
+        model(torch.randint(0, VOCAB, (2, 5)))
+        for h in hooks:
+            h.remove()
+        assert len(seen) == len(model.aggregations)
+        for args, out in seen:
+            torch.testing.assert_close(out, combine(list(args)), rtol=1e-12, atol=1e-12)
+    if gate == "none":  # and the whole model equals the standard residual with its parts
+        k = T.sublayer_kinds(3)
+        dense = build_model(cfg(3), T.denseformer(k)).double()
+        std = build_model(cfg(3), T.standard(k)).double()
+        std.load_state_dict(dense.state_dict(), strict=False)
+        idx = torch.randint(0, VOCAB, (2, 5))
+        torch.testing.assert_close(dense(idx), std(idx), rtol=1e-10, atol=1e-10)
 
 
 def test_standard_code_keeps_one_running_value():

@@ -23,7 +23,8 @@ def _randomise(m):
 CASES = [
     _attrs("attend"), _attrs("attend", query="input_dependent"), _attrs("attend", gate="sigmoid"),
     _attrs("attend", key_norm="none"), _attrs("attend", heads=2), _attrs("sum"),
-    _attrs("scalars"), _attrs("rezero"), _attrs("layerscale"), _attrs("highway"),
+    _attrs("scalars", gate="none"), _attrs("scalars", gate="softmax"),
+    _attrs("scalars", gate="sigmoid"), _attrs("rezero"), _attrs("layerscale"), _attrs("highway"),
     _attrs("rezero", index=1),
 ]
 
@@ -68,6 +69,34 @@ def test_fresh_attend_is_mean_and_input_dependent_starts_static():
     static = A.Attend(D)
     static.load_state_dict({k: v for k, v in m.state_dict().items() if "query_proj" not in k})
     torch.testing.assert_close(m(*xs), static(*xs))
+
+
+def test_fresh_scalars_follow_their_gate():
+    """DenseFormer's raw scalars start at 1 (the sum); gated scalars start at 0, so the
+    softmax is the plain mean (as a zero pseudo-query) and the sigmoid weighs each by 1/2."""
+    xs = [torch.randn(2, 3, D) for _ in range(4)]
+    dense = A.make_aggregation(_attrs("scalars", n=4, gate="none"), D)
+    soft = A.make_aggregation(_attrs("scalars", n=4, gate="softmax"), D)
+    sig = A.make_aggregation(_attrs("scalars", n=4, gate="sigmoid"), D)
+    assert torch.all(dense.weights == 1) and torch.all(soft.weights == 0)
+    assert torch.all(sig.weights == 0)
+    torch.testing.assert_close(dense(*xs), torch.stack(xs).sum(0))
+    torch.testing.assert_close(soft(*xs), torch.stack(xs).mean(0))
+    torch.testing.assert_close(sig(*xs), 0.5 * torch.stack(xs).sum(0))
+    with pytest.raises(ValueError, match="scalars gate"):
+        A.Scalars(3, gate="relu")
+
+
+def test_softmax_scalars_weights_sum_to_one_and_shift_freely():
+    """softmax(a) weights sum to one, and adding a constant to every scalar changes nothing
+    (only differences between sources matter, as with softmax logits)."""
+    m = _randomise(A.Scalars(5, gate="softmax").double())
+    xs = [torch.randn(3, D, dtype=torch.float64) for _ in range(5)]
+    torch.testing.assert_close(m.alpha().sum(), torch.tensor(1.0, dtype=torch.float64))
+    out = m(*xs)
+    with torch.no_grad():
+        m.weights.add_(3.0)
+    torch.testing.assert_close(m(*xs), out)
 
 
 def test_stream_inits():

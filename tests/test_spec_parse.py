@@ -213,7 +213,11 @@ def test_examples_have_the_paper_settings():
     assert load("full_input_dependent").topology.sublayer_rule.query == "input_dependent"
     assert load("full_window8").topology.sublayer_rule.sources == (Source("embedding"),
                                                                    Source("window", 8))
-    assert load("denseformer").topology.sublayer_rule.method == "scalars"
+    dense, scalars = load("denseformer").topology, load("full_scalars").topology
+    assert dense.sublayer_rule.method == scalars.sublayer_rule.method == "scalars"
+    assert dense.sublayer_rule.gate == dense.head_rule.gate == "none"        # init 1, sum
+    assert scalars.sublayer_rule.gate == scalars.head_rule.gate == "softmax"  # init 0, mean
+    assert scalars.sublayer_rule.sources == dense.sublayer_rule.sources
     for name in ("rezero", "layerscale", "highway"):
         assert load(name).topology.sublayer_rule.method == name
     tiny = load("tiny")
@@ -257,3 +261,12 @@ def test_data_override_takes_a_bare_path():
     assert spec.train.data == "corpus" and spec.train.where("data").source == "<--set 1>"
     with pytest.raises(SpecError, match="did you mean 'builtin:stdlib'"):
         load_spec(base, ("train.data=stdlib",))
+
+
+def test_shortening_steps_on_the_command_line_keeps_the_files_warmup():
+    text = ("model m { vocab: 256; width: 32; depth: 2; heads: 4; context: 32 }\n"
+            "residual standard\ntrain { steps: 300; warmup: 30 }\n")
+    spec = parse_spec(text, "m.restopo", overrides=("train.steps=10",))
+    assert (spec.train.steps, spec.train.warmup) == (10, 30)
+    with pytest.raises(SpecError, match=r"warmup \(30\) is longer than steps \(10\)"):
+        parse_spec(text.replace("steps: 300", "steps: 10"), "m.restopo")

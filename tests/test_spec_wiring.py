@@ -32,6 +32,11 @@ PAIRS = [
     ("layerscale", "blocks: 1\n before sublayer: layerscale(embedding, sublayers)"),
     ("highway", "blocks: 1\n before sublayer: highway"),
     ("denseformer", "before sublayer: scalars(embedding, sublayers)"),
+    ("denseformer(gate: none)", "before sublayer: scalars(embedding, sublayers)"),
+    ("denseformer(gate: softmax)",
+     "before sublayer: scalars(embedding, sublayers; gate: softmax)\n"
+     " before head: scalars(embedding, sublayers; gate: softmax)"),
+    ("denseformer(gate: sigmoid)", "before sublayer: scalars(embedding, sublayers; gate: sigmoid)"),
 ]
 
 
@@ -65,6 +70,31 @@ def test_different_wirings_differ():
     b = parse_spec(MODEL + "residual block_attnres(blocks: 2)").ir()
     c = parse_spec(MODEL + "residual block_attnres(blocks: 3, gate: sigmoid)").ir()
     assert graph_data(a) != graph_data(b) and graph_data(a) != graph_data(c)
+
+
+def test_softmax_scalars_are_not_denseformer():
+    """Static per-source scalars under a softmax (the AttnRes ablation) build a different IR
+    from DenseFormer's raw scalars: the aggregations carry the gate; the sources and the
+    parameter count (one scalar per source) are the same."""
+    from restopo.ir import added_parameters, summary
+    dense = parse_spec(MODEL + "residual denseformer").ir()
+    soft = parse_spec(MODEL + "residual custom { before sublayer: scalars(embedding, "
+                      "sublayers; gate: softmax) }").ir()
+    assert graph_data(dense) != graph_data(soft)
+    assert {a["gate"] for _, a in dense.nodes(data=True) if a["kind"] == "aggregation"} == {"none"}
+    assert {a["gate"] for _, a in soft.nodes(data=True) if a["kind"] == "aggregation"} == {"softmax"}
+    assert [a["sources"] for a in summary(dense)["aggregations"]] == \
+        [a["sources"] for a in summary(soft)["aggregations"]]
+    assert added_parameters(dense) == added_parameters(soft) == sum(range(1, 12 + 2))
+    assert {a["gate"] for a in summary(soft)["aggregations"]} == {"softmax"}
+    assert {a["gate"] for a in summary(dense)["aggregations"]} == {"none"}
+
+
+def test_scalars_gate_by_override():
+    spec = parse_spec(MODEL + "residual denseformer\n", overrides=("residual.gate=softmax",))
+    assert spec.topology.sublayer_rule.gate == spec.topology.head_rule.gate == "softmax"
+    assert graph_data(spec.ir()) == graph_data(
+        parse_spec(MODEL + "residual denseformer(gate: softmax)").ir())
 
 
 def test_every_named_topology_is_covered():

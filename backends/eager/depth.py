@@ -7,25 +7,39 @@ equal slices, each with its own softmax over sources (the key RMS is taken over 
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
+from . import lean
 
-def keys(sources: torch.Tensor, key_norm_weight: torch.Tensor | None, eps: float,
-         key_norm: bool = True) -> torch.Tensor:
-    """RMSNorm of each source over its channels (the keys); the values stay raw."""
+
+def keys(sources: torch.Tensor, eps: float, key_norm: bool = True) -> torch.Tensor:
+    """RMSNorm of each source over its channels, without the gain (the keys); the values
+    stay raw. The gain is folded into the query instead: w . (g * k) == (g * w) . k, which
+    lets one matmul serve every source (and, in phase 1, every query of a block)."""
     if not key_norm:
         return sources
-    return F.rms_norm(sources, (sources.shape[-1],), key_norm_weight, eps)
+    return F.rms_norm(sources, (sources.shape[-1],), None, eps)
+
+
+def gained(query: torch.Tensor, key_norm_weight: torch.Tensor | None,
+           key_norm: bool = True) -> torch.Tensor:
+    """The query with the key-norm gain folded in (the gain applies only with key norm)."""
+    return query if key_norm_weight is None or not key_norm else query * key_norm_weight
 
 
 def logits(sources: torch.Tensor, query: torch.Tensor, key_norm_weight: torch.Tensor | None,
            eps: float, key_norm: bool = True, heads: int = 1) -> torch.Tensor:
-    """[n, *batch, heads]: the depth-attention logit of every source (per head)."""
-    k = keys(sources, key_norm_weight, eps, key_norm)
-    d = sources.shape[-1]
-    prod = (k * query).unflatten(-1, (heads, d // heads))
-    return prod.sum(-1)
+    """[n, *batch, heads]: the depth-attention logit of every source (per head).
+
+    `query` is [d] (a static pseudo-query) or [*batch, d] (one per token)."""
+    k = keys(sources, eps, key_norm).unflatten(-1, (heads, -1))
+    q = gained(query, key_norm_weight, key_norm).unflatten(-1, (heads, -1))
+    if q.dim() == 2:  # one static query: a single matmul over every source and token
+        return torch.einsum("n...hc,hc->n...h", k, q)
+    return torch.einsum("n...hc,...hc->n...h", k, q.expand(k.shape[1:]))
 
 
 def _expand(weights: torch.Tensor, d: int) -> torch.Tensor:
@@ -34,17 +48,24 @@ def _expand(weights: torch.Tensor, d: int) -> torch.Tensor:
     return weights.repeat_interleave(d // heads, dim=-1)
 
 
-def depth_attention(sources: torch.Tensor, query: torch.Tensor,
+def depth_attention(sources: torch.Tensor | Sequence[torch.Tensor], query: torch.Tensor,
                     key_norm_weight: torch.Tensor | None = None, eps: float = 1e-6, *,
                     key_norm: bool = True, gate: str = "softmax", heads: int = 1) -> torch.Tensor:
-    """h = sum_i alpha_i v_i with alpha = softmax_i(w . RMSNorm(v_i)) (or sigmoid)."""
+    """h = sum_i alpha_i v_i with alpha = softmax_i(w . RMSNorm(v_i)) (or sigmoid).
+
+    `sources` may also be a sequence of [*batch, d] tensors: then no stacked copy is kept
+    for backward (see lean.py); the result is the same."""
+    if not isinstance(sources, torch.Tensor):
+        _check_heads(sources[0].shape[-1], heads)
+        return lean.depth_attention(sources, query, gained(query, key_norm_weight, key_norm),
+                                    eps, key_norm=key_norm, gate=gate, heads=heads)
     _check_heads(sources.shape[-1], heads)
     z = logits(sources, query, key_norm_weight, eps, key_norm, heads)
     alpha = torch.softmax(z, dim=0) if gate == "softmax" else torch.sigmoid(z)
     return (_expand(alpha, sources.shape[-1]) * sources).sum(0)
 
 
-def phase1(completed: torch.Tensor, queries: torch.Tensor,
+def phase1(completed: torch.Tensor | Sequence[torch.Tensor], queries: torch.Tensor,
            key_norm_weights: torch.Tensor | None = None, eps: float = 1e-6, *,
            key_norm: bool = True, heads: int = 1):
     """Phase 1 of the two-phase computation for one block.
@@ -54,17 +75,18 @@ def phase1(completed: torch.Tensor, queries: torch.Tensor,
     Returns (o1 [S, *batch, d], m1 [S, *batch, heads], s1 [S, *batch, heads]): per query the
     un-normalised output sum_i e^(z_i - m1) v_i, the max logit m1 and the sum s1 of e^(z_i - m1).
     """
+    if not isinstance(completed, torch.Tensor):  # a sequence: no stacked copy kept
+        _check_heads(completed[0].shape[-1], heads)
+        return lean.phase1(completed, gained(queries, key_norm_weights, key_norm), eps,
+                           key_norm=key_norm, heads=heads)
     _check_heads(completed.shape[-1], heads)
-    outs, maxes, sums = [], [], []
-    for s in range(queries.shape[0]):
-        gain = None if key_norm_weights is None else key_norm_weights[s]
-        z = logits(completed, queries[s], gain, eps, key_norm, heads)  # [n, *batch, heads]
-        m = z.amax(0)
-        e = torch.exp(z - m)
-        outs.append((_expand(e, completed.shape[-1]) * completed).sum(0))
-        maxes.append(m)
-        sums.append(e.sum(0))
-    return torch.stack(outs), torch.stack(maxes), torch.stack(sums)
+    k = keys(completed, eps, key_norm).unflatten(-1, (heads, -1))       # [n, *batch, H, c]
+    q = gained(queries, key_norm_weights, key_norm).unflatten(-1, (heads, -1))  # [S, H, c]
+    z = torch.einsum("n...hc,shc->sn...h", k, q)                         # [S, n, *batch, H]
+    m1 = z.amax(1)
+    e = torch.exp(z - m1.unsqueeze(1))
+    o1 = torch.einsum("sn...h,n...hc->s...hc", e, completed.unflatten(-1, (heads, -1)))
+    return o1.flatten(-2), m1, e.sum(1)
 
 
 def phase2(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor, partial: torch.Tensor | None,

@@ -137,6 +137,8 @@ def _label(g, n: str) -> str:
             bits += [] if a["key_norm"] == "rms" else ["no key norm"]
             bits += [] if a["heads"] == 1 else [f"{a['heads']} heads"]
             extra = ("\\n" + ", ".join(bits)) if bits else ""
+        elif a["method"] == "scalars" and a["gate"] != "none":
+            extra = f"\\n{a['gate']}"
         return f"h{a['index']}: {a['method']}{extra}"
     if kind == "partial":
         return f"partial p{a['block']}^{a['j']}"

@@ -100,6 +100,8 @@ def compact_sources(sources: list[str]) -> str:
 
 
 def _options(a: dict) -> str:
+    if a["method"] == "scalars":
+        return f"gate {a['gate']}"
     if a["method"] != "attend":
         return ""
     opts = [a["query"], a["gate"], f"key_norm {a['key_norm']}"]

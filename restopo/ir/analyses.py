@@ -79,7 +79,8 @@ def added_parameters(g: nx.DiGraph) -> int:
 def aggregation_parameters(method: str, n_sources: int, d: int, query: str = "static",
                            key_norm: str = "rms", index: int = 2) -> int:
     """Parameters one aggregation point owns. Stream updates own the weight of the output
-    they add (that of sublayer index-1), so the first aggregation owns none."""
+    they add (that of sublayer index-1), so the first aggregation owns none. Scalars own one
+    per source whatever their gate."""
     if method == "attend":
         return d + (d * d if query == "input_dependent" else 0) + (d if key_norm == "rms" else 0)
     if method == "scalars":
@@ -153,6 +154,8 @@ def summary(g: nx.DiGraph) -> dict:
         if at["method"] == "attend":
             entry.update(query=at["query"], gate=at["gate"], key_norm=at["key_norm"],
                          heads=at["heads"])
+        elif at["method"] == "scalars":  # none: DenseFormer's raw weights; else normalised
+            entry.update(gate=at["gate"])
         aggs.append(entry)
     out = {
         "topology": g.graph["name"],

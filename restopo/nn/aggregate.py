@@ -50,7 +50,8 @@ class Attend(nn.Module):
         q = self.pseudo_query
         if self.query_proj is not None:
             q = q + self.query_proj(F.rms_norm(sources[-1], (self.d,), eps=EPS))
-        return ops.depth_attention(torch.stack(sources), q, self.gain, EPS,
+        # A tuple, not a stack: the eager backend then saves no copy of the sources.
+        return ops.depth_attention(sources, q, self.gain, EPS,
                                    key_norm=self.key_norm is not None, gate=self.gate,
                                    heads=self.heads, backend=self.backend)
 
@@ -96,7 +97,7 @@ class TwoPhase(nn.Module):
     def forward(self, *completed: torch.Tensor):
         queries = torch.stack([m.pseudo_query for m in self.members])
         gains = torch.stack([m.gain for m in self.members]) if self.has_key_norm else None
-        return ops.phase1(torch.stack(completed), queries, gains, EPS,
+        return ops.phase1(completed, queries, gains, EPS,
                           key_norm=self.has_key_norm, heads=self.heads, backend=self.backend)
 
     def extra_repr(self) -> str:
@@ -114,15 +115,37 @@ class Sum(nn.Module):
 
 
 class Scalars(nn.Module):
-    """DenseFormer: h = sum_i a_i v_i with a learned static scalar per source, init 1."""
+    """h = sum_i alpha_i v_i with one learned static scalar a_i per source (`weights`).
 
-    def __init__(self, n_sources: int):
+    gate "none": DenseFormer, alpha = a with a init 1, so a fresh model is the standard
+    residual. gate "softmax": AttnRes with the input-dependent logit w . RMSNorm(v_i)
+    replaced by the static a_i (the paper's "static per-source scalars" ablation); a init
+    0, so a fresh model takes the plain mean of the sources, like a zero pseudo-query.
+    gate "sigmoid": alpha = sigmoid(a), a init 0 (every source at 1/2).
+    """
+
+    def __init__(self, n_sources: int, gate: str = "none"):
         super().__init__()
-        self.weights = nn.Parameter(torch.ones(n_sources))
+        if gate not in ("none", "softmax", "sigmoid"):
+            raise ValueError(f"scalars gate must be none, softmax or sigmoid; got {gate!r}")
+        self.gate = gate
+        init = torch.ones if gate == "none" else torch.zeros
+        self.weights = nn.Parameter(init(n_sources))
+
+    def alpha(self) -> torch.Tensor:
+        """The weight of each source, [n_sources]."""
+        if self.gate == "softmax":
+            return torch.softmax(self.weights, dim=0)
+        if self.gate == "sigmoid":
+            return torch.sigmoid(self.weights)
+        return self.weights
 
     def forward(self, *sources: torch.Tensor) -> torch.Tensor:
-        w = self.weights.view(-1, *([1] * sources[0].dim()))
+        w = self.alpha().view(-1, *([1] * sources[0].dim()))
         return (w * torch.stack(sources)).sum(0)
+
+    def extra_repr(self) -> str:
+        return f"n_sources={self.weights.numel()}, gate={self.gate}"
 
 
 class ReZero(nn.Module):
@@ -183,7 +206,7 @@ def make_aggregation(attrs: dict, d: int, backend: str = "auto") -> nn.Module:
     if method == "sum":
         return Sum()
     if method == "scalars":
-        return Scalars(len(attrs["sources"]))
+        return Scalars(len(attrs["sources"]), attrs["gate"])
     if method in STREAM_METHODS:
         if attrs["index"] == 1:
             return StreamStart()

@@ -24,6 +24,8 @@ natural: 4x (a ratio), 32k (thousand), 2M (million). Paths are quoted.
     residual block_attnres(blocks: 8)            # or block_size: S (sublayers, even)
     residual block_attnres(blocks: 8, query: static, gate: softmax, key_norm: rms, heads: 1)
     residual rezero | layerscale | highway | denseformer
+    residual denseformer(gate: softmax)          # static per-source scalars, softmax-
+                                                 #   normalised, init 0 (the AttnRes ablation)
 
     residual custom {                            # any label; named topologies spelled out
       blocks: 4                                  # or block_size: 8; default one per sublayer
@@ -35,10 +37,18 @@ natural: 4x (a ratio), 32k (thousand), 2M (million). Paths are quoted.
     train { data: builtin:stdlib; steps: 300; batch: 16; lr: 3e-3; schedule: cosine; warmup: 30 }
 
 Rules: a method (attend | sum | scalars | rezero | layerscale | highway) over sources
-(embedding | sublayers | window(w) | blocks | partial); options after ';' (or ',') apply to
-attend only. The stream methods (rezero, layerscale, highway) always read the embedding
-and every earlier sublayer. The sublayer rule must read the embedding (the first sublayer
-has nothing else); the head rule cannot read partial.
+(embedding | sublayers | window(w) | blocks | partial); options come after ';' (or ',').
+attend takes query, gate (softmax | sigmoid), key_norm and heads. scalars takes gate only:
+one learned static scalar a_i per (aggregation, source), and h = sum_i alpha_i v_i with
+    gate: none      alpha = a, a init 1 (the default; DenseFormer, a standard residual at step 0)
+    gate: softmax   alpha = softmax(a), a init 0 (the plain mean at step 0, like Full AttnRes:
+                    "Full with static per-source scalars")
+    gate: sigmoid   alpha = sigmoid(a), a init 0
+so `denseformer(gate: softmax)` is `scalars(embedding, sublayers; gate: softmax)` before every
+sublayer and the head. The other methods take no options. The stream methods (rezero,
+layerscale, highway) always read the embedding and every earlier sublayer. The sublayer rule
+must read the embedding (the first sublayer has nothing else); the head rule cannot read
+partial.
 
 Overrides: `section.key=value` sets or adds a key (in a one-liner's options too);
 `residual=VALUE` / `parallel=VALUE` replace a one-line section. They are checked like the

@@ -105,6 +105,7 @@ def _call_options(view: View, call: Call, c: Checker) -> None:
 def _options_example(name: str) -> str:
     return {"block_attnres": "e.g. block_attnres(blocks: 8) or block_attnres(block_size: 4)",
             "full_attnres": "e.g. full_attnres(query: input_dependent) or full_attnres(window: 8)",
+            "denseformer": "e.g. denseformer(gate: softmax)",
             "pipeline": "e.g. pipeline(stages: 2, microbatches: 4)"}.get(
                 name, "write options as 'key: value'")
 
@@ -275,7 +276,13 @@ def check_train(view: View, c: Checker) -> TrainSpec | None:
     if "data" in f:
         got["data"] = _data(f["data"], c)
     steps = got.get("steps", TrainSpec.steps)
-    if "warmup" in f and got.get("warmup") is not None and steps and got["warmup"] > steps:
+    # A warmup longer than the run is a mistake when both are written together; when steps
+    # alone is shortened on the command line (a quick `--steps 10` run) the schedule simply
+    # stays in warmup, which is what a person trying a short run expects.
+    steps_alone = "steps" in f and f["steps"].value.pos.source != (
+        f["warmup"].value.pos.source if "warmup" in f else None)
+    if ("warmup" in f and got.get("warmup") is not None and steps and got["warmup"] > steps
+            and not steps_alone):
         c.error(f["warmup"].value.pos, f"warmup ({got['warmup']}) is longer than steps ({steps})",
                 "warmup counts optimizer steps and must be at most steps")
     lr = got.get("lr", TrainSpec.lr)

@@ -68,12 +68,13 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class RuleSpec:
-    """One aggregation rule of custom wiring: `attend(embedding, blocks; query: static)`."""
+    """One aggregation rule of custom wiring: `attend(embedding, blocks; query: static)`.
+    `gate=None`: the method's default (softmax for attend, none for scalars)."""
 
     method: str
     sources: tuple[Source, ...]
     query: str = "static"
-    gate: str = "softmax"
+    gate: str | None = None
     key_norm: str = "rms"
     heads: int = 1
     pos: Pos | None = field(default=None, compare=False, repr=False)

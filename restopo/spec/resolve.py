@@ -13,6 +13,9 @@ from .nodes import Pos
 from .objects import ResidualSpec, SourceText
 
 ATTEND_OPTIONS = ("query", "gate", "key_norm", "heads")
+SCALARS_OPTIONS = ("gate",)
+# The options each aggregation method takes (the others take none).
+METHOD_OPTIONS = {"attend": ATTEND_OPTIONS, "scalars": SCALARS_OPTIONS}
 
 
 def allowed_blocks_hint(kinds: tuple[str, ...]) -> str:
@@ -75,6 +78,8 @@ def resolve_residual(res: ResidualSpec, kinds: tuple[str, ...]) -> T.Topology:
         return T.block_attnres(kinds, blocks=res.blocks, block_size=res.block_size, **options)
     if res.name == "full_attnres":
         return T.full_attnres(kinds, window=res.option("window"), **options)
+    if res.name == "denseformer":
+        return T.denseformer(kinds, **options)
     return T.NAMED[res.name](kinds)
 
 

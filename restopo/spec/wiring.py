@@ -9,10 +9,11 @@ from .errors import SpecError, did_you_mean
 from .nodes import Arg, Call, Key, ListValue, Name, describe
 from .objects import ModelSpec, ResidualSpec, RuleSpec
 from .reader import SEP_HINT, Checker, Field, View, alts, divisors, positions
-from .resolve import ATTEND_OPTIONS
+from .resolve import ATTEND_OPTIONS, METHOD_OPTIONS, SCALARS_OPTIONS
 
 NAMED_OPTIONS = {
-    "standard": (), "rezero": (), "layerscale": (), "highway": (), "denseformer": (),
+    "standard": (), "rezero": (), "layerscale": (), "highway": (),
+    "denseformer": SCALARS_OPTIONS,
     "full_attnres": ATTEND_OPTIONS + ("window",),
     "block_attnres": ("blocks", "block_size") + ATTEND_OPTIONS,
 }
@@ -63,7 +64,8 @@ def _named(view: View, c: Checker) -> ResidualSpec | None:
         else:
             c.error(f.key.pos, f"unknown option '{k}' for {name.text}",
                     did_you_mean(k, allowed))
-    opts = _attend_options(view.fields, c)
+    method = "scalars" if name.text == "denseformer" else "attend"
+    opts = _rule_options(view.fields, method, c)
     blocks, block_size = _blocks(view, c)
     window = None
     if "window" in view.fields:
@@ -77,15 +79,34 @@ def _named(view: View, c: Checker) -> ResidualSpec | None:
                         pos=name.pos, positions=positions(view), source=c.src)
 
 
-def _attend_options(fields: dict[str, Field], c: Checker) -> dict:
+def _rule_options(fields: dict[str, Field], method: str, c: Checker) -> dict:
+    """The checked values of the options of an attend or scalars rule (`fields` holds only
+    options the method takes)."""
     out = {}
-    for k, choices in (("query", T.QUERY_KINDS), ("gate", T.GATES), ("key_norm", T.KEY_NORMS)):
-        if k in fields:
+    if "gate" in fields and not _gate_fits(fields["gate"], method, c):
+        out["gate"] = None
+    for k, choices in (("query", T.QUERY_KINDS), ("gate", T.gates_of(method)),
+                       ("key_norm", T.KEY_NORMS)):
+        if k in fields and k not in out:
             out[k] = c.choice(fields[k], k, choices)
     if "heads" in fields:
         out["heads"] = c.integer(fields["heads"], "heads", 1,
                                  why="depth-attention heads; they must divide width")
     return out
+
+
+def _gate_fits(fl: Field, method: str, c: Checker) -> bool:
+    """A gate that exists but belongs to the other method gets its own message."""
+    v = fl.value
+    if not isinstance(v, Name) or v.text in T.gates_of(method):
+        return True
+    if method == "attend" and v.text in T.SCALAR_GATES:
+        c.error(v.pos, "gate 'none' applies to scalars only: depth attention normalises its "
+                "weights with softmax or sigmoid",
+                "use gate: softmax or gate: sigmoid; unnormalised static weights per source "
+                "are scalars(embedding, sublayers), as in residual denseformer")
+        return False
+    return True
 
 
 def _blocks(view: View, c: Checker):
@@ -163,21 +184,23 @@ def _rule(fl: Field, target: str, c: Checker) -> RuleSpec | None:
             sources.append(s)
     options = {}
     named = {a.key.text: Field(a.key, a.value, a.pos) for a in args if a.key is not None}
+    takes = METHOD_OPTIONS.get(method, ())
     for k, fa in named.items():
+        if k in takes:
+            continue
         if k not in ATTEND_OPTIONS:
             c.error(fa.key.pos, f"unknown option '{k}' for {method}",
-                    did_you_mean(k, ATTEND_OPTIONS) if method == "attend"
-                    else f"{method} takes no options")
-        elif method != "attend":
+                    did_you_mean(k, takes) if takes else f"{method} takes no options")
+        else:
             c.error(fa.key.pos, f"option '{k}' does not apply to {method}",
-                    f"only attend takes {alts(ATTEND_OPTIONS)}")
+                    _wrong_option_hint(method))
     if len([a for a in args if a.key is not None]) != len(named):
         dup = [a for a in args if a.key is not None]
         keys = [a.key.text for a in dup]
         second = next(a for i, a in enumerate(dup) if a.key.text in keys[:i])
         c.error(second.key.pos, f"option '{second.key.text}' is given twice", "keep one")
-    if method == "attend":
-        options = _attend_options({k: v for k, v in named.items() if k in ATTEND_OPTIONS}, c)
+    if takes:
+        options = _rule_options({k: v for k, v in named.items() if k in takes}, method, c)
     if method in T.STREAM_METHODS:
         wrong = [a for a in args if a.key is None and str(_quiet_source(a)) not in
                  ("embedding", "sublayers")]
@@ -204,6 +227,14 @@ def _rule(fl: Field, target: str, c: Checker) -> RuleSpec | None:
                 f"add 'embedding', e.g. {method}(embedding, ...)")
         return None
     return RuleSpec(method, tuple(sources), pos=pos, **options)
+
+
+def _wrong_option_hint(method: str) -> str:
+    if method == "scalars":
+        return (f"scalars takes only gate ({alts(T.SCALAR_GATES)}); "
+                "query, key_norm and heads are options of attend")
+    return (f"{method} takes no options (attend takes {alts(ATTEND_OPTIONS)}; "
+            f"scalars takes gate)")
 
 
 def _quiet_source(a: Arg):

@@ -63,6 +63,18 @@ def _attend_weights(module, sources: torch.Tensor, key_norm: bool, gate: str,
     return alpha.repeat_interleave(d // heads, dim=-1)
 
 
+def _scalar_weights(a: torch.Tensor, gate: str) -> torch.Tensor:
+    """The weight of each source of a scalars aggregation from its raw scalars a and the
+    IR's gate (none: DenseFormer's raw weights)."""
+    if gate == "softmax":
+        return torch.softmax(a, dim=0)
+    if gate == "sigmoid":
+        return torch.sigmoid(a)
+    if gate == "none":
+        return a
+    raise ValueError(f"diagnose does not know the scalars gate {gate!r}")
+
+
 def _stream_coefficients(module, h_prev: torch.Tensor):
     """(a, b) with h_l = a * h_{l-1} + b * v_{l-1} for the single-stream methods."""
     if hasattr(module, "alpha"):                     # rezero
@@ -104,7 +116,8 @@ def depth_weights(graph, aggregations, v: list[torch.Tensor], h: list[torch.Tens
                 w = list(_attend_weights(module, stacked, node["key_norm"] == "rms",
                                          node["gate"], node["heads"]))
             elif method == "scalars":
-                w = [module.weights[i] * torch.ones_like(stacked[0]) for i in range(len(ids))]
+                w = [a * torch.ones_like(stacked[0])
+                     for a in _scalar_weights(module.weights, node["gate"])]
             elif method == "sum":
                 w = [torch.ones_like(stacked[0]) for _ in ids]
             else:

@@ -23,10 +23,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..spec.objects import TrainSpec
 from .checkpoint import load_checkpoint, save_checkpoint, write_text_atomic
 from .data import BatchSampler, Corpus, DataError, fixed_batches
 from .dist import DistContext, barrier, mean_over_ranks
 from .plots import plot_losses, read_metrics
+
+
+_SPEC = TrainSpec  # one source of truth for the training defaults
 
 
 class TrainingError(RuntimeError):
@@ -35,23 +39,25 @@ class TrainingError(RuntimeError):
 
 @dataclass
 class TrainConfig:
-    """The numbers the loop needs (from spec.train plus the model's context)."""
+    """The numbers the loop needs (from spec.train plus the model's context); the defaults
+    are the spec's own, so a loop run without a spec behaves like one with an empty train
+    section."""
 
     steps: int
     batch: int
     context: int
-    lr: float = 3e-3
-    schedule: str = "cosine"
-    warmup: int = 30
-    min_lr: float | None = None
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-    accum: int = 1
-    eval_every: int = 50
-    eval_batches: int = 8
-    save_every: int = 100
-    seed: int = 0
-    log_every: int = 10
+    lr: float = _SPEC.lr
+    schedule: str = _SPEC.schedule
+    warmup: int = _SPEC.warmup
+    min_lr: float | None = _SPEC.min_lr
+    weight_decay: float = _SPEC.weight_decay
+    grad_clip: float = _SPEC.grad_clip
+    accum: int = _SPEC.accum
+    eval_every: int = _SPEC.eval_every
+    eval_batches: int = _SPEC.eval_batches
+    save_every: int = _SPEC.save_every
+    seed: int = _SPEC.seed
+    log_every: int = _SPEC.log_every
     keep: int = 3  # checkpoints kept on disk
 
     @classmethod
