@@ -75,18 +75,13 @@ def phase1(completed: torch.Tensor | Sequence[torch.Tensor], queries: torch.Tens
     Returns (o1 [S, *batch, d], m1 [S, *batch, heads], s1 [S, *batch, heads]): per query the
     un-normalised output sum_i e^(z_i - m1) v_i, the max logit m1 and the sum s1 of e^(z_i - m1).
     """
-    if not isinstance(completed, torch.Tensor):  # a sequence: no stacked copy kept
-        _check_heads(completed[0].shape[-1], heads)
-        return lean.phase1(completed, gained(queries, key_norm_weights, key_norm), eps,
-                           key_norm=key_norm, heads=heads)
-    _check_heads(completed.shape[-1], heads)
-    k = keys(completed, eps, key_norm).unflatten(-1, (heads, -1))       # [n, *batch, H, c]
-    q = gained(queries, key_norm_weights, key_norm).unflatten(-1, (heads, -1))  # [S, H, c]
-    z = torch.einsum("n...hc,shc->sn...h", k, q)                         # [S, n, *batch, H]
-    m1 = z.amax(1)
-    e = torch.exp(z - m1.unsqueeze(1))
-    o1 = torch.einsum("sn...h,n...hc->s...hc", e, completed.unflatten(-1, (heads, -1)))
-    return o1.flatten(-2), m1, e.sum(1)
+    # One implementation for both forms: a stacked tensor is read as its n views. (A fused
+    # einsum over the stack was tried: its bf16 backward under torch.compile trips a
+    # view-of-a-permute on CPU, and the per-block loop costs nothing that matters here.)
+    sources = completed.unbind(0) if isinstance(completed, torch.Tensor) else completed
+    _check_heads(sources[0].shape[-1], heads)
+    return lean.phase1(sources, gained(queries, key_norm_weights, key_norm), eps,
+                       key_norm=key_norm, heads=heads)
 
 
 def phase2(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor, partial: torch.Tensor | None,

@@ -8,8 +8,9 @@ weights, reciprocal RMS). The key RMSNorm is factored the same way: the logit is
 `(v . g*w) * rsqrt(mean(v^2) + eps)`, which equals `w . RMSNorm_g(v)` without
 materialising the normalised keys.
 
-Same mathematics as `depth.py` (tested against it); used by the eager backend when the
-caller hands sources as a sequence (the lowered models do).
+Same mathematics as `depth.py` (tested against hand-written loops and the stacked form);
+the eager backend uses it for depth attention when the caller hands sources as a sequence
+(the lowered models do), and for phase 1 always.
 """
 from __future__ import annotations
 
