@@ -90,14 +90,20 @@ def phase2(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor, partial: torch.
     """Phase 2: merge the block's partial sum (taken *before* this sublayer's output is added)
     into phase 1's result by online softmax. With no partial (the block's first sublayer),
     h = o1 / s1."""
-    d = o1.shape[-1]
     heads = m1.shape[-1]
+    o = o1.unflatten(-1, (heads, -1))
+    # Per-token coefficients times the raw tensors: autograd then keeps only o1 and the
+    # partial (alive anyway) and per-token scalars, no new [*batch, d] tensor.
     if partial is None:
-        return o1 / _expand(s1, d)
-    z2 = logits(partial.unsqueeze(0), query, key_norm_weight, eps, key_norm, heads)[0]
+        return (o * (1 / s1).unsqueeze(-1).to(o.dtype)).flatten(-2)
+    q = gained(query, key_norm_weight, key_norm).unflatten(-1, (heads, -1))
+    z2 = lean.source_logits(partial, q, eps, key_norm)                    # [*batch, H]
     m = torch.maximum(m1, z2)
     a, b = torch.exp(m1 - m), torch.exp(z2 - m)
-    return (_expand(a, d) * o1 + _expand(b, d) * partial) / _expand(a * s1 + b, d)
+    den = a * s1 + b
+    p = partial.unflatten(-1, (heads, -1))
+    return (o * (a / den).unsqueeze(-1).to(o.dtype)
+            + p * (b / den).unsqueeze(-1).to(p.dtype)).flatten(-2)
 
 
 def _check_heads(d: int, heads: int) -> None:

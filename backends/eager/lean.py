@@ -29,8 +29,9 @@ def _rstd(v: torch.Tensor, eps: float) -> torch.Tensor:
 def source_logits(v: torch.Tensor, q: torch.Tensor, eps: float, key_norm: bool) -> torch.Tensor:
     """[*batch, H]: the logits of one source v [*batch, d] against the heads-split query q,
     [H, c] (static) or [*batch, H, c] (per token)."""
-    vh = v.unflatten(-1, (q.shape[-2], -1))
-    z = torch.einsum("...hc,hc->...h", vh, q) if q.dim() == 2 else (vh * q).sum(-1)
+    # A product and a sum rather than a matmul: under torch.compile it fuses with the RMS
+    # into one pass over v (a matmul-vector is an extern kernel that reads v again).
+    z = (v.unflatten(-1, (q.shape[-2], -1)) * q).sum(-1)
     if key_norm:
         z = z * _rstd(v, eps).to(z.dtype)
     return z
@@ -56,7 +57,8 @@ def phase1(completed: Sequence[torch.Tensor], gained_queries: torch.Tensor, eps:
     q = gained_queries.unflatten(-1, (heads, -1))  # [S, H, c]
     zs = []
     for v in completed:
-        z = torch.einsum("...hc,shc->s...h", v.unflatten(-1, (heads, -1)), q)
+        z = (v.unflatten(-1, (heads, -1)).unsqueeze(0)
+             * q.view(q.shape[0], *([1] * (v.dim() - 1)), *q.shape[1:])).sum(-1)
         if key_norm:
             z = z * _rstd(v, eps).to(z.dtype)
         zs.append(z)
