@@ -24,6 +24,7 @@ its layout is refused, not silently changed.
 """
 from __future__ import annotations
 
+import abc
 import dataclasses
 import inspect
 
@@ -137,7 +138,7 @@ def _llama(model: nn.Module, rule: str) -> Structure:
                       ("cos", "sin", "position_ids", "masks", "cache", "use_cache"))
 
 
-class CausalLMEnds:
+class CausalLMEnds(abc.ABC):
     """Front and back of an HF causal LM around its residual stream. A plain object with
     methods (not closures), so that copy.deepcopy of a rewired model copies it along with
     the model it calls. Subclasses give `front` and `context`."""
@@ -207,8 +208,9 @@ class CausalLMEnds:
                 self.arg(values, self.cache_arg), self.arg(values, "use_cache"),
                 self.arg(values, "kwargs") or {})
 
+    @abc.abstractmethod
     def final_norm(self, h):
-        raise NotImplementedError
+        """The family's final norm of h_{L+1}; each family's subclass says where it lives."""
 
     def back(self, h, labels, logits_to_keep, cache, use_cache, kwargs):
         from transformers import modeling_outputs
