@@ -11,7 +11,8 @@ import restopo  # noqa: E402
 from restopo.fx.rewire import RewireError, rewire  # noqa: E402
 from restopo.spec import SpecError  # noqa: E402
 
-from models import attnres_loop as loop  # noqa: E402
+from models import attnres_loop as loop
+from models.rewired import hf_losses, randomise  # noqa: E402
 
 TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=64)
@@ -26,20 +27,6 @@ def llama(layers=2, seed=0, **extra):
 def tokens(T=10, seed=1):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, 128, (2, T), generator=g)
-
-
-def randomise(rewired, seed=2):
-    g = torch.Generator().manual_seed(seed)
-    queries, gains = [], []
-    with torch.no_grad():
-        for agg in restopo.aggregations(rewired):
-            agg.pseudo_query.copy_(torch.randn(agg.pseudo_query.shape, generator=g,
-                                               dtype=torch.float64))
-            agg.key_norm.weight.copy_(1 + 0.3 * torch.randn(agg.key_norm.weight.shape,
-                                                            generator=g, dtype=torch.float64))
-            queries.append(agg.pseudo_query.detach().clone())
-            gains.append(agg.key_norm.weight.detach().clone())
-    return queries, gains
 
 
 def test_standard_spec_leaves_the_output_unchanged():
@@ -134,16 +121,7 @@ def test_training_lowers_the_loss():
     cfg = transformers.LlamaConfig(num_hidden_layers=2, **TINY)
     m = transformers.LlamaForCausalLM(cfg)
     r = rewire(m, "residual full_attnres\n")
-    r.train()
-    opt = torch.optim.AdamW(r.parameters(), lr=3e-3)
-    idx = tokens(T=16)
-    losses = []
-    for _ in range(15):
-        loss = r(idx, labels=idx).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = hf_losses(r, tokens(T=16))
     assert losses[-1] < losses[0] - 0.5, losses
     assert any(a.pseudo_query.abs().sum() > 0 for a in restopo.aggregations(r))
 

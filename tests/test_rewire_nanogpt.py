@@ -7,9 +7,9 @@ import torch
 import restopo
 from restopo.fx.rewire import RewireError, rewire
 from restopo.spec import SpecError
-from restopo.topology import block_attnres, full_attnres, standard
 
 from models import attnres_loop as loop
+from models.rewired import randomise
 from models.nanogpt import GPT, GPTConfig, NoResidualGPT, PostNormGPT
 
 
@@ -21,21 +21,6 @@ def gpt(n_layer=2, cls=GPT, seed=0):
 def tokens(T=12, seed=1):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, 128, (2, T), generator=g), torch.randint(0, 128, (2, T), generator=g)
-
-
-def randomise(rewired, seed=2):
-    """Random non-zero pseudo-queries and key-norm gains; returns them by aggregation index."""
-    g = torch.Generator().manual_seed(seed)
-    queries, gains = [], []
-    with torch.no_grad():
-        for agg in restopo.aggregations(rewired):
-            agg.pseudo_query.copy_(torch.randn(agg.pseudo_query.shape, generator=g,
-                                               dtype=torch.float64))
-            agg.key_norm.weight.copy_(1 + 0.3 * torch.randn(agg.key_norm.weight.shape,
-                                                            generator=g, dtype=torch.float64))
-            queries.append(agg.pseudo_query.detach().clone())
-            gains.append(agg.key_norm.weight.detach().clone())
-    return queries, gains
 
 
 def test_standard_spec_leaves_logits_and_loss_unchanged():
