@@ -30,9 +30,6 @@ from .dist import DistContext, barrier, mean_over_ranks
 from .plots import plot_losses, read_metrics
 
 
-_SPEC = TrainSpec  # one source of truth for the training defaults
-
-
 class TrainingError(RuntimeError):
     """Training cannot go on (a diverged loss, a batch that does not split); says why."""
 
@@ -46,18 +43,18 @@ class TrainConfig:
     steps: int
     batch: int
     context: int
-    lr: float = _SPEC.lr
-    schedule: str = _SPEC.schedule
-    warmup: int = _SPEC.warmup
-    min_lr: float | None = _SPEC.min_lr
-    weight_decay: float = _SPEC.weight_decay
-    grad_clip: float = _SPEC.grad_clip
-    accum: int = _SPEC.accum
-    eval_every: int = _SPEC.eval_every
-    eval_batches: int = _SPEC.eval_batches
-    save_every: int = _SPEC.save_every
-    seed: int = _SPEC.seed
-    log_every: int = _SPEC.log_every
+    lr: float = TrainSpec.lr
+    schedule: str = TrainSpec.schedule
+    warmup: int = TrainSpec.warmup
+    min_lr: float | None = TrainSpec.min_lr
+    weight_decay: float = TrainSpec.weight_decay
+    grad_clip: float = TrainSpec.grad_clip
+    accum: int = TrainSpec.accum
+    eval_every: int = TrainSpec.eval_every
+    eval_batches: int = TrainSpec.eval_batches
+    save_every: int = TrainSpec.save_every
+    seed: int = TrainSpec.seed
+    log_every: int = TrainSpec.log_every
     keep: int = 3  # checkpoints kept on disk
 
     @classmethod
