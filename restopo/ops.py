@@ -115,3 +115,12 @@ def phase2(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor, partial: torch.
         return _triton_module().phase2(o1, m1, s1, partial, query, key_norm_weight, eps,
                                        key_norm=key_norm)
     return _eager.phase2(o1, m1, s1, partial, query, key_norm_weight, eps, key_norm=key_norm)
+
+
+def depth_weights(sources, query: torch.Tensor, key_norm_weight: torch.Tensor | None = None,
+                  eps: float = 1e-6, *, key_norm: bool = True, gate: str = "softmax",
+                  heads: int = 1) -> torch.Tensor:
+    """alpha [n, *batch, heads]: the weight `depth_attention` gives each source (per head).
+    For diagnostics: always the eager reference, whatever the backend."""
+    return _eager.depth_weights(sources, query, key_norm_weight, eps, key_norm=key_norm,
+                                gate=gate, heads=heads)

@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from restopo.ir import Aggregation
 from restopo.ir.analyses import aggregation_parameters
 from restopo.nn import aggregate as A
 
@@ -9,8 +10,8 @@ D = 8
 
 
 def _attrs(method, n=3, index=4, query="static", gate="softmax", key_norm="rms", heads=1):
-    return dict(method=method, sources=tuple(f"s{i}" for i in range(n)), index=index,
-                query=query, gate=gate, key_norm=key_norm, heads=heads)
+    return Aggregation(index, "attn", method, tuple(f"s{i}" for i in range(n)), 1, index,
+                       query=query, gate=gate, key_norm=key_norm, heads=heads)
 
 
 def _randomise(m):
@@ -29,22 +30,22 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("attrs", CASES, ids=lambda a: f"{a['method']}-{a['query']}-"
-                         f"{a['gate']}-{a['key_norm']}-{a['heads']}-{a['index']}")
+@pytest.mark.parametrize("attrs", CASES, ids=lambda a: f"{a.method}-{a.query}-"
+                         f"{a.gate}-{a.key_norm}-{a.heads}-{a.index}")
 def test_parameter_count_matches_ir(attrs):
     m = A.make_aggregation(attrs, D)
-    want = aggregation_parameters(attrs["method"], len(attrs["sources"]), D, attrs["query"],
-                                  attrs["key_norm"], attrs["index"])
+    want = aggregation_parameters(attrs.method, len(attrs.sources), D, attrs.query,
+                                  attrs.key_norm, attrs.index)
     assert sum(p.numel() for p in m.parameters()) == want
 
 
-@pytest.mark.parametrize("attrs", [a for a in CASES if a["index"] != 1],
-                         ids=lambda a: f"{a['method']}-{a['query']}-{a['gate']}-"
-                         f"{a['key_norm']}-{a['heads']}")
+@pytest.mark.parametrize("attrs", [a for a in CASES if a.index != 1],
+                         ids=lambda a: f"{a.method}-{a.query}-{a.gate}-"
+                         f"{a.key_norm}-{a.heads}")
 def test_gradcheck(attrs):
     m = _randomise(A.make_aggregation(attrs, D, backend="eager").double())
-    stream = attrs["method"] in ("rezero", "layerscale", "highway")
-    n = 2 if stream else len(attrs["sources"])
+    stream = attrs.method in ("rezero", "layerscale", "highway")
+    n = 2 if stream else len(attrs.sources)
     xs = tuple(torch.randn(2, 3, D, dtype=torch.float64, requires_grad=True) for _ in range(n))
     assert torch.autograd.gradcheck(lambda *xs: m(*xs), xs)
     # and with respect to the module's own parameters

@@ -76,6 +76,22 @@ def test_chunks_chained_equal_the_model(name, P, V, cuts, cached):
     assert owned == {id(p) for p in model.parameters()}
 
 
+def test_chunks_keep_the_two_phase_plan():
+    """A chunk runs phase 1 / phase 2 for the groups whose members it owns: with P = 2 and a
+    cut inside the second block, each chunk batches the members of block 2 it holds."""
+    model = build_model(SPEC, TOPOLOGIES["block2"], backend="eager")
+    g = model.restopo_ir
+    plan = make_plan(g, 2, 1, cuts=[6])
+    c0, c1 = (build_chunks(plan, g, parts_of(model), aggregation_modules(model), r)[0]
+              for r in range(2))
+    assert [grp.members for grp in c0.groups] == [("agg1", "agg2", "agg3", "agg4"),
+                                                  ("agg5", "agg6")]
+    assert [grp.members for grp in c1.groups] == [("agg7", "agg8")]
+    assert c1.groups[0].partials == ("partial2.3", "partial2.4")
+    idx = torch.randint(0, 32, (2, 8))
+    torch.testing.assert_close(c1(*c0(idx)), model(idx), rtol=0, atol=1e-5)
+
+
 def launch(pipeline, topology="block:4", depth=4, schedules="", cuts="", timeout=150):
     P = int(pipeline.split("x")[0])
     out = os.path.join(os.environ.get("PYTEST_TMP", "/tmp"),

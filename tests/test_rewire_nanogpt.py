@@ -93,7 +93,7 @@ def test_gradients_reach_original_weights_and_pseudo_queries():
         assert p.grad is not None and p.grad.abs().sum() > 0, name
     ir = r.body.restopo_ir
     for l, agg in enumerate(restopo.aggregations(r), start=1):
-        if len(ir.nodes[f"agg{l}"]["sources"]) > 1:  # one source: softmax weight 1, no grad
+        if len(ir.aggregation(l).sources) > 1:  # one source: softmax weight 1, no grad
             assert agg.pseudo_query.grad.abs().sum() > 0, l
             assert agg.key_norm.weight.grad.abs().sum() > 0, l
 

@@ -73,7 +73,7 @@ def test_mutated_examples_give_spec_or_spec_error(text):
         except SpecError as e:
             assert_spec_error(e)
             return
-        assert g.graph["sublayers"] == len(spec.model.kinds)
+        assert g.n_sublayers == len(spec.model.kinds)
 
 
 @settings(max_examples=60, deadline=None)

@@ -48,7 +48,7 @@ def test_full_spec_values():
     assert topo.sublayer_rule == Rule("attend", (Source("embedding"), Source("blocks"),
                                                  Source("partial")),
                                       "input_dependent", "sigmoid", "none", 2)
-    assert spec.ir().graph["sublayers"] == 8
+    assert spec.ir().n_sublayers == 8
 
 
 def test_defaults_and_one_line_form():
@@ -199,7 +199,7 @@ def test_every_example_checks_and_builds():
         text = f.read_text()
         assert text.startswith("#"), f"{f.name} must begin with a comment saying what it tests"
         g = spec.ir()
-        assert g.graph["sublayers"] == len(spec.model.kinds)
+        assert g.n_sublayers == len(spec.model.kinds)
 
 
 def test_examples_have_the_paper_settings():

@@ -81,8 +81,8 @@ def test_softmax_scalars_are_not_denseformer():
     soft = parse_spec(MODEL + "residual custom { before sublayer: scalars(embedding, "
                       "sublayers; gate: softmax) }").ir()
     assert graph_data(dense) != graph_data(soft)
-    assert {a["gate"] for _, a in dense.nodes(data=True) if a["kind"] == "aggregation"} == {"none"}
-    assert {a["gate"] for _, a in soft.nodes(data=True) if a["kind"] == "aggregation"} == {"softmax"}
+    assert {a.gate for a in dense.aggregations()} == {"none"}
+    assert {a.gate for a in soft.aggregations()} == {"softmax"}
     assert [a["sources"] for a in summary(dense)["aggregations"]] == \
         [a["sources"] for a in summary(soft)["aggregations"]]
     assert added_parameters(dense) == added_parameters(soft) == sum(range(1, 12 + 2))

@@ -42,6 +42,18 @@ def logits(sources: torch.Tensor, query: torch.Tensor, key_norm_weight: torch.Te
     return torch.einsum("n...hc,...hc->n...h", k, q.expand(k.shape[1:]))
 
 
+def depth_weights(sources: torch.Tensor | Sequence[torch.Tensor], query: torch.Tensor,
+                  key_norm_weight: torch.Tensor | None = None, eps: float = 1e-6, *,
+                  key_norm: bool = True, gate: str = "softmax",
+                  heads: int = 1) -> torch.Tensor:
+    """alpha [n, *batch, heads]: the weight of each source, per head (`depth_attention`'s
+    output is sum_i alpha_i v_i, each head's weight over its channel slice)."""
+    stacked = sources if isinstance(sources, torch.Tensor) else torch.stack(tuple(sources))
+    _check_heads(stacked.shape[-1], heads)
+    z = logits(stacked, query, key_norm_weight, eps, key_norm, heads)
+    return torch.softmax(z, dim=0) if gate == "softmax" else torch.sigmoid(z)
+
+
 def _expand(weights: torch.Tensor, d: int) -> torch.Tensor:
     """[..., heads] -> [..., d], each head's weight repeated over its channel slice."""
     heads = weights.shape[-1]
@@ -59,9 +71,8 @@ def depth_attention(sources: torch.Tensor | Sequence[torch.Tensor], query: torch
         _check_heads(sources[0].shape[-1], heads)
         return lean.depth_attention(sources, query, gained(query, key_norm_weight, key_norm),
                                     eps, key_norm=key_norm, gate=gate, heads=heads)
-    _check_heads(sources.shape[-1], heads)
-    z = logits(sources, query, key_norm_weight, eps, key_norm, heads)
-    alpha = torch.softmax(z, dim=0) if gate == "softmax" else torch.sigmoid(z)
+    alpha = depth_weights(sources, query, key_norm_weight, eps, key_norm=key_norm, gate=gate,
+                          heads=heads)
     return (_expand(alpha, sources.shape[-1]) * sources).sum(0)
 
 

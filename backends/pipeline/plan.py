@@ -44,9 +44,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-import networkx as nx
-
-from restopo.ir.analyses import aggregations, is_stream
+from restopo.ir import IR, BlockSum, Embedding, Sublayer, stream_fed
 
 TRANSIENT = ("partial", "stream")
 
@@ -240,7 +238,7 @@ def balance(weights: list[float], n_chunks: int, aligned: set[int] | None = None
     return list(miss[n_chunks][n][1])
 
 
-def make_plan(g: nx.DiGraph, stages: int, virtual: int = 1, *, costs: dict | None = None,
+def make_plan(g: IR, stages: int, virtual: int = 1, *, costs: dict | None = None,
               head_cost: float = 0.0, cuts: list[int] | None = None,
               dtype_bytes: int = 4) -> Plan:
     """Plan a pipeline of `stages` ranks x `virtual` chunks per rank over the IR `g`.
@@ -251,15 +249,14 @@ def make_plan(g: nx.DiGraph, stages: int, virtual: int = 1, *, costs: dict | Non
     """
     if stages < 1 or virtual < 1:
         raise PlanError(f"stages and virtual stages must be at least 1; got {stages}x{virtual}")
-    L = g.graph["sublayers"]
-    kinds = g.graph["kinds"]
+    L, kinds = g.n_sublayers, g.kinds
     C = stages * virtual
     if C > L:
         raise PlanError(f"{stages}x{virtual} pipeline needs {C} chunks but the model has only "
                         f"{L} sublayers; use fewer stages or virtual stages (at most {L} chunks)")
-    costs = costs or sublayer_costs(kinds, g.graph.get("width"))
+    costs = costs or sublayer_costs(kinds, g.width)
     weights = [float(costs[k]) for k in kinds]
-    blocks = g.graph["blocks"]
+    blocks = g.blocks
     block_ends = {b[-1] for b in blocks}
     if cuts is None:
         cuts = balance(weights, C, aligned=block_ends - {L})
@@ -271,8 +268,8 @@ def make_plan(g: nx.DiGraph, stages: int, virtual: int = 1, *, costs: dict | Non
     chunk_of = {i: c for c, span in enumerate(spans) for i in span}
 
     owner = {}
-    for a in aggregations(g):
-        l = g.nodes[a]["index"]
+    for a in g.aggregations():
+        l = a.index
         if l == L + 1:
             owner[l] = C - 1
         elif stream_fed(g, a):
@@ -300,60 +297,44 @@ def make_plan(g: nx.DiGraph, stages: int, virtual: int = 1, *, costs: dict | Non
             sent = tuple(v for v in need if v.transient or v not in seen[dst])
         seen[dst].update(v for v in sent if not v.transient)
         hops.append(Hop(c, c % stages, dst, need, sent))
-    return Plan(stages, virtual, g.graph.get("width"), dtype_bytes, g.graph["name"],
+    return Plan(stages, virtual, g.width, dtype_bytes, g.topology,
                 len(blocks), tuple(chunks), tuple(hops))
 
 
-def _produced(g: nx.DiGraph, span: tuple[int, ...], blocks) -> set[Value]:
+def _produced(g: IR, span: tuple[int, ...], blocks) -> set[Value]:
     """The cacheable values a chunk produces: its completed blocks and sublayer outputs."""
     out = set()
     for n, b in enumerate(blocks, 1):
         if b[-1] in span:
             out.add(_value("block", n))
     for i in span:
-        if len(blocks[g.nodes[f"sublayer{i}"]["block"] - 1]) > 1:
+        if len(blocks[g.sublayer(i).block - 1]) > 1:
             out.add(_value("sublayer", i))
     return out
 
 
-def source_value(g: nx.DiGraph, src: str, s: int) -> Value | None:
+def source_value(g: IR, src: str, s: int) -> Value | None:
     """The value that carries IR source `src` across the cut after sublayer s (None when
     `src` is produced entirely after the cut)."""
-    node = g.nodes[src]
-    kind = node["kind"]
-    blocks = g.graph["blocks"]
-    if kind == "embedding":
+    node = g.node(src)
+    if isinstance(node, Embedding):
         return EMBEDDING
-    if kind == "sublayer":
-        i = node["index"]
-        if i > s:
+    if isinstance(node, Sublayer):
+        if node.index > s:
             return None
-        n = node["block"]
-        return _value("block", n) if len(blocks[n - 1]) == 1 else _value("sublayer", i)
-    if kind == "block":
-        n, members = node["index"], node["members"]
-    else:  # partial n.j: the sum of the first j-1 members of block n
-        n, members = node["block"], node["members"]
-    before = [i for i in members if i <= s]
+        n = node.block
+        return _value("block", n) if len(g.blocks[n - 1]) == 1 else _value("sublayer", node.index)
+    # a block sum, or partial n.j: the sum of the first j-1 members of block n
+    n = node.index if isinstance(node, BlockSum) else node.block
+    before = [i for i in node.members if i <= s]
     if not before:
         return None
-    if kind == "block" and len(before) == len(members):
+    if isinstance(node, BlockSum) and len(before) == len(node.members):
         return _value("block", n)
     return _value("partial", n, len(before))
 
 
-def stream_fed(g: nx.DiGraph, agg: str) -> bool:
-    """True when the aggregation is computed from the running value: h_1 = v_0, or a stream
-    update h_l = h_{l-1} (+) v_{l-1} (the lowering's rule: a plain sum only continues a stream
-    that the previous aggregation kept)."""
-    if not is_stream(g, agg):
-        return False
-    at = g.nodes[agg]
-    l = at["index"]
-    return l <= 2 or at["method"] != "sum" or is_stream(g, f"agg{l - 1}")
-
-
-def needed_after(g: nx.DiGraph, s: int, owner: dict[int, int], c: int) -> tuple[Value, ...]:
+def needed_after(g: IR, s: int, owner: dict[int, int], c: int) -> tuple[Value, ...]:
     """Every value produced at or before the cut after sublayer s (chunk c's end) that a
     later chunk reads, in a fixed order.
 
@@ -362,15 +343,14 @@ def needed_after(g: nx.DiGraph, s: int, owner: dict[int, int], c: int) -> tuple[
     sublayer s+1 reads: that is the `stream` value.
     """
     need = set()
-    for a in aggregations(g):
-        l = g.nodes[a]["index"]
-        if owner[l] <= c or stream_fed(g, a):
+    for a in g.aggregations():
+        if owner[a.index] <= c or stream_fed(g, a):
             continue
-        for src in g.nodes[a]["sources"]:
+        for src in a.sources:
             v = source_value(g, src, s)
             if v is not None:
                 need.add(v)
-    if stream_fed(g, f"agg{s + 1}"):
+    if stream_fed(g, g.aggregation(s + 1)):
         need.add(STREAM)
     return tuple(sorted(need))
 
@@ -465,7 +445,7 @@ def _num(x: float) -> str:
     return str(int(x)) if math.isclose(x, round(x)) else f"{x:.2f}"
 
 
-def inspect_section(spec, g: nx.DiGraph, pv: str) -> dict:
+def inspect_section(spec, g: IR, pv: str) -> dict:
     """The `pipeline` section of `restopo inspect FILE --pipeline PxV` (a JSON dict). A plan
     that cannot be made is a usage error: the message goes to stderr, exit status 2."""
     import sys

@@ -34,8 +34,8 @@ def describe(spec) -> str:
         return f"residual {spec.residual.name} only; no model section"
     from ..ir.analyses import live_values_per_token
     g = spec.ir()
-    L = g.graph["sublayers"]
-    n = len(g.graph["blocks"])
+    L = g.n_sublayers
+    n = len(g.blocks)
     parts = [f"{L} sublayers", f"topology {spec.residual.name}", f"{n} block{'s' * (n != 1)}",
              f"{_n(live_values_per_token(g), 'live value')} per token"]
     if spec.parallel is not None:

@@ -116,8 +116,8 @@ def module_source(model, args) -> str:
     g = model.restopo_ir
     name = os.path.splitext(os.path.basename(args.output))[0]
     head = HEADER.format(
-        name=name, source=os.path.basename(args.spec), topology=g.graph["name"],
-        sublayers=g.graph["sublayers"], spec=_literal(model.spec_text),
+        name=name, source=os.path.basename(args.spec), topology=g.topology,
+        sublayers=g.n_sublayers, spec=_literal(model.spec_text),
         overrides=tuple(args.overrides), backend=args.backend,
         submodules=tuple(n for n in SUBMODULES if hasattr(model, n)))
     forward = "\n".join(("    " + line) if line.strip() else ""

@@ -1,4 +1,5 @@
-"""Lower the topology IR to a torch.fx GraphModule.
+"""Lower the topology IR to a torch.fx GraphModule: the fx emitter is a visitor of the one
+walk over the IR (restopo.ir.walk), which fixes the order and the rules below.
 
 The graph calls `embed` -> `context` -> for each sublayer l: its aggregation h_l, then
 `sublayers.{l-1}` -> the head's aggregation -> `head`. Submodules, hence state_dict names:
@@ -20,20 +21,19 @@ from __future__ import annotations
 
 import operator
 
-import networkx as nx
 import torch
 from torch import fx, nn
 
 from .. import ops
-from ..ir import aggregations as agg_nodes
-from ..ir import is_stream, two_phase_plan
+from ..ir import IR, Aggregation, PhaseGroup, Sublayer, two_phase_plan
+from ..ir.walk import Visitor, walk
 from ..nn.aggregate import Attend, TwoPhase, make_aggregation
-from .parts import Parts
+from ..nn.parts import Parts
 
 SUBMODULES = ("embed", "context", "sublayers", "aggregations", "phases", "head")
 
 
-def lower(g: nx.DiGraph, parts: Parts, backend: str = "auto", two_phase: bool = True,
+def lower(g: IR, parts: Parts, backend: str = "auto", two_phase: bool = True,
           aggregations: nn.ModuleList | None = None) -> fx.GraphModule:
     """The GraphModule computing `parts` wired as the IR `g` says: forward(idx) -> logits.
 
@@ -45,18 +45,18 @@ def lower(g: nx.DiGraph, parts: Parts, backend: str = "auto", two_phase: bool = 
     ops.check_backend(backend)
     if backend == "triton":
         ops.require_backend("triton")
-    kinds = tuple(g.graph["kinds"])
+    kinds = g.kinds
     if kinds != parts.kinds:
         raise ValueError(f"the topology was built for sublayers {kinds} but the model has "
                          f"{parts.kinds}; build the IR from the model's sublayer kinds")
-    d = g.graph.get("width") or _width_of(parts.embed)
-    aggs = agg_nodes(g)
+    d = g.width or _width_of(parts.embed)
+    aggs = g.aggregations()
     root = nn.Module()
     root.embed, root.sublayers, root.head = parts.embed, parts.sublayers, parts.head
     if parts.context is not None:
         root.context = parts.context
     if aggregations is None:
-        aggregations = nn.ModuleList(make_aggregation(g.nodes[a], d, backend) for a in aggs)
+        aggregations = nn.ModuleList(make_aggregation(a, d, backend) for a in aggs)
         # new parameters live where the model's do (a rewired model may be bf16 on CUDA)
         p = next((p for p in parts.embed.parameters() if p.is_floating_point()), None)
         if p is not None:
@@ -66,10 +66,10 @@ def lower(g: nx.DiGraph, parts: Parts, backend: str = "auto", two_phase: bool = 
     root.aggregations = aggregations
     plan = two_phase_plan(g) if two_phase else []
     root.phases = nn.ModuleList(
-        TwoPhase([root.aggregations[g.nodes[m]["index"] - 1] for m in grp.members], backend)
+        TwoPhase([root.aggregations[g.node(m).index - 1] for m in grp.members], backend)
         for grp in plan)
-    emitter = _Emitter(g, parts, plan)
-    graph = emitter.emit()
+    emitter = _Emitter(parts)
+    graph = emitter.emit(g, plan)
     gm = fx.GraphModule(root, graph, class_name="RestopoModel")
     # GraphModule copies only what the graph calls; keep whole containers so every
     # aggregation (also ones lowered as plain adds) is in the module and its state_dict.
@@ -90,101 +90,64 @@ def _width_of(embed: nn.Module) -> int:
     return w.shape[1]
 
 
-class _Emitter:
-    """Writes the fx Graph: one node per value, named after the IR."""
+class _Emitter(Visitor):
+    """The walk's visitor that writes the fx Graph: one node per value, named after the IR."""
 
-    def __init__(self, g: nx.DiGraph, parts: Parts, plan):
-        self.g, self.parts = g, parts
+    def __init__(self, parts: Parts):
+        self.parts = parts
         self.graph = fx.Graph()
-        self.values: dict[str, fx.Node] = {}
-        self.group_of = {m: (k, s) for k, grp in enumerate(plan)
-                         for s, m in enumerate(grp.members)}
-        self.plan = plan
-        self.phase1: dict[int, fx.Node] = {}
+        self.context: list[fx.Node] = []
         self.context_names: tuple[str, ...] | None = None
 
     def node(self, op: str, target, args=(), kwargs=None, name: str | None = None) -> fx.Node:
         return self.graph.create_node(op, target, tuple(args), kwargs or {}, name=name)
 
-    def add(self, a: fx.Node, b: fx.Node, name: str) -> fx.Node:
-        return self.node("call_function", operator.add, (a, b), name=name)
-
-    def emit(self) -> fx.Graph:
-        g, L = self.g, self.g.graph["sublayers"]
-        idx = self.node("placeholder", "idx", name="idx")
-        self.values["embedding"] = self.node("call_module", "embed", (idx,), name="embedding")
-        context = self._context(idx)
-        h_prev = None
-        for a in agg_nodes(g):
-            l = g.nodes[a]["index"]
-            h = self._aggregate(a, h_prev)
-            self.values[a] = h
-            if l <= L:
-                self.values[f"sublayer{l}"] = self.node(
-                    "call_module", f"sublayers.{l - 1}", (h, *context), name=f"sublayer{l}")
-            h_prev = h
-        logits = self.node("call_module", "head", (h_prev,), name="logits")
+    def emit(self, g: IR, plan) -> fx.Graph:
+        self.g = g
+        logits = walk(g, self, plan).output
         self.node("output", "output", (logits,))
         self.graph.lint()
         return self.graph
 
-    def _context(self, idx: fx.Node) -> list[fx.Node]:
-        parts = self.parts
-        if parts.context is None:
-            return []
-        names = self.context_names = parts.context_names or _probe_context(parts)
-        ctx = self.node("call_module", "context", (idx, self.values["embedding"]),
-                        name="context")
-        return [self.node("call_function", operator.getitem, (ctx, i), name=n)
-                for i, n in enumerate(names)]
+    # -- the walk's steps
+    def embedding(self) -> fx.Node:
+        idx = self.node("placeholder", "idx", name="idx")
+        embedding = self.node("call_module", "embed", (idx,), name="embedding")
+        if self.parts.context is not None:
+            names = self.context_names = self.parts.context_names or _probe_context(self.parts)
+            ctx = self.node("call_module", "context", (idx, embedding), name="context")
+            self.context = [self.node("call_function", operator.getitem, (ctx, i), name=n)
+                            for i, n in enumerate(names)]
+        return embedding
 
-    def value(self, v: str) -> fx.Node:
-        """The fx node of IR value `v`, building block sums and partials as running sums."""
-        if v in self.values:
-            return self.values[v]
-        at = self.g.nodes[v]
-        members = at["members"]
-        if at["kind"] == "partial" and at["j"] == 2:
-            return self.value(f"sublayer{members[0]}")  # p_n^2 is the block's first output
-        if at["kind"] == "partial":
-            prev = self.value(f"partial{at['block']}.{at['j'] - 1}")
-            name = f"partial{at['block']}_{at['j']}"
-        else:  # a block of >= 2 sublayers: its last partial plus its last output
-            prev = self.value(f"partial{at['index']}.{len(members)}")
-            name = f"block{at['index']}"
-        out = self.add(prev, self.value(f"sublayer{members[-1]}"), name)
-        self.values[v] = out
-        return out
+    def sublayer(self, node: Sublayer, h: fx.Node) -> fx.Node:
+        return self.node("call_module", f"sublayers.{node.index - 1}", (h, *self.context),
+                         name=node.id)
 
-    def _aggregate(self, a: str, h_prev: fx.Node | None) -> fx.Node:
-        g, at = self.g, self.g.nodes[a]
-        l, method, target = at["index"], at["method"], f"aggregations.{at['index'] - 1}"
-        srcs = list(at["sources"])
-        if is_stream(g, a):
-            if l == 1:
-                return self.value("embedding")
-            prev_stream = is_stream(g, f"agg{l - 1}")
-            if method == "sum" and prev_stream:
-                return self.add(h_prev, self.value(f"sublayer{l - 1}"), f"h{l}")
-            if method != "sum":
-                return self.node("call_module", target,
-                                 (h_prev, self.value(f"sublayer{l - 1}")), name=f"h{l}")
-        if method == "sum" and len(srcs) == 1:
-            return self.value(srcs[0])
-        if method == "sum" and len(srcs) == 2:  # more sources: one call to the Sum module
-            return self.add(self.value(srcs[0]), self.value(srcs[1]), f"h{l}")
-        if a in self.group_of:
-            k, slot = self.group_of[a]
-            grp = self.plan[k]
-            if k not in self.phase1:
-                self.phase1[k] = self.node(
-                    "call_module", f"phases.{k}", [self.value(s) for s in grp.completed],
-                    name=f"block{at['block']}_phase1")
-            partial = grp.partials[slot]
-            args = [self.value(partial)] if partial is not None else []
-            return self.node("call_module", target, args,
-                             {"phase1": self.phase1[k], "slot": slot}, name=f"h{l}")
-        return self.node("call_module", target, [self.value(s) for s in srcs], name=f"h{l}")
+    def add(self, a: fx.Node, b: fx.Node, name: str) -> fx.Node:
+        return self.node("call_function", operator.add, (a, b), name=name)
+
+    def stream_update(self, agg: Aggregation, h_prev: fx.Node, v_prev: fx.Node) -> fx.Node:
+        return self.node("call_module", _target(agg), (h_prev, v_prev), name=f"h{agg.index}")
+
+    def aggregate(self, agg: Aggregation, sources: list[fx.Node]) -> fx.Node:
+        return self.node("call_module", _target(agg), sources, name=f"h{agg.index}")
+
+    def phase1(self, k: int, group: PhaseGroup, completed: list[fx.Node]) -> fx.Node:
+        block = self.g.node(group.members[0]).block
+        return self.node("call_module", f"phases.{k}", completed, name=f"block{block}_phase1")
+
+    def phase2(self, agg: Aggregation, phase1: fx.Node, slot: int,
+               partial: fx.Node | None) -> fx.Node:
+        return self.node("call_module", _target(agg), [] if partial is None else [partial],
+                         {"phase1": phase1, "slot": slot}, name=f"h{agg.index}")
+
+    def head(self, h: fx.Node) -> fx.Node:
+        return self.node("call_module", "head", (h,), name="logits")
+
+
+def _target(agg: Aggregation) -> str:
+    return f"aggregations.{agg.index - 1}"
 
 
 def _probe_context(parts: Parts) -> tuple[str, ...]:
@@ -214,7 +177,7 @@ def lowered(model: nn.Module) -> fx.GraphModule:
 def parts_of(model: nn.Module) -> Parts:
     """The Parts a lowered model was built from (the same module objects)."""
     gm = lowered(model)
-    return Parts(embed=gm.embed, sublayers=gm.sublayers, kinds=gm.restopo_ir.graph["kinds"],
+    return Parts(embed=gm.embed, sublayers=gm.sublayers, kinds=gm.restopo_ir.kinds,
                  head=gm.head, context=getattr(gm, "context", None),
                  context_names=gm.restopo_context_names)
 

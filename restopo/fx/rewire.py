@@ -29,7 +29,7 @@ from torch import nn
 from ..ir import build_ir
 from ..topology import Topology
 from .lower import lower
-from .parts import Parts
+from ..nn.parts import Parts
 from .structure import SUPPORTED, Ends, RewireError, Structure, pattern
 
 __all__ = ["rewire", "recover", "Rewired", "RewireError"]

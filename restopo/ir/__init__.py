@@ -1,8 +1,18 @@
-"""The topology IR (networkx; no torch needed) and the analyses read from it."""
-from .build import TopologyError, build_ir
-from .analyses import (PhaseGroup, added_parameters, aggregations, display_name, is_stream,
-                       live_values_per_token, mixing_matrix, sources, summary, two_phase_plan)
+"""The topology IR (networkx; no torch needed), the analyses read from it, and the one walk
+that turns it into computation.
 
-__all__ = ["TopologyError", "build_ir", "PhaseGroup", "added_parameters", "aggregations",
+    build_ir(kinds, topology, width) -> IR     the graph, typed nodes (restopo.ir.nodes)
+    live_values_per_token, added_parameters, mixing_matrix, two_phase_plan, summary, ...
+    walk(ir, visitor)                           visit the IR in execution order
+"""
+from .analyses import (PhaseGroup, added_parameters, aggregations, display_name, is_stream,
+                       live_values_per_token, mixing_matrix, sources, stream_fed, summary,
+                       two_phase_plan)
+from .build import TopologyError, build_ir
+from .graph import IR
+from .nodes import Aggregation, BlockSum, Embedding, Head, Node, Partial, Sublayer, Value
+
+__all__ = ["TopologyError", "build_ir", "IR", "PhaseGroup", "added_parameters", "aggregations",
            "display_name", "is_stream", "live_values_per_token", "mixing_matrix", "sources",
-           "summary", "two_phase_plan"]
+           "stream_fed", "summary", "two_phase_plan", "Aggregation", "BlockSum", "Embedding",
+           "Head", "Node", "Partial", "Sublayer", "Value"]

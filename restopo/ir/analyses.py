@@ -3,77 +3,91 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import networkx as nx
-
 from ..topology import STREAM_METHODS
+from .graph import IR
+from .nodes import Aggregation, Partial
 
 
-def aggregations(g: nx.DiGraph) -> list[str]:
+def aggregations(g: IR) -> list[str]:
     """Aggregation node ids in execution order (the head's last)."""
-    return sorted((n for n, a in g.nodes(data=True) if a["kind"] == "aggregation"),
-                  key=lambda n: g.nodes[n]["index"])
+    return [a.id for a in g.aggregations()]
 
 
-def sublayers(g: nx.DiGraph) -> list[str]:
-    return [f"sublayer{i}" for i in range(1, g.graph["sublayers"] + 1)]
+def sublayers(g: IR) -> list[str]:
+    return [f"sublayer{i}" for i in range(1, g.n_sublayers + 1)]
 
 
-def display_name(g: nx.DiGraph, node: str) -> str:
+def display_name(g: IR, node: str) -> str:
     """The name shown to people: partial sums are all called 'partial'."""
-    return "partial" if g.nodes[node]["kind"] == "partial" else node
+    return "partial" if isinstance(g.node(node), Partial) else node
 
 
-def sources(g: nx.DiGraph, agg: str) -> tuple[str, ...]:
-    return g.nodes[agg]["sources"]
+def sources(g: IR, agg: str) -> tuple[str, ...]:
+    return g.node(agg).sources
 
 
-def is_stream(g: nx.DiGraph, agg: str) -> bool:
+def _agg(g: IR, agg: str | Aggregation) -> Aggregation:
+    return agg if isinstance(agg, Aggregation) else g.node(agg)
+
+
+def is_stream(g: IR, agg: str | Aggregation) -> bool:
     """True when the aggregation is computed as one running value: the plain sum over the
     embedding and every earlier sublayer (the standard residual), or a stream update."""
-    a = g.nodes[agg]
-    if a["method"] in STREAM_METHODS:
+    a = _agg(g, agg)
+    if a.method in STREAM_METHODS:
         return True
-    want = ("embedding",) + tuple(f"sublayer{i}" for i in range(1, a["index"]))
-    return a["method"] == "sum" and a["sources"] == want
+    if a.method != "sum" or len(a.sources) != a.index or a.sources[0] != "embedding":
+        return False
+    return all(s == f"sublayer{i}" for i, s in enumerate(a.sources[1:], start=1))
 
 
-def live_values_per_token(g: nx.DiGraph) -> int:
+def stream_fed(g: IR, agg: str | Aggregation) -> bool:
+    """True when the aggregation is computed from the running value: h_1 = v_0, or a stream
+    update h_l = h_{l-1} (+) v_{l-1}. A plain sum continues a stream only when the previous
+    aggregation kept one; otherwise it is summed from its sources."""
+    a = _agg(g, agg)
+    if not is_stream(g, a):
+        return False
+    return a.index == 1 or a.method != "sum" or is_stream(g, g.aggregation(a.index - 1))
+
+
+def live_values_per_token(g: IR) -> int:
     """The most d-vectors a token must keep at once between sublayers for the depth mixing.
 
     A value is live at point l when it was produced before aggregation l and is read by an
     aggregation at l or later; every value read only by stream aggregations is folded into a
     single running value. Standard: 1; Block AttnRes with N blocks: N + 1; Full: L + 1.
     """
-    aggs = aggregations(g)
+    aggs = g.aggregations()
     last_read: dict[str, int] = {}
     stream_until = 0
     for a in aggs:
-        l = g.nodes[a]["index"]
         if is_stream(g, a):
-            stream_until = l
+            stream_until = a.index
             continue
-        for s in sources(g, a):
-            last_read[s] = max(last_read.get(s, 0), l)
-    best = 0
-    for a in aggs:
-        l = g.nodes[a]["index"]
-        live = sum(1 for s, r in last_read.items()
-                   if g.nodes[s]["produced"] < l <= r)
+        for s in a.sources:
+            last_read[s] = max(last_read.get(s, 0), a.index)
+    # Sweep: +1 at the first point after a value is produced, -1 after its last read.
+    delta = [0] * (len(aggs) + 2)
+    for s, r in last_read.items():
+        born = g.node(s).produced + 1
+        if born <= r:
+            delta[born] += 1
+            delta[r + 1] -= 1
+    best, live = 0, 0
+    for l in range(1, len(aggs) + 1):
+        live += delta[l]
         best = max(best, live + (1 if l <= stream_until else 0))
     return best
 
 
-def added_parameters(g: nx.DiGraph) -> int:
+def added_parameters(g: IR) -> int:
     """Parameters the topology adds to the model (needs the IR's width)."""
-    d = g.graph["width"]
+    d = g.width
     if d is None:
         raise ValueError("the IR was built without a width; pass width= to build_ir")
-    total = 0
-    for a in aggregations(g):
-        at = g.nodes[a]
-        total += aggregation_parameters(at["method"], len(at["sources"]), d,
-                                        at["query"], at["key_norm"], at["index"])
-    return total
+    return sum(aggregation_parameters(a.method, len(a.sources), d, a.query, a.key_norm,
+                                      a.index) for a in g.aggregations())
 
 
 def aggregation_parameters(method: str, n_sources: int, d: int, query: str = "static",
@@ -92,17 +106,20 @@ def aggregation_parameters(method: str, n_sources: int, d: int, query: str = "st
     return 0
 
 
-def mixing_matrix(g: nx.DiGraph) -> tuple[list[str], list[str], list[list[int]]]:
+def mixing_matrix(g: IR) -> tuple[list[str], list[str], list[list[int]]]:
     """Which source feeds which aggregation: (source ids, aggregation ids, 0/1 rows).
 
     Rows are aggregations in execution order; columns the values any aggregation reads,
     in the order they are produced.
     """
-    aggs = aggregations(g)
-    cols = sorted({s for a in aggs for s in sources(g, a)},
-                  key=lambda s: (g.nodes[s]["produced"], s))
-    rows = [[1 if c in sources(g, a) else 0 for c in cols] for a in aggs]
-    return cols, aggs, rows
+    aggs = g.aggregations()
+    cols = sorted({s for a in aggs for s in a.sources},
+                  key=lambda s: (g.node(s).produced, s))
+    rows = []
+    for a in aggs:
+        read = set(a.sources)
+        rows.append([1 if c in read else 0 for c in cols])
+    return cols, [a.id for a in aggs], rows
 
 
 @dataclass(frozen=True)
@@ -118,53 +135,54 @@ class PhaseGroup:
     partials: tuple[str | None, ...]
 
 
-def two_phase_plan(g: nx.DiGraph) -> list[PhaseGroup]:
+def two_phase_plan(g: IR, within=None) -> list[PhaseGroup]:
     """Groups of >= 2 static-query softmax aggregations that read the same completed sources
     and differ at most by a trailing partial. The lowering runs them as phase 1 / phase 2;
-    every other aggregation is lowered directly."""
-    groups: dict[tuple, list[str]] = {}
-    for a in aggregations(g):
-        at = g.nodes[a]
-        if at["method"] != "attend" or at["query"] != "static" or at["gate"] != "softmax":
+    every other aggregation is lowered directly.
+
+    within: only these aggregation indices take part (a pipeline chunk groups the points it
+    owns); default every aggregation.
+    """
+    groups: dict[tuple, list[Aggregation]] = {}
+    for a in g.aggregations():
+        if within is not None and a.index not in within:
             continue
-        srcs = sources(g, a)
-        partial = srcs[-1] if srcs and g.nodes[srcs[-1]]["kind"] == "partial" else None
+        if a.method != "attend" or a.query != "static" or a.gate != "softmax":
+            continue
+        srcs = a.sources
+        partial = srcs[-1] if srcs and isinstance(g.node(srcs[-1]), Partial) else None
         completed = srcs[:-1] if partial else srcs
-        if any(g.nodes[s]["kind"] == "partial" for s in completed):
+        if any(isinstance(g.node(s), Partial) for s in completed):
             continue
-        key = (completed, at["key_norm"], at["heads"], at["block"])
-        groups.setdefault(key, []).append(a)
+        groups.setdefault((completed, a.key_norm, a.heads, a.block), []).append(a)
     plan = []
     for (completed, *_), members in groups.items():
         if len(members) < 2:
             continue
-        partials = tuple(sources(g, m)[-1] if len(sources(g, m)) > len(completed) else None
+        partials = tuple(m.sources[-1] if len(m.sources) > len(completed) else None
                          for m in members)
-        plan.append(PhaseGroup(completed, tuple(members), partials))
-    return sorted(plan, key=lambda p: g.nodes[p.members[0]]["index"])
+        plan.append(PhaseGroup(completed, tuple(m.id for m in members), partials))
+    return sorted(plan, key=lambda p: g.node(p.members[0]).index)
 
 
-def summary(g: nx.DiGraph) -> dict:
+def summary(g: IR) -> dict:
     """The JSON form of `restopo inspect`."""
     aggs = []
-    for a in aggregations(g):
-        at = g.nodes[a]
-        entry = {"index": at["index"], "before": at["before"], "method": at["method"],
-                 "sources": [display_name(g, s) for s in at["sources"]]}
-        if at["method"] == "attend":
-            entry.update(query=at["query"], gate=at["gate"], key_norm=at["key_norm"],
-                         heads=at["heads"])
-        elif at["method"] == "scalars":  # none: DenseFormer's raw weights; else normalised
-            entry.update(gate=at["gate"])
+    for a in g.aggregations():
+        entry = {"index": a.index, "before": a.before, "method": a.method,
+                 "sources": [display_name(g, s) for s in a.sources]}
+        if a.method == "attend":
+            entry.update(query=a.query, gate=a.gate, key_norm=a.key_norm, heads=a.heads)
+        elif a.method == "scalars":  # none: DenseFormer's raw weights; else normalised
+            entry.update(gate=a.gate)
         aggs.append(entry)
-    out = {
-        "topology": g.graph["name"],
-        "sublayers": g.graph["sublayers"],
-        "blocks": len(g.graph["blocks"]),
-        "block_sizes": [len(b) for b in g.graph["blocks"]],
+    return {
+        "topology": g.topology,
+        "sublayers": g.n_sublayers,
+        "blocks": len(g.blocks),
+        "block_sizes": [len(b) for b in g.blocks],
         "live_values_per_token": live_values_per_token(g),
-        "added_parameters": added_parameters(g) if g.graph["width"] else None,
+        "added_parameters": added_parameters(g) if g.width else None,
         "two_phase_groups": [list(p.members) for p in two_phase_plan(g)],
         "aggregations": aggs,
     }
-    return out

@@ -1,58 +1,48 @@
-"""Build the topology IR: a networkx DiGraph of per-token values and aggregations.
+"""Build the topology IR (restopo.ir.graph.IR) from a Topology and the sublayer kinds.
 
-Nodes (ids are the names people see in `restopo inspect`):
-  embedding        kind=embedding   v_0 = b_0, the token embedding
-  sublayer{i}      kind=sublayer    v_i = f_i(h_i), i = 1..L; attrs index, op (attn|mlp), block
-  block{n}         kind=block       b_n, the sum of a block's outputs (only for blocks of two or
-                                    more sublayers: a one-sublayer block *is* that sublayer's
-                                    output, which is why Block AttnRes with N = L is Full AttnRes)
-  partial{n}.{j}   kind=partial     p_n^j, the sum of the first j-1 outputs of block n (j >= 2)
-  agg{l}           kind=aggregation h_l, l = 1..L+1; attrs index, before (attn|mlp|head),
-                                    method, query, gate, key_norm, heads, window, sources (ids,
-                                    in order), block, j (position in its block; 0 for the head)
-  head             kind=head        final norm and LM head
-Edges: data flow. A source feeds an aggregation with attribute `position` (its index in the
-aggregation's ordered sources); aggregation l feeds sublayer l (or the head); a sublayer feeds
-the block and partial sums it belongs to.
+Nodes (typed values of restopo.ir.nodes; ids are the names people see in `restopo inspect`):
+  embedding        Embedding    v_0 = b_0, the token embedding
+  sublayer{i}      Sublayer     v_i = f_i(h_i), i = 1..L
+  block{n}         BlockSum     b_n, for blocks of two or more sublayers
+  partial{n}.{j}   Partial      p_n^j, the sum of the first j-1 outputs of block n (j >= 2)
+  agg{l}           Aggregation  h_l, l = 1..L+1 (L+1: before the head)
+  head             Head         final norm and LM head
 """
 from __future__ import annotations
 
-import networkx as nx
-
 from ..topology import STREAM_METHODS, Rule, Source, Topology
+from .graph import IR
+from .nodes import Aggregation, BlockSum, Embedding, Head, Partial, Sublayer
 
 
 class TopologyError(ValueError):
     """A topology that cannot be built (raised with a message a person can act on)."""
 
 
-def build_ir(kinds: tuple[str, ...], topology: Topology, width: int | None = None) -> nx.DiGraph:
+def build_ir(kinds: tuple[str, ...], topology: Topology, width: int | None = None) -> IR:
     """The IR of `topology` over sublayers of the given kinds (attn|mlp, in order)."""
     L = len(kinds)
     _check_partition(topology.blocks, L)
-    g = nx.DiGraph(name=topology.name, sublayers=L, kinds=tuple(kinds), width=width,
-                   blocks=tuple(tuple(b) for b in topology.blocks))
-    g.add_node("embedding", kind="embedding", index=0, produced=0)
+    g = IR(name=topology.name, sublayers=L, kinds=tuple(kinds), width=width,
+           blocks=tuple(tuple(b) for b in topology.blocks))
+    g.add_value(Embedding())
 
     block_of, pos_in_block = {}, {}
     for n, members in enumerate(topology.blocks, start=1):
         for j, i in enumerate(members, start=1):
             block_of[i], pos_in_block[i] = n, j
     for i, k in enumerate(kinds, start=1):
-        g.add_node(f"sublayer{i}", kind="sublayer", index=i, op=k, block=block_of[i],
-                   produced=i)
+        g.add_value(Sublayer(i, k, block_of[i]))
     for n, members in enumerate(topology.blocks, start=1):
         if len(members) >= 2:
-            g.add_node(f"block{n}", kind="block", index=n, members=members,
-                       produced=members[-1])
+            g.add_value(BlockSum(n, members))
             for i in members:
                 g.add_edge(f"sublayer{i}", f"block{n}")
         for j in range(2, len(members) + 1):
-            node = f"partial{n}.{j}"
-            g.add_node(node, kind="partial", block=n, j=j, members=members[: j - 1],
-                       produced=members[j - 2])
-            for i in members[: j - 1]:
-                g.add_edge(f"sublayer{i}", node)
+            partial = Partial(n, j, members[: j - 1])
+            g.add_value(partial)
+            for i in partial.members:
+                g.add_edge(f"sublayer{i}", partial.id)
 
     for l in range(1, L + 2):
         head = l == L + 1
@@ -64,15 +54,14 @@ def build_ir(kinds: tuple[str, ...], topology: Topology, width: int | None = Non
             raise TopologyError(
                 f"the aggregation before {'the head' if head else f'sublayer {l}'} reads no "
                 f"source; add 'embedding' to its sources")
-        node = f"agg{l}"
-        g.add_node(node, kind="aggregation", index=l, before="head" if head else kinds[l - 1],
-                   method=rule.method, query=rule.query, gate=rule.gate,
-                   key_norm=rule.key_norm, heads=rule.heads, sources=tuple(sources),
-                   window=_window(rule), block=n, j=j)
+        agg = Aggregation(l, "head" if head else kinds[l - 1], rule.method, tuple(sources),
+                          n, j, query=rule.query, gate=rule.gate, key_norm=rule.key_norm,
+                          heads=rule.heads, window=_window(rule))
+        g.add_value(agg)
         for p, s in enumerate(sources):
-            g.add_edge(s, node, position=p)
-        g.add_edge(node, "head" if head else f"sublayer{l}")
-    g.add_node("head", kind="head", index=L + 1)
+            g.add_edge(s, agg.id, position=p)
+        g.add_edge(agg.id, "head" if head else f"sublayer{l}")
+    g.add_value(Head(L + 1))
     return g
 
 
@@ -94,7 +83,7 @@ def _resolve(rule: Rule, l: int, n: int, j: int, blocks) -> list[str]:
     selectors = rule.sources
     if rule.method in STREAM_METHODS:
         selectors = (Source("embedding"), Source("sublayers"))
-    out: list[str] = []
+    out: dict[str, None] = {}  # ordered set: linear in the number of sources
     for s in selectors:
         if s.name == "embedding":
             ids = ["embedding"]
@@ -108,8 +97,8 @@ def _resolve(rule: Rule, l: int, n: int, j: int, blocks) -> list[str]:
             ids = [f"partial{n}.{j}"] if j >= 2 else []
         else:  # the checker rejects unknown names before this point
             raise TopologyError(f"unknown source {s.name!r}")
-        out.extend(i for i in ids if i not in out)
-    return out
+        out.update(dict.fromkeys(ids))
+    return list(out)
 
 
 def _check_partition(blocks, L: int) -> None:

@@ -1,10 +1,15 @@
 """The aggregation modules: one per aggregation node of the IR (h_l from its sources).
 
-Each is built from the node's attributes by `make_aggregation`. Direct modules take the
-node's sources in IR order (`forward(*sources)`); stream modules (rezero, layerscale, highway)
-take the running value and the newest output (`forward(h_prev, v_prev)`) so the model keeps
-one live value per token. `TwoPhase` runs phase 1 for a group of attend modules that read the
-same completed blocks; the parameters stay owned by the member modules.
+Each is built from the node (restopo.ir.Aggregation) by `make_aggregation`. Direct modules
+take the node's sources in IR order (`forward(*sources)`); stream modules (rezero,
+layerscale, highway) take the running value and the newest output (`forward(h_prev,
+v_prev)`) so the model keeps one live value per token. `TwoPhase` runs phase 1 for a group
+of attend modules that read the same completed blocks; the parameters stay owned by the
+member modules.
+
+Every aggregation module answers `input_weights(*inputs)`: the weight of each of its
+inputs, broadcastable to it, with forward(*inputs) == sum_i w_i * inputs_i. Diagnostics
+read a module's depth weights through that one method, never by re-deriving its maths.
 """
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import ops
+from ..ir import Aggregation
 from ..topology import STREAM_METHODS
 
 EPS = 1e-6
@@ -47,24 +53,28 @@ class Attend(nn.Module):
     def forward(self, *sources: torch.Tensor, phase1=None, slot: int = 0) -> torch.Tensor:
         if phase1 is not None:
             return self.merge(phase1, slot, sources[0] if sources else None)
-        q = self.pseudo_query
-        if self.query_proj is not None:
-            q = q + self.query_proj(F.rms_norm(sources[-1], (self.d,), eps=EPS))
+        q = self._query(sources)
         # A tuple, not a stack: the eager backend then saves no copy of the sources.
         return ops.depth_attention(sources, q, self.gain, EPS,
                                    key_norm=self.key_norm is not None, gate=self.gate,
                                    heads=self.heads, backend=self.backend)
 
-    def depth_weights(self, *sources: torch.Tensor) -> torch.Tensor:
-        """alpha [n, *batch, heads]: the weight of each source (for diagnostics); the
-        output is sum_i alpha_i v_i with each head's weight over its channel slice."""
-        from ..backends.eager.depth import logits
+    def _query(self, sources) -> torch.Tensor:
         q = self.pseudo_query
         if self.query_proj is not None:
             q = q + self.query_proj(F.rms_norm(sources[-1], (self.d,), eps=EPS))
-        z = logits(torch.stack(sources), q, self.gain, EPS, self.key_norm is not None,
-                   self.heads)
-        return torch.softmax(z, dim=0) if self.gate == "softmax" else torch.sigmoid(z)
+        return q
+
+    def depth_weights(self, *sources: torch.Tensor) -> torch.Tensor:
+        """alpha [n, *batch, heads]: the weight of each source (for diagnostics); the
+        output is sum_i alpha_i v_i with each head's weight over its channel slice."""
+        return ops.depth_weights(sources, self._query(sources), self.gain, EPS,
+                                 key_norm=self.key_norm is not None, gate=self.gate,
+                                 heads=self.heads)
+
+    def input_weights(self, *sources: torch.Tensor) -> list[torch.Tensor]:
+        alpha = self.depth_weights(*sources)
+        return list(alpha.repeat_interleave(self.d // self.heads, dim=-1))
 
     def merge(self, phase1, slot: int, partial: torch.Tensor | None) -> torch.Tensor:
         """Phase 2: this member's slice of its group's phase-1 result merged with its
@@ -113,6 +123,9 @@ class Sum(nn.Module):
             out = out + v
         return out
 
+    def input_weights(self, *sources: torch.Tensor) -> list[torch.Tensor]:
+        return [torch.ones((), dtype=v.dtype, device=v.device) for v in sources]
+
 
 class Scalars(nn.Module):
     """h = sum_i alpha_i v_i with one learned static scalar a_i per source (`weights`).
@@ -144,6 +157,9 @@ class Scalars(nn.Module):
         w = self.alpha().view(-1, *([1] * sources[0].dim()))
         return (w * torch.stack(sources)).sum(0)
 
+    def input_weights(self, *sources: torch.Tensor) -> list[torch.Tensor]:
+        return list(self.alpha())
+
     def extra_repr(self) -> str:
         return f"n_sources={self.weights.numel()}, gate={self.gate}"
 
@@ -158,6 +174,9 @@ class ReZero(nn.Module):
     def forward(self, h_prev: torch.Tensor, v_prev: torch.Tensor) -> torch.Tensor:
         return h_prev + self.alpha * v_prev
 
+    def input_weights(self, h_prev: torch.Tensor, v_prev: torch.Tensor) -> list[torch.Tensor]:
+        return [torch.ones_like(self.alpha), self.alpha]
+
 
 class LayerScale(nn.Module):
     """h_l = h_{l-1} + gamma * v_{l-1}, gamma a learned per-channel vector, init 0.1."""
@@ -168,6 +187,9 @@ class LayerScale(nn.Module):
 
     def forward(self, h_prev: torch.Tensor, v_prev: torch.Tensor) -> torch.Tensor:
         return h_prev + self.gamma * v_prev
+
+    def input_weights(self, h_prev: torch.Tensor, v_prev: torch.Tensor) -> list[torch.Tensor]:
+        return [torch.ones_like(self.gamma), self.gamma]
 
 
 class Highway(nn.Module):
@@ -184,9 +206,16 @@ class Highway(nn.Module):
         nn.init.normal_(self.gate.weight, std=0.02)
         nn.init.constant_(self.gate.bias, bias_init)
 
+    def transform_gate(self, h_prev: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.gate(F.rms_norm(h_prev, (self.d,), eps=EPS)))
+
     def forward(self, h_prev: torch.Tensor, v_prev: torch.Tensor) -> torch.Tensor:
-        g = torch.sigmoid(self.gate(F.rms_norm(h_prev, (self.d,), eps=EPS)))
+        g = self.transform_gate(h_prev)
         return h_prev + g * (v_prev - h_prev)
+
+    def input_weights(self, h_prev: torch.Tensor, v_prev: torch.Tensor) -> list[torch.Tensor]:
+        g = self.transform_gate(h_prev)
+        return [1 - g, g]
 
 
 class StreamStart(nn.Module):
@@ -196,19 +225,21 @@ class StreamStart(nn.Module):
     def forward(self, v0: torch.Tensor) -> torch.Tensor:
         return v0
 
+    def input_weights(self, v0: torch.Tensor) -> list[torch.Tensor]:
+        return [torch.ones((), dtype=v0.dtype, device=v0.device)]
 
-def make_aggregation(attrs: dict, d: int, backend: str = "auto") -> nn.Module:
-    """The module for one IR aggregation node (its attribute dict)."""
-    method = attrs["method"]
+
+def make_aggregation(agg: Aggregation, d: int, backend: str = "auto") -> nn.Module:
+    """The module for one IR aggregation node."""
+    method = agg.method
     if method == "attend":
-        return Attend(d, attrs["query"], attrs["gate"], attrs["key_norm"], attrs["heads"],
-                      backend)
+        return Attend(d, agg.query, agg.gate, agg.key_norm, agg.heads, backend)
     if method == "sum":
         return Sum()
     if method == "scalars":
-        return Scalars(len(attrs["sources"]), attrs["gate"])
+        return Scalars(len(agg.sources), agg.gate)
     if method in STREAM_METHODS:
-        if attrs["index"] == 1:
+        if agg.index == 1:
             return StreamStart()
         return {"rezero": ReZero, "layerscale": lambda: LayerScale(d),
                 "highway": lambda: Highway(d)}[method]()

@@ -5,7 +5,7 @@ import math
 
 from torch import nn
 
-from ..fx.parts import Parts
+from .parts import Parts
 from ..topology import sublayer_kinds
 from .sublayers import MLP, Attention, Head, Rotary
 

@@ -7,15 +7,16 @@ result h_1..h_{L+1}, then one backward pass. From them:
                        (with a standard residual h grows with depth; AttnRes keeps it bounded)
   gradients.png        gradient norm of each sublayer's parameters, and RMS of dLoss/dv_l
   depth_attention.png  the weight of every source at every aggregation point, averaged over
-                       tokens: recomputed from each aggregation's parameters (pseudo_query,
-                       key_norm gain, scalars, gates) over its sources in IR order; for a
-                       standard residual every weight is 1
+                       tokens; for a standard residual every weight is 1
   diagnose.json        the numbers behind the pictures
 
-The weights are recomputed from the IR and the captured sources, not read out of the
-aggregation modules, so the picture is the same for the direct and two-phase lowerings. As a
-check, sum_i weight_i * v_i is compared with the captured h_l token by token
-(`reconstruction_error` in diagnose.json; about 1e-6 in float32).
+The weights come from replaying the one walk over the IR (restopo.ir.walk) on the captured
+values: each aggregation module is asked for the weights of its inputs
+(`input_weights`, see restopo.nn.aggregate), and stream updates are composed into weights
+per source. The replay runs every aggregation directly, so the picture is the same for the
+direct and two-phase lowerings. As a check, sum_i weight_i * v_i is compared with the
+captured h_l token by token (`reconstruction_error` in diagnose.json; about 1e-6 in
+float32).
 """
 from __future__ import annotations
 
@@ -26,106 +27,68 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..ir import Aggregation, BlockSum, Embedding, Partial, Sublayer
+from ..ir.walk import Visitor, walk
 from .checkpoint import load_checkpoint, resolve_checkpoint
 from .plots import plot_depth_lines, plot_heatmap
-
-EPS = 1e-6
 
 
 def _rms(t: torch.Tensor) -> float:
     return t.detach().float().pow(2).mean().sqrt().item()
 
 
-def _source_values(graph, v: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Every IR value node -> its tensor, built from v_0..v_L (block and partial sums)."""
-    vals = {"embedding": v[0]}
-    for node, data in graph.nodes(data=True):
-        kind = data.get("kind")
-        if kind == "sublayer":
-            vals[node] = v[data["index"]]
-        elif kind in ("block", "partial"):
-            vals[node] = torch.stack([v[i] for i in data["members"]]).sum(0)
-    return vals
+class _Replay(Visitor):
+    """The walk over captured values: sublayers give their captured outputs v_i, every
+    aggregation point its captured h_l, and each point records the mean weight of each of
+    its sources and how far sum_i w_i v_i is from the captured h_l."""
 
+    def __init__(self, aggregations, v: list[torch.Tensor], h: list[torch.Tensor]):
+        self.modules, self.v, self.h = aggregations, v, h
+        self.stream: list[torch.Tensor] = []  # per-token weights of v_0.. in the stream
+        self.points: dict[int, tuple[list[str], list[float], float]] = {}
 
-def _attend_weights(module, sources: torch.Tensor, key_norm: bool, gate: str,
-                    heads: int) -> torch.Tensor:
-    """[n, B, T, d]: the weight of each source per token (a head's weight on its channels)."""
-    from ..backends.eager.depth import logits
+    def embedding(self):
+        return self.v[0]
 
-    d = sources.shape[-1]
-    query = module.pseudo_query
-    if getattr(module, "query_proj", None) is not None:  # input-dependent query
-        query = query + module.query_proj(F.rms_norm(sources[-1], (d,), eps=EPS))
-    gain = module.key_norm.weight if getattr(module, "key_norm", None) is not None else None
-    z = logits(sources, query, gain, EPS, key_norm, heads)
-    alpha = torch.softmax(z, dim=0) if gate == "softmax" else torch.sigmoid(z)
-    return alpha.repeat_interleave(d // heads, dim=-1)
+    def sublayer(self, node: Sublayer, h):
+        return self.v[node.index]
 
+    def add(self, a, b, name: str):
+        return a + b
 
-def _scalar_weights(a: torch.Tensor, gate: str) -> torch.Tensor:
-    """The weight of each source of a scalars aggregation from its raw scalars a and the
-    IR's gate (none: DenseFormer's raw weights)."""
-    if gate == "softmax":
-        return torch.softmax(a, dim=0)
-    if gate == "sigmoid":
-        return torch.sigmoid(a)
-    if gate == "none":
-        return a
-    raise ValueError(f"diagnose does not know the scalars gate {gate!r}")
+    def stream_update(self, agg: Aggregation, h_prev, v_prev):
+        return self.h[agg.index - 1]
 
+    def aggregate(self, agg: Aggregation, sources):
+        return self.h[agg.index - 1]
 
-def _stream_coefficients(module, h_prev: torch.Tensor):
-    """(a, b) with h_l = a * h_{l-1} + b * v_{l-1} for the single-stream methods."""
-    if hasattr(module, "alpha"):                     # rezero
-        return torch.ones(()), module.alpha
-    if hasattr(module, "gamma"):                     # layerscale
-        return torch.ones(()), module.gamma
-    if hasattr(module, "gate"):                      # highway
-        g = torch.sigmoid(module.gate(F.rms_norm(h_prev, (h_prev.shape[-1],), eps=EPS)))
-        return 1 - g, g
-    raise ValueError(f"cannot read stream weights of {type(module).__name__}")
+    def head(self, h):
+        return h
+
+    def aggregated(self, agg: Aggregation, inputs, h, stream: bool) -> None:
+        l = agg.index
+        weights = self.modules[l - 1].input_weights(*inputs)
+        if stream:  # h_l = a h_{l-1} + b v_{l-1}: every earlier source's weight scales by a
+            self.stream = weights if l == 1 else \
+                [weights[0] * w for w in self.stream] + [weights[1]]
+            ids = [Embedding.id] + [f"sublayer{i}" for i in range(1, l)]
+            values = self.v[:l]
+            weights = self.stream
+        else:
+            ids, values = list(agg.sources), inputs
+        recon = sum(w * x for w, x in zip(weights, values))
+        err = (recon - self.h[l - 1]).abs().max().item()
+        means = [(w * torch.ones_like(x)).float().mean().item() for w, x in zip(weights, values)]
+        self.points[l] = (ids, means, err)
 
 
 @torch.no_grad()
 def depth_weights(graph, aggregations, v: list[torch.Tensor], h: list[torch.Tensor]):
     """Per aggregation point l = 1..L+1: (source ids, mean weight per source, max abs error of
     sum_i w_i v_i against the captured h_l)."""
-    from ..topology import STREAM_METHODS
-
-    vals = _source_values(graph, v)
-    L = len(v) - 1
-    out = []
-    stream = None  # per-token weights of v_0.. in the running stream
-    for l in range(1, L + 2):
-        node = graph.nodes[f"agg{l}"]
-        ids = list(node["sources"])
-        method = node["method"]
-        module = aggregations[l - 1]
-        if method in STREAM_METHODS:
-            if l == 1:
-                stream = [torch.ones_like(v[0])]
-            else:
-                a, b = _stream_coefficients(module, h[l - 2])
-                stream = [a * w for w in stream] + [b * torch.ones_like(v[l - 1])]
-            ids = ["embedding"] + [f"sublayer{i}" for i in range(1, l)]
-            w = stream
-        else:
-            stacked = torch.stack([vals[s] for s in ids])
-            if method == "attend":
-                w = list(_attend_weights(module, stacked, node["key_norm"] == "rms",
-                                         node["gate"], node["heads"]))
-            elif method == "scalars":
-                w = [a * torch.ones_like(stacked[0])
-                     for a in _scalar_weights(module.weights, node["gate"])]
-            elif method == "sum":
-                w = [torch.ones_like(stacked[0]) for _ in ids]
-            else:
-                raise ValueError(f"diagnose does not know aggregation method {method!r}")
-        recon = sum(wi * vals[s] for wi, s in zip(w, ids))
-        err = (recon - h[l - 1]).abs().max().item()
-        out.append((ids, [wi.float().mean().item() for wi in w], err))
-    return out
+    replay = _Replay(aggregations, v, h)
+    walk(graph, replay)
+    return [replay.points[l] for l in range(1, len(v) + 1)]
 
 
 def _submodule(model, name: str):
@@ -198,35 +161,36 @@ def collect(model, graph, batches, device) -> dict:
     grad_norm = [math.sqrt(sum(p.grad.float().pow(2).sum().item() for p in sub.parameters()
                                if p.grad is not None)) / n for sub in sublayers]
     return {
-        "kinds": [graph.nodes[f"sublayer{i}"]["op"] for i in range(1, L + 1)],
+        "kinds": list(graph.kinds),
         "output_rms": [math.sqrt(s / n) for s in v_sq[1:]],
         "embedding_rms": math.sqrt(v_sq[0] / n),
         "input_rms": [math.sqrt(s / n) for s in h_sq],  # h_1..h_L and the head's h_{L+1}
         "param_grad_norm": grad_norm,
         "output_grad_rms": [math.sqrt(s / n) for s in g_sq[1:]],
         "aggregations": [{"index": l, "sources": ids, "weights": [x / n for x in w],
-                          "method": graph.nodes[f"agg{l}"]["method"]}
+                          "method": graph.aggregation(l).method}
                          for l, (ids, w, _) in enumerate(per_agg, start=1)],
         "reconstruction_error": max(e for _, _, e in per_agg),
     }
 
 
 def _row_key(graph, node_id: str):
-    if node_id.startswith("partial"):
+    node = graph.node(node_id)
+    if isinstance(node, Partial):
         return (2, 0)
-    return (0 if node_id == "embedding" else 1, graph.nodes[node_id].get("produced", 0))
+    return (0 if isinstance(node, Embedding) else 1, node.produced)
 
 
 def _row_label(graph, node_id: str) -> str:
-    if node_id.startswith("partial"):
+    node = graph.node(node_id)
+    if isinstance(node, Partial):
         return "partial (own block)"
-    if node_id == "embedding":
+    if isinstance(node, Embedding):
         return "v0 embedding"
-    data = graph.nodes[node_id]
-    if data["kind"] == "block":
-        m = data["members"]
-        return f"b{data['index']} (sub {m[0]}-{m[-1]})"
-    return f"v{data['index']} {data['op']}"
+    if isinstance(node, BlockSum):
+        m = node.members
+        return f"b{node.index} (sub {m[0]}-{m[-1]})"
+    return f"v{node.index} {node.op}"
 
 
 def write_figures(numbers: dict, graph, out_dir: Path, title: str) -> dict[str, Path]:
