@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from restopo.nn.norm import NORM_EPS as EPS  # the epsilon is part of the definition
 from restopo.topology import Topology
-
-EPS = 1e-6
 
 
 def rms(x: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ from torch import nn
 
 from restopo import topology as T
 from restopo.api import build_model
+from restopo.nn.norm import NORM_EPS
 from restopo.nn.sublayers import swiglu_hidden
 
 
@@ -30,11 +31,11 @@ class GPT(nn.Module):
         self.layers = nn.ModuleList()
         for _ in range(c.depth):
             self.layers.append(nn.ModuleDict(dict(
-                ln1=nn.RMSNorm(d, eps=1e-6), qkv=nn.Linear(d, 3 * d, bias=False),
-                proj=nn.Linear(d, d, bias=False), ln2=nn.RMSNorm(d, eps=1e-6),
+                ln1=nn.RMSNorm(d, eps=NORM_EPS), qkv=nn.Linear(d, 3 * d, bias=False),
+                proj=nn.Linear(d, d, bias=False), ln2=nn.RMSNorm(d, eps=NORM_EPS),
                 up=nn.Linear(d, hidden * (2 if c.mlp == "swiglu" else 1), bias=False),
                 down=nn.Linear(hidden, d, bias=False))))
-        self.ln_f = nn.RMSNorm(d, eps=1e-6)
+        self.ln_f = nn.RMSNorm(d, eps=NORM_EPS)
         self.lm_head = nn.Linear(d, c.vocab, bias=False)
 
     def rotate(self, x):  # x [B, H, T, hd]: positions t rotate channel pairs (i, i + hd/2)

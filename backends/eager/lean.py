@@ -19,10 +19,14 @@ from collections.abc import Sequence
 import torch
 
 
+def _acc(v: torch.Tensor) -> torch.dtype:
+    """The accumulation dtype for v: at least fp32 (as F.rms_norm computes)."""
+    return torch.promote_types(v.dtype, torch.float32)
+
+
 def _rstd(v: torch.Tensor, eps: float) -> torch.Tensor:
-    """[*batch, 1]: 1 / RMS(v) over channels, in at least fp32 (as F.rms_norm computes)."""
-    acc = torch.promote_types(v.dtype, torch.float32)
-    ms = torch.linalg.vector_norm(v, 2, dim=-1, keepdim=True, dtype=acc) ** 2
+    """[*batch, 1]: 1 / RMS(v) over channels, in at least fp32."""
+    ms = torch.linalg.vector_norm(v, 2, dim=-1, keepdim=True, dtype=_acc(v)) ** 2
     return torch.rsqrt(ms / v.shape[-1] + eps)
 
 
@@ -30,10 +34,12 @@ def source_logits(v: torch.Tensor, q: torch.Tensor, eps: float, key_norm: bool) 
     """[*batch, H]: the logits of one source v [*batch, d] against the heads-split query q,
     [H, c] (static) or [*batch, H, c] (per token)."""
     # A product and a sum rather than a matmul: under torch.compile it fuses with the RMS
-    # into one pass over v (a matmul-vector is an extern kernel that reads v again).
-    z = (v.unflatten(-1, (q.shape[-2], -1)) * q).sum(-1)
+    # into one pass over v (a matmul-vector is an extern kernel that reads v again). Logits
+    # are at least float32 whatever v's dtype: 1/RMS of a (near-)zero row is huge (restopo.nn.norm's
+    # epsilon is tiny) and would overflow to inf in fp16, giving 0 * inf = NaN.
+    z = (v.unflatten(-1, (q.shape[-2], -1)) * q).sum(-1, dtype=_acc(v))
     if key_norm:
-        z = z * _rstd(v, eps).to(z.dtype)
+        z = z * _rstd(v, eps)
     return z
 
 
@@ -58,9 +64,9 @@ def phase1(completed: Sequence[torch.Tensor], gained_queries: torch.Tensor, eps:
     zs = []
     for v in completed:
         z = (v.unflatten(-1, (heads, -1)).unsqueeze(0)
-             * q.view(q.shape[0], *([1] * (v.dim() - 1)), *q.shape[1:])).sum(-1)
+             * q.view(q.shape[0], *([1] * (v.dim() - 1)), *q.shape[1:])).sum(-1, dtype=_acc(v))
         if key_norm:
-            z = z * _rstd(v, eps).to(z.dtype)
+            z = z * _rstd(v, eps)  # float32, as in source_logits
         zs.append(z)
     z = torch.stack(zs, dim=1)                     # [S, n, *batch, H]
     m1 = z.amax(1)

@@ -20,8 +20,9 @@ from torch import nn
 from .. import ops
 from ..ir import Aggregation
 from ..topology import STREAM_METHODS
+from .norm import NORM_EPS
 
-EPS = 1e-6
+EPS = NORM_EPS
 
 
 class Attend(nn.Module):

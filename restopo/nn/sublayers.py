@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-NORM_EPS = 1e-6
+from .norm import NORM_EPS
 
 
 class Rotary(nn.Module):

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import torch
 
+from restopo.nn.norm import NORM_EPS  # the key norm's epsilon is part of the definition
 
-def rmsnorm(x: torch.Tensor, gain: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+
+def rmsnorm(x: torch.Tensor, gain: torch.Tensor, eps: float = NORM_EPS) -> torch.Tensor:
     return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * gain
 
 
