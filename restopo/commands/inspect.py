@@ -37,7 +37,7 @@ def register(subparsers) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a spec value, e.g. --set model.width=64 (repeatable)")
     # Further views (e.g. --pipeline PxV) add their arguments here and a key in build_report.
-    # -- pipeline view (backends/pipeline/plan.py) --
+    # -- pipeline view (backends/pipeline/report.py) --
     p.add_argument("--pipeline", metavar="PxV", default=None,
                    help="also plan a pipeline of P ranks x V virtual stages: the chunk table "
                         "and the values/bytes per token crossing each cut, naive and cached")
@@ -57,7 +57,7 @@ def build_report(spec, args=None) -> dict:
                        "context": m.context, "layer": list(m.layer),
                        "tie_embeddings": m.tie_embeddings}
     if args is not None and getattr(args, "pipeline", None):  # -- pipeline view --
-        from ..backends.pipeline.plan import inspect_section
+        from ..backends.pipeline.report import inspect_section
         report["pipeline"] = inspect_section(spec, g, args.pipeline)
     return report
 
@@ -65,7 +65,12 @@ def build_report(spec, args=None) -> dict:
 def run(args) -> int:
     from ..spec import load_spec
     spec = load_spec(args.file, overrides=tuple(args.overrides))
-    report = build_report(spec, args)
+    from ..backends.pipeline.plan import PlanError
+    try:
+        report = build_report(spec, args)
+    except PlanError as e:  # a pipeline that cannot be planned is a usage error
+        print(f"restopo inspect: error: {e}", file=sys.stderr)
+        return 2
     if args.format == "json":
         json.dump(report, sys.stdout, indent=2)
         sys.stdout.write("\n")
@@ -173,7 +178,7 @@ TEXT_SECTIONS: dict = {}
 
 
 def _pipeline_text(value) -> list[str]:  # -- pipeline view --
-    from ..backends.pipeline.plan import describe
+    from ..backends.pipeline.report import describe
     return describe(value).splitlines()
 
 
