@@ -14,13 +14,13 @@ builders), but each family's layout is fixed:
         h = h + block.mlp(block.ln_2(h))
     -> transformer.ln_f -> lm_head -> loss_function
 
-The ends below replay the model's own preparation (position ids, rotary tables, the causal
-mask through transformers' own mask builders, the KV cache) and its head (logits_to_keep,
-lm_head, the HF loss), so the rewired model takes the same arguments and returns the same
-output class. The sequence KV cache works unchanged: depth aggregation never mixes
-positions, and each attention still updates its own cache layer. rewire's self-check holds
-the recovered pieces against the model's own forward, so a family member that departs from
-its layout is refused, not silently changed.
+The FrontAndBack classes below replay the model's own preparation (position ids, rotary
+tables, the causal mask through transformers' own mask builders, the KV cache) and its head
+(logits_to_keep, lm_head, the HF loss), so the rewired model takes the same arguments and
+returns the same output class. The sequence KV cache works unchanged: depth aggregation
+never mixes positions, and each attention still updates its own cache layer. rewire's
+self-check holds the recovered pieces against the model's own forward, so a family member
+that departs from its layout is refused, not silently changed.
 """
 from __future__ import annotations
 
