@@ -1,9 +1,11 @@
 """Functional entry points for the depth-aggregation ops, with backend dispatch.
 
-Same signatures as `restopo.backends.eager.depth` plus `backend=`:
+Same signatures as the eager backend's ops plus `backend=`:
   eager   plain torch (the reference)
-  triton  fused kernels from `restopo.backends.triton` (imported lazily)
+  triton  fused kernels
   auto    triton when the tensors are on CUDA and the triton backend imports, else eager
+Each backend is found by name in the registry (`get_backend`, restopo.registry), which loads
+it on first use; `register_backend` replaces one.
 
 Shapes: `sources` [n, *batch, d], `query` [d] (or [*batch, d] for an input-dependent query,
 which the fused kernels do not take: such calls run eagerly on every backend).
@@ -14,7 +16,7 @@ import os
 
 import torch
 
-from .backends.eager import depth as _eager
+from .registry import get_backend, register_backend  # noqa: F401  (the public entry)
 
 BACKENDS = ("auto", "eager", "triton")
 
@@ -43,8 +45,11 @@ def triton_unavailable_reason(device=None) -> str | None:
 
 
 def _triton_module():
-    from .backends import triton as mod
-    return mod
+    return get_backend("triton")
+
+
+def _eager():
+    return get_backend("eager")
 
 
 def require_backend(backend: str, device=None) -> None:
@@ -91,8 +96,8 @@ def depth_attention(sources: torch.Tensor, query: torch.Tensor,
     if query.dim() == 1 and _pick(backend, _first(sources)) == "triton":
         return _triton_module().depth_attention(_stacked(sources), query, key_norm_weight, eps,
                                                 key_norm=key_norm, gate=gate, heads=heads)
-    return _eager.depth_attention(sources, query, key_norm_weight, eps, key_norm=key_norm,
-                                  gate=gate, heads=heads)
+    return _eager().depth_attention(sources, query, key_norm_weight, eps, key_norm=key_norm,
+                                    gate=gate, heads=heads)
 
 
 def phase1(completed: torch.Tensor, queries: torch.Tensor,
@@ -103,8 +108,8 @@ def phase1(completed: torch.Tensor, queries: torch.Tensor,
     if _pick(backend, _first(completed)) == "triton":
         return _triton_module().phase1(_stacked(completed), queries, key_norm_weights, eps,
                                        key_norm=key_norm, heads=heads)
-    return _eager.phase1(completed, queries, key_norm_weights, eps, key_norm=key_norm,
-                         heads=heads)
+    return _eager().phase1(completed, queries, key_norm_weights, eps, key_norm=key_norm,
+                           heads=heads)
 
 
 def phase2(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor, partial: torch.Tensor | None,
@@ -114,7 +119,7 @@ def phase2(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor, partial: torch.
     if _pick(backend, o1) == "triton":
         return _triton_module().phase2(o1, m1, s1, partial, query, key_norm_weight, eps,
                                        key_norm=key_norm)
-    return _eager.phase2(o1, m1, s1, partial, query, key_norm_weight, eps, key_norm=key_norm)
+    return _eager().phase2(o1, m1, s1, partial, query, key_norm_weight, eps, key_norm=key_norm)
 
 
 def depth_weights(sources, query: torch.Tensor, key_norm_weight: torch.Tensor | None = None,
@@ -122,5 +127,5 @@ def depth_weights(sources, query: torch.Tensor, key_norm_weight: torch.Tensor | 
                   heads: int = 1) -> torch.Tensor:
     """alpha [n, *batch, heads]: the weight `depth_attention` gives each source (per head).
     For diagnostics: always the eager reference, whatever the backend."""
-    return _eager.depth_weights(sources, query, key_norm_weight, eps, key_norm=key_norm,
-                                gate=gate, heads=heads)
+    return _eager().depth_weights(sources, query, key_norm_weight, eps, key_norm=key_norm,
+                                  gate=gate, heads=heads)

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 import restopo
 from restopo.fx.rewire import RewireError, recover, rewire
-from restopo.fx.trace import classify
+from restopo.fx.tracer import classify
 
 from models import attnres_loop as loop
 from models.metallama import ModelArgs, Transformer

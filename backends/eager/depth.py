@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from . import lean
+from . import unstacked
 
 
 def keys(sources: torch.Tensor, eps: float, key_norm: bool = True) -> torch.Tensor:
@@ -66,11 +66,12 @@ def depth_attention(sources: torch.Tensor | Sequence[torch.Tensor], query: torch
     """h = sum_i alpha_i v_i with alpha = softmax_i(w . RMSNorm(v_i)) (or sigmoid).
 
     `sources` may also be a sequence of [*batch, d] tensors: then no stacked copy is kept
-    for backward (see lean.py); the result is the same."""
+    for backward (see unstacked.py); the result is the same."""
     if not isinstance(sources, torch.Tensor):
         _check_heads(sources[0].shape[-1], heads)
-        return lean.depth_attention(sources, query, gained(query, key_norm_weight, key_norm),
-                                    eps, key_norm=key_norm, gate=gate, heads=heads)
+        return unstacked.depth_attention(sources, query,
+                                         gained(query, key_norm_weight, key_norm), eps,
+                                         key_norm=key_norm, gate=gate, heads=heads)
     alpha = depth_weights(sources, query, key_norm_weight, eps, key_norm=key_norm, gate=gate,
                           heads=heads)
     return (_expand(alpha, sources.shape[-1]) * sources).sum(0)
@@ -91,8 +92,8 @@ def phase1(completed: torch.Tensor | Sequence[torch.Tensor], queries: torch.Tens
     # view-of-a-permute on CPU, and the per-block loop costs nothing that matters here.)
     sources = completed.unbind(0) if isinstance(completed, torch.Tensor) else completed
     _check_heads(sources[0].shape[-1], heads)
-    return lean.phase1(sources, gained(queries, key_norm_weights, key_norm), eps,
-                       key_norm=key_norm, heads=heads)
+    return unstacked.phase1(sources, gained(queries, key_norm_weights, key_norm), eps,
+                            key_norm=key_norm, heads=heads)
 
 
 def phase2(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor, partial: torch.Tensor | None,
@@ -108,7 +109,7 @@ def phase2(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor, partial: torch.
     if partial is None:
         return (o * (1 / s1).unsqueeze(-1).to(o.dtype)).flatten(-2)
     q = gained(query, key_norm_weight, key_norm).unflatten(-1, (heads, -1))
-    z2 = lean.source_logits(partial, q, eps, key_norm)                    # [*batch, H]
+    z2 = unstacked.source_logits(partial, q, eps, key_norm)               # [*batch, H]
     m = torch.maximum(m1, z2)
     a, b = torch.exp(m1 - m), torch.exp(z2 - m)
     den = a * s1 + b

@@ -25,7 +25,9 @@ from .runtime import SCHEDULES, Pipeline, lm_loss
 
 
 def tiny_model(topology: str, depth: int, width: int = 16, seed: int = 0):
-    from restopo.api import build_model
+    from restopo.fx.lower import lower
+    from restopo.ir import build_ir
+    from restopo.nn.model import build_parts, model_kinds
     from restopo.topology import block_attnres, full_attnres, standard, sublayer_kinds
 
     spec = types.SimpleNamespace(vocab=32, width=width, depth=depth, heads=2, mlp="swiglu",
@@ -38,7 +40,8 @@ def tiny_model(topology: str, depth: int, width: int = 16, seed: int = 0):
     else:  # block:N
         topo = block_attnres(kinds, blocks=int(topology.split(":")[1]))
     torch.manual_seed(seed)
-    model = build_model(spec, topo, backend="eager")
+    parts = build_parts(spec)
+    model = lower(build_ir(model_kinds(spec), topo, spec.width), parts, backend="eager")
     # Non-zero pseudo-queries so that the depth softmax is not a plain mean.
     with torch.no_grad():
         for name, p in model.named_parameters():

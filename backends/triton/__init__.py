@@ -12,7 +12,7 @@ same results, unfused. Inputs may be fp32, fp16, bf16 (accumulated in fp32) or f
 (fp32 for half inputs, like flash-attention's logsumexp), not in the input dtype.
 
 Layout: runtime.py (availability, launching, tiles), single.py (single-read kernels),
-twophase.py (phase 1 / phase 2 kernels), ops.py (torch.library custom ops with fake
+twophase.py (phase 1 / phase 2 kernels), custom_ops.py (torch.library custom ops with fake
 implementations and autograd). Tests: `pytest tests/triton` (interpreter on CPU, including an
 offline sm_90 compile of every kernel); benchmark: `python bench/kernels.py` on a GPU.
 """
@@ -36,8 +36,8 @@ def _load_ops():
     if _ops is None:
         if runtime.triton is None:
             raise RuntimeError(f"restopo triton backend unavailable: {available()[1]}")
-        from . import ops
-        _ops = ops
+        from . import custom_ops
+        _ops = custom_ops
     return _ops
 
 

@@ -12,6 +12,8 @@ import json
 import re
 import sys
 
+from ..registry import get_backend
+
 EXAMPLES = """\
 examples:
   restopo inspect examples/block_attnres.restopo
@@ -37,7 +39,7 @@ def register(subparsers) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a spec value, e.g. --set model.width=64 (repeatable)")
     # Further views (e.g. --pipeline PxV) add their arguments here and a key in build_report.
-    # -- pipeline view (backends/pipeline/plan.py) --
+    # -- pipeline view (the pipeline backend's report) --
     p.add_argument("--pipeline", metavar="PxV", default=None,
                    help="also plan a pipeline of P ranks x V virtual stages: the chunk table "
                         "and the values/bytes per token crossing each cut, naive and cached")
@@ -57,15 +59,20 @@ def build_report(spec, args=None) -> dict:
                        "context": m.context, "layer": list(m.layer),
                        "tie_embeddings": m.tie_embeddings}
     if args is not None and getattr(args, "pipeline", None):  # -- pipeline view --
-        from ..backends.pipeline.plan import inspect_section
-        report["pipeline"] = inspect_section(spec, g, args.pipeline)
+        report["pipeline"] = get_backend("pipeline").inspect_section(spec, g, args.pipeline)
     return report
 
 
 def run(args) -> int:
     from ..spec import load_spec
     spec = load_spec(args.file, overrides=tuple(args.overrides))
-    report = build_report(spec, args)
+    # a pipeline that cannot be planned is a usage error
+    usage_errors = (get_backend("pipeline").PlanError,) if args.pipeline else ()
+    try:
+        report = build_report(spec, args)
+    except usage_errors as e:
+        print(f"restopo inspect: error: {e}", file=sys.stderr)
+        return 2
     if args.format == "json":
         json.dump(report, sys.stdout, indent=2)
         sys.stdout.write("\n")
@@ -173,8 +180,7 @@ TEXT_SECTIONS: dict = {}
 
 
 def _pipeline_text(value) -> list[str]:  # -- pipeline view --
-    from ..backends.pipeline.plan import describe
-    return describe(value).splitlines()
+    return get_backend("pipeline").describe(value).splitlines()
 
 
 TEXT_SECTIONS["pipeline"] = _pipeline_text

@@ -103,11 +103,12 @@ def _worker_argv(args) -> list[str]:
 
 
 def run(args) -> int:
-    from ..backends.pipeline.plan import PlanError
+    from ..registry import get_backend
     from ..train.checkpoint import CheckpointError
     from ..train.data import DataError
     from ..train.dist import cpu_threads
     from ..train.loop import TrainingError
+    PlanError = get_backend("pipeline").PlanError
 
     if args.threads is not None and args.threads < 1:
         return _fail("--threads must be at least 1")
@@ -167,6 +168,7 @@ def _load_spec(args, out: Path | None):
 
 
 def _run(args) -> int:
+    from ..registry import get_backend
     from ..train import dist, runspec
     from ..train.data import DataError
     from ..train.loop import TrainConfig, train
@@ -208,7 +210,7 @@ def _run(args) -> int:
                   f"on {corpus.description}; {cfg.steps} steps x {cfg.batch} x "
                   f"{cfg.context} tokens, {ctx.world} process(es) on {ctx.device}"
                   + (f"; resuming from {step_dir}" if step_dir else ""), file=sys.stderr)
-        from ..backends.pipeline.train import PipelineConfig
+        PipelineConfig = get_backend("pipeline").PipelineConfig
         # --pipeline, or the spec's parallel section when several processes run
         pipeline = PipelineConfig.resolve(args.pipeline, spec.parallel if ctx.distributed
                                           or args.pipeline else None)

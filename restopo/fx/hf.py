@@ -14,13 +14,13 @@ builders), but each family's layout is fixed:
         h = h + block.mlp(block.ln_2(h))
     -> transformer.ln_f -> lm_head -> loss_function
 
-The ends below replay the model's own preparation (position ids, rotary tables, the causal
-mask through transformers' own mask builders, the KV cache) and its head (logits_to_keep,
-lm_head, the HF loss), so the rewired model takes the same arguments and returns the same
-output class. The sequence KV cache works unchanged: depth aggregation never mixes
-positions, and each attention still updates its own cache layer. rewire's self-check holds
-the recovered pieces against the model's own forward, so a family member that departs from
-its layout is refused, not silently changed.
+The FrontAndBack classes below replay the model's own preparation (position ids, rotary
+tables, the causal mask through transformers' own mask builders, the KV cache) and its head
+(logits_to_keep, lm_head, the HF loss), so the rewired model takes the same arguments and
+returns the same output class. The sequence KV cache works unchanged: depth aggregation
+never mixes positions, and each attention still updates its own cache layer. rewire's
+self-check holds the recovered pieces against the model's own forward, so a family member
+that departs from its layout is refused, not silently changed.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ import inspect
 import torch
 from torch import nn
 
-from .structure import SUPPORTED, Ends, RewireError, Structure
+from .structure import SUPPORTED, FrontAndBack, RewireError, Structure
 
 # Llama-family class name -> how its layers choose an attention mask
 LLAMA_FAMILY = {
@@ -134,11 +134,11 @@ def _llama(model: nn.Module, rule: str) -> Structure:
                  NormMLP(layer.post_attention_layernorm, layer.mlp)]
         names += [f"model.layers.{i}.input_layernorm + model.layers.{i}.self_attn",
                   f"model.layers.{i}.post_attention_layernorm + model.layers.{i}.mlp"]
-    return _structure(model, subs, names, LlamaEnds(model, cache_arg, set(types)),
+    return _structure(model, subs, names, LlamaFrontAndBack(model, cache_arg, set(types)),
                       ("cos", "sin", "position_ids", "masks", "cache", "use_cache"))
 
 
-class CausalLMEnds(abc.ABC):
+class CausalLMFrontAndBack(abc.ABC):
     """Front and back of an HF causal LM around its residual stream. A plain object with
     methods (not closures), so that copy.deepcopy of a rewired model copies it along with
     the model it calls. Subclasses give `front` and `context`."""
@@ -151,9 +151,9 @@ class CausalLMEnds(abc.ABC):
         self.signature = inspect.signature(model.forward)
         self.names = list(self.signature.parameters)
 
-    def __call__(self, key) -> Ends:  # every call pattern runs the same code
-        return Ends(front=self.front, context=self.context, extra=self.extra, back=self.back,
-                    prepare=self.prepare)
+    def __call__(self, key) -> FrontAndBack:  # every call pattern runs the same code
+        return FrontAndBack(front=self.front, context=self.context, extra=self.extra,
+                            back=self.back, prepare=self.prepare)
 
     def arg(self, values, key):
         a = dict(zip(self.names, values))
@@ -237,7 +237,7 @@ class CausalLMEnds(abc.ABC):
         return output(loss=loss, logits=logits, **{out_cache: cache})
 
 
-class LlamaEnds(CausalLMEnds):
+class LlamaFrontAndBack(CausalLMFrontAndBack):
     def __init__(self, model: nn.Module, cache_arg: str, mask_types: set[str]):
         super().__init__(model, cache_arg)
         self.mask_types = mask_types
@@ -285,11 +285,11 @@ def _gpt2(model: nn.Module) -> Structure:
         subs += [GPT2Attention(block, cache_arg), NormMLP(block.ln_2, block.mlp)]
         names += [f"transformer.h.{i}.ln_1 + transformer.h.{i}.attn",
                   f"transformer.h.{i}.ln_2 + transformer.h.{i}.mlp"]
-    return _structure(model, subs, names, GPT2Ends(model, cache_arg),
+    return _structure(model, subs, names, GPT2FrontAndBack(model, cache_arg),
                       ("position_ids", "mask", "cache", "use_cache"))
 
 
-class GPT2Ends(CausalLMEnds):
+class GPT2FrontAndBack(CausalLMFrontAndBack):
     output_class = "CausalLMOutputWithCrossAttentions"
     cache_needs_use_cache = True
 

@@ -2,7 +2,7 @@
 
     rewired = restopo.rewire(model, "full.restopo")   # or a Spec, or spec text
 
-1. Recover the model's structure (restopo.fx.trace for models torch.fx can follow,
+1. Recover the model's structure (restopo.fx.patterns for models torch.fx can follow,
    restopo.fx.hf for Hugging Face Llama-family models): the embedding v_0, the sublayers
    v_l = f_l(norm_l(h_l)) with their kinds, and the head (final norm, LM head, loss).
 2. Check the recovery: the sublayers summed as a standard residual reproduce the model's
@@ -30,7 +30,7 @@ from ..ir import build_ir
 from ..topology import Topology
 from .lower import lower
 from ..nn.parts import Parts
-from .structure import SUPPORTED, Ends, RewireError, Structure, pattern
+from .structure import SUPPORTED, FrontAndBack, RewireError, Structure, pattern
 
 __all__ = ["rewire", "recover", "Rewired", "RewireError"]
 
@@ -43,7 +43,7 @@ def recover(model: nn.Module) -> Structure:
     from . import hf
     if hf.is_hf(model):
         return hf.recover(model)
-    from .trace import recover_structure
+    from .patterns import recover_structure
     return recover_structure(model)
 
 
@@ -68,7 +68,7 @@ def rewire(model: nn.Module, spec_or_path, backend: str = "auto", *,
     names = _context_names(model, structure, default)
     parts = Parts(embed=Embed(structure, default),
                   sublayers=[Borrowed(f, n) for f, n in zip(structure.sublayers, structure.names)],
-                  kinds=structure.kinds, head=Hidden(),
+                  kinds=structure.kinds, head=DeferredHead(),
                   context=Context(structure, default) if names else None,
                   context_names=names or None)
     body = lower(g, parts, backend=backend, two_phase=two_phase)
@@ -97,12 +97,12 @@ def _residual(spec_or_path):
 # ------------------------------------------------------------------ pieces for the lowering
 
 class Call:
-    """One call of the rewired model: its arguments in signature order and the Ends of its
-    call pattern. It travels through the lowered graph in place of `idx`."""
+    """One call of the rewired model: its arguments in signature order and the FrontAndBack
+    of its call pattern. It travels through the lowered graph in place of `idx`."""
 
     __slots__ = ("args", "ends")
 
-    def __init__(self, args: tuple, ends: Ends):
+    def __init__(self, args: tuple, ends: FrontAndBack):
         self.args, self.ends = args, ends
 
 
@@ -112,7 +112,7 @@ def _hold(module: nn.Module, name: str, value) -> None:
 
 
 class _Front(nn.Module):
-    def __init__(self, structure: Structure, default: Ends):
+    def __init__(self, structure: Structure, default: FrontAndBack):
         super().__init__()
         _hold(self, "structure", structure)
         _hold(self, "default", default)
@@ -155,7 +155,7 @@ class Borrowed(nn.Module):
         return self.where
 
 
-class Hidden(nn.Module):
+class DeferredHead(nn.Module):
     """Hands h_{L+1} back to `Rewired`, which runs the model's own head on it with the call's
     arguments (targets, labels): the head's output type is the original's."""
 
@@ -222,7 +222,7 @@ def _eval_mode(model: nn.Module):
             m.training = t
 
 
-def _context_names(model, structure: Structure, ends: Ends) -> tuple[str, ...]:
+def _context_names(model, structure: Structure, ends: FrontAndBack) -> tuple[str, ...]:
     if structure.context_names is not None:
         return tuple(structure.context_names)
     args, kwargs = _probe_call(structure, model)

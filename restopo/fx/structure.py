@@ -5,7 +5,7 @@ between: the front (everything before the first residual add: the embedding v_0,
 values every sublayer reads besides the stream, such as rotary cos/sin or an attention
 mask), the sublayers (v_l = f_l(h_l), the model's own PreNorm and attention or MLP), and the
 back (the final norm, the LM head and whatever follows, such as the loss). The symbolic
-tracer (restopo.fx.trace) and the known-family builders (restopo.fx.hf) both produce one.
+tracer (restopo.fx.patterns) and the known-family builders (restopo.fx.hf) both produce one.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ SUPPORTED = (
 
 
 @dataclass
-class Ends:
+class FrontAndBack:
     """The front and back of one call pattern of the model; each takes the original
     forward's arguments positionally, in signature order (`bind` gives them).
 
@@ -62,7 +62,8 @@ class Structure:
     width      d, the residual stream's width
     sublayers  (h, *context) -> v_l, each with the model's own PreNorm inside
     names      where each sublayer lives in the original model (for messages and printing)
-    ends       key -> Ends for the call pattern `key` (see `pattern`), built on first use
+    ends       key -> FrontAndBack for the call pattern `key` (see `pattern`), built on
+               first use
     signature  the original forward's signature (the rewired model keeps it)
     """
 
@@ -70,7 +71,7 @@ class Structure:
     width: int
     sublayers: list[nn.Module]
     names: tuple[str, ...]
-    ends: Callable[[tuple[str, ...]], Ends]
+    ends: Callable[[tuple[str, ...]], FrontAndBack]
     signature: inspect.Signature
     family: str = "fx"
     vocab: int | None = None   # token ids for the self-check are drawn below it
@@ -93,7 +94,7 @@ class Structure:
 
 
 def bind(signature: inspect.Signature, args: tuple, kwargs: dict) -> tuple:
-    """The call's arguments in signature order, defaults filled in (for the Ends)."""
+    """The call's arguments in signature order, defaults filled in (for the FrontAndBack)."""
     bound = signature.bind(*args, **kwargs)
     bound.apply_defaults()
     return tuple(bound.arguments.values())

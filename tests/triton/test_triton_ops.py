@@ -5,7 +5,7 @@ import torch
 
 import restopo.backends.triton as T
 from restopo.backends.eager import depth as E
-from restopo.backends.triton import ops  # noqa: F401  (registers torch.ops.restopo.*)
+from restopo.backends.triton import custom_ops  # noqa: F401  (registers torch.ops.restopo.*)
 from triton_testing import assert_rel, grads, leaf, make_sources
 
 restopo_ops = torch.ops.restopo

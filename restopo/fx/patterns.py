@@ -1,0 +1,100 @@
+"""The Structure of a model torch.fx can trace: `recover_structure`, with the model traced
+once per call pattern (`structure.pattern`) and train/eval mode, each on first use."""
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import fx, nn
+
+from .extract import front_and_back, sublayer_module
+from .recover import StreamCut, recover
+from .structure import FrontAndBack, RewireError, Structure, pattern
+
+
+def recover_structure(model: nn.Module) -> Structure:
+    """The Structure of an fx-traceable PreNorm transformer; the call pattern with every
+    optional argument at its default is traced first, the others when first called."""
+    signature = inspect.signature(model.forward)
+    default = pattern(signature, *_defaults_call(signature))
+    cut = recover(model, default)
+    patterns = TracesByPattern(model, default, cut)
+    return Structure(kinds=cut.kinds, width=cut.width(),
+                     sublayers=[ModeSublayer(patterns, k) for k in range(len(cut.adds))],
+                     graph_modules=patterns.graph_modules, names=cut.names(), ends=patterns,
+                     signature=signature, family="fx", vocab=cut.vocab(),
+                     context_names=cut.context_names())
+
+
+class TracesByPattern:
+    """Traces the model once per call pattern and train/eval mode, on first use.
+
+    A forward may read `self.training` outside its leaf modules (functional dropout), so
+    each mode has its own trace; within a mode every call pattern must cut into the same
+    sublayers. A plain object (not closures), so that copy.deepcopy of a rewired model
+    copies the traced pieces along with the model they call.
+    """
+
+    def __init__(self, model: nn.Module, default: tuple, cut: StreamCut):
+        self.model, self.default = model, default
+        self.cache: dict[tuple, FrontAndBack] = {}
+        self.layouts: dict[bool, tuple] = {}
+        self.sublayers: dict[bool, list[fx.GraphModule]] = {}
+        self.graph_modules: list[fx.GraphModule] = []
+        self._add(default, model.training, cut)
+
+    def _add(self, key: tuple, training: bool, cut: StreamCut) -> None:
+        layout = ([cut.signature_of_region(k) for k in range(len(cut.adds))],
+                  len(cut.context))
+        if training not in self.layouts:
+            if self.layouts and len(layout[0]) != len(next(iter(self.layouts.values()))[0]):
+                raise RewireError(f"{type(self.model).__name__}: in "
+                                  f"{'train' if training else 'eval'} mode it has another "
+                                  f"number of sublayers")
+            self.layouts[training] = layout
+            self.sublayers[training] = [sublayer_module(cut, k)
+                                        for k in range(len(cut.adds))]
+            self.graph_modules.extend(self.sublayers[training])
+        elif layout != self.layouts[training]:
+            given = ", ".join(f"{n}={v!r}" for n, v in key) or "no fixed arguments"
+            raise RewireError(
+                f"{type(self.model).__name__}: called with {given}, its sublayers run "
+                f"differently from the default call; rewire needs one set of sublayers "
+                f"for every call")
+        self.cache[(key, training)], modules = front_and_back(cut)
+        self.graph_modules.extend(modules)
+
+    def __call__(self, key: tuple) -> FrontAndBack:
+        training = self.model.training
+        if (key, training) not in self.cache:
+            self._add(key, training, recover(self.model, key))
+        return self.cache[(key, training)]
+
+    def sublayer(self, k: int) -> fx.GraphModule:
+        training = self.model.training
+        if training not in self.sublayers:
+            self(self.default)
+        return self.sublayers[training][k]
+
+
+class ModeSublayer:
+    """Sublayer k of the trace for the model's current train/eval mode."""
+
+    def __init__(self, patterns: TracesByPattern, k: int):
+        self.patterns, self.k = patterns, k
+
+    def __call__(self, h, *context):
+        return self.patterns.sublayer(self.k)(h, *context)
+
+
+def _defaults_call(signature: inspect.Signature) -> tuple[tuple, dict]:
+    """Arguments for the default call: required ones filled with a tensor (never fixed)."""
+    args, kwargs = [], {}
+    for p in signature.parameters.values():
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or p.default is not p.empty:
+            continue
+        if p.kind == p.KEYWORD_ONLY:
+            kwargs[p.name] = torch.empty(0)
+        else:
+            args.append(torch.empty(0))
+    return tuple(args), kwargs

@@ -1,0 +1,273 @@
+"""Recover the residual structure of one traced call pattern: cut its graph at the stream.
+
+`recover` reads the graph `SublayerTracer` gives:
+  - a residual add is an add whose one operand (the stream x) is an ancestor of the other
+    (the branch y = f(norm(x)));
+  - the adds must chain into one stream: each one's x is the previous one's sum; the first
+    one's x is the embedding v_0, the last one's sum feeds the head;
+  - the sublayer l is every node between x_l and y_l; it must read the stream only through
+    norms (PreNorm) and hold an attention or an MLP, which gives its kind;
+  - the rest is the front (before the stream, and the values sublayers read besides it:
+    positions, masks) or the back (the final norm, the LM head, the loss).
+Anything else is a RewireError saying what the model does instead. restopo.fx.extract
+copies the pieces of a `StreamCut` into GraphModules.
+"""
+from __future__ import annotations
+
+import operator
+import re
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+from .structure import SUPPORTED, RewireError
+from .tracer import classify, trace
+
+ADDS = (operator.add, operator.iadd, torch.add)
+
+class _Graph:
+    """An fx graph with the ancestor sets and module kinds the recovery asks about."""
+
+    def __init__(self, model: nn.Module, graph: fx.Graph):
+        self.model, self.graph = model, graph
+        self.nodes = list(graph.nodes)
+        self.order = {n: i for i, n in enumerate(self.nodes)}
+        self.anc: dict[fx.Node, set[fx.Node]] = {}
+        for n in self.nodes:
+            s: set[fx.Node] = set()
+            for a in n.all_input_nodes:
+                s.add(a)
+                s |= self.anc[a]
+            self.anc[n] = s
+        self.output = next(n for n in self.nodes if n.op == "output")
+
+    def kind(self, n: fx.Node) -> str | None:
+        if n.op == "call_module":
+            return classify(self.model.get_submodule(n.target))
+        if n.op == "call_function" and n.target is F.scaled_dot_product_attention:
+            return "attn"
+        return None
+
+    def residual_adds(self) -> list[tuple[fx.Node, fx.Node, fx.Node]]:
+        """(add, stream x, branch y) for every add whose one operand is an ancestor of the
+        other, in graph order."""
+        out = []
+        for n in self.nodes:
+            binary = (n.op == "call_function" and n.target in ADDS or
+                      n.op == "call_method" and n.target in ("add", "add_"))
+            if not binary or len(n.args) != 2 or n.kwargs:
+                continue
+            a, b = n.args
+            if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)):
+                continue
+            if a in self.anc[b]:
+                out.append((n, a, b))
+            elif b in self.anc[a]:
+                out.append((n, b, a))
+        return out
+
+    def ordered(self, nodes: Iterable[fx.Node]) -> list[fx.Node]:
+        return sorted(nodes, key=self.order.__getitem__)
+
+    def where(self, n: fx.Node) -> str:
+        return n.target if n.op == "call_module" else n.name
+
+
+def recover(model: nn.Module, fixed: Iterable[tuple[str, object]] = ()) -> "StreamCut":
+    """Trace `model` (the (name, value) arguments fixed) and cut it at its residual stream."""
+    return StreamCut(model, _Graph(model, trace(model, fixed)))
+
+
+class StreamCut:
+    """One traced call pattern cut at its residual stream: the residual adds, the nodes of
+    each sublayer, of the front and of the back, and the front values the pieces read."""
+
+    def __init__(self, model: nn.Module, G: _Graph):
+        self.model, self.G = model, G
+        adds = G.residual_adds()
+        name = type(model).__name__
+        # adds before the first attention/MLP branch belong to the embedding
+        # (x = x + pos(x)); the stream starts at the first one that adds a sublayer
+        while adds and not self._has_sublayer(adds[0]):
+            adds.pop(0)
+        if not adds:
+            raise RewireError(
+                f"{name} has no residual adds (no `x = x + f(...)` whose f reads x): there is "
+                f"no residual stream to rewire. {SUPPORTED}")
+        self._check_post_norm(adds)
+        self.adds, self.streams, self.branches = zip(*adds)
+        for k in range(1, len(adds)):
+            if self.streams[k] is not self.adds[k - 1]:
+                self._check_parallel(k)
+                raise RewireError(
+                    f"{name}: the residual adds do not form one stream: "
+                    f"`{self.adds[k].name}` adds into `{self.streams[k].name}`, not into the "
+                    f"previous residual sum `{self.adds[k - 1].name}`. {SUPPORTED}")
+        self.v0 = self.streams[0]
+        added = set(self.adds)
+        self.regions = []
+        for x, y in zip(self.streams, self.branches):
+            region = {n for n in G.anc[y] if x in G.anc[n]} | {y}
+            self.regions.append(region)
+        inside = set().union(*self.regions) | added
+        last = self.adds[-1]
+        self.back_nodes = {n for n in G.nodes if last in G.anc[n]}
+        self.front_nodes = [n for n in G.nodes if n not in inside and n not in self.back_nodes]
+        self._check_front(inside)
+        self.kinds = tuple(self._check_region(k) for k in range(len(self.adds)))
+        front = set(self.front_nodes)
+        for nodes, stream in [*zip(self.regions, self.streams), (self.back_nodes, last)]:
+            self._check_inputs(nodes, front | {stream})
+
+        def reads(nodes):  # the front values a piece reads
+            return {a for n in nodes for a in n.all_input_nodes if a in front}
+        self.context = G.ordered(set().union(*(reads(r) for r in self.regions)) - {self.v0})
+        self.back_reads = G.ordered(reads(self.back_nodes))
+        if any(self.v0 in G.anc[n] or n is self.v0 for n in self.back_reads):
+            raise RewireError(f"{name}: its head reads the embedding output directly; the "
+                              f"rewired stream replaces it. {SUPPORTED}")
+
+    def _has_sublayer(self, add) -> bool:
+        _, x, y = add
+        region = {n for n in self.G.anc[y] if x in self.G.anc[n]} | {y}
+        return any(self.G.kind(n) in ("attn", "mlp") for n in region)
+
+    # ----------------------------------------------------------------- checks
+    def _check_post_norm(self, adds) -> None:
+        streams = {x for _, x, _ in adds}
+        for add, _, _ in adds:
+            users = list(add.users)
+            if (len(users) == 1 and self.G.kind(users[0]) == "norm" and users[0] in streams):
+                raise RewireError(
+                    f"{type(self.model).__name__} is a post-norm transformer: the residual sum "
+                    f"`{add.name}` goes through the norm `{self.G.where(users[0])}` before the "
+                    f"next sublayer (x = norm(x + f(x))). {SUPPORTED}")
+
+    def _check_parallel(self, k: int) -> None:
+        """The stream went through an add that is not a residual add: is its other operand a
+        branch of an earlier stream value (attention and MLP side by side, as in GPT-J)?"""
+        x, prev = self.streams[k], self.adds[k - 1]
+        if x.op == "call_function" and x.target in ADDS and prev in x.args:
+            other = next(a for a in x.args if a is not prev)
+            if isinstance(other, fx.Node) and any(s in self.G.anc[other] for s in self.streams):
+                raise RewireError(
+                    f"{type(self.model).__name__} has parallel sublayers: `{x.name}` adds "
+                    f"`{other.name}`, computed from the stream before `{prev.name}`, so the "
+                    f"attention and the MLP read the same input (a GPT-J / GPT-NeoX parallel "
+                    f"block), not one after the other. {SUPPORTED}")
+
+    def _check_front(self, inside: set[fx.Node]) -> None:
+        for n in self.front_nodes:
+            hit = self.G.anc[n] & inside
+            if hit and n is not self.G.output:
+                src = self.G.ordered(hit)[-1]
+                raise RewireError(
+                    f"{type(self.model).__name__}: `{self.G.where(n)}` reads the hidden state "
+                    f"`{src.name}` between sublayers, which a rewired stream no longer has. "
+                    f"{SUPPORTED}")
+
+    def _check_inputs(self, nodes: set[fx.Node], allowed: set[fx.Node]) -> None:
+        """A piece may read its own stream value and the front, nothing else in between."""
+        for n in self.G.ordered(nodes):
+            for a in n.all_input_nodes:
+                if a not in nodes and a not in allowed:
+                    raise RewireError(
+                        f"{type(self.model).__name__}: `{self.G.where(n)}` reads the hidden "
+                        f"state `{a.name}` between sublayers, which a rewired stream no "
+                        f"longer has. {SUPPORTED}")
+
+    def _check_region(self, k: int) -> str:
+        G, region, x = self.G, self.regions[k], self.streams[k]
+        where = " + ".join(G.where(n) for n in G.ordered(region) if n.op == "call_module")
+        for n in G.ordered(region):
+            if x in n.all_input_nodes and G.kind(n) != "norm" and not _metadata(n):
+                raise RewireError(
+                    f"{type(self.model).__name__}: the sublayer `{where}` reads the residual "
+                    f"stream directly in `{G.where(n)}`, not through a norm, so it is not "
+                    f"PreNorm (x = x + f(norm(x))). {SUPPORTED}")
+            outside = [u for u in n.users if u not in region and u is not self.adds[k]]
+            if outside:
+                raise RewireError(
+                    f"{type(self.model).__name__}: `{G.where(outside[0])}` reads `{n.name}` "
+                    f"from inside the sublayer `{where}`. {SUPPORTED}")
+        kinds = {G.kind(n) for n in region} - {None, "norm"}
+        if kinds == {"attn", "mlp"}:
+            raise RewireError(
+                f"{type(self.model).__name__}: the sublayer `{where}` holds both an attention "
+                f"and an MLP (a parallel block); rewire needs one per residual add. {SUPPORTED}")
+        if not kinds:
+            raise RewireError(
+                f"{type(self.model).__name__}: the residual branch `{where or self.branches[k]}`"
+                f" holds neither an attention nor an MLP module (recognised by class name: "
+                f"*Attention*/*Attn*, *MLP*/*FeedForward*). {SUPPORTED}")
+        return kinds.pop()
+
+    # ----------------------------------------------------------------- pieces
+    def names(self) -> tuple[str, ...]:
+        return tuple(" + ".join(self.G.where(n) for n in self.G.ordered(r)
+                                if n.op == "call_module") for r in self.regions)
+
+    def width(self) -> int:
+        for n in self.G.ordered(self.regions[0]):
+            if self.G.kind(n) == "norm":
+                m = self.model.get_submodule(n.target)
+                w = getattr(m, "weight", None)
+                if isinstance(w, torch.Tensor) and w.dim() == 1:
+                    return w.shape[0]
+                shape = getattr(m, "normalized_shape", None)
+                if shape:
+                    return tuple(shape)[-1]
+        raise RewireError(f"{type(self.model).__name__}: cannot read the width from the first "
+                          f"sublayer's norm; give it a 1-d weight or normalized_shape")
+
+    def context_names(self) -> tuple[str, ...]:
+        """Readable names for the context values: the buffer, input or module each one is
+        read from (`cos`, `sin`, `mask`), numbered when two share a name."""
+        out: list[str] = []
+        for n in self.context:
+            src = n
+            while src.op in ("call_function", "call_method") and src.args and isinstance(
+                    src.args[0], fx.Node):
+                src = src.args[0]
+            base = str(src.target).split(".")[-1] if src.op != "call_function" else n.name
+            base = re.sub(r"\W", "_", base).strip("_") or "context"
+            name, k = base, 1
+            while name in out:
+                k += 1
+                name = f"{base}_{k}"
+            out.append(name)
+        return tuple(out)
+
+    def vocab(self) -> int | None:
+        """The size of the embedding table read with the first argument (token ids)."""
+        first = next((n for n in self.G.nodes if n.op == "placeholder"), None)
+        for n in self.front_nodes:
+            if n.op == "call_module" and first in n.all_input_nodes:
+                m = self.model.get_submodule(n.target)
+                if isinstance(m, nn.Embedding):
+                    return m.num_embeddings
+        return None
+
+    def signature_of_region(self, k: int) -> tuple:
+        """What must agree between call patterns for their sublayers to be the same: each
+        node's op, target and constant arguments."""
+        shape = lambda a: fx.map_arg(a, lambda _: "%")  # noqa: E731
+        return tuple((n.op, str(n.target), str(shape(n.args)), str(shape(n.kwargs)))
+                     for n in self.G.ordered(self.regions[k]))
+
+
+# ops that read only a tensor's shape, dtype or device: a sublayer may apply them to the
+# stream itself (to build a mask, say), since every h_l has the stream's shape
+METADATA_ATTRS = ("shape", "dtype", "device", "ndim", "is_cuda")
+METADATA_METHODS = ("size", "dim", "new_ones", "new_zeros", "new_full", "new_empty",
+                    "new_tensor", "get_device")
+
+
+def _metadata(n: fx.Node) -> bool:
+    if n.op == "call_method":
+        return n.target in METADATA_METHODS
+    return (n.op == "call_function" and n.target is getattr and len(n.args) == 2
+            and n.args[1] in METADATA_ATTRS)
+

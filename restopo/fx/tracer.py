@@ -1,0 +1,102 @@
+"""The torch.fx tracer rewire reads a model with: norms, attentions and MLPs stay leaves.
+
+`SublayerTracer` keeps those modules as leaves, so a block's forward
+`x = x + self.attn(self.ln_1(x))` shows up as three nodes: the norm, the sublayer and the
+add, which is what restopo.fx.recover looks for.
+"""
+from __future__ import annotations
+
+import inspect
+import operator
+import re
+from collections.abc import Iterable
+
+import torch
+from torch import fx, nn
+
+from .guards import guard_outcome
+from .structure import SUPPORTED, RewireError
+
+NORM = re.compile(r"norm(\d*d)?$", re.I)  # LayerNorm, LlamaRMSNorm, BatchNorm1d; not NormBlock
+ATTN = re.compile(r"attn|attention", re.I)
+MLP = re.compile(r"mlp|feed_?forward|ffn|ffw|swiglu|geglu|moe|experts?$", re.I)
+
+
+def classify(module: nn.Module) -> str | None:
+    """"norm" | "attn" | "mlp" by the module's class name, or None."""
+    name = type(module).__name__
+    if isinstance(module, (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm)) or NORM.search(name):
+        return "norm"
+    if isinstance(module, nn.MultiheadAttention) or ATTN.search(name):
+        return "attn"
+    if MLP.search(name):
+        return "mlp"
+    return None
+
+
+class SublayerTracer(fx.Tracer):
+    """fx tracer whose leaves are the norm, attention and MLP modules.
+
+    A module named like a sublayer that holds a norm and a sublayer of its own (an
+    "AttentionBlock" with its PreNorm inside) is traced through instead; an MoE holding
+    expert MLPs, or an attention holding q/k norms, stays one leaf. Guards on traced values
+    that only raise (`assert t <= block_size`) are recorded as torch._assert.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self._leaf: dict[int, bool] = {}
+        # buffers read in a forward (rotary tables, masks) become graph values, so that
+        # slicing them by a traced length works
+        self.proxy_buffer_attributes = True
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        if classify(m) is not None and self._is_sublayer_leaf(m):
+            return True
+        return super().is_leaf_module(m, qualname)
+
+    def _is_sublayer_leaf(self, m: nn.Module) -> bool:
+        key = id(m)
+        if key not in self._leaf:
+            inner = {classify(c) for c in m.modules() if c is not m}
+            block = "norm" in inner and bool(inner & {"attn", "mlp"})
+            self._leaf[key] = classify(m) == "norm" or not block
+        return self._leaf[key]
+
+    def to_bool(self, obj):
+        # A guard (`assert t <= block_size`, `if t > block_size: raise ...`) branches on a
+        # traced value only to raise: take the branch that does not raise and record the
+        # condition as a torch._assert, as fx does for asserts on older Pythons.
+        # Proxy.__bool__ -> to_bool: the forward's frame is two up.
+        frame = inspect.currentframe().f_back.f_back
+        passes = guard_outcome(frame)
+        if passes is None:
+            return super().to_bool(obj)
+        cond = obj if passes else self.create_proxy("call_function", operator.not_, (obj,), {})
+        self.create_proxy("call_function", torch._assert,
+                          (cond, "a guard in the traced forward failed"), {})
+        return passes
+
+
+def trace(model: nn.Module, fixed: Iterable[tuple[str, object]] = ()) -> fx.Graph:
+    """The fx graph of `model.forward` with the (name, value) arguments fixed (see
+    `structure.pattern`)."""
+    try:
+        return SublayerTracer().trace(model, concrete_args=dict(fixed))
+    except RewireError:
+        raise
+    except Exception as e:  # fx raises TraceError, TypeError, RuntimeError, ... from user code
+        where = _user_frame(e)
+        raise RewireError(
+            f"torch.fx could not trace {type(model).__name__}.forward{where}: {e}. "
+            f"{SUPPORTED}") from e
+
+
+def _user_frame(e: BaseException) -> str:
+    tb, where = e.__traceback__, ""
+    while tb is not None:
+        f = tb.tb_frame.f_code.co_filename
+        if "/torch/" not in f and "restopo/fx" not in f:
+            where = f" (at {f}:{tb.tb_lineno})"
+        tb = tb.tb_next
+    return where
