@@ -10,7 +10,7 @@ from .. import topology as T
 from .errors import SpecError, did_you_mean, raise_all
 from .nodes import Call, Entry, Key, ListValue, Name, Pos, Qualified, SpecFile, String, describe
 from .objects import ModelSpec, ParallelSpec, Spec, SourceText, TrainSpec
-from .reader import (EXAMPLES, MAX_DEPTH, Checker, Field, View, alts, divisors, dym_suffix,
+from .fields import (EXAMPLES, MAX_DEPTH, Checker, Field, View, alts, divisors, dym_suffix,
                      positions)
 from .wiring import NAMED_OPTIONS, check_against_model, check_residual
 

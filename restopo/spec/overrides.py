@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 
 from .check import BUILTIN_DATA, SECTIONS, _line_head, _parallel_head
-from .reader import Checker, Field, View
+from .fields import Checker, Field, View
 from .errors import SpecError, did_you_mean
 from .nodes import Key, Name, Pos, String
 from .parse import parse_value

@@ -8,7 +8,7 @@ from .. import topology as T
 from .errors import SpecError, did_you_mean
 from .nodes import Arg, Call, Key, ListValue, Name, describe
 from .objects import ModelSpec, ResidualSpec, RuleSpec
-from .reader import SEP_HINT, Checker, Field, View, alts, divisors, positions
+from .fields import SEP_HINT, Checker, Field, View, alts, divisors, positions
 from .resolve import ATTEND_OPTIONS, METHOD_OPTIONS, SCALARS_OPTIONS
 
 NAMED_OPTIONS = {
