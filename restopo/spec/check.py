@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from .. import topology as T
 from .errors import SpecError, did_you_mean, raise_all
-from .nodes import Call, Key, ListValue, Name, Pos, Qualified, SpecFile, String, describe
 from .fields import (EXAMPLES, MAX_DEPTH, Checker, Field, View, alts, divisors, dym_suffix,
                      positions)
+from .nodes import Call, Key, ListValue, Name, Pos, Qualified, SpecFile, String, describe
 from .objects import ModelSpec, ParallelSpec, Spec, SourceText, TrainSpec
 from .overrides import apply_overrides
 from .sections import BUILTIN_DATA, views_of
@@ -242,8 +242,9 @@ def check(file: SpecFile, text: str, overrides=()) -> Spec:
     parallel = check_parallel(views["parallel"], c) if "parallel" in views else None
     train = check_train(views["train"], c) if "train" in views else TrainSpec()
 
+    topology = None
     if model is not None and residual is not None:
-        check_against_model(model, residual, views["residual"], c)
+        topology = check_against_model(model, residual, c)
     if model is not None and parallel is not None:
         L = model.sublayers
         if parallel.chunks > L:
@@ -254,7 +255,7 @@ def check(file: SpecFile, text: str, overrides=()) -> Spec:
                     "use fewer stages or virtual stages, or a deeper model")
     raise_all(sorted(c.errors, key=lambda e: _order(e, file.path)))
     return Spec(residual, model, train if train is not None else TrainSpec(), parallel, text,
-                file.path, tuple(overrides), source=src)
+                file.path, tuple(overrides), source=src, resolved=topology)
 
 
 def _order(e: SpecError, path: str):
