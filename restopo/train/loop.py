@@ -23,8 +23,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..io import write_atomic
 from ..spec.objects import TrainSpec
-from .checkpoint import load_checkpoint, save_checkpoint, write_text_atomic
+from .checkpoint import load_checkpoint, save_checkpoint
 from .data import BatchSampler, Corpus, DataError, fixed_batches
 from .dist import DistContext, barrier, mean_over_ranks
 from .plots import plot_losses, read_metrics
@@ -109,7 +110,7 @@ class MetricsLog:
         if resume_step is not None and self.path.exists():
             # drop records of steps that ran after the checkpoint (they will run again)
             kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
-            write_text_atomic(self.path, "".join(json.dumps(r) + "\n" for r in kept))
+            write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in kept))
         elif resume_step is None and self.path.exists():
             self.path.unlink()
         try:
