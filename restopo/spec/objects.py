@@ -169,6 +169,7 @@ class Spec:
 
     @property
     def topology(self) -> Topology:
+        """The residual topology over the model's sublayers (SpecError without a model)."""
         self._need_model("the topology")
         return self.resolved
 
