@@ -1,8 +1,6 @@
 """The Python API: restopo.compile and restopo.aggregations."""
 from __future__ import annotations
 
-import os
-
 from torch import fx, nn
 
 from . import ops
@@ -10,25 +8,7 @@ from .fx.lower import aggregation_modules, lower, lowered, parts_of
 from .ir import build_ir
 from .nn.aggregate import Attend, TwoPhase
 from .nn.model import build_parts, model_kinds
-
-
-def load(spec_or_path, overrides=()):
-    """A Spec from a Spec, a path to a .restopo file, or spec text."""
-    from .spec import load_spec, parse_spec
-    if hasattr(spec_or_path, "residual") and hasattr(spec_or_path, "model"):
-        if overrides:
-            raise ValueError("overrides apply to a path or spec text, not to a parsed Spec; "
-                             "pass the path (or text) instead")
-        return spec_or_path
-    if isinstance(spec_or_path, os.PathLike) or (
-            isinstance(spec_or_path, str) and "\n" not in spec_or_path
-            and os.path.exists(spec_or_path)):
-        return load_spec(os.fspath(spec_or_path), overrides=tuple(overrides))
-    if isinstance(spec_or_path, str):
-        if "\n" not in spec_or_path and spec_or_path.endswith(".restopo"):
-            raise FileNotFoundError(f"no such spec file: {spec_or_path}")
-        return parse_spec(spec_or_path, path="<string>", overrides=tuple(overrides))
-    raise TypeError(f"expected a Spec, a path or spec text; got {type(spec_or_path).__name__}")
+from .spec import as_spec
 
 
 def build_model(model, topology, backend: str = "auto", two_phase: bool = True) -> fx.GraphModule:
@@ -50,7 +30,7 @@ def compile(spec_or_path, backend: str = "auto", overrides=()) -> fx.GraphModule
     ops.check_backend(backend)
     if backend == "triton":
         ops.require_backend("triton")
-    spec = load(spec_or_path, overrides)
+    spec = as_spec(spec_or_path, overrides)
     if spec.model is None:
         raise ValueError(f"{spec.path}: the spec has no model section, so there is nothing to "
                          "compile; add a model block (or use restopo.rewire on a model you have)")

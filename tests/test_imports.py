@@ -19,7 +19,6 @@ TORCH_FREE = {"restopo", "restopo.spec", "restopo.ir", "restopo.grammars", "rest
               "restopo.backends", "restopo.backends.pipeline"}
 
 
-@pytest.mark.xfail(strict=False, reason="passes once the spec/IR refactors are merged")
 def test_the_tree_has_no_cycles_and_no_upward_imports():
     problems = check_imports.check(ROOT)
     assert not problems, "\n".join(problems)

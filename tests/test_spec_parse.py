@@ -8,6 +8,7 @@ import pytest
 
 import restopo
 from restopo.spec import SpecError, SpecErrors, load_spec, parse_spec
+from restopo.spec.resolve import resolve_residual
 from restopo.topology import Rule, Source
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -90,7 +91,7 @@ def test_numbers_with_units():
 def test_residual_only_spec_is_valid_for_rewiring():
     spec = parse_spec("residual block_attnres(blocks: 4)", "rewire.restopo")
     assert spec.model is None and spec.parallel is None
-    topo = spec.residual.resolve(("attn", "mlp") * 8)
+    topo = resolve_residual(spec.residual, ("attn", "mlp") * 8)
     assert len(topo.blocks) == 4
     with pytest.raises(SpecError, match="needs a model section") as info:
         spec.topology
@@ -102,7 +103,7 @@ def test_residual_only_spec_is_valid_for_rewiring():
 def test_resolve_errors_point_at_the_residual_line():
     spec = parse_spec("\nresidual block_attnres(blocks: 5)", "r.restopo")
     with pytest.raises(SpecError) as info:
-        spec.residual.resolve(("attn", "mlp") * 4)
+        resolve_residual(spec.residual, ("attn", "mlp") * 4)
     e = info.value
     assert (e.path, e.line, e.column) == ("r.restopo", 2, 32)
     assert "1, 2, 3, 4 or 8" in e.hint

@@ -1,14 +1,18 @@
-"""What the training loop needs to train through the pipeline (restopo/train/loop.py calls it).
+"""Training through the pipeline: the training loop's Stepper (restopo/train/stepper.py)
+over pipeline stages.
 
 `PipelineConfig` says how to pipeline (from `--pipeline PxV` or the spec's `parallel`
-section); `PipelinedStep(model, config, ctx)` is built inside each torchrun worker and gives
-the loop:
+section); `PipelinedStep(model, config, ctx, batch)` is built inside each torchrun worker
+(by `restopo train`) and handed to the loop, which it gives:
   data_rank, data_world  which rows of the batch this process feeds (its replica's)
   step(x, y)             forward + backward of one batch through the schedule -> mean loss
+                         (the schedule's microbatches replace gradient accumulation)
   clip_grad_norm_(c)     clipping by the norm over the whole model (all stages)
-  sync(optimizer)        every parameter and its AdamW state broadcast from the stage that
-                         trains it, so rank 0 holds the whole model for evaluation and
-                         checkpoints (a single-process run loads them as they are)
+  before_save(opt)       every parameter and its AdamW state broadcast from the stage that
+                         trains it, so rank 0 holds the whole model for the checkpoint (a
+                         single-process run loads it as it is)
+  before_eval()          the same for the parameters, so every rank evaluates the whole,
+                         current model
 
 Every process holds the whole model and the loop's usual AdamW over all of it; a parameter
 only gets a gradient (hence an update) on the stage that owns it, so AdamW skips the rest.
@@ -117,8 +121,14 @@ class PipelinedStep:
                 p.grad.mul_(coef.to(p.grad.device, p.grad.dtype))
         return total
 
+    def before_save(self, optimizer) -> None:
+        self._sync(optimizer)
+
+    def before_eval(self) -> None:
+        self._sync()
+
     @torch.no_grad()
-    def sync(self, optimizer=None) -> None:
+    def _sync(self, optimizer=None) -> None:
         """Broadcast each parameter (and its AdamW state) from the stage that trains it."""
         for p in self.model.parameters():
             src = self._src[self.owner[id(p)]]

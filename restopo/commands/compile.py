@@ -5,14 +5,13 @@ model.py  a standalone Python module (imports only torch and restopo): the Graph
 model.pt  {"spec": text, "overrides": [...], "state_dict": ...}, loadable with
           torch.load(weights_only=True); restopo.compile(spec, overrides=...) then
           load_state_dict rebuilds the model.
-Both are written atomically (a temp file in the same folder, then os.replace).
+Both are written atomically (restopo.io).
 """
 from __future__ import annotations
 
 import argparse
 import os
 import sys
-import tempfile
 
 EXAMPLES = """\
 examples:
@@ -95,6 +94,7 @@ def run(args) -> int:
     spec = load_spec(args.spec, overrides=tuple(args.overrides))
     import torch
     from .. import api
+    from ..io import atomic_path, write_atomic
     torch.manual_seed(spec.train.seed if spec.train is not None else 0)
     try:
         model = api.compile(spec, backend=args.backend)
@@ -103,9 +103,10 @@ def run(args) -> int:
     if kind == ".pt":
         blob = {"spec": spec.text, "overrides": list(args.overrides),
                 "state_dict": model.state_dict()}
-        _atomic_write(out, lambda f: torch.save(blob, f), binary=True)
+        with atomic_path(out) as tmp, open(tmp, "wb") as f:
+            torch.save(blob, f)  # a file object: torch names the archive after a path
     else:
-        _atomic_write(out, lambda f: f.write(module_source(model, args)), binary=False)
+        write_atomic(out, module_source(model, args))
     print(f"wrote {out}", file=sys.stderr)
     return 0
 
@@ -131,18 +132,3 @@ def _literal(text: str) -> str:
     if "'''" in text or "\r" in text or text.endswith("\\"):
         return repr(text)
     return "r'''" + text + "'''"
-
-
-def _atomic_write(path: str, write, binary: bool) -> None:
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".restopo-", suffix=".tmp", dir=folder)
-    umask = os.umask(0)
-    os.umask(umask)
-    try:
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; give it a normal file's mode
-        with os.fdopen(fd, "wb" if binary else "w") as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise

@@ -11,7 +11,8 @@ import argparse
 import os
 import shutil
 import subprocess
-import tempfile
+
+from ..io import write_atomic
 
 EXAMPLES = """\
 examples:
@@ -63,7 +64,7 @@ def run(args) -> int:
               "install it or use --engine matplotlib", file=sys.stderr)
         return 1
     if suffix in (".dot", ".gv"):
-        write_atomic(args.output, lambda tmp: _write_text(tmp, dot))
+        write_atomic(args.output, dot)
     elif engine != "matplotlib" and shutil.which("dot"):
         try:
             write_atomic(args.output, lambda tmp: _render_dot(dot, suffix[1:], tmp))
@@ -78,28 +79,6 @@ def run(args) -> int:
         write_atomic(args.output, lambda tmp: draw_matplotlib(g, title, tmp, suffix[1:]))
     print(f"wrote {args.output}")
     return 0
-
-
-def write_atomic(path: str, write) -> None:
-    """Call write(tmp_path) on a temporary file beside `path`, then rename it into place."""
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".restopo-", suffix=os.path.splitext(path)[1], dir=folder)
-    os.close(fd)
-    try:
-        write(tmp)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the usual permissions
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def _write_text(path: str, text: str) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
 
 
 def _dot_message(e: Exception) -> str:

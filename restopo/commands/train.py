@@ -210,15 +210,20 @@ def _run(args) -> int:
                   f"on {corpus.description}; {cfg.steps} steps x {cfg.batch} x "
                   f"{cfg.context} tokens, {ctx.world} process(es) on {ctx.device}"
                   + (f"; resuming from {step_dir}" if step_dir else ""), file=sys.stderr)
-        PipelineConfig = get_backend("pipeline").PipelineConfig
+        pipeline_backend = get_backend("pipeline")
+        PipelineConfig, PipelinedStep = (pipeline_backend.PipelineConfig,
+                                         pipeline_backend.PipelinedStep)
         # --pipeline, or the spec's parallel section when several processes run
         pipeline = PipelineConfig.resolve(args.pipeline, spec.parallel if ctx.distributed
                                           or args.pipeline else None)
+        stepper = None  # the loop's default: data parallel
+        if pipeline is not None:
+            stepper = PipelinedStep(model.to(ctx.device), pipeline, ctx, cfg.batch)
         try:
             summary = train(model, corpus, cfg, out, ctx,
                             meta=runspec.run_meta(spec, runspec.data_base(spec)),
                             resume_from=step_dir, progress=not args.no_progress,
-                            pipeline=pipeline)
+                            stepper=stepper)
         except DataError as e:
             raise spec.error(*e.where, str(e)) from None
     finally:

@@ -89,9 +89,10 @@ def _residual(spec_or_path):
                         "Topology is tied to one sublayer sequence")
     if callable(spec_or_path) and not hasattr(spec_or_path, "residual"):
         return spec_or_path, None
-    from ..api import load
-    spec = load(spec_or_path)
-    return (lambda kinds: spec.residual.resolve(tuple(kinds))), spec
+    from ..spec import as_spec
+    from ..spec.resolve import resolve_residual
+    spec = as_spec(spec_or_path)
+    return (lambda kinds: resolve_residual(spec.residual, kinds)), spec
 
 
 # ------------------------------------------------------------------ pieces for the lowering

@@ -1,7 +1,8 @@
 """The restopo language front-end: text -> checked Spec (-> Topology -> IR).
 
-    from restopo.spec import load_spec, parse_spec, SpecError
+    from restopo.spec import as_spec, load_spec, parse_spec, SpecError
     spec = load_spec("examples/tiny.restopo", overrides=("model.width=64",))
+    spec = as_spec(spec_or_path_or_text)        # what restopo.compile and rewire accept
     spec.model.kinds, spec.topology, spec.ir()
 
 The language (grammar: grammars/restopo.lark; meaning: check.py)
@@ -63,7 +64,7 @@ from __future__ import annotations
 import os
 
 from .errors import SpecError, SpecErrors
-from .objects import ModelSpec, ParallelSpec, ResidualSpec, RuleSpec, Spec, TrainSpec
+from .objects import ModelSpec, ParallelSpec, ResidualSpec, Spec, TrainSpec
 
 
 def parse_spec(text: str, path: str = "<string>", overrides=()) -> Spec:
@@ -88,5 +89,23 @@ def load_spec(path, overrides=()) -> Spec:
     return parse_spec(text, path, overrides)
 
 
-__all__ = ["load_spec", "parse_spec", "SpecError", "SpecErrors", "Spec", "ModelSpec",
-           "ResidualSpec", "RuleSpec", "TrainSpec", "ParallelSpec"]
+def as_spec(spec_or_path, overrides=()) -> Spec:
+    """A Spec from a Spec, a path to a .restopo file, or spec text."""
+    if isinstance(spec_or_path, Spec):
+        if overrides:
+            raise ValueError("overrides apply to a path or spec text, not to a parsed Spec; "
+                             "pass the path (or text) instead")
+        return spec_or_path
+    if isinstance(spec_or_path, os.PathLike) or (
+            isinstance(spec_or_path, str) and "\n" not in spec_or_path
+            and os.path.exists(spec_or_path)):
+        return load_spec(os.fspath(spec_or_path), overrides=tuple(overrides))
+    if isinstance(spec_or_path, str):
+        if "\n" not in spec_or_path and spec_or_path.endswith(".restopo"):
+            raise FileNotFoundError(f"no such spec file: {spec_or_path}")
+        return parse_spec(spec_or_path, path="<string>", overrides=tuple(overrides))
+    raise TypeError(f"expected a Spec, a path or spec text; got {type(spec_or_path).__name__}")
+
+
+__all__ = ["as_spec", "load_spec", "parse_spec", "SpecError", "SpecErrors", "Spec", "ModelSpec",
+           "ResidualSpec", "TrainSpec", "ParallelSpec"]

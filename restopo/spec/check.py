@@ -1,5 +1,9 @@
 """The checking pass: syntax tree (nodes.py) + overrides -> checked Spec (objects.py).
 
+The sections are gathered into views (sections.py), the overrides applied to them
+(overrides.py), and each view checked into its spec object here (the residual section in
+wiring.py).
+
 Every independent mistake is collected (not just the first), each at the line and column
 of the text that caused it, with a hint; they are raised together as SpecErrors. Nothing
 here evaluates user text: values are matched against fixed vocabularies and number forms.
@@ -8,124 +12,23 @@ from __future__ import annotations
 
 from .. import topology as T
 from .errors import SpecError, did_you_mean, raise_all
-from .nodes import Call, Entry, Key, ListValue, Name, Pos, Qualified, SpecFile, String, describe
-from .objects import ModelSpec, ParallelSpec, Spec, SourceText, TrainSpec
-from .reader import (EXAMPLES, MAX_DEPTH, Checker, Field, View, alts, divisors, dym_suffix,
+from .fields import (EXAMPLES, MAX_DEPTH, Checker, Field, View, alts, divisors, dym_suffix,
                      positions)
-from .wiring import NAMED_OPTIONS, check_against_model, check_residual
+from .nodes import Call, Key, ListValue, Name, Pos, Qualified, SpecFile, String, describe
+from .objects import ModelSpec, ParallelSpec, Spec, SourceText, TrainSpec
+from .overrides import apply_overrides
+from .sections import BUILTIN_DATA, views_of
+from .wiring import check_against_model, check_residual
 
-SECTIONS = ("model", "residual", "parallel", "train")
 MODEL_REQUIRED = ("vocab", "width", "depth", "heads", "context")
 MODEL_KEYS = MODEL_REQUIRED + ("mlp", "mlp_ratio", "layer", "tie_embeddings")
 MLP_KINDS = ("swiglu", "gelu")
-PARALLEL_KINDS = ("pipeline",)
 PARALLEL_KEYS = ("stages", "virtual", "schedule", "microbatches", "cache")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 TRAIN_KEYS = ("data", "steps", "batch", "lr", "schedule", "warmup", "min_lr", "weight_decay",
               "grad_clip", "accum", "eval_every", "eval_batches", "save_every", "seed",
               "log_every")
 LR_SCHEDULES = ("cosine", "constant")
-BUILTIN_DATA = ("stdlib",)
-
-
-# -- sections -> views --------------------------------------------------------------------
-def views_of(file: SpecFile, c: Checker) -> dict[str, View]:
-    """Each section's entries by key (unknown and duplicate sections and keys reported)."""
-    views: dict[str, View] = {}
-    for s in file.sections:
-        kind = s.kind.text
-        if kind not in SECTIONS:
-            c.error(s.kind.pos, f"unknown section '{kind}'",
-                    "sections are model, residual, parallel and train" + dym_suffix(kind, SECTIONS))
-            continue
-        if kind in views:
-            first = views[kind].kind.pos
-            c.error(s.kind.pos, f"duplicate section '{kind}' (first given at line {first.line})",
-                    "each section may appear once; merge them or remove one")
-            continue
-        if s.label is not None and kind in ("parallel", "train"):
-            c.error(s.label.pos, f"the {kind} section takes no name, got '{s.label.text}'",
-                    f"write '{kind} {{ ... }}'")
-        view = View(s.kind, s.label, pos=s.pos, braces=s.body is not None)
-        if s.body is not None:
-            c.gather(view, s.body)
-            bare = [e for e in s.body if e.key is None]
-            if kind == "parallel" and bare:
-                _parallel_head(view, bare[0].value, c)
-                bare = bare[1:]
-            for e in bare:
-                c.error(e.pos, f"expected 'key: value' in {kind}, got '{describe(e.value)}'",
-                        _bare_hint(kind))
-            if kind == "residual" and s.label is not None and s.label.text in NAMED_OPTIONS:
-                view.head = s.label
-        else:
-            if kind in ("model", "train"):
-                c.error(s.line.pos, f"the {kind} section needs braces: {kind} {{ key: value ... }}",
-                        f"e.g. {kind} {{ {'width: 64' if kind == 'model' else 'steps: 300'} }}")
-                continue
-            if kind == "parallel":
-                _parallel_head(view, s.line, c)
-            else:
-                _line_head(view, s.line, c)
-        views[kind] = view
-    return views
-
-
-def _bare_hint(kind: str) -> str:
-    return {"model": "e.g. 'width: 64'", "train": "e.g. 'steps: 300'",
-            "residual": "custom wiring is written 'before sublayer: attend(embedding, blocks, "
-                        "partial)'; a named topology is 'residual block_attnres(blocks: 8)'",
-            "parallel": "write one 'pipeline(stages: 2, ...)' or 'stages: 2'"}[kind]
-
-
-def _line_head(view: View, atom, c: Checker) -> None:
-    """`residual NAME` or `residual NAME(key: value, ...)`."""
-    if isinstance(atom, Name):
-        view.head = atom
-    elif isinstance(atom, Call):
-        view.head = atom.name
-        _call_options(view, atom, c)
-    else:
-        c.error(atom.pos, f"expected a topology name after 'residual', got '{describe(atom)}'",
-                "e.g. 'residual standard' or 'residual block_attnres(blocks: 8)'")
-        view.head = None
-        view.fields = {}
-        view.braces = False
-
-
-def _call_options(view: View, call: Call, c: Checker) -> None:
-    for a in call.args:
-        if a.key is None:
-            view.bad = True
-            c.error(a.pos, f"'{call.name.text}' takes named options, got '{describe(a.value)}'",
-                    _options_example(call.name.text))
-    c.gather(view, [Entry(a.key, a.value, a.pos) for a in call.args if a.key is not None])
-
-
-def _options_example(name: str) -> str:
-    return {"block_attnres": "e.g. block_attnres(blocks: 8) or block_attnres(block_size: 4)",
-            "full_attnres": "e.g. full_attnres(query: input_dependent) or full_attnres(window: 8)",
-            "denseformer": "e.g. denseformer(gate: softmax)",
-            "pipeline": "e.g. pipeline(stages: 2, microbatches: 4)"}.get(
-                name, "write options as 'key: value'")
-
-
-def _parallel_head(view: View, value, c: Checker) -> None:
-    if not isinstance(value, (Call, Name)):
-        c.error(value.pos, f"expected pipeline(...), got '{describe(value)}'",
-                "e.g. parallel { pipeline(stages: 2, microbatches: 4) }")
-        view.bad = True
-        return
-    name = value.name if isinstance(value, Call) else value
-    if name.text not in PARALLEL_KINDS:
-        c.error(name.pos, f"unknown parallelism '{name.text}'",
-                "restopo plans pipeline parallelism: pipeline(stages: 2, ...)"
-                + dym_suffix(name.text, PARALLEL_KINDS))
-        view.bad = True
-        return
-    view.head = name
-    if isinstance(value, Call):
-        _call_options(view, value, c)
 
 
 # -- sections -> spec objects -------------------------------------------------------------
@@ -327,7 +230,6 @@ def check(file: SpecFile, text: str, overrides=()) -> Spec:
     src = SourceText({file.path: text})
     c = Checker(src)
     views = views_of(file, c)
-    from .overrides import apply_overrides
     apply_overrides(views, tuple(overrides), c)
     model = check_model(views["model"], c) if "model" in views else None
     residual = None
@@ -340,8 +242,9 @@ def check(file: SpecFile, text: str, overrides=()) -> Spec:
     parallel = check_parallel(views["parallel"], c) if "parallel" in views else None
     train = check_train(views["train"], c) if "train" in views else TrainSpec()
 
+    topology = None
     if model is not None and residual is not None:
-        check_against_model(model, residual, views["residual"], c)
+        topology = check_against_model(model, residual, c)
     if model is not None and parallel is not None:
         L = model.sublayers
         if parallel.chunks > L:
@@ -352,7 +255,7 @@ def check(file: SpecFile, text: str, overrides=()) -> Spec:
                     "use fewer stages or virtual stages, or a deeper model")
     raise_all(sorted(c.errors, key=lambda e: _order(e, file.path)))
     return Spec(residual, model, train if train is not None else TrainSpec(), parallel, text,
-                file.path, tuple(overrides), source=src)
+                file.path, tuple(overrides), source=src, resolved=topology)
 
 
 def _order(e: SpecError, path: str):

@@ -7,10 +7,9 @@ loader, the pipeline planner) can still point at the line that caused it via `Sp
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import TYPE_CHECKING
 
-from ..topology import Rule, Source, Topology, sublayer_kinds
+from ..topology import Rule, Topology, sublayer_kinds
 from .errors import SpecError
 from .nodes import Pos
 
@@ -67,29 +66,13 @@ class ModelSpec:
 
 
 @dataclass(frozen=True)
-class RuleSpec:
-    """One aggregation rule of custom wiring: `attend(embedding, blocks; query: static)`.
-    `gate=None`: the method's default (softmax for attend, none for scalars)."""
-
-    method: str
-    sources: tuple[Source, ...]
-    query: str = "static"
-    gate: str | None = None
-    key_norm: str = "rms"
-    heads: int = 1
-    pos: Pos | None = field(default=None, compare=False, repr=False)
-
-    def rule(self) -> Rule:
-        return Rule(self.method, self.sources, self.query, self.gate, self.key_norm, self.heads)
-
-
-@dataclass(frozen=True)
 class ResidualSpec:
     """The residual section, not yet tied to a model.
 
     form "named": a one-liner (`name` in restopo.topology.NAMED) with `options`;
-    form "custom": wiring rules, `name` is the section label (default "custom").
-    `resolve(kinds)` gives the Topology for a sequence of sublayer kinds.
+    form "custom": wiring rules, `name` is the section label (default "custom"); a rule's
+    position is that of its key (`where("before sublayer")`).
+    resolve.py turns it into the Topology over a sequence of sublayer kinds.
     """
 
     name: str
@@ -97,8 +80,8 @@ class ResidualSpec:
     options: tuple[tuple[str, object], ...] = ()
     blocks: int | None = None
     block_size: int | None = None
-    sublayer_rule: RuleSpec | None = None
-    head_rule: RuleSpec | None = None
+    sublayer_rule: Rule | None = None
+    head_rule: Rule | None = None
     pos: Pos | None = field(default=None, compare=False, repr=False)
     positions: tuple[tuple[str, Pos], ...] = field(default=(), compare=False, repr=False)
     source: SourceText | None = field(default=None, compare=False, repr=False)
@@ -108,11 +91,6 @@ class ResidualSpec:
 
     def where(self, key: str) -> Pos | None:
         return _where(self.positions, key) or self.pos
-
-    def resolve(self, kinds: tuple[str, ...]) -> Topology:
-        """The Topology over these sublayers; SpecError (at the residual line) if impossible."""
-        from .resolve import resolve_residual
-        return resolve_residual(self, tuple(kinds))
 
 
 @dataclass(frozen=True)
@@ -163,7 +141,9 @@ class ParallelSpec:
 
 @dataclass(frozen=True)
 class Spec:
-    """A checked spec. `model` and `parallel` may be None; `train` always has defaults."""
+    """A checked spec. `model` and `parallel` may be None; `train` always has defaults.
+    `resolved`: the residual section resolved over the model's sublayers, once, by the
+    checking pass (None without a model); read it as `topology`."""
 
     residual: ResidualSpec
     model: ModelSpec | None = None
@@ -173,6 +153,7 @@ class Spec:
     path: str = "<string>"
     overrides: tuple[str, ...] = ()
     source: SourceText | None = field(default=None, compare=False, repr=False)
+    resolved: Topology | None = field(default=None, compare=False, repr=False)
 
     def _need_model(self, what: str) -> ModelSpec:
         if self.model is None:
@@ -186,9 +167,11 @@ class Spec:
     def _src(self) -> SourceText:
         return self.source or SourceText({self.path: self.text})
 
-    @cached_property
+    @property
     def topology(self) -> Topology:
-        return self.residual.resolve(self._need_model("the topology").kinds)
+        """The residual topology over the model's sublayers (SpecError without a model)."""
+        self._need_model("the topology")
+        return self.resolved
 
     def ir(self, width: int | None = None) -> "nx.DiGraph":
         """A fresh IR of this spec (a new graph each call; callers may annotate it)."""

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import re
 
-from .check import BUILTIN_DATA, SECTIONS, _line_head, _parallel_head
-from .reader import Checker, Field, View
 from .errors import SpecError, did_you_mean
+from .fields import Checker, Field, View
 from .nodes import Key, Name, Pos, String
 from .parse import parse_value
+from .sections import BUILTIN_DATA, SECTIONS, line_head, parallel_head
 
 
 def apply_overrides(views: dict[str, View], overrides, c: Checker) -> None:
@@ -63,7 +63,7 @@ def apply_overrides(views: dict[str, View], overrides, c: Checker) -> None:
                         f"e.g. --set {sec}.{'width' if sec == 'model' else 'steps'}=...")
                 continue
             new = View(Name(sec, at(sec_col)), braces=False, pos=at(0))
-            (_parallel_head if sec == "parallel" else _line_head)(new, value, c)
+            (parallel_head if sec == "parallel" else line_head)(new, value, c)
             views[sec] = new
             continue
         # `before head` may be written `before_head` (no blank needed on a command line)

@@ -3,7 +3,9 @@
 Named one-liners go through the constructors of restopo.topology (so a one-liner and the
 same wiring spelled out build equal IRs); custom wiring builds its Topology from its rules.
 The partition depends on the model's depth, so errors about `blocks` and `block_size` are
-found here and point at the value that caused them.
+found here and point at the value that caused them. The checking pass resolves a spec
+against its own model once (`Spec.topology`); rewiring resolves the residual section
+against the sublayers of the model it rewires.
 """
 from __future__ import annotations
 
@@ -46,20 +48,20 @@ def block_size_hint(kinds: tuple[str, ...]) -> str:
 
 def partition(res: ResidualSpec, kinds: tuple[str, ...], src: SourceText):
     """The blocks of a residual spec (by count, by size, or one per sublayer)."""
-    if res.blocks is not None:
-        try:
+    try:
+        if res.blocks is not None:
             return T.partition_by_count(kinds, res.blocks)
-        except ValueError as e:
-            raise _err(src, res.where("blocks"), str(e), allowed_blocks_hint(kinds)) from None
-    if res.block_size is not None:
-        try:
+        if res.block_size is not None:
             return T.partition_by_size(kinds, res.block_size)
-        except ValueError as e:
-            raise _err(src, res.where("block_size"), str(e), block_size_hint(kinds)) from None
+    except ValueError as e:
+        raise _blocks_error(res, kinds, src, e) from None
     return tuple((i,) for i in range(1, len(kinds) + 1))
 
 
 def resolve_residual(res: ResidualSpec, kinds: tuple[str, ...]) -> T.Topology:
+    """The Topology of a residual section over these sublayers (those of the spec's own
+    model, or of a model being rewired); SpecError at the value that makes it impossible."""
+    kinds = tuple(kinds)
     src = res.source or SourceText()
     try:
         T._layers(kinds)
@@ -67,20 +69,30 @@ def resolve_residual(res: ResidualSpec, kinds: tuple[str, ...]) -> T.Topology:
         raise _err(src, res.pos, str(e), "a transformer layer begins with 'attn'") from None
     if res.form == "custom":
         blocks = partition(res, kinds, src)
-        return T.Topology(res.name, blocks, res.sublayer_rule.rule(), res.head_rule.rule())
+        return T.Topology(res.name, blocks, res.sublayer_rule, res.head_rule)
     options = {k: v for k, v in res.options if k in ATTEND_OPTIONS}
     if res.name == "block_attnres":
-        blocks = partition(res, kinds, src)  # the error, located, before the constructor's
         if res.blocks is None and res.block_size is None:
             raise _err(src, res.pos, "block_attnres needs 'blocks: N' or 'block_size: S'",
                        allowed_blocks_hint(kinds))
-        del blocks
-        return T.block_attnres(kinds, blocks=res.blocks, block_size=res.block_size, **options)
+        try:  # the options were checked, so only the partition can fail
+            return T.block_attnres(kinds, blocks=res.blocks, block_size=res.block_size,
+                                   **options)
+        except ValueError as e:
+            raise _blocks_error(res, kinds, src, e) from None
     if res.name == "full_attnres":
         return T.full_attnres(kinds, window=res.option("window"), **options)
     if res.name == "denseformer":
         return T.denseformer(kinds, **options)
     return T.NAMED[res.name](kinds)
+
+
+def _blocks_error(res: ResidualSpec, kinds: tuple[str, ...], src: SourceText,
+                  e: ValueError) -> SpecError:
+    """A partition's ValueError, at the `blocks` or `block_size` value that caused it."""
+    if res.blocks is not None:
+        return _err(src, res.where("blocks"), str(e), allowed_blocks_hint(kinds))
+    return _err(src, res.where("block_size"), str(e), block_size_hint(kinds))
 
 
 def _err(src: SourceText, pos: Pos | None, message: str, hint: str | None) -> SpecError:

@@ -4,12 +4,14 @@ on the model (the partition of its depth, depth heads that divide its width).
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from .. import topology as T
 from .errors import SpecError, did_you_mean
+from .fields import SEP_HINT, Checker, Field, View, alts, divisors, positions
 from .nodes import Arg, Call, Key, ListValue, Name, describe
-from .objects import ModelSpec, ResidualSpec, RuleSpec
-from .reader import SEP_HINT, Checker, Field, View, alts, divisors, positions
-from .resolve import ATTEND_OPTIONS, METHOD_OPTIONS, SCALARS_OPTIONS
+from .objects import ModelSpec, ResidualSpec
+from .resolve import ATTEND_OPTIONS, METHOD_OPTIONS, SCALARS_OPTIONS, resolve_residual
 
 NAMED_OPTIONS = {
     "standard": (), "rezero": (), "layerscale": (), "highway": (),
@@ -141,15 +143,14 @@ def _custom(view: View, c: Checker) -> ResidualSpec | None:
     if len(c.errors) > before or sub is None:
         return None
     if head is None:  # the head reads what the sublayers read; no partial is open there
-        head = RuleSpec(sub.method, tuple(s for s in sub.sources if s.name != "partial"),
-                        sub.query, sub.gate, sub.key_norm, sub.heads, pos=sub.pos)
+        head = replace(sub, sources=tuple(s for s in sub.sources if s.name != "partial"))
     name = view.label.text if view.label else "custom"
     return ResidualSpec(name, "custom", (), blocks, block_size, sub, head,
                         pos=(view.label or view.kind).pos, positions=positions(view),
                         source=c.src)
 
 
-def _rule(fl: Field, target: str, c: Checker) -> RuleSpec | None:
+def _rule(fl: Field, target: str, c: Checker) -> T.Rule | None:
     v = fl.value
     if isinstance(v, ListValue):
         c.error(v.items[1].pos, f"a rule is one call, got {len(v.items)} values",
@@ -226,7 +227,7 @@ def _rule(fl: Field, target: str, c: Checker) -> RuleSpec | None:
                 f"{'is' if len(listed) == 1 else 'are'} empty before it",
                 f"add 'embedding', e.g. {method}(embedding, ...)")
         return None
-    return RuleSpec(method, tuple(sources), pos=pos, **options)
+    return T.Rule(method, tuple(sources), **options)
 
 
 def _wrong_option_hint(method: str) -> str:
@@ -273,15 +274,18 @@ def _source(a: Arg, target: str, c: Checker) -> T.Source | None:
     return None
 
 
-def check_against_model(model: ModelSpec, residual: ResidualSpec, view: View, c: Checker):
+def check_against_model(model: ModelSpec, residual: ResidualSpec,
+                        c: Checker) -> T.Topology | None:
     """What only the model decides: depth heads must divide its width, and the blocks must
-    partition its sublayers (`blocks: N` allowed for this depth, block_size whole layers)."""
+    partition its sublayers (`blocks: N` allowed for this depth, block_size whole layers).
+    Returns the residual resolved over the model's sublayers (None after an error)."""
     heads = []
     if residual.form == "named" and residual.option("heads"):
-        heads.append((residual.option("heads"), view.fields["heads"].value.pos))
-    for rule in (residual.sublayer_rule, residual.head_rule):
+        heads.append((residual.option("heads"), residual.where("heads")))
+    for key, rule in (("before sublayer", residual.sublayer_rule),
+                      ("before head", residual.head_rule)):
         if rule is not None and rule.heads > 1 and rule.heads not in [h for h, _ in heads]:
-            heads.append((rule.heads, rule.pos))
+            heads.append((rule.heads, residual.where(key)))
     for h, pos in heads:
         if model.width % h:
             c.error(pos, f"depth-attention heads ({h}) must divide width ({model.width})",
@@ -291,6 +295,7 @@ def check_against_model(model: ModelSpec, residual: ResidualSpec, view: View, c:
     # sublayer rule reads the embedding, the head no partial), so every aggregation the IR
     # will hold reads at least one value and building it here would only cost time.
     try:
-        residual.resolve(model.kinds)
+        return resolve_residual(residual, model.kinds)
     except SpecError as e:
         c.errors.append(e)
+        return None

@@ -2,6 +2,8 @@
 
 data        corpora (builtin:stdlib, text, uint16 .bin) and the seeded global-batch sampler
 loop        the training loop over any model(idx) -> logits
+stepper     how a step's gradients are made: the Stepper interface, data parallel (pipeline
+            parallel: restopo.backends.pipeline.train)
 checkpoint  atomic safetensors checkpoints, `latest` pointer, resume
 dist        torchrun launch and the process group inside each worker
 plots       loss curves and the diagnose figures (PNG)

@@ -8,7 +8,7 @@ Layout under a run's checkpoint folder (OUT/ckpt):
     latest                          the name of the newest complete step folder
 
 A save writes a hidden temporary folder, fsyncs every file and the folder, renames it into
-place, then replaces `latest` (temp file + os.replace). Interrupted anywhere, the previous
+place, then replaces `latest` (restopo.io.write_atomic). Interrupted anywhere, the previous
 `latest` still names a complete checkpoint. Loading reads safetensors and
 torch.load(weights_only=True) only: nothing is unpickled.
 """
@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from ..io import fsync_dir, fsync_file, write_atomic
+
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
 FILES = ("model.safetensors", "optimizer.pt", "state.pt", "meta.json")
 
@@ -34,40 +36,6 @@ class CheckpointError(RuntimeError):
 
 def step_dir_name(step: int) -> str:
     return f"step_{step:06d}"
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some filesystems refuse fsync on folders; the rename is still atomic
-    finally:
-        os.close(fd)
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(path.parent)
 
 
 def save_checkpoint(root: str | os.PathLike, step: int, model: torch.nn.Module,
@@ -94,20 +62,20 @@ def save_checkpoint(root: str | os.PathLike, step: int, model: torch.nn.Module,
         }
         for name in FILES:
             writers[name](tmp / name)
-            _fsync_file(tmp / name)
+            fsync_file(tmp / name)
             if _write_file is not None:
                 _write_file(name, tmp / name)
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if final.exists():  # the same step saved again (a restarted run): swap it out
             old = root / f".old-{final.name}-{os.getpid()}"
             os.replace(final, old)
             shutil.rmtree(old, ignore_errors=True)
         os.replace(tmp, final)
-        _fsync_dir(root)
+        fsync_dir(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    write_text_atomic(root / "latest", final.name + "\n")
+    write_atomic(root / "latest", final.name + "\n")
     _prune(root, keep)
     return final
 

@@ -1,9 +1,13 @@
 """The training loop over any `model(idx [B,T]) -> logits [B,T,vocab]`.
 
 AdamW (weight decay on matrices only), linear warmup then cosine (or constant) learning
-rate down to min_lr, gradient clipping, gradient accumulation, bf16 autocast on CUDA only,
-validation loss on fixed batches, checkpoints, metrics (JSONL, TensorBoard when installed),
-a tqdm bar on stderr and a loss plot at the end.
+rate down to min_lr, gradient clipping, bf16 autocast on CUDA only, validation loss on
+fixed batches, checkpoints, metrics (JSONL, TensorBoard when installed), a tqdm bar on
+stderr and a loss plot at the end.
+
+How a step's gradients are made (one process or data parallel, with gradient
+accumulation; or pipeline parallel) is the `Stepper` the caller passes (stepper.py); the
+loop is the same for all of them.
 
 Steps count optimizer updates: "step k" in metrics and checkpoints means k updates are done,
 and resuming from it runs update k + 1 next with the same data, weights, optimizer moments
@@ -11,7 +15,6 @@ and RNG states as an uninterrupted run, so the losses that follow are identical 
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -21,13 +24,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
+from ..io import write_atomic
 from ..spec.objects import TrainSpec
-from .checkpoint import load_checkpoint, save_checkpoint, write_text_atomic
+from .checkpoint import load_checkpoint, save_checkpoint
 from .data import BatchSampler, Corpus, DataError, fixed_batches
 from .dist import DistContext, barrier, mean_over_ranks
 from .plots import plot_losses, read_metrics
+from .stepper import DataParallelStep, Stepper, autocast, lm_loss
 
 
 class TrainingError(RuntimeError):
@@ -109,7 +113,7 @@ class MetricsLog:
         if resume_step is not None and self.path.exists():
             # drop records of steps that ran after the checkpoint (they will run again)
             kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
-            write_text_atomic(self.path, "".join(json.dumps(r) + "\n" for r in kept))
+            write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in kept))
         elif resume_step is None and self.path.exists():
             self.path.unlink()
         try:
@@ -134,17 +138,6 @@ class MetricsLog:
             self.writer.close()
 
 
-def _loss(model, x, y) -> torch.Tensor:
-    logits = model(x)
-    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-
-
-def _autocast(device: torch.device):
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
 @torch.no_grad()
 def evaluate(model, batches, device: torch.device, ctx: DistContext) -> float:
     """Mean loss over the fixed validation batches (all ranks' rows)."""
@@ -152,8 +145,8 @@ def evaluate(model, batches, device: torch.device, ctx: DistContext) -> float:
     model.eval()
     total = 0.0
     for x, y in batches:
-        with _autocast(device):
-            total += _loss(model, x.to(device), y.to(device)).item()
+        with autocast(device):
+            total += lm_loss(model, x.to(device), y.to(device)).item()
     model.train(was_training)
     return mean_over_ranks(total / len(batches), ctx)
 
@@ -161,11 +154,12 @@ def evaluate(model, batches, device: torch.device, ctx: DistContext) -> float:
 def train(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, out: str | os.PathLike,
           ctx: DistContext | None = None, *, meta: dict | None = None,
           resume_from: str | os.PathLike | None = None, progress: bool = True,
-          pipeline=None) -> dict:
+          stepper: Stepper | None = None) -> dict:
     """Train `model` in place; returns a summary (final loss, val loss, paths).
 
-    `pipeline` (a restopo.backends.pipeline.train.PipelineConfig) trains through pipeline
-    stages instead of data parallel alone (see that module).
+    `stepper` makes each step's gradients; by default `DataParallelStep` (one process, or
+    DDP over all of them). restopo.backends.pipeline.train.PipelinedStep trains through
+    pipeline stages instead.
 
     Only rank 0 writes (checkpoints, metrics, plot, bar). `meta` (spec text, overrides, ...)
     is stored in every checkpoint.
@@ -175,12 +169,9 @@ def train(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, out: str | o
     ctx = ctx or DistContext()
     out = Path(out)
     device = ctx.device
-    pipe = None  # -- pipeline parallel: restopo.backends.pipeline.train --
-    data_rank, data_world = ctx.rank, ctx.world
-    if pipeline is not None:
-        from ..backends.pipeline.train import PipelinedStep
-        pipe = PipelinedStep(model.to(device), pipeline, ctx, cfg.batch)
-        data_rank, data_world = pipe.data_rank, pipe.data_world
+    raw = model.to(device)
+    stepper = stepper or DataParallelStep(raw, ctx, cfg.accum)
+    data_rank, data_world = stepper.data_rank, stepper.data_world
     per_rank = cfg.batch // data_world if cfg.batch % data_world == 0 else None
     if per_rank is None or per_rank % cfg.accum:
         raise DataError(f"train.batch ({cfg.batch}) must split evenly over {ctx.world} "
@@ -188,13 +179,6 @@ def train(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, out: str | o
     if ctx.is_main:
         out.mkdir(parents=True, exist_ok=True)
 
-    raw = model.to(device)
-    net = raw
-    if ctx.distributed and pipe is None:
-        from torch.nn.parallel import DistributedDataParallel
-
-        net = DistributedDataParallel(raw, device_ids=[device.index] if device.type == "cuda"
-                                      else None)
     optimizer = make_optimizer(raw, cfg, device)
     sampler = BatchSampler(corpus.train, cfg.context, cfg.batch, seed=cfg.seed,
                            rank=data_rank, world=data_world)
@@ -216,8 +200,7 @@ def train(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, out: str | o
     tokens_per_step = cfg.batch * cfg.context
 
     def save(step: int) -> None:
-        if pipe is not None:
-            pipe.sync(optimizer)  # rank 0 gathers every stage's weights and AdamW state
+        stepper.before_save(optimizer)
         if ctx.is_main:
             state = {"step": step, "data": sampler.state_dict(),
                      "torch_cpu": torch.get_rng_state(),
@@ -232,7 +215,7 @@ def train(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, out: str | o
                disable=not (progress and ctx.is_main), dynamic_ncols=True)
     t0 = time.perf_counter()
     t_log, steps_since_log = t0, 0
-    net.train()
+    raw.train()
     try:
         for step in range(start, cfg.steps):
             lr = lr_at(step, cfg)
@@ -240,20 +223,9 @@ def train(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, out: str | o
                 group["lr"] = lr
             x, y = sampler.next()
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            loss_sum = torch.zeros((), device=device)
-            if pipe is not None:  # the schedule's microbatches replace accumulation
-                loss_sum = pipe.step(x, y) * cfg.accum
-            for i, (xm, ym) in enumerate(zip(x.chunk(cfg.accum), y.chunk(cfg.accum))
-                                         if pipe is None else ()):
-                sync = i == cfg.accum - 1 or not ctx.distributed
-                with (contextlib.nullcontext() if sync else net.no_sync()), _autocast(device):
-                    loss = _loss(net, xm, ym)
-                (loss / cfg.accum).backward()
-                loss_sum += loss.detach()
-            if cfg.grad_clip > 0 and pipe is not None:
-                pipe.clip_grad_norm_(cfg.grad_clip)
-            elif cfg.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(raw.parameters(), cfg.grad_clip)
+            loss = stepper.step(x, y)
+            if cfg.grad_clip > 0:
+                stepper.clip_grad_norm_(cfg.grad_clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             done = step + 1
@@ -262,12 +234,11 @@ def train(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, out: str | o
 
             val_loss = None
             if done % cfg.eval_every == 0 or done == cfg.steps:
-                if pipe is not None:
-                    pipe.sync()  # every rank evaluates the whole, current model
+                stepper.before_eval()
                 val_loss = evaluate(raw, val_batches, device, ctx)
                 last["val_loss"] = val_loss
             if done % cfg.log_every == 0 or done in (1, cfg.steps) or val_loss is not None:
-                loss_value = mean_over_ranks((loss_sum / cfg.accum).item(), ctx)
+                loss_value = mean_over_ranks(loss.item(), ctx)
                 if not math.isfinite(loss_value):
                     raise TrainingError(f"the loss became {loss_value} at step {done}; lower "
                                         f"train.lr (now {cfg.lr:g}) or train.grad_clip")

@@ -1,13 +1,14 @@
 """PNG figures (matplotlib, Agg): the loss curves of a run and the diagnose pictures.
 
-Every figure is written to a temporary file and renamed, so a reader never sees half a PNG.
+Every figure is written atomically (restopo.io), so a reader never sees half a PNG.
 """
 from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
+
+from ..io import write_atomic
 
 
 def _pyplot():
@@ -22,14 +23,10 @@ def _pyplot():
 def _save(fig, path: str | os.PathLike) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}-", suffix=".png", dir=path.parent)
-    os.close(fd)
     try:
-        fig.savefig(tmp, dpi=110, bbox_inches="tight")
-        os.replace(tmp, path)
+        write_atomic(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110,
+                                                   bbox_inches="tight"))
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
         _pyplot().close(fig)
     return path
 

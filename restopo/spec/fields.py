@@ -1,5 +1,6 @@
-"""Reading values out of a section: the Checker that records errors and the typed readers
-(numbers with units, whole numbers in a range, names from a fixed set, booleans).
+"""A section's fields and reading their values: `View` (a section's entries by key, as
+`Field`s), the `Checker` that records errors, and its typed readers (numbers with units,
+whole numbers in a range, names from a fixed set, booleans).
 
 Every reader returns None after recording an error, so a check can go on and find the
 next, independent mistake.

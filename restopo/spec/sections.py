@@ -1,0 +1,115 @@
+"""A file's sections gathered into views (entries by key), and the one-line heads
+`residual NAME(options)` and `parallel pipeline(...)`.
+
+Shared by the checking pass (check.py) and the --set overrides (overrides.py), which read
+a one-line section given on the command line exactly like one written in the file.
+"""
+from __future__ import annotations
+
+from .fields import Checker, View, dym_suffix
+from .nodes import Call, Entry, Name, SpecFile, describe
+from .wiring import NAMED_OPTIONS
+
+SECTIONS = ("model", "residual", "parallel", "train")
+PARALLEL_KINDS = ("pipeline",)
+BUILTIN_DATA = ("stdlib",)  # the corpora `data: builtin:NAME` names
+
+
+def views_of(file: SpecFile, c: Checker) -> dict[str, View]:
+    """Each section's entries by key (unknown and duplicate sections and keys reported)."""
+    views: dict[str, View] = {}
+    for s in file.sections:
+        kind = s.kind.text
+        if kind not in SECTIONS:
+            c.error(s.kind.pos, f"unknown section '{kind}'",
+                    "sections are model, residual, parallel and train" + dym_suffix(kind, SECTIONS))
+            continue
+        if kind in views:
+            first = views[kind].kind.pos
+            c.error(s.kind.pos, f"duplicate section '{kind}' (first given at line {first.line})",
+                    "each section may appear once; merge them or remove one")
+            continue
+        if s.label is not None and kind in ("parallel", "train"):
+            c.error(s.label.pos, f"the {kind} section takes no name, got '{s.label.text}'",
+                    f"write '{kind} {{ ... }}'")
+        view = View(s.kind, s.label, pos=s.pos, braces=s.body is not None)
+        if s.body is not None:
+            c.gather(view, s.body)
+            bare = [e for e in s.body if e.key is None]
+            if kind == "parallel" and bare:
+                parallel_head(view, bare[0].value, c)
+                bare = bare[1:]
+            for e in bare:
+                c.error(e.pos, f"expected 'key: value' in {kind}, got '{describe(e.value)}'",
+                        _bare_hint(kind))
+            if kind == "residual" and s.label is not None and s.label.text in NAMED_OPTIONS:
+                view.head = s.label
+        else:
+            if kind in ("model", "train"):
+                c.error(s.line.pos, f"the {kind} section needs braces: {kind} {{ key: value ... }}",
+                        f"e.g. {kind} {{ {'width: 64' if kind == 'model' else 'steps: 300'} }}")
+                continue
+            if kind == "parallel":
+                parallel_head(view, s.line, c)
+            else:
+                line_head(view, s.line, c)
+        views[kind] = view
+    return views
+
+
+def _bare_hint(kind: str) -> str:
+    return {"model": "e.g. 'width: 64'", "train": "e.g. 'steps: 300'",
+            "residual": "custom wiring is written 'before sublayer: attend(embedding, blocks, "
+                        "partial)'; a named topology is 'residual block_attnres(blocks: 8)'",
+            "parallel": "write one 'pipeline(stages: 2, ...)' or 'stages: 2'"}[kind]
+
+
+def line_head(view: View, atom, c: Checker) -> None:
+    """`residual NAME` or `residual NAME(key: value, ...)`."""
+    if isinstance(atom, Name):
+        view.head = atom
+    elif isinstance(atom, Call):
+        view.head = atom.name
+        _call_options(view, atom, c)
+    else:
+        c.error(atom.pos, f"expected a topology name after 'residual', got '{describe(atom)}'",
+                "e.g. 'residual standard' or 'residual block_attnres(blocks: 8)'")
+        view.head = None
+        view.fields = {}
+        view.braces = False
+
+
+def _call_options(view: View, call: Call, c: Checker) -> None:
+    for a in call.args:
+        if a.key is None:
+            view.bad = True
+            c.error(a.pos, f"'{call.name.text}' takes named options, got '{describe(a.value)}'",
+                    _options_example(call.name.text))
+    c.gather(view, [Entry(a.key, a.value, a.pos) for a in call.args if a.key is not None])
+
+
+def _options_example(name: str) -> str:
+    return {"block_attnres": "e.g. block_attnres(blocks: 8) or block_attnres(block_size: 4)",
+            "full_attnres": "e.g. full_attnres(query: input_dependent) or full_attnres(window: 8)",
+            "denseformer": "e.g. denseformer(gate: softmax)",
+            "pipeline": "e.g. pipeline(stages: 2, microbatches: 4)"}.get(
+                name, "write options as 'key: value'")
+
+
+def parallel_head(view: View, value, c: Checker) -> None:
+    if not isinstance(value, (Call, Name)):
+        c.error(value.pos, f"expected pipeline(...), got '{describe(value)}'",
+                "e.g. parallel { pipeline(stages: 2, microbatches: 4) }")
+        view.bad = True
+        return
+    name = value.name if isinstance(value, Call) else value
+    if name.text not in PARALLEL_KINDS:
+        c.error(name.pos, f"unknown parallelism '{name.text}'",
+                "restopo plans pipeline parallelism: pipeline(stages: 2, ...)"
+                + dym_suffix(name.text, PARALLEL_KINDS))
+        view.bad = True
+        return
+    view.head = name
+    if isinstance(value, Call):
+        _call_options(view, value, c)
+
