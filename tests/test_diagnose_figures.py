@@ -147,6 +147,9 @@ def test_diagnose_command_writes_figures(tmp_path, monkeypatch, capsys, residual
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and name in printed
     numbers = json.loads((out / "diagnose" / "diagnose.json").read_text())
     assert numbers["step"] == 4 and numbers["reconstruction_error"] < 1e-4
+    # both start as the standard residual, and the report says so
+    assert "step 0: equals the standard residual" in printed
+    assert numbers["step0"]["expected_equal"] and numbers["step0"]["difference"] < 1e-5
 
 
 def test_diagnose_bad_checkpoint(tmp_path, capsys):
@@ -155,3 +158,26 @@ def test_diagnose_bad_checkpoint(tmp_path, capsys):
     assert "does not exist" in err and "Traceback" not in err
     assert main(["diagnose", str(tmp_path)]) == 1
     assert "no complete checkpoint" in capsys.readouterr().err
+
+
+def test_step0_line_flags_a_broken_start_and_names_the_expected_ones(monkeypatch):
+    """The report line tells apart: equal as it should, different though it should not be
+    (here: every norm's epsilon put back to 1e-6, the trap restopo.nn.norm avoids), and
+    different as expected (ReZero starts with the sublayers switched off)."""
+    import restopo.nn.aggregate as aggregate
+    import restopo.nn.sublayers as sublayers
+    from restopo.train.init_check import step0_report
+
+    m = ModelSpec(vocab=256, width=32, depth=16, heads=4, context=16)
+    idx = batches(1)[0][0]
+    full = T.full_attnres(m.kinds)
+    line = step0_report(m, full, build_ir(m.kinds, full), idx)["line"]
+    assert line.startswith("step 0: equals the standard residual")
+    rezero = T.rezero(m.kinds)
+    report = step0_report(m, rezero, build_ir(m.kinds, rezero), idx)
+    assert not report["expected_equal"] and "as expected" in report["line"]
+    monkeypatch.setattr(sublayers, "NORM_EPS", 1e-6)  # read when the norms are built
+    monkeypatch.setattr(aggregate, "EPS", 1e-6)
+    report = step0_report(m, full, build_ir(m.kinds, full), idx)
+    assert report["line"].startswith("step 0: DIFFERS from the standard residual")
+    assert report["difference"] > 1e-2

@@ -8,7 +8,6 @@ import torch.nn.functional as F
 
 from restopo import topology as T
 from restopo.ir import build_ir
-from restopo.nn import norm as norm_module
 from restopo.nn.norm import NORM_EPS
 from restopo.spec.objects import ModelSpec
 from restopo.train.init_check import (STANDARD_AT_INIT_TOLERANCE, starts_as_standard,
@@ -94,13 +93,13 @@ def test_the_old_epsilon_breaks_it(monkeypatch):
     """The trap this guards against: with every norm's epsilon at 1e-6 (the usual default),
     Full AttnRes at 32 sublayers starts far from the standard model (the mean of 33 sources
     of an embedding at std 0.02 has a mean square below 1e-6)."""
+    import restopo.nn.aggregate as aggregate
+    import restopo.nn.sublayers as sublayers
+
     spec = model_spec(16)
-    monkeypatch.setattr(norm_module, "NORM_EPS", 1e-6)
+    monkeypatch.setattr(sublayers, "NORM_EPS", 1e-6)  # read when the norms are built
+    monkeypatch.setattr(aggregate, "EPS", 1e-6)
     other, standard = step0_models(spec, T.full_attnres(spec.kinds), torch.float64)
-    for m in (other, standard):
-        for mod in m.modules():
-            if isinstance(mod, torch.nn.RMSNorm):
-                mod.eps = 1e-6
     assert step0_difference(other, standard, _idx()) > 0.1
 
 

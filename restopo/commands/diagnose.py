@@ -50,6 +50,7 @@ def run(args) -> int:
     except (CheckpointError, DataError, ValueError) as e:
         print(f"restopo diagnose: error: {e}", file=sys.stderr)
         return 1
+    print(result["step0"])
     print(f"wrote {result['out']}:")
     for name, path in result["paths"].items():
         print(f"  {name:16s}{path}")

@@ -243,6 +243,7 @@ def diagnose(checkpoint: str, out_dir: str | None = None, *, batches: int = 4,
              batch_size: int = 8, device: str = "cpu", data_base: str | None = None) -> dict:
     """Load a checkpoint (its spec travels inside), measure, write the figures."""
     from .data import fixed_batches, open_corpus
+    from .init_check import step0_report
     from .runspec import model_from_meta
 
     step_dir = resolve_checkpoint(checkpoint)
@@ -255,8 +256,12 @@ def diagnose(checkpoint: str, out_dir: str | None = None, *, batches: int = 4,
     numbers = collect(model, graph, val, torch.device(device))
     numbers["checkpoint"] = str(step_dir)
     numbers["step"] = meta.get("step")
+    # The spec's model as training initialised it, against the standard residual.
+    numbers["step0"] = step0_report(spec.model, spec.topology, graph, val[0][0],
+                                    seed=spec.train.seed)
     out = Path(out_dir) if out_dir else step_dir.parent.parent / "diagnose"
     name = spec.topology.name
     paths = write_figures(numbers, graph, out, f"{name} step {meta.get('step')}")
     return {"out": str(out), "paths": {k: str(p) for k, p in paths.items()},
-            "reconstruction_error": numbers["reconstruction_error"]}
+            "reconstruction_error": numbers["reconstruction_error"],
+            "step0": numbers["step0"]["line"]}
