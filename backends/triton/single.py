@@ -100,7 +100,8 @@ def rows_view(x: torch.Tensor) -> torch.Tensor:
 
 def folded_query(query: torch.Tensor, gain: torch.Tensor | None, key_norm: bool,
                  acc: torch.dtype) -> torch.Tensor:
-    """u = gain * query in the accumulation dtype (the gain only ever meets the query)."""
+    """u = gain * query in the accumulation dtype (the gain only ever meets the query); one
+    query [d] or a block's queries [S, d] with their gains [S, d]."""
     u = query.to(acc)
     if key_norm and gain is not None:
         u = u * gain.to(acc)

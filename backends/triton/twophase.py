@@ -206,13 +206,6 @@ def _phase1_tiles(rows: int, d: int, S: int, device: torch.device, kernel: str):
     return block_r, block_s, block_c
 
 
-def _folded_queries(queries, gains, key_norm, acc):
-    u = queries.to(acc)
-    if key_norm and gains is not None:
-        u = u * gains.to(acc)
-    return u.contiguous()
-
-
 def phase1_forward(completed: torch.Tensor, queries: torch.Tensor, gains: torch.Tensor | None,
                    eps: float, key_norm: bool):
     """(o1 [S, *batch, d] in the input dtype, m1 and s1 [S, *batch, 1] and the logits
@@ -228,7 +221,7 @@ def phase1_forward(completed: torch.Tensor, queries: torch.Tensor, gains: torch.
     s1 = torch.empty((S, rows), dtype=acc, device=dev)
     z = torch.empty((n, S, rows), dtype=acc, device=dev)
     if rows:
-        u = _folded_queries(queries, gains, key_norm, acc)
+        u = folded_query(queries, gains, key_norm, acc)
         block_r, block_s, block_c = _phase1_tiles(rows, d, S, dev, "fwd")
         r_tiles = triton.cdiv(rows, block_r)
         warps = rt.num_warps(block_r * block_s * block_c)
@@ -250,7 +243,7 @@ def phase1_backward(do1, dm1, ds1, completed, queries, gains, z, m1, eps, key_no
     dv = torch.empty(completed.shape, dtype=completed.dtype, device=dev)
     if not rows:
         return dv, torch.zeros((S, d), dtype=acc, device=dev)
-    u = _folded_queries(queries, gains, key_norm, acc)
+    u = folded_query(queries, gains, key_norm, acc)
     strides = (v.stride(0), v.stride(1), v.stride(2))
     do1 = do1.reshape(S, rows, d).contiguous()
     dm1 = dm1.reshape(S, rows).to(acc).contiguous()
