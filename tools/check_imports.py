@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "restopo"
 LAYERS = ("grammars", "io", "registry", "topology", "ir", "draw", "spec", "ops", "nn", "fx",
           "backends",
-          "api", "train", "cli", "commands", "__main__")
+          "api", "train", "experiments", "cli", "commands", "__main__")
 PLUGINS = ("backends",)
 
 

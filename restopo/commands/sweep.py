@@ -1,0 +1,147 @@
+"""`restopo sweep SPEC... --seeds N`: train a grid of specs x overrides x seeds, then compare."""
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import time
+from pathlib import Path
+
+EXAMPLES = """\
+examples:
+  restopo sweep examples/standard.restopo examples/block_attnres.restopo --seeds 3 \\
+      --set train.steps=2000 --jobs 2 --out runs/ablation
+  restopo sweep examples/standard.restopo --vary model.width=32,64,128 --seeds 2 \\
+      --out runs/scaling                        a size axis (compare --scaling fits it)
+  restopo sweep experiments/ablation/*.restopo --seeds 3 --out runs/ablation   # again:
+      finished runs are skipped, interrupted ones resumed, failed ones tried again
+
+Each run is `restopo train SPEC --set ... --seed S --out OUT/NAME` (one thread), named from
+what differs (spec, varied values, seed); its log is OUT/NAME/train.log and its state
+OUT/NAME/run.json. A failed run is recorded and the others go on. At the end the runs are
+compared (OUT/results.md; `restopo compare OUT` redoes it).
+"""
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "sweep", help="train a grid of specs x overrides x seeds, then compare the runs",
+        description="Train every combination of spec, varied overrides and seed through "
+                    "`restopo train`, a few processes at a time; rerunning completes only "
+                    "what is missing.",
+        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("specs", nargs="+", metavar="SPEC", help=".restopo files (the arms)")
+    p.add_argument("--out", required=True, metavar="DIR", help="folder of the sweep's runs")
+    p.add_argument("--seeds", type=int, default=1, metavar="N",
+                   help="seeds 0..N-1 for every arm (default 1)")
+    p.add_argument("--seed-list", metavar="S,S,...", help="these seeds instead of 0..N-1")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a spec value in every run (repeatable)")
+    p.add_argument("--vary", action="append", default=[], metavar="KEY=V1,V2",
+                   help="an axis of the grid: one arm per value (repeatable: all combinations)")
+    p.add_argument("--jobs", type=int, default=1, metavar="J",
+                   help="runs at a time, one CPU thread each (default 1)")
+    p.add_argument("--executor", choices=("local", "submitit", "submitit-local"),
+                   default="local",
+                   help="local processes (default); submitit: one Slurm job per run; "
+                        "submitit-local: the same through submitit on this machine")
+    p.add_argument("--slurm", action="append", default=[], metavar="KEY=VALUE",
+                   help="a submitit/Slurm parameter, e.g. timeout_min=120, "
+                        "slurm_partition=gpu (repeatable)")
+    p.add_argument("--baseline", metavar="ARM", help="compare the others with this arm")
+    p.add_argument("--dry-run", action="store_true", help="list the runs and their state only")
+    p.set_defaults(func=run)
+
+
+def _seeds(args) -> list[int]:
+    if args.seed_list:
+        return [int(s) for s in args.seed_list.split(",") if s.strip()]
+    return list(range(args.seeds))
+
+
+def _parameters(items) -> dict:
+    out = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ValueError(f"--slurm takes KEY=VALUE; got {item!r}")
+        out[key.strip()] = int(value) if value.strip().isdigit() else value.strip()
+    return out
+
+
+def run(args) -> int:
+    from ..experiments import runner
+    from ..experiments.grid import make_grid
+    from ..spec import load_spec
+
+    out = Path(args.out)
+    try:
+        if args.seeds < 1 or args.jobs < 1:
+            raise ValueError("--seeds and --jobs must be at least 1")
+        seeds = _seeds(args)
+        jobs = make_grid(args.specs, seeds, args.overrides, args.vary)
+        for job in {j.spec: j for j in jobs}.values():  # every spec checks before any run
+            load_spec(job.spec, overrides=job.overrides)
+        slurm = _parameters(args.slurm)
+    except ValueError as e:
+        print(f"restopo sweep: error: {e}", file=sys.stderr)
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    states = {j.name: runner.state(out, j) for j in jobs}
+    print(f"restopo sweep: {len(jobs)} runs in {out} ({sum(s == 'done' for s in states.values())}"
+          f" done, {sum(s == 'resume' for s in states.values())} to resume)", file=sys.stderr)
+    if args.dry_run:
+        for j in jobs:
+            print(f"  {j.name:40s} {states[j.name]:7s} {' '.join(j.command(out, resume=False)[3:])}")
+        return 0
+    progress = _Progress(len(jobs))
+    try:
+        if args.executor == "local":
+            results = runner.run_local(jobs, out, args.jobs, progress)
+        else:
+            cluster = "local" if args.executor == "submitit-local" else "slurm"
+            results = runner.run_submitit(jobs, out, progress, cluster=cluster, parameters=slurm)
+    except KeyboardInterrupt:
+        print("restopo sweep: interrupted; run it again to finish (finished runs are kept)",
+              file=sys.stderr)
+        return 130
+    except RuntimeError as e:
+        print(f"restopo sweep: error: {e}", file=sys.stderr)
+        return 1
+    failed = [r for r in results if r["status"] == "failed"]
+    for r in failed:
+        print(f"restopo sweep: {r['name']} failed: {r.get('error')} (log: "
+              f"{out / r['name'] / 'train.log'})", file=sys.stderr)
+    from .compare import run as compare_run
+    compare_args = argparse.Namespace(runs=[str(out)], baseline=args.baseline, out=str(out),
+                                      scaling=False, title=f"restopo sweep {out.name}")
+    code = compare_run(compare_args) if len(results) > len(failed) else 1
+    return 1 if failed else code
+
+
+class _Progress:
+    """One line per run as it starts and ends, with the count and the time so far."""
+
+    def __init__(self, total: int):
+        self.total, self.ended, self.t0 = total, 0, time.perf_counter()
+        self.lock = threading.Lock()  # runs start and end on several threads
+
+    def __call__(self, event: dict) -> None:
+        with self.lock:
+            self._print(event)
+
+    def _print(self, event: dict) -> None:
+        from ..experiments.report import elapsed
+
+        job = event["job"]
+        if event["event"] == "start":
+            verb = "resuming" if event.get("resume") else "starting"
+            print(f"  {verb} {job.name}", file=sys.stderr, flush=True)
+            return
+        self.ended += 1
+        what = "already done" if event["event"] == "skip" else event["status"]
+        if event.get("status") == "failed":
+            what += f": {event.get('error')}"
+        took = f" in {elapsed(event['seconds'])}" if "seconds" in event else ""
+        print(f"  [{self.ended}/{self.total}] {job.name}: {what}{took} "
+              f"({elapsed(time.perf_counter() - self.t0)} so far)", file=sys.stderr, flush=True)

@@ -1,0 +1,63 @@
+"""The grid of a sweep: specs x varied overrides x seeds, as jobs named by what differs."""
+from __future__ import annotations
+
+import itertools
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Job:
+    """One run of a sweep: `restopo train spec --set ... --seed seed`, in folder `name`."""
+
+    name: str
+    arm: str
+    spec: str
+    overrides: tuple[str, ...]
+    seed: int
+
+    def command(self, out: Path, *, resume: bool, threads: int = 1) -> list[str]:
+        cmd = [sys.executable, "-m", "restopo", "train", self.spec, "--out", str(out / self.name),
+               "--seed", str(self.seed), "--no-progress", "--threads", str(threads)]
+        for s in self.overrides:
+            cmd += ["--set", s]
+        return cmd + (["--resume"] if resume else [])
+
+
+def parse_vary(text: str) -> tuple[str, list[str]]:
+    """'model.width=64,128' -> ('model.width', ['64', '128']); ValueError names the form."""
+    key, eq, values = text.partition("=")
+    items = [v.strip() for v in values.split(",") if v.strip()]
+    if not eq or not key.strip() or not items:
+        raise ValueError(f"--vary takes KEY=V1,V2,... e.g. model.width=64,128; got {text!r}")
+    return key.strip(), items
+
+
+def _short(key: str, value: str) -> str:
+    """The part of a run's name one varied value gives: model.width=128 -> width128."""
+    leaf = key.rsplit(".", 1)[-1]
+    return re.sub(r"[^A-Za-z0-9_.]+", "_", f"{leaf}{value}")
+
+
+def make_grid(specs, seeds, sets=(), varies=()) -> list[Job]:
+    """Every (spec, combination of varied values, seed). `sets` apply to every job."""
+    specs = [str(s) for s in specs]
+    if not specs:
+        raise ValueError("a sweep needs at least one spec file")
+    stems = [Path(s).stem for s in specs]
+    if len(set(stems)) != len(stems):
+        raise ValueError("two specs share a file name; run names come from file names, so "
+                         "rename one")
+    axes = [parse_vary(v) for v in varies]
+    jobs = []
+    for spec, stem in zip(specs, stems):
+        for combo in itertools.product(*[values for _, values in axes]):
+            varied = [f"{key}={value}" for (key, _), value in zip(axes, combo)]
+            parts = ([stem] if len(specs) > 1 or not axes else []) + \
+                [_short(key, value) for (key, _), value in zip(axes, combo)]
+            arm = "-".join(parts)
+            for seed in seeds:
+                jobs.append(Job(f"{arm}-s{seed}", arm, spec, tuple(sets) + tuple(varied), seed))
+    return jobs

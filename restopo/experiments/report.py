@@ -1,0 +1,387 @@
+"""The comparison of runs: one row per arm (runs that differ only by seed), a markdown and a
+CSV table, a reading of the table in plain words, and plots. Everything in the written
+report is computed here from the runs; nothing is typed by hand.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import os
+import platform
+import shlex
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..io import write_atomic
+from .runs import Run
+from .stats import Difference, PowerLaw, difference, fit_power_law, mean_std
+
+
+@dataclass
+class Arm:
+    """Runs that differ only by seed."""
+
+    name: str
+    runs: list[Run]
+    parameters: int | None = None
+    live_values: int | None = None
+    train_flops_per_token: float | None = None
+    diff: Difference | None = None          # final validation loss against the baseline
+    extra: dict = field(default_factory=dict)
+
+    def by_seed(self, value) -> dict:
+        out = {}
+        for r in self.runs:
+            v = value(r)
+            if v is not None:
+                out[r.seed if r.seed is not None else r.name] = v
+        return out
+
+    @property
+    def finals(self) -> dict:
+        return self.by_seed(lambda r: r.final_val)
+
+    @property
+    def bests(self) -> dict:
+        return self.by_seed(lambda r: r.best_val)
+
+    @property
+    def family(self) -> str:
+        return self.runs[0].family
+
+    @property
+    def compute(self) -> float | None:
+        """Training FLOPs of one run (all steps), from the IR's count per token."""
+        r = self.runs[0]
+        if self.train_flops_per_token is None or not r.tokens_per_step:
+            return None
+        return self.train_flops_per_token * r.tokens_per_step * r.planned_steps
+
+    @property
+    def seconds_per_step(self) -> float | None:
+        times = [r.seconds_per_step for r in self.runs if r.seconds_per_step is not None]
+        return sum(times) / len(times) if times else None
+
+
+def group(runs: list[Run]) -> list[Arm]:
+    """Arms in the order their first run appears; only runs with validation losses count."""
+    arms: dict[str, Arm] = {}
+    for r in runs:
+        arms.setdefault(r.arm, Arm(r.arm, [])).runs.append(r)
+    return list(arms.values())
+
+
+def describe_models(arms: list[Arm]) -> None:
+    """Parameters, live values per token and training FLOPs per token of each arm's model,
+    from its spec (the copy in its checkpoint)."""
+    from ..api import compile as compile_spec
+    from ..ir import live_values_per_token
+    from ..nn.flops import flops_per_token
+
+    for arm in arms:
+        spec = next((r.spec for r in arm.runs if r.spec is not None), None)
+        if spec is None or spec.model is None:
+            continue
+        g = spec.ir()
+        arm.parameters = sum(p.numel() for p in compile_spec(spec, backend="eager").parameters())
+        arm.live_values = live_values_per_token(g)
+        arm.train_flops_per_token = flops_per_token(g, spec.model).train
+
+
+def pick_baseline(arms: list[Arm], name: str | None) -> Arm | None:
+    """The arm named `name` (or the only arm of that family); None without a name."""
+    if name is None:
+        return None
+    exact = [a for a in arms if a.name == name]
+    if exact:
+        return exact[0]
+    family = [a for a in arms if a.family == name]
+    if len(family) == 1:
+        return family[0]
+    names = ", ".join(a.name for a in arms)
+    raise ValueError(f"--baseline {name!r} names no arm (or several): the arms are {names}")
+
+
+def compare(arms: list[Arm], baseline: Arm | None) -> None:
+    for arm in arms:
+        if baseline is not None and arm is not baseline:
+            arm.diff = difference(arm.finals, baseline.finals)
+
+
+# -- the table ------------------------------------------------------------------------------
+COLUMNS = ("arm", "seeds", "final val loss", "best val loss", "vs baseline (95% CI)",
+           "s/step", "parameters", "live values/token", "train FLOPs/token")
+
+
+def _pm(values: dict) -> str:
+    if not values:
+        return "-"
+    m, s = mean_std(values.values())
+    return f"{m:.4f} ± {s:.4f}" if len(values) > 1 else f"{m:.4f}"
+
+
+def _diff(arm: Arm, baseline: Arm | None) -> str:
+    if baseline is None:
+        return "-"
+    if arm is baseline:
+        return "baseline"
+    d = arm.diff
+    if d is None:
+        return "(needs 2+ seeds)"
+    return f"{d.mean:+.4f} [{d.low:+.4f}, {d.high:+.4f}]"
+
+
+def rows(arms: list[Arm], baseline: Arm | None) -> list[list[str]]:
+    out = []
+    for a in arms:
+        sps = a.seconds_per_step
+        out.append([a.name, str(len(a.finals)), _pm(a.finals), _pm(a.bests), _diff(a, baseline),
+                    "-" if sps is None else f"{sps:.3f}",
+                    "-" if a.parameters is None else f"{a.parameters:,}",
+                    "-" if a.live_values is None else str(a.live_values),
+                    "-" if a.train_flops_per_token is None
+                    else f"{a.train_flops_per_token:.3g}"])
+    return out
+
+
+def markdown_table(header, body) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in body]
+    return "\n".join(lines) + "\n"
+
+
+def csv_text(arms: list[Arm], baseline: Arm | None) -> str:
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    w.writerow(["arm", "seeds", "final_val_mean", "final_val_std", "best_val_mean",
+                "best_val_std", "diff_mean", "diff_low", "diff_high", "paired",
+                "seconds_per_step", "parameters", "live_values_per_token",
+                "train_flops_per_token"])
+    for a in arms:
+        fm, fs = mean_std(a.finals.values()) if a.finals else (None, None)
+        bm, bs = mean_std(a.bests.values()) if a.bests else (None, None)
+        d = a.diff
+        w.writerow([a.name, len(a.finals), fm, fs, bm, bs,
+                    d.mean if d else "", d.low if d else "", d.high if d else "",
+                    d.paired if d else "", a.seconds_per_step or "", a.parameters or "",
+                    a.live_values or "", a.train_flops_per_token or ""])
+    return buf.getvalue()
+
+
+def reading(arms: list[Arm], baseline: Arm | None) -> list[str]:
+    """What the table says, arm by arm, and whether the seed spread allows saying it."""
+    if baseline is None:
+        return ["No baseline was named (--baseline), so no arm is compared with another."]
+    lines = []
+    _, spread = mean_std(baseline.finals.values()) if baseline.finals else (0, 0)
+    for a in arms:
+        if a is baseline or a.diff is None:
+            continue
+        d = a.diff
+        how = "paired by seed" if d.paired else "unpaired"
+        if d.excludes_zero:
+            verdict = ("lower (better) than" if d.mean < 0 else "higher (worse) than")
+            lines.append(f"- **{a.name}**: final validation loss {d.mean:+.4f} {verdict} "
+                         f"{baseline.name}; the 95% interval [{d.low:+.4f}, {d.high:+.4f}] "
+                         f"({how}, n = {d.n}) excludes zero.")
+        else:
+            lines.append(f"- **{a.name}**: {d.mean:+.4f} against {baseline.name}, within the "
+                         f"noise: the 95% interval [{d.low:+.4f}, {d.high:+.4f}] ({how}, "
+                         f"n = {d.n}) contains zero.")
+    gaps = [abs(a.diff.mean) for a in arms if a.diff is not None]
+    if gaps and spread:
+        lines.append(f"- The baseline's seed spread (standard deviation of its final loss) is "
+                     f"{spread:.4f}; the largest gap to it is {max(gaps):.4f}"
+                     + (", so the gaps are larger than the spread between seeds." if
+                        max(gaps) > spread else
+                        ": at this scale the seed spread is as large as the gaps, and the "
+                        "ordering of arms is not established."))
+    return lines
+
+
+def scale_note(arms: list[Arm]) -> str:
+    """What these runs are, in numbers, against the paper's setting."""
+    r = arms[0].runs[0]
+    params = [a.parameters for a in arms if a.parameters]
+    tokens = r.tokens_per_step * r.planned_steps
+    data = (r.spec.train.data if r.spec is not None else "?")
+    return (f"Scale: {min(params):,} to {max(params):,} parameters" if params else "Scale: ") + \
+        (f", {tokens:,} training tokens per run ({r.planned_steps} steps of "
+         f"{r.tokens_per_step:,} tokens), data `{data}`. The paper's ablation trained "
+         "436M-parameter models on far more tokens and reports gaps of a few thousandths of "
+         "a nat between its arms; a sign that agrees with it here is suggestive, not a "
+         "replication, and a gap inside the seed spread says nothing either way.")
+
+
+# -- compute equivalence ------------------------------------------------------------------------
+def compute_equivalence(arms: list[Arm], baseline_family: str) -> tuple[PowerLaw, list[tuple]]:
+    """Fit the baseline family's final loss against training compute over its sizes; for
+    every other arm, the baseline compute that reaches its loss, as a multiple of its own."""
+    base = [a for a in arms if a.family == baseline_family and a.compute and a.finals]
+    fit = fit_power_law([a.compute for a in base],
+                        [mean_std(a.finals.values())[0] for a in base])
+    out = []
+    for a in arms:
+        if a.family == baseline_family or not a.compute or not a.finals:
+            continue
+        loss = mean_std(a.finals.values())[0]
+        out.append((a, loss, a.compute, fit.compute_for(loss) / a.compute))
+    return fit, out
+
+
+# -- plots -------------------------------------------------------------------------------
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path: Path) -> Path:
+    write_atomic(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight"))
+    _pyplot().close(fig)
+    return path
+
+
+def plot_curves(arms: list[Arm], path: Path, *, tokens: bool) -> Path:
+    """Validation loss per arm: the mean over seeds, and a band from the lowest to the
+    highest seed at each evaluation."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for a in arms:
+        per_step: dict[int, list[float]] = {}
+        for r in a.runs:
+            for s, v in r.val_curve():
+                per_step.setdefault(s, []).append(v)
+        if not per_step:
+            continue
+        steps = sorted(per_step)
+        scale = a.runs[0].tokens_per_step if tokens else 1
+        x = [s * scale for s in steps]
+        mean = [sum(per_step[s]) / len(per_step[s]) for s in steps]
+        line, = ax.plot(x, mean, "-", lw=1.5, label=f"{a.name} ({len(a.runs)})")
+        ax.fill_between(x, [min(per_step[s]) for s in steps], [max(per_step[s]) for s in steps],
+                        color=line.get_color(), alpha=0.18, lw=0)
+    ax.set_xlabel("training tokens" if tokens else "step")
+    ax.set_ylabel("validation loss (nats/token)")
+    ax.set_title("validation loss: mean over seeds, band from lowest to highest seed",
+                 fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    _tail_ylim(ax, arms)
+    return _save(fig, path)
+
+
+def _tail_ylim(ax, arms: list[Arm]) -> None:
+    """Zoom on the second half of training, where the arms separate (the start is shared)."""
+    tail = [v for a in arms for r in a.runs for s, v in r.val_curve()
+            if s >= r.planned_steps / 2]
+    if tail:
+        lo, hi = min(tail), max(tail)
+        pad = 0.15 * (hi - lo or 0.05)
+        ax.set_ylim(lo - pad, hi + 4 * pad)
+
+
+def plot_finals(arms: list[Arm], baseline: Arm | None, path: Path) -> Path:
+    """Final validation loss per arm: every seed as a dot, the mean with its spread."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(max(5.0, 0.9 * len(arms) + 2), 4.2))
+    for i, a in enumerate(arms):
+        vals = list(a.finals.values())
+        if not vals:
+            continue
+        m, s = mean_std(vals)
+        ax.errorbar([i], [m], yerr=[s], fmt="o", capsize=4, ms=6,
+                    color="black" if a is baseline else "C0")
+        ax.plot([i] * len(vals), vals, ".", color="C1", ms=5, alpha=0.8)
+    if baseline is not None and baseline.finals:
+        ax.axhline(mean_std(baseline.finals.values())[0], color="black", lw=0.8, ls="--")
+    ax.set_xticks(range(len(arms)), [a.name for a in arms], rotation=30, ha="right",
+                  fontsize=8)
+    ax.set_ylabel("final validation loss")
+    ax.set_title("final validation loss: mean ± std over seeds (dots: seeds)", fontsize=9)
+    ax.grid(alpha=0.3, axis="y")
+    return _save(fig, path)
+
+
+def plot_scaling(arms: list[Arm], fit: PowerLaw, baseline_family: str, path: Path) -> Path:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    base = [a for a in arms if a.family == baseline_family and a.compute and a.finals]
+    cs = [a.compute for a in base]
+    lo, hi = min(cs) / 1.5, max(cs) * 1.5
+    grid = [lo * (hi / lo) ** (k / 50) for k in range(51)]
+    ax.plot(grid, [fit.loss(c) for c in grid], "k--", lw=1,
+            label=f"{baseline_family} fit: {fit.a:.3g} C^-{fit.b:.3g} (R² {fit.r2:.3f})")
+    ax.plot(cs, [mean_std(a.finals.values())[0] for a in base], "ko", label=baseline_family)
+    for family in sorted({a.family for a in arms} - {baseline_family}):
+        pts = [a for a in arms if a.family == family and a.compute and a.finals]
+        ax.plot([a.compute for a in pts], [mean_std(a.finals.values())[0] for a in pts], "o",
+                label=family)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("training compute (FLOPs)")
+    ax.set_ylabel("final validation loss")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3, which="both")
+    return _save(fig, path)
+
+
+# -- the whole report ------------------------------------------------------------------------
+def machine() -> str:
+    import torch
+
+    return (f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPU cores, "
+            f"Python {platform.python_version()}, torch {torch.__version__}")
+
+
+def write_report(arms: list[Arm], baseline: Arm | None, out: Path, command: list[str], *,
+                 scaling: bool = False, title: str = "restopo compare") -> dict[str, Path]:
+    """results.md, results.csv and the plots in `out`; returns their paths."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"csv": out / "results.csv", "md": out / "results.md"}
+    write_atomic(paths["csv"], csv_text(arms, baseline))
+    paths["curves"] = plot_curves(arms, out / "val_loss_by_step.png", tokens=False)
+    paths["curves_tokens"] = plot_curves(arms, out / "val_loss_by_tokens.png", tokens=True)
+    paths["finals"] = plot_finals(arms, baseline, out / "final_val_loss.png")
+    md = [f"# {title}", "",
+          "Written by `restopo compare`; regenerate it with:", "",
+          "```sh", " ".join(shlex.quote(c) for c in command), "```", "",
+          f"Machine: {machine()}. Written {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.",
+          "", "## Final validation loss", "",
+          markdown_table(COLUMNS, rows(arms, baseline)),
+          "Loss in nats per byte-level token, mean ± standard deviation over seeds. "
+          "`vs baseline`: the difference of the means with its 95% interval (paired by seed "
+          "when both arms ran the same seeds: same data order and same sublayer weights at "
+          "step 0). `s/step`: wall time per step over the whole run, evaluation included.",
+          "", "## What the figures show, and what they do not", ""]
+    md += reading(arms, baseline) + ["", scale_note(arms), ""]
+    md += ["## Curves", "", "![validation loss by step](val_loss_by_step.png)", "",
+           "![validation loss by training tokens](val_loss_by_tokens.png)", "",
+           "![final validation loss per arm](final_val_loss.png)", ""]
+    if scaling:
+        if baseline is None:
+            raise ValueError("--scaling needs --baseline (the family fitted across sizes)")
+        fit, equiv = compute_equivalence(arms, baseline.family)
+        paths["scaling"] = plot_scaling(arms, fit, baseline.family, out / "scaling.png")
+        md += ["## Compute equivalence", "",
+               f"{baseline.family}'s final loss against training compute, fitted over its "
+               f"{sum(1 for a in arms if a.family == baseline.family)} sizes: "
+               f"loss = {fit.a:.4g} · C^-{fit.b:.4g} (R² {fit.r2:.3f}). For each other arm, "
+               f"the compute the fitted {baseline.family} needs to reach its loss, as a "
+               "multiple of the compute it used (above 1: it matches a larger-compute "
+               "baseline).", "",
+               markdown_table(("arm", "final val loss", "compute (FLOPs)",
+                               f"{baseline.family} compute to match / own"),
+                              [[a.name, f"{loss:.4f}", f"{c:.3g}", f"{ratio:.3f}"]
+                               for a, loss, c, ratio in equiv]),
+               "![compute equivalence](scaling.png)", ""]
+    write_atomic(paths["md"], "\n".join(md))
+    return paths
+
+
+def elapsed(seconds: float) -> str:
+    return f"{seconds / 60:.1f} min" if seconds >= 90 else f"{seconds:.0f} s"

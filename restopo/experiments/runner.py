@@ -1,0 +1,151 @@
+"""Running a sweep's jobs: local processes (`--jobs` at a time, one thread each), or one
+Slurm job each through submitit (its local executor runs the same path on this machine).
+
+Each job is `restopo train` in its own folder, so every run has the usual checkpoints and
+metrics. The sweep keeps run.json per job (arm, seed, status, error), which makes it
+restartable: a finished run is skipped, an interrupted one resumed from its checkpoint, a
+failed one tried again; a failing run is recorded and never stops the others.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from pathlib import Path
+
+from ..io import write_atomic
+from ..train.checkpoint import latest_checkpoint, read_meta
+from .grid import Job
+from .runs import RUN_FILE
+
+TAIL = 20  # lines of a failed run's log kept as its error
+
+
+def state(out: Path, job: Job) -> str:
+    """done (finished all its steps), resume (has a checkpoint), or new."""
+    folder = out / job.name
+    info = _read(folder / RUN_FILE)
+    ckpt = latest_checkpoint(folder / "ckpt")
+    if ckpt is None:
+        return "new"
+    meta = read_meta(ckpt)
+    finished = meta.get("step") == meta.get("config", {}).get("steps")
+    return "done" if finished and info.get("status") == "done" else "resume"
+
+
+def _read(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _record(out: Path, job: Job, **fields) -> None:
+    folder = out / job.name
+    folder.mkdir(parents=True, exist_ok=True)
+    info = {"arm": job.arm, "seed": job.seed, "spec": job.spec,
+            "overrides": list(job.overrides), **fields}
+    write_atomic(folder / RUN_FILE, json.dumps(info, indent=1) + "\n")
+
+
+def run_job(job: Job, out: Path, resume: bool, threads: int = 1) -> dict:
+    """Run one job to the end in a child process; its outcome as run.json records it.
+    (Module level so that submitit can pickle it.)"""
+    folder = out / job.name
+    folder.mkdir(parents=True, exist_ok=True)
+    _record(out, job, status="running")
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    t0 = time.perf_counter()
+    with open(folder / "train.log", "a") as log:
+        code = subprocess.call(job.command(out, resume=resume, threads=threads),
+                               stdout=log, stderr=subprocess.STDOUT, env=env)
+    seconds = time.perf_counter() - t0
+    if code == 0:
+        _record(out, job, status="done", seconds=round(seconds, 1))
+        return {"name": job.name, "status": "done", "seconds": seconds}
+    lines = (folder / "train.log").read_text(errors="replace").splitlines()[-TAIL:]
+    error = next((ln for ln in reversed(lines) if "error" in ln.lower()), lines[-1] if lines
+                 else f"exit status {code}")
+    _record(out, job, status="failed", returncode=code, error=error, log_tail=lines)
+    return {"name": job.name, "status": "failed", "error": error, "seconds": seconds}
+
+
+def run_local(jobs: list[Job], out: Path, workers: int, report) -> list[dict]:
+    """Run `jobs` with up to `workers` child processes at once. `report(event)` is called
+    with each start and end. Ctrl-C stops the children (their last checkpoints stay)."""
+    todo = [(job, state(out, job)) for job in jobs]
+    results = [{"name": j.name, "status": "done", "skipped": True}
+               for j, s in todo if s == "done"]
+    for j, s in todo:
+        if s == "done":
+            report({"event": "skip", "job": j})
+    pending = [(j, s) for j, s in todo if s != "done"]
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        futures = {}
+        for job, s in pending:
+            futures[pool.submit(_started, job, out, s == "resume", report)] = job
+        try:
+            for f in as_completed(futures):
+                result = f.result()
+                results.append(result)
+                report({"event": "end", "job": futures[f], **result})
+        except KeyboardInterrupt:
+            for f in futures:
+                f.cancel()
+            _stop_children()
+            raise
+    return results
+
+
+def _started(job: Job, out: Path, resume: bool, report) -> dict:
+    report({"event": "start", "job": job, "resume": resume})
+    return run_job(job, out, resume)
+
+
+def _stop_children() -> None:
+    """SIGTERM our child processes (each saves nothing extra: its last checkpoint stands)."""
+    try:
+        children = subprocess.run(["pgrep", "-P", str(os.getpid())], capture_output=True,
+                                  text=True).stdout.split()
+    except OSError:
+        return
+    for pid in children:
+        try:
+            os.kill(int(pid), signal.SIGTERM)
+        except (OSError, ValueError):
+            pass
+
+
+def run_submitit(jobs: list[Job], out: Path, report, *, cluster: str = "slurm",
+                 parameters: dict | None = None) -> list[dict]:
+    """One submitit job per run (cluster 'slurm', or 'local' to run them on this machine
+    through submitit's own local executor). Needs `pip install 'restopo[sweep]'`."""
+    try:
+        import submitit
+    except ImportError:
+        raise RuntimeError("--executor submitit needs submitit: pip install 'restopo[sweep]'") \
+            from None
+    executor = submitit.AutoExecutor(folder=str(out / ".submitit"), cluster=cluster)
+    executor.update_parameters(**(parameters or {}))
+    todo = [(job, state(out, job)) for job in jobs]
+    results = []
+    submitted = []
+    for job, s in todo:
+        if s == "done":
+            report({"event": "skip", "job": job})
+            results.append({"name": job.name, "status": "done", "skipped": True})
+            continue
+        report({"event": "start", "job": job, "resume": s == "resume"})
+        submitted.append((job, executor.submit(run_job, job, out, s == "resume")))
+    for job, handle in submitted:
+        try:
+            result = handle.result()
+        except Exception as e:  # the job itself failed to run (not the training)
+            _record(out, job, status="failed", error=str(e).splitlines()[-1])
+            result = {"name": job.name, "status": "failed", "error": str(e).splitlines()[-1]}
+        results.append(result)
+        report({"event": "end", "job": job, **result})
+    return results

@@ -1,0 +1,142 @@
+"""Run folders, as `restopo train` leaves them, read back for comparison.
+
+A run folder holds metrics.jsonl and ckpt/ (meta.json of the newest checkpoint carries the
+spec text and overrides). A sweep adds run.json: the arm the run belongs to, its seed and
+status. Without run.json the arm is the folder's name less a trailing `-s<seed>`.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+
+from ..train.checkpoint import latest_checkpoint, read_meta
+from ..train.plots import read_metrics
+
+RUN_FILE = "run.json"
+_SEED = re.compile(r"^(?P<arm>.+)-s(?P<seed>\d+)$")
+
+
+class RunError(ValueError):
+    """A folder that is not a run (message names it and says what was looked for)."""
+
+
+@dataclass
+class Run:
+    path: Path
+    arm: str
+    seed: int | None
+    meta: dict = field(repr=False)
+    records: list[dict] = field(repr=False)
+    status: str = "done"           # done | partial | failed (from run.json, else inferred)
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def config(self) -> dict:
+        return self.meta.get("config", {})
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps the run has done."""
+        return int(self.meta.get("step") or 0)
+
+    @property
+    def planned_steps(self) -> int:
+        return int(self.config.get("steps") or self.steps)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return int(self.config.get("batch", 0)) * int(self.config.get("context", 0))
+
+    def val_curve(self) -> list[tuple[int, float]]:
+        return [(r["step"], r["val_loss"]) for r in self.records
+                if r.get("val_loss") is not None]
+
+    @property
+    def final_val(self) -> float | None:
+        curve = self.val_curve()
+        return curve[-1][1] if curve else None
+
+    @property
+    def best_val(self) -> float | None:
+        curve = self.val_curve()
+        return min(v for _, v in curve) if curve else None
+
+    @property
+    def seconds_per_step(self) -> float | None:
+        """Wall time per step over the whole run (training, evaluation and saving)."""
+        timed = [r for r in self.records if r.get("elapsed") is not None]
+        if not timed or not timed[-1]["step"]:
+            return None
+        return timed[-1]["elapsed"] / timed[-1]["step"]
+
+    @cached_property
+    def spec(self):
+        """The checked spec the run trained (from its checkpoint), or None."""
+        from ..spec import parse_spec
+
+        text = self.meta.get("spec_text")
+        if not isinstance(text, str):
+            return None
+        return parse_spec(text, path=str(self.meta.get("spec_path", "<run>")),
+                          overrides=tuple(self.meta.get("overrides") or ()))
+
+    @property
+    def family(self) -> str:
+        """What the run trained, without its size: the spec file's stem."""
+        return Path(str(self.meta.get("spec_path", self.arm))).stem
+
+
+def read_run(path: str | Path) -> Run:
+    """The run in folder `path`; RunError when it holds neither metrics nor checkpoints."""
+    path = Path(path)
+    info = _json(path / RUN_FILE)
+    ckpt = latest_checkpoint(path / "ckpt")
+    meta = read_meta(ckpt) if ckpt is not None else {}
+    records = read_metrics(path / "metrics.jsonl")
+    if not meta and not records and not info:
+        raise RunError(f"{path}: not a run folder (no metrics.jsonl, ckpt/ or {RUN_FILE})")
+    m = _SEED.match(path.name)
+    arm = info.get("arm") or (m.group("arm") if m else path.name)
+    seed = info.get("seed", meta.get("config", {}).get("seed",
+                                                       int(m.group("seed")) if m else None))
+    status = info.get("status") or ("done" if meta and meta.get("step") ==
+                                    meta.get("config", {}).get("steps") else "partial")
+    return Run(path, arm, seed, meta, records, status)
+
+
+def find_runs(paths) -> list[Run]:
+    """Runs from folders given on the command line: a run folder, or a folder of runs (a
+    sweep's --out). Folders that are not runs inside a sweep folder are skipped."""
+    runs = []
+    for p in map(Path, paths):
+        if not p.is_dir():
+            raise RunError(f"{p}: no such folder")
+        try:
+            runs.append(read_run(p))
+            continue
+        except RunError:
+            pass
+        inner = []
+        for child in sorted(q for q in p.iterdir() if q.is_dir()):
+            try:
+                inner.append(read_run(child))
+            except RunError:
+                continue
+        if not inner:
+            raise RunError(f"{p}: neither a run folder nor a folder of runs")
+        runs += inner
+    return runs
+
+
+def _json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}

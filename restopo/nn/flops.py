@@ -1,0 +1,77 @@
+"""Floating-point operations per token of restopo's reference model, read off the IR.
+
+Counted as 2 per multiply-add, forward pass; a training step costs about three forward
+passes (forward, and backward's two matmuls per forward one). Sublayers are restopo's
+reference ones (restopo.nn.sublayers); the residual topology's own work is counted per
+aggregation point from the IR, so topologies compare by what they add.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..ir import IR, BlockSum, Partial
+from ..topology import STREAM_METHODS
+from .sublayers import swiglu_hidden
+
+TRAIN_PER_FORWARD = 3
+
+
+@dataclass(frozen=True)
+class Flops:
+    """Forward FLOPs per token, by part."""
+
+    sublayers: float
+    head: float
+    aggregations: float
+
+    @property
+    def forward(self) -> float:
+        return self.sublayers + self.head + self.aggregations
+
+    @property
+    def train(self) -> float:
+        return TRAIN_PER_FORWARD * self.forward
+
+
+def sublayer_flops(kind: str, d: int, context: int, mlp: str = "swiglu",
+                   mlp_ratio: float = 4.0) -> float:
+    """One sublayer, per token: attention's projections and (causal, averaged over the
+    positions of a full context) scores and values; an MLP's matrices. Norms are linear in
+    d and left out next to these."""
+    if kind == "attn":
+        return 2 * 4 * d * d + 2 * d * (context + 1)
+    hidden = swiglu_hidden(d, mlp_ratio) if mlp == "swiglu" else int(round(mlp_ratio * d))
+    return 2 * (3 if mlp == "swiglu" else 2) * d * hidden
+
+
+def aggregation_flops(g: IR, d: int) -> float:
+    """The topology's own arithmetic per token: every aggregation point, and the running
+    block and partial sums it reads."""
+    total = 0.0
+    for a in g.aggregations():
+        n = len(a.sources)
+        if a.method == "attend":
+            total += n * 6 * d + (2 * d * d if a.query == "input_dependent" else 0)
+        elif a.method == "scalars":
+            total += 2 * n * d
+        elif a.method == "sum":
+            total += d if a.index > 1 else 0  # a running stream or a sum: one add per output
+        elif a.method in STREAM_METHODS and a.index > 1:
+            total += {"rezero": 2 * d, "layerscale": 2 * d, "highway": 2 * d * d + 5 * d}[a.method]
+    # Running sums are built once per block, up to the longest one any point reads.
+    longest: dict[int, int] = {}
+    for a in g.aggregations():
+        for s in a.sources:
+            v = g.node(s)
+            if isinstance(v, (BlockSum, Partial)):
+                n = v.index if isinstance(v, BlockSum) else v.block
+                longest[n] = max(longest.get(n, 0), len(v.members))
+    return total + sum(k - 1 for k in longest.values()) * d
+
+
+def flops_per_token(g: IR, model) -> Flops:
+    """`model`: a ModelSpec (width, context, vocab, mlp, mlp_ratio) of the IR's sublayers."""
+    d = model.width
+    subs = sum(sublayer_flops(k, d, model.context, model.mlp, float(model.mlp_ratio))
+               for k in g.kinds)
+    return Flops(subs, 2 * d * model.vocab, aggregation_flops(g, d))

@@ -1,0 +1,181 @@
+"""`restopo sweep` and `restopo compare`: the grid, restarts, failures, the statistics and
+the compute-equivalence fit."""
+import csv
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from restopo.cli import main
+from restopo.experiments import report
+from restopo.experiments.grid import make_grid, parse_vary
+from restopo.experiments.runs import Run, find_runs
+from restopo.experiments.stats import difference, fit_power_law, mean_std, t975
+
+ROOT = Path(__file__).resolve().parents[1]
+CORPUS = ROOT / "tests" / "golden" / "corpus.txt"
+TINY = """\
+model m {{ vocab: 256; width: 16; depth: 1; heads: 2; context: 16 }}
+residual {residual}
+train {{ data: "{data}"; steps: 5; batch: 4; warmup: 1; eval_every: 5; eval_batches: 1
+        save_every: 1; log_every: 1 }}
+"""
+
+
+def _specs(tmp_path, data=CORPUS):
+    out = []
+    for name, residual in (("std", "standard"), ("blk", "block_attnres(blocks: 1)")):
+        p = tmp_path / f"{name}.restopo"
+        p.write_text(TINY.format(residual=residual, data=data))
+        out.append(str(p))
+    return out
+
+
+def _sweep(*argv, cwd=None):
+    return subprocess.run([sys.executable, "-m", "restopo", "sweep", *argv], cwd=cwd,
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_grid_names_runs_by_what_differs():
+    jobs = make_grid(["a/std.restopo", "b/blk.restopo"], [0, 1], ["train.steps=5"],
+                     ["model.width=16,32"])
+    assert [j.name for j in jobs] == [
+        "std-width16-s0", "std-width16-s1", "std-width32-s0", "std-width32-s1",
+        "blk-width16-s0", "blk-width16-s1", "blk-width32-s0", "blk-width32-s1"]
+    assert jobs[2].overrides == ("train.steps=5", "model.width=32") and jobs[2].seed == 0
+    assert [j.name for j in make_grid(["x/std.restopo"], [3], [], [])] == ["std-s3"]
+    with pytest.raises(ValueError, match="KEY=V1,V2"):
+        parse_vary("model.width")
+    with pytest.raises(ValueError, match="share a file name"):
+        make_grid(["a/std.restopo", "b/std.restopo"], [0])
+
+
+def test_statistics_against_hand_computation():
+    assert mean_std([1.0, 2.0, 4.0]) == pytest.approx((7 / 3, math.sqrt(7 / 3)))
+    assert t975(2) == 4.303 and t975(2.9) == 4.303 and t975(500) == 1.96
+    # paired: the differences 0.1, 0.3 -> mean 0.2, sd 0.1414, half 12.706 * 0.1414 / sqrt 2
+    d = difference({0: 1.1, 1: 2.3}, {0: 1.0, 1: 2.0})
+    assert d.paired and d.n == 2 and d.mean == pytest.approx(0.2)
+    assert d.high - d.mean == pytest.approx(12.706 * math.sqrt(0.02) / math.sqrt(2))
+    assert not d.excludes_zero
+    w = difference({0: 1.0, 1: 1.02, 2: 1.01}, {5: 2.0, 6: 2.02})  # no shared seeds: Welch
+    va, vb = 1e-4 / 3, 2e-4 / 2                  # variances of the two means
+    df = (va + vb) ** 2 / (va ** 2 / 2 + vb ** 2 / 1)  # 1.68: rounds down to 1
+    assert not w.paired and w.mean == pytest.approx(1.01 - 2.01) and w.excludes_zero
+    assert w.high - w.mean == pytest.approx(t975(df) * math.sqrt(va + vb)) and t975(df) == 12.706
+    assert difference({0: 1.0}, {0: 2.0}) is None
+
+
+def test_power_law_fit_recovers_a_known_law():
+    a, b = 7.5, 0.083
+    cs = [1e12, 4e12, 1.6e13, 6.4e13]
+    fit = fit_power_law(cs, [a * c ** -b for c in cs])
+    assert fit.a == pytest.approx(a, rel=1e-9) and fit.b == pytest.approx(b, rel=1e-9)
+    assert fit.r2 == pytest.approx(1.0)
+    assert fit.compute_for(fit.loss(3e12)) == pytest.approx(3e12, rel=1e-9)
+    with pytest.raises(ValueError, match="three or more"):
+        fit_power_law([1e12, 1e12, 2e12], [3.0, 3.0, 2.9])
+    with pytest.raises(ValueError, match="does not fall"):
+        fit_power_law(cs, [1.0, 1.1, 1.2, 1.3])
+
+
+def _synthetic_run(arm, family, seed, steps, loss):
+    meta = {"step": steps, "spec_path": f"/x/{family}.restopo",
+            "config": {"steps": steps, "batch": 8, "context": 32, "seed": seed}}
+    return Run(Path(f"/x/{arm}-s{seed}"), arm, seed, meta,
+               [{"step": steps, "val_loss": loss, "elapsed": 1.0}])
+
+
+def test_compute_equivalence_from_synthetic_runs(tmp_path):
+    """The baseline follows loss = a C^-b over three sizes (two seeds each, symmetric noise);
+    an arm at the middle size whose loss the baseline reaches with 1.25x its compute is
+    worth 1.25x."""
+    a, b, flops = 9.0, 0.07, {"small": 1e6, "mid": 4e6, "big": 1.6e7}
+    tokens = 8 * 32 * 100
+    arms = []
+    for size, f in flops.items():
+        loss = a * (f * tokens) ** -b
+        runs = [_synthetic_run(f"standard-{size}", "standard", s, 100, loss + e)
+                for s, e in ((0, 0.002), (1, -0.002))]
+        arms.append(report.Arm(f"standard-{size}", runs, train_flops_per_token=f))
+    better = a * (1.25 * flops["mid"] * tokens) ** -b
+    arms.append(report.Arm("block-mid", [_synthetic_run("block-mid", "block", 0, 100, better)],
+                           train_flops_per_token=flops["mid"]))
+    fit, equiv = report.compute_equivalence(arms, "standard")
+    assert fit.b == pytest.approx(b, rel=1e-3) and fit.a == pytest.approx(a, rel=1e-2)
+    [(arm, loss, compute, ratio)] = equiv
+    assert arm.name == "block-mid" and ratio == pytest.approx(1.25, rel=1e-3)
+    paths = report.write_report(arms, arms[0], tmp_path, ["restopo", "compare"], scaling=True)
+    assert "1.250" in paths["md"].read_text()
+    assert paths["scaling"].read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow
+def test_tiny_sweep_kill_rerun_and_compare(tmp_path):
+    """2 specs x 2 seeds x 5 steps, one run at a time. Killed after the first run has
+    finished, then rerun: the finished run is left untouched, the rest complete, and the
+    interrupted one continues from its checkpoint to the same losses a clean run gives."""
+    specs = _specs(tmp_path)
+    out = tmp_path / "sweep"
+    args = [*specs, "--seeds", "2", "--out", str(out), "--baseline", "std"]
+    proc = subprocess.Popen([sys.executable, "-m", "restopo", "sweep", *args],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    first = out / "std-s0" / "run.json"
+    second = out / "std-s1" / "ckpt" / "latest"
+    deadline = time.time() + 300
+    while time.time() < deadline and not (
+            first.exists() and json.loads(first.read_text())["status"] == "done"
+            and second.exists()):
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert json.loads(first.read_text())["status"] == "done", "the first run never finished"
+    kept = {p: p.read_bytes() for p in (out / "std-s0").rglob("*") if p.is_file()}
+    done = _sweep(*args)
+    assert done.returncode == 0, done.stderr
+    assert "std-s0: already done" in done.stderr and "resuming std-s1" in done.stderr
+    assert {p: p.read_bytes() for p in (out / "std-s0").rglob("*") if p.is_file()} == kept
+    with open(out / "results.csv") as f:
+        table = {r["arm"]: r for r in csv.DictReader(f)}
+    assert set(table) == {"std", "blk"} and table["blk"]["seeds"] == "2"
+    assert table["blk"]["diff_mean"] != ""
+    for png in ("val_loss_by_step.png", "val_loss_by_tokens.png", "final_val_loss.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"
+    assert "## What the figures show" in (out / "results.md").read_text()
+    # the resumed run equals the same run done in one go
+    clean = tmp_path / "clean"
+    assert main(["train", specs[0], "--seed", "1", "--out", str(clean), "--no-progress",
+                 "--threads", "1"]) == 0
+    resumed = {r.seed: r for r in find_runs([out])}
+    assert resumed[1].final_val == find_runs([clean])[0].final_val
+
+
+@pytest.mark.slow
+def test_a_failing_run_is_reported_and_the_rest_complete(tmp_path):
+    specs = _specs(tmp_path)
+    bad = tmp_path / "bad.restopo"
+    bad.write_text(TINY.format(residual="standard", data=tmp_path / "no-such-data.txt"))
+    out = tmp_path / "sweep"
+    done = _sweep(specs[0], str(bad), "--seeds", "1", "--out", str(out), "--jobs", "2")
+    assert done.returncode == 1
+    assert "bad-s0 failed" in done.stderr and "no-such-data.txt" in done.stderr
+    info = json.loads((out / "bad-s0" / "run.json").read_text())
+    assert info["status"] == "failed" and "no-such-data.txt" in info["error"]
+    assert json.loads((out / "std-s0" / "run.json").read_text())["status"] == "done"
+    assert (out / "results.md").exists()
+
+
+def test_compare_errors_are_one_line(tmp_path, capsys):
+    assert main(["compare", str(tmp_path / "missing")]) == 1
+    assert "no such folder" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["compare", str(tmp_path / "empty")]) == 1
+    assert "neither a run folder nor a folder of runs" in capsys.readouterr().err
