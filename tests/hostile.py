@@ -21,6 +21,7 @@ import io
 import json
 import os
 import random
+import re
 import signal
 import string
 import sys
@@ -228,9 +229,14 @@ def run_case(path: str, overrides, limit_s: float) -> tuple[str, str]:
         return "traceback", text[-300:]
     if code == 0:
         return "accepted", ""
-    if code == 1 and text.strip():
-        return "clean", text.splitlines()[0][:160]
+    first = text.splitlines()[0] if text.strip() else ""
+    if code == 1 and CLEAN.match(first):
+        return "clean", first[:160]
     return "traceback", f"exit {code} with stderr {text[:200]!r}"
+
+
+# What a clean error opens with: restopo's own one line, or a spec error's FILE:LINE:COL.
+CLEAN = re.compile(r"^(restopo( [a-z]+)?: error: |.*:\d+:\d+: error: )")
 
 
 def drive(n: int, seed: int, folder: Path, limit_s: float) -> dict:
