@@ -51,17 +51,23 @@ class Timeout(BaseException):
 
 @contextlib.contextmanager
 def time_limit(seconds: float):
-    """Raise Timeout in the main thread after `seconds` (SIGALRM)."""
+    """Raise Timeout in the main thread after `seconds` (SIGALRM). Nests: an enclosing
+    limit keeps running, and fires on time, after an inner one ends."""
     def expire(signum, frame):
-        raise Timeout()
+        raise Timeout(f"over {seconds} s")
 
     old = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+    start = time.monotonic()
+    outer, _ = signal.setitimer(signal.ITIMER_REAL, seconds)
+    if outer:
+        signal.setitimer(signal.ITIMER_REAL, min(seconds, outer))
     try:
         yield
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
+        if outer:
+            signal.setitimer(signal.ITIMER_REAL, max(outer - (time.monotonic() - start), 1e-3))
 
 
 # -- the generator ---------------------------------------------------------------------------

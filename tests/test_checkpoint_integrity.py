@@ -7,10 +7,17 @@ import json
 import pytest
 import torch
 
+from hostile import time_limit
 from restopo.train import checkpoint as ck
 from restopo.train.checkpoint import CheckpointError
 
 from test_checkpoint_atomic import Tied, _save, _trained
+
+
+@pytest.fixture(autouse=True)
+def _each_under_a_time_limit():
+    with time_limit(600):
+        yield
 
 FILES = ck.FILES + (ck.MANIFEST,)
 

@@ -21,6 +21,12 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((ROOT / "examples").glob("*.restopo"))
 
 
+@pytest.fixture(autouse=True)
+def _each_under_a_time_limit():
+    with time_limit(600):
+        yield
+
+
 def _cli_error(argv, capsys, limit=60) -> str:
     with time_limit(limit):
         code = main(argv)
@@ -39,7 +45,7 @@ def _special_paths(tmp_path):
     big = tmp_path / "big.restopo"
     big.write_text("#" * (MAX_SPEC_BYTES + 1))
     return {"fifo": (fifo, "named pipe"), "zero": ("/dev/zero", "character device"),
-            "folder": (tmp_path, "is a folder"), "loop": (loop, "symbolic links"),
+            "folder": (tmp_path, "is a directory"), "loop": (loop, "symbolic links"),
             "mem": ("/proc/self/mem", "Input/output error"),
             "long": (tmp_path / ("n" * 300 + ".restopo"), "too long"),
             "big": (big, f"larger than {MAX_SPEC_BYTES:,} bytes")}
@@ -171,3 +177,10 @@ def test_depth_4096_block_attnres_checks_in_a_subprocess_under_a_limit(tmp_path)
                           capture_output=True, text=True, timeout=300, preexec_fn=limit)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "8192 sublayers" in done.stdout
+
+
+def test_compile_into_a_missing_folder_names_the_folder(tmp_path, capsys):
+    err = _cli_error(["compile", str(ROOT / "examples" / "tiny.restopo"), "-o",
+                      str(tmp_path / "nowhere" / "m.pt")], capsys, limit=120)
+    assert f"{tmp_path / 'nowhere' / 'm.pt'}: the folder to write it in does not exist" in err
+    assert ".restopo-" not in err

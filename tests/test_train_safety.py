@@ -30,6 +30,12 @@ train {{
 """
 
 
+@pytest.fixture(autouse=True)
+def _each_under_a_time_limit():
+    with time_limit(600):
+        yield
+
+
 @pytest.fixture
 def spec(tmp_path, monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)

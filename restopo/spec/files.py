@@ -14,7 +14,7 @@ import stat
 MAX_SPEC_BYTES = 64 << 10  # a spec is a few dozen lines (the examples are under 2 KiB);
 #                           Lark reads 64 KiB of the worst text in a few seconds
 
-_KINDS = ((stat.S_ISDIR, "is a folder, not a spec file"),
+_KINDS = ((stat.S_ISDIR, "is a directory, not a spec file"),
           (stat.S_ISFIFO, "is a named pipe (FIFO), not a regular file"),
           (stat.S_ISCHR, "is a character device, not a regular file"),
           (stat.S_ISBLK, "is a block device, not a regular file"),
