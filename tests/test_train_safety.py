@@ -282,3 +282,15 @@ def test_a_failed_nproc_run_shows_no_torchrun_traceback(spec, tmp_path):
     assert "needs a multiple of 3 processes" in done.stderr
     assert done.stderr.rstrip().splitlines()[-1].startswith(
         "restopo train: error: the 2-process run failed")
+
+
+@pytest.mark.slow
+def test_a_checkpoint_from_before_manifests_resumes_with_a_note(spec, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert train(spec, "--out", out, "--set", "train.steps=4") == 0
+    (out / "ckpt" / "step_000004" / "manifest.json").unlink()
+    capsys.readouterr()
+    assert train(spec, "--out", out, "--resume", "--steps", "8") == 0
+    err = capsys.readouterr().err
+    assert "step_000004 has no manifest.json (saved by an older restopo)" in err
+    assert ck.has_manifest(out / "ckpt" / "step_000008")

@@ -21,7 +21,11 @@ examples:
 `batch` is the global batch of one optimizer step: with --nproc N each process takes
 batch/N rows of it, so the numbers match a 1-process run. Data: `data:` in the spec's train
 section (builtin:stdlib, a text file or folder, or a nanoGPT-style uint16 .bin).
-Writes OUT/metrics.jsonl, OUT/loss.png and OUT/ckpt/step_NNNNNN/ (safetensors weights).
+Writes OUT/metrics.jsonl, OUT/loss.png and OUT/ckpt/step_NNNNNN/ (safetensors weights, and
+a manifest of checksums). --resume continues from the newest checkpoint that verifies; a
+damaged one is named and moved to OUT/ckpt/damaged/. One run at a time per OUT (a second is
+refused, naming the first). A text-folder corpus is bounded: set RESTOPO_DATA_MAX_FILES or
+RESTOPO_DATA_MAX_BYTES to raise the bounds.
 """
 
 
@@ -196,7 +200,7 @@ def _fresh_start(out: Path, overwrite: bool) -> None:
 def _resume_point(out: Path, required: bool):
     """The newest checkpoint under OUT/ckpt that verifies; the newer, damaged ones are said
     and (by the writer) moved to ckpt/damaged/."""
-    from ..train.checkpoint import find_resumable, quarantine
+    from ..train.checkpoint import find_resumable, has_manifest, quarantine
 
     step_dir, skipped = find_resumable(out / "ckpt")
     for bad, why in skipped:
@@ -206,6 +210,9 @@ def _resume_point(out: Path, required: bool):
         _note(f"{bad} is damaged ({why}){where}")
     if step_dir is not None and skipped:
         _note(f"resuming from {step_dir.name}, the newest checkpoint that verifies")
+    if step_dir is not None and not has_manifest(step_dir):
+        _note(f"{step_dir} has no manifest.json (saved by an older restopo): it is used "
+              f"without checksums")
     if step_dir is None and required:
         what = f"no intact checkpoint (all {len(skipped)} damaged)" if skipped else \
             "no checkpoint"
