@@ -63,6 +63,32 @@ def _flip(rng: random.Random, step_dir: Path) -> str:
     return f"{step_dir.name}/{path.name}@{at}+{n}"
 
 
+def _logged(out: Path) -> int:
+    try:
+        return (out / "metrics.jsonl").read_bytes().count(b"\n")
+    except OSError:
+        return 0
+
+
+def _kill_at_random(rng: random.Random, proc: subprocess.Popen, out: Path,
+                    ref_s: float) -> bool:
+    """SIGKILL `proc` at a random point: one time in four during start-up (a random time),
+    else once it has logged 1 to 4 more steps (so every run makes progress, and the kill
+    lands anywhere in a step: forward, backward, a save, a prune). False if it ended first."""
+    if rng.random() < 0.25:
+        deadline = time.monotonic() + rng.uniform(0.05, 0.5) * ref_s
+        until = lambda: time.monotonic() >= deadline  # noqa: E731
+    else:
+        target = _logged(out) + rng.randint(1, 4)
+        until = lambda: _logged(out) >= target  # noqa: E731
+    while proc.poll() is None:
+        if until():
+            proc.send_signal(signal.SIGKILL)
+            return True
+        time.sleep(0.01)
+    return False
+
+
 def run(kills: int = 12, seed: int = 0, steps: int = 60, flip_p: float = 0.67,
         folder: Path | None = None, say=print) -> dict:
     rng = random.Random(seed)
@@ -85,12 +111,8 @@ def run(kills: int = 12, seed: int = 0, steps: int = 60, flip_p: float = 0.67,
         proc = subprocess.Popen(_cmd(spec, out, "--overwrite" if fresh else "--resume"),
                                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                 text=True)
-        if killed < kills:
-            try:  # anywhere from start-up to the end of a whole run
-                proc.wait(timeout=rng.uniform(0.2, 1.0) * ref_s)
-            except subprocess.TimeoutExpired:
-                proc.send_signal(signal.SIGKILL)
-                killed += 1
+        if killed < kills and _kill_at_random(rng, proc, out, ref_s):
+            killed += 1
         err = proc.communicate(timeout=900)[1]
         for flip in list(pending):  # reported once a resume got as far as choosing
             if f"{flip.split('/')[0]} {DAMAGED}" in err:
