@@ -282,7 +282,8 @@ def _walk_error(e: OSError) -> None:
 def _text_folder(path: Path) -> Corpus:
     files = folder_files(path)
     if not files:
-        raise DataError(f"data folder {str(path)!r} holds no files")
+        raise DataError(f"data folder {str(path)!r} holds no files (hidden files and folders "
+                        f"are skipped)")
     parts = {"train": [], "val": []}
     for p in files:
         rel = p.relative_to(path).as_posix()
