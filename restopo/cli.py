@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from . import __version__
@@ -59,15 +60,36 @@ def _unavailable(sub, name: str, error: ImportError) -> None:
     p.set_defaults(func=run)
 
 
+def int_range(lo: int, hi: int, why: str = ""):
+    """An argparse `type` for a whole number in lo..hi: a flag outside the range is a usage
+    error naming the bound (and why it is there), not a crash deep inside a run."""
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if not lo <= n <= hi:
+            raise argparse.ArgumentTypeError(
+                f"must be from {lo} to {hi}, got {n}" + (f" ({why})" if why else ""))
+        return n
+    parse.__name__ = "whole number"  # what argparse calls the type in its messages
+    return parse
+
+
 def file_error(e: OSError | UnicodeDecodeError) -> str:
     """One line for a file that cannot be read."""
     if isinstance(e, UnicodeDecodeError):
         where = getattr(e, "restopo_path", None) or "input"
         return f"restopo: error: {where}: not UTF-8 text (byte {e.start}); is this a .restopo file?"
     name = e.filename if e.filename is not None else ""
-    what = {FileNotFoundError: "no such file", IsADirectoryError: "is a directory, not a file",
-            PermissionError: "permission denied"}.get(type(e), e.strerror or str(e))
-    return f"restopo: error: {name}: {what}"
+    name = name if str(name).isprintable() else repr(name)  # keep it one line
+    what = e.strerror or str(e)
+    if e.errno is not None and e.strerror == os.strerror(e.errno):  # the system's words
+        what = {FileNotFoundError: "no such file", IsADirectoryError: "is a directory, not a "
+                "file", PermissionError: "permission denied"}.get(type(e), what)
+    if e.filename2 is not None:
+        what += f" ({e.filename2})"
+    return f"restopo: error: {name}: {what}" if name else f"restopo: error: {what}"
 
 
 def main(argv=None) -> int:
@@ -84,14 +106,14 @@ def main(argv=None) -> int:
     except SpecError as e:
         print(e.render(), file=sys.stderr)
         return 1
-    except (FileNotFoundError, IsADirectoryError, PermissionError, UnicodeDecodeError) as e:
+    except BrokenPipeError:  # `restopo inspect ... | head`
+        return 0
+    except (OSError, UnicodeDecodeError) as e:  # a path the system refuses: one line
         print(file_error(e), file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("restopo: interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:  # `restopo inspect ... | head`
-        return 0
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -32,7 +32,13 @@ def atomic_path(path: str | os.PathLike) -> Iterator[str]:
     "wb") as f: ...`). It keeps the target's extension, which some libraries read."""
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".restopo-", suffix=os.path.splitext(path)[1], dir=folder)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".restopo-", suffix=os.path.splitext(path)[1],
+                                   dir=folder)
+    except OSError as e:  # name the folder the user gave, not the temporary file
+        what = ("the folder to write it in does not exist"
+                if isinstance(e, FileNotFoundError) else e.strerror or str(e))
+        raise type(e)(e.errno, what, path) from None
     os.close(fd)
     try:
         yield tmp

@@ -1,4 +1,7 @@
-"""Fuzz: mutated example specs give a valid spec or a SpecError, never another exception.
+"""Fuzz: mutated example specs give a valid spec or a SpecError, never another exception; and
+hostile inputs (tests/hostile.py: huge numbers, deep nesting, long files, special files,
+control bytes, unicode, oversized models) give a spec or one clean error through the CLI,
+each case under a time limit and the whole under a memory limit.
 
 Mutations: delete a token, duplicate a token, swap two numbers, insert a junk character,
 truncate. Valid results are also resolved and built into the IR (which may itself only
@@ -8,6 +11,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -93,3 +97,43 @@ def test_random_overrides_give_spec_or_spec_error(override):
         parse_spec(TEXTS[0], "x.restopo", (override,))
     except SpecError as e:
         assert_spec_error(e)
+
+
+# -- hostile inputs beyond mutations (tests/hostile.py) ---------------------------------------
+def _hostile(tmp_path, cases: int, seed: int, limit_s: float = 30.0) -> dict:
+    """Run the hostile-input driver in its own process under a 3 GiB address-space limit
+    (a memory blow-up is then a MemoryError, counted, not the machine's memory)."""
+    import json
+    import resource
+    import subprocess
+    import sys
+
+    def cap():
+        resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+
+    driver = Path(__file__).resolve().parent / "hostile.py"
+    done = subprocess.run([sys.executable, str(driver), "--cases", str(cases), "--seed",
+                           str(seed), "--dir", str(tmp_path / "cases"), "--limit", str(limit_s)],
+                          capture_output=True, text=True, preexec_fn=cap,
+                          timeout=120 + cases * limit_s / 10)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout)
+    print({k: v for k, v in summary.items() if k != "families"})
+    return summary
+
+
+def _assert_clean(summary: dict, cases: int) -> None:
+    assert summary["cases"] == cases
+    assert (summary["traceback"], summary["hang"], summary["memory"]) == (0, 0, 0), \
+        summary["failures"]
+    assert summary["accepted"] + summary["clean"] == cases
+    assert all(f["accepted"] + f["clean"] > 0 for f in summary["families"].values())
+
+
+def test_hostile_inputs_give_a_spec_or_one_clean_error(tmp_path):
+    _assert_clean(_hostile(tmp_path, 300, seed=0), 300)
+
+
+@pytest.mark.long
+def test_hostile_inputs_many(tmp_path):
+    _assert_clean(_hostile(tmp_path, 5000, seed=1), 5000)

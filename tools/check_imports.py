@@ -27,9 +27,8 @@ import networkx as nx
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "restopo"
-LAYERS = ("grammars", "io", "registry", "topology", "ir", "draw", "spec", "ops", "nn", "fx",
-          "backends",
-          "api", "train", "experiments", "cli", "commands", "__main__")
+LAYERS = ("grammars", "io", "codegen", "registry", "topology", "ir", "draw", "spec", "ops", "nn",
+          "fx", "backends", "api", "train", "experiments", "cli", "commands", "__main__")
 PLUGINS = ("backends",)
 
 

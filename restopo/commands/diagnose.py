@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+
+from ..cli import int_range
 
 EXAMPLES = """\
 examples:
@@ -25,9 +28,9 @@ def register(subparsers) -> None:
     p.add_argument("checkpoint", metavar="CHECKPOINT",
                    help="a run folder, its ckpt/ folder or a ckpt/step_NNNNNN folder")
     p.add_argument("-o", "--out", metavar="DIR", help="where the PNGs go (default RUN/diagnose)")
-    p.add_argument("--batches", type=int, default=4, metavar="N",
+    p.add_argument("--batches", type=int_range(1, 1000), default=4, metavar="N",
                    help="validation batches to average over (default 4)")
-    p.add_argument("--batch-size", type=int, default=8, metavar="B",
+    p.add_argument("--batch-size", type=int_range(1, 4096), default=8, metavar="B",
                    help="rows per batch (default 8)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.set_defaults(func=run)
@@ -39,14 +42,16 @@ def run(args) -> int:
     from ..train.diagnose import diagnose
     from ..train.dist import cpu_threads
 
-    if args.batches < 1 or args.batch_size < 1:
-        print("restopo diagnose: error: --batches and --batch-size must be at least 1",
-              file=sys.stderr)
+    if args.out and os.path.exists(args.out) and not os.path.isdir(args.out):
+        print(f"restopo diagnose: error: -o {args.out} is a file, not a folder; choose "
+              f"another -o", file=sys.stderr)
         return 1
     try:
         with cpu_threads(None):
             result = diagnose(args.checkpoint, args.out, batches=args.batches,
-                              batch_size=args.batch_size, device=args.device)
+                              batch_size=args.batch_size, device=args.device,
+                              say=lambda line: print(f"restopo diagnose: note: {line}",
+                                                     file=sys.stderr))
     except (CheckpointError, DataError, ValueError) as e:
         print(f"restopo diagnose: error: {e}", file=sys.stderr)
         return 1

@@ -6,6 +6,8 @@ import os
 import sys
 from pathlib import Path
 
+from ..cli import int_range
+
 EXAMPLES = """\
 examples:
   restopo train examples/tiny.restopo
@@ -19,8 +21,18 @@ examples:
 `batch` is the global batch of one optimizer step: with --nproc N each process takes
 batch/N rows of it, so the numbers match a 1-process run. Data: `data:` in the spec's train
 section (builtin:stdlib, a text file or folder, or a nanoGPT-style uint16 .bin).
-Writes OUT/metrics.jsonl, OUT/loss.png and OUT/ckpt/step_NNNNNN/ (safetensors weights).
+Writes OUT/metrics.jsonl, OUT/loss.png and OUT/ckpt/step_NNNNNN/ (safetensors weights, and
+a manifest of checksums). --resume continues from the newest checkpoint that verifies; a
+damaged one is named and moved to OUT/ckpt/damaged/. One run at a time per OUT (a second is
+refused, naming the first). A text-folder corpus is bounded: set RESTOPO_DATA_MAX_FILES or
+RESTOPO_DATA_MAX_BYTES to raise the bounds.
 """
+
+
+# Bounds of the numeric flags (--steps and --seed are spec values, checked like the file).
+MAX_NPROC = 256
+MAX_RESTARTS = 100
+MAX_THREADS = 1024  # torch crashes outright far above this (100,000 threads)
 
 
 def register(subparsers) -> None:
@@ -43,13 +55,14 @@ def register(subparsers) -> None:
     p.add_argument("--overwrite", action="store_true",
                    help="start a new run in an OUT that holds an earlier run's checkpoints "
                         "(they are deleted)")
-    p.add_argument("--nproc", type=int, metavar="N",
-                   help="launch N processes through torchrun (data parallel)")
-    p.add_argument("--max-restarts", type=int, default=0, metavar="R",
+    p.add_argument("--nproc", type=int_range(1, MAX_NPROC, "processes on this machine"),
+                   metavar="N", help="launch N processes through torchrun (data parallel)")
+    p.add_argument("--max-restarts", type=int_range(0, MAX_RESTARTS), default=0, metavar="R",
                    help="with --nproc: let torchrun restart a failed job R times (each "
                         "restart resumes from the latest checkpoint)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--threads", type=int, metavar="N",
+    p.add_argument("--threads", type=int_range(1, MAX_THREADS, "more threads than cores "
+                                               "only slow a run down"), metavar="N",
                    help="CPU threads per process (default: $OMP_NUM_THREADS, else 1: the "
                         "small models trained on CPU gain little from more threads and slow "
                         "down badly when the cores are shared)")
@@ -108,55 +121,122 @@ def run(args) -> int:
     from ..train.data import DataError
     from ..train.dist import cpu_threads
     from ..train.loop import TrainingError
+    from ..train.runlock import RunLocked
     PlanError = get_backend("pipeline").PlanError
 
-    if args.threads is not None and args.threads < 1:
-        return _fail("--threads must be at least 1")
     try:
         with cpu_threads(args.threads):
             return _run(args)
-    except (DataError, CheckpointError, TrainingError, PlanError, _Stop) as e:
+    except (DataError, CheckpointError, TrainingError, PlanError, RunLocked, _Stop) as e:
         return _fail(str(e))
 
 
+def _is_writer() -> bool:
+    """Rank 0 (or a single process) writes the run folder; the other ranks only read it."""
+    from ..train.dist import under_torchrun
+
+    return not under_torchrun() or os.environ["RANK"] == "0"
+
+
+def _note(message: str) -> None:
+    if _is_writer():
+        print(f"restopo train: note: {message}", file=sys.stderr)
+
+
+def _out_folder(args) -> Path:
+    """--out, or runs/<spec name>; a folder (an existing file there is a mistake)."""
+    if args.out:
+        out = Path(args.out)
+    elif args.spec:
+        out = Path("runs") / Path(args.spec).stem
+    else:
+        raise _Stop("give a SPEC file (or --resume with --out DIR to continue "
+                    "a run from its checkpoint)")
+    if out.exists() and not out.is_dir():
+        raise _Stop(f"--out {out} is a file, not a folder; choose another --out")
+    return out
+
+
+def _tidy(out: Path) -> None:
+    """Sweep what killed runs left behind (temporary files and folders, half-pruned or
+    incomplete checkpoints); only while holding the run's lock."""
+    from ..train.checkpoint import LEFTOVER_PREFIXES, clean_leftovers
+
+    done = clean_leftovers(out / "ckpt")
+    if out.is_dir():
+        for p in out.iterdir():  # the atomic writer's temporary files (metrics, plot)
+            if p.name.startswith(LEFTOVER_PREFIXES) and p.is_file():
+                p.unlink(missing_ok=True)
+                done.append(f"removed {p.name}")
+    if done:
+        _note(f"tidied {out} after an interrupted run: " + "; ".join(done))
+
+
+# What a run writes in its folder: a new run into a folder holding any of them needs
+# --overwrite (or --resume), so nothing there is replaced unasked.
+RUN_FILES = ("metrics.jsonl", "loss.png")
+
+
 def _fresh_start(out: Path, overwrite: bool) -> None:
-    """A new run must not mix with an old one's checkpoints (resume would pick theirs)."""
+    """A new run must not mix with an old one's checkpoints (resume would pick theirs), nor
+    replace files it did not write."""
     import shutil
 
     from ..train.checkpoint import latest_checkpoint
 
     old = latest_checkpoint(out / "ckpt")
-    if old is None:
+    found = [name for name in RUN_FILES if (out / name).exists()]
+    if old is None and not found:
         return
     if not overwrite:
-        raise _Stop(f"{out} already holds a run (latest checkpoint {old.name}); continue it "
-                    f"with --resume, start over with --overwrite, or choose another --out")
-    if os.environ.get("RANK", "0") == "0":
+        what = (f"a run (latest checkpoint {old.name})" if old is not None
+                else " and ".join(found))
+        raise _Stop(f"{out} already holds {what}; continue it with --resume, start over "
+                    f"with --overwrite (replaces it), or choose another --out")
+    if _is_writer():
         shutil.rmtree(out / "ckpt", ignore_errors=True)
 
 
-def _load_spec(args, out: Path | None):
+def _resume_point(out: Path, required: bool):
+    """The newest checkpoint under OUT/ckpt that verifies; the newer, damaged ones are said
+    and (by the writer) moved to ckpt/damaged/."""
+    from ..train.checkpoint import find_resumable, has_manifest, quarantine
+
+    step_dir, skipped = find_resumable(out / "ckpt")
+    for bad, why in skipped:
+        where = ""
+        if _is_writer():
+            where = f"; moved to {quarantine(bad).relative_to(out)}"
+        _note(f"{bad} is damaged ({why}){where}")
+    if step_dir is not None and skipped:
+        _note(f"resuming from {step_dir.name}, the newest checkpoint that verifies")
+    if step_dir is not None and not has_manifest(step_dir):
+        _note(f"{step_dir} has no manifest.json (saved by an older restopo): it is used "
+              f"without checksums")
+    if step_dir is None and required:
+        what = f"no intact checkpoint (all {len(skipped)} damaged)" if skipped else \
+            "no checkpoint"
+        raise _Stop(f"--resume: {what} in {out / 'ckpt'} to resume from; drop --resume to "
+                    f"start a new run")
+    return step_dir
+
+
+def _load_spec(args, out: Path):
     """The spec and the checkpoint to resume from (or None)."""
     from ..train import runspec
-    from ..train.checkpoint import latest_checkpoint, read_meta
+    from ..train.checkpoint import read_meta
     from ..train.dist import restart_count
 
     overrides = _overrides(args)
     if args.spec is None:
-        if not (args.resume and out is not None):
+        if not args.resume:
             raise _Stop("give a SPEC file (or --resume with --out DIR to continue "
                         "a run from its checkpoint)")
-        step_dir = latest_checkpoint(out / "ckpt")
-        if step_dir is None:
-            raise _Stop(f"nothing to resume: no checkpoint in {out / 'ckpt'}")
+        step_dir = _resume_point(out, required=True)
         return runspec.spec_from_meta(read_meta(step_dir), overrides), step_dir
     spec = runspec.load(args.spec, overrides)
-    out = out or Path("runs") / Path(args.spec).stem
     resume = args.resume or restart_count() > 0
-    step_dir = latest_checkpoint(out / "ckpt") if resume else None
-    if args.resume and step_dir is None:
-        raise _Stop(f"--resume: no checkpoint in {out / 'ckpt'} to resume from; "
-                    f"drop --resume to start a new run")
+    step_dir = _resume_point(out, required=args.resume) if resume else None
     if not resume:
         _fresh_start(out, args.overwrite)
     if step_dir is not None:
@@ -168,27 +248,44 @@ def _load_spec(args, out: Path | None):
 
 
 def _run(args) -> int:
+    from ..train.dist import under_torchrun
+    from ..train.runlock import run_lock
+
+    out = _out_folder(args)
+    if not _is_writer():
+        return _train(args, out)
+    with run_lock(out):  # held until the run ends: one run per folder
+        _tidy(out)
+        if args.nproc is not None and not under_torchrun():
+            return _launch(args, out)
+        return _train(args, out)
+
+
+def _launch(args, out: Path) -> int:
+    """--nproc N: check the spec and data once, here, then run N workers under torchrun,
+    handing them this process's lock on the run folder."""
+    from ..train import dist, runspec
+    from ..train.runlock import hand_down
+
+    spec, _ = _load_spec(args, out)  # bad specs and data fail here, once, not per rank
+    if spec.model is None:
+        return _fail(f"{spec.path} has no model section; training needs one")
+    runspec.open_data(spec, progress=not args.no_progress)
+    return dist.launch(_worker_argv(args), args.nproc, args.max_restarts, env=hand_down(out))
+
+
+def _train(args, out: Path) -> int:
     from ..registry import get_backend
     from ..train import dist, runspec
     from ..train.data import DataError
     from ..train.loop import TrainConfig, train
 
-    out = Path(args.out) if args.out else None
-    if args.nproc is not None and not dist.under_torchrun():
-        if args.nproc < 1:
-            return _fail("--nproc must be at least 1")
-        spec, _ = _load_spec(args, out)  # bad specs and data fail here, once, not per rank
-        if spec.model is None:
-            return _fail(f"{spec.path} has no model section; training needs one")
-        runspec.open_data(spec, progress=not args.no_progress)
-        return dist.launch(_worker_argv(args), args.nproc, args.max_restarts)
     if args.nproc is not None and args.nproc != int(os.environ["WORLD_SIZE"]):
         return _fail("--nproc was given inside a torchrun job; run either torchrun or --nproc")
 
     spec, step_dir = _load_spec(args, out)
     if spec.model is None:
         return _fail(f"{spec.path} has no model section; training needs one")
-    out = out or Path("runs") / Path(str(spec.path)).stem
     try:
         ctx = dist.setup(args.device)
     except RuntimeError as e:
@@ -236,5 +333,5 @@ def _run(args) -> int:
               + f" ({summary['seconds']:.0f} s)")
         print(f"  metrics     {summary['metrics']}")
         print(f"  loss plot   {summary['plot']}")
-        print(f"  checkpoint  {summary['checkpoint']}")
+        print(f"  checkpoint  {summary['checkpoint'] or 'none (train.save_every is 0)'}")
     return 0

@@ -39,17 +39,22 @@ def build_ir(kinds: tuple[str, ...], topology: Topology, width: int | None = Non
             for i in members:
                 g.add_edge(f"sublayer{i}", f"block{n}")
         for j in range(2, len(members) + 1):
-            partial = Partial(n, j, members[: j - 1])
+            # members as a range (blocks are contiguous) and p_n^j = p_n^{j-1} + v: two
+            # edges, so a block of S sublayers costs O(S), not O(S^2) (a standard residual
+            # is one block of all L sublayers)
+            partial = Partial(n, j, range(members[0], members[j - 2] + 1))
             g.add_value(partial)
-            for i in partial.members:
-                g.add_edge(f"sublayer{i}", partial.id)
+            if j > 2:
+                g.add_edge(f"partial{n}.{j - 1}", partial.id)
+            g.add_edge(f"sublayer{members[j - 2]}", partial.id)
 
+    names = ["embedding"] + [f"sublayer{i}" for i in range(1, L + 1)]  # shared by all reads
     for l in range(1, L + 2):
         head = l == L + 1
         rule = topology.head_rule if head else topology.sublayer_rule
         n = len(topology.blocks) + 1 if head else block_of[l]
         j = 0 if head else pos_in_block[l]
-        sources = _resolve(rule, l, n, j, topology.blocks)
+        sources = _resolve(rule, l, n, j, topology.blocks, names)
         if not sources:
             raise TopologyError(
                 f"the aggregation before {'the head' if head else f'sublayer {l}'} reads no "
@@ -74,23 +79,42 @@ def _block_value(n: int, blocks) -> str:
     return f"sublayer{members[0]}" if len(members) == 1 else f"block{n}"
 
 
-def _resolve(rule: Rule, l: int, n: int, j: int, blocks) -> list[str]:
+def source_reads(kinds: tuple[str, ...], topology: Topology) -> int:
+    """How many sources the aggregations of build_ir(kinds, topology) read in all (sources
+    two selectors share are counted twice): the IR's size, in O(L) without building it."""
+    L, count = len(kinds), 0
+    pos = {i: (n, j) for n, members in enumerate(topology.blocks, start=1)
+           for j, i in enumerate(members, start=1)}
+    for l in range(1, L + 2):
+        rule = topology.head_rule if l == L + 1 else topology.sublayer_rule
+        n, j = (len(topology.blocks) + 1, 0) if l == L + 1 else pos[l]
+        selectors = _selectors(rule)
+        count += sum({"embedding": 1, "sublayers": l - 1, "blocks": n - 1,
+                      "partial": int(j >= 2)}.get(s.name, 0) for s in selectors)
+        count += sum(min(s.window, l - 1) for s in selectors if s.name == "window")
+    return count
+
+
+def _selectors(rule: Rule) -> tuple[Source, ...]:
+    return (Source("embedding"), Source("sublayers")) if rule.method in STREAM_METHODS \
+        else rule.sources
+
+
+def _resolve(rule: Rule, l: int, n: int, j: int, blocks, names) -> list[str]:
     """The ordered source ids that `rule` reads before aggregation point l.
 
     l is the aggregation index (L+1 for the head), n the block it sits in (N+1 for the
-    head), j its position in that block. Duplicates are dropped, first occurrence kept.
+    head), j its position in that block; names[i] is the id of v_i. Duplicates are
+    dropped, first occurrence kept.
     """
-    selectors = rule.sources
-    if rule.method in STREAM_METHODS:
-        selectors = (Source("embedding"), Source("sublayers"))
     out: dict[str, None] = {}  # ordered set: linear in the number of sources
-    for s in selectors:
+    for s in _selectors(rule):
         if s.name == "embedding":
             ids = ["embedding"]
         elif s.name == "sublayers":
-            ids = [f"sublayer{i}" for i in range(1, l)]
+            ids = names[1:l]
         elif s.name == "window":
-            ids = [f"sublayer{i}" for i in range(max(1, l - s.window), l)]
+            ids = names[max(1, l - s.window):l]
         elif s.name == "blocks":
             ids = [_block_value(m, blocks) for m in range(1, n)]
         elif s.name == "partial":

@@ -57,13 +57,15 @@ file; their errors point into `--set ...` (path `<--set N>`).
 
 Errors: SpecError(path, line, column, message, hint); several at once raise SpecErrors
 (`.errors`), itself a SpecError. str() gives `FILE:LINE:COL: error: MESSAGE`, the line, a
-caret, and `hint: ...`.
+caret, and `hint: ...`. A path that is not a regular file of at most MAX_SPEC_BYTES is an
+OSError (SpecFileError says why); see files.py.
 """
 from __future__ import annotations
 
 import os
 
 from .errors import SpecError, SpecErrors
+from .files import MAX_SPEC_BYTES, SpecFileError, read_spec_file
 from .objects import ModelSpec, ParallelSpec, ResidualSpec, Spec, TrainSpec
 
 
@@ -77,16 +79,11 @@ def parse_spec(text: str, path: str = "<string>", overrides=()) -> Spec:
 
 
 def load_spec(path, overrides=()) -> Spec:
-    """Read and check a .restopo file. File errors (FileNotFoundError, UnicodeDecodeError,
-    ...) propagate unchanged; mistakes in the text raise SpecError."""
+    """Read and check a .restopo file. A path that is not a readable regular file of at
+    most MAX_SPEC_BYTES raises OSError (SpecFileError says why: a folder, a FIFO, a device,
+    too large), text that is not UTF-8 UnicodeDecodeError; mistakes in the text SpecError."""
     path = os.fspath(path)
-    try:
-        with open(path, encoding="utf-8-sig") as f:  # -sig: tolerate a byte-order mark
-            text = f.read()
-    except UnicodeDecodeError as e:
-        e.restopo_path = path  # so the CLI can name the file
-        raise
-    return parse_spec(text, path, overrides)
+    return parse_spec(read_spec_file(path), path, overrides)
 
 
 def as_spec(spec_or_path, overrides=()) -> Spec:
@@ -108,4 +105,5 @@ def as_spec(spec_or_path, overrides=()) -> Spec:
 
 
 __all__ = ["as_spec", "load_spec", "parse_spec", "SpecError", "SpecErrors", "Spec", "ModelSpec",
-           "ResidualSpec", "TrainSpec", "ParallelSpec"]
+           "ResidualSpec", "TrainSpec", "ParallelSpec", "SpecFileError", "read_spec_file",
+           "MAX_SPEC_BYTES"]

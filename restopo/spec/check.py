@@ -15,6 +15,7 @@ from .errors import SpecError, did_you_mean, raise_all
 from .fields import (EXAMPLES, MAX_DEPTH, Checker, Field, View, alts, divisors, dym_suffix,
                      positions)
 from .nodes import Call, Key, ListValue, Name, Pos, Qualified, SpecFile, String, describe
+from .limits import check_model_limits, check_source_reads, check_train_limits
 from .objects import ModelSpec, ParallelSpec, Spec, SourceText, TrainSpec
 from .overrides import apply_overrides
 from .sections import BUILTIN_DATA, views_of
@@ -242,9 +243,16 @@ def check(file: SpecFile, text: str, overrides=()) -> Spec:
     parallel = check_parallel(views["parallel"], c) if "parallel" in views else None
     train = check_train(views["train"], c) if "train" in views else TrainSpec()
 
+    if model is not None and not check_model_limits(model, c):
+        model = None  # too large to resolve against
+    if train is not None:
+        check_train_limits(train, model.context if model is not None else None, c)
     topology = None
     if model is not None and residual is not None:
         topology = check_against_model(model, residual, c)
+    if topology is not None:
+        from ..ir.build import source_reads  # networkx loads only for a spec with a model
+        check_source_reads(model, source_reads(model.kinds, topology), c)
     if model is not None and parallel is not None:
         L = model.sublayers
         if parallel.chunks > L:
@@ -253,9 +261,22 @@ def check(file: SpecFile, text: str, overrides=()) -> Spec:
             c.error(where.value.pos, f"stages x virtual = {parallel.chunks} model chunks, but the "
                     f"model has only {L} sublayers", "each chunk needs at least one sublayer; "
                     "use fewer stages or virtual stages, or a deeper model")
-    raise_all(sorted(c.errors, key=lambda e: _order(e, file.path)))
+    raise_all(_reported(sorted(c.errors, key=lambda e: _order(e, file.path))))
     return Spec(residual, model, train if train is not None else TrainSpec(), parallel, text,
                 file.path, tuple(overrides), source=src, resolved=topology)
+
+
+MAX_REPORTED = 50  # errors shown at once: past that, fixing the first ones comes first
+
+
+def _reported(errors: list[SpecError]) -> list[SpecError]:
+    """The first MAX_REPORTED errors, and one more line saying how many were left out."""
+    if len(errors) <= MAX_REPORTED:
+        return errors
+    rest, nxt = len(errors) - MAX_REPORTED, errors[MAX_REPORTED]
+    return errors[:MAX_REPORTED] + [SpecError(
+        nxt.path, nxt.line, nxt.column, f"... and {rest:,} more error{'s' * (rest != 1)} "
+        f"from here on, not shown", "fix the errors above first", nxt.source_line)]
 
 
 def _order(e: SpecError, path: str):

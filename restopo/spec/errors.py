@@ -30,9 +30,9 @@ class SpecError(Exception):
             lines = source_text.splitlines()
             text = lines[self.line - 1] if 0 < self.line <= len(lines) else None
         if text is not None:
-            text = text.expandtabs(1)
+            text, caret = _window(text.expandtabs(1), max(self.column - 1, 0))
             out.append(f"    {text}")
-            out.append("    " + " " * max(self.column - 1, 0) + "^")
+            out.append("    " + " " * caret + "^")
         if self.hint:
             out.append(f"hint: {self.hint}")
         return "\n".join(out)
@@ -71,6 +71,19 @@ class SpecErrors(SpecError):
 
     def __reduce__(self):
         return (type(self), (self.errors,))
+
+
+SHOWN_LINE = 100  # characters of a long source line shown around the caret
+
+
+def _window(text: str, caret: int) -> tuple[str, int]:
+    """The part of a long line around column `caret` (0-based), and the caret's place in it."""
+    if len(text) <= SHOWN_LINE:
+        return text, caret
+    start = max(0, min(caret - SHOWN_LINE // 2, len(text) - SHOWN_LINE))
+    part = text[start:start + SHOWN_LINE]
+    left, right = ("..." if start else ""), ("..." if start + SHOWN_LINE < len(text) else "")
+    return left + part + right, caret - start + len(left)
 
 
 def raise_all(errors: Sequence[SpecError]) -> None:

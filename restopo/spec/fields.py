@@ -16,7 +16,7 @@ from .objects import SourceText
 RULE_TARGETS = ("sublayer", "head")
 UNITS = {"": 1, "k": 1_000, "M": 1_000_000}
 MAX_INT = 2**31 - 1        # no count or rate in a spec needs more
-MAX_DEPTH = 65_536         # transformer layers; the IR is O(depth^2) for Full AttnRes
+MAX_DEPTH = 4_096          # transformer layers (30x the deepest trained); see limits.py
 SEP_HINT = "put each entry on its own line or separate entries with ';'"
 
 # How a key is written, for hints.

@@ -22,11 +22,14 @@ class SourceText:
 
     def __init__(self, texts: dict[str, str] | None = None):
         self.texts = dict(texts or {})
+        self._lines: dict[str, list[str]] = {}  # split once: a spec may have many errors
 
     def line(self, pos: Pos | None) -> str | None:
         if pos is None or pos.source not in self.texts:
             return None
-        lines = self.texts[pos.source].splitlines()
+        lines = self._lines.get(pos.source)
+        if lines is None:
+            lines = self._lines[pos.source] = self.texts[pos.source].splitlines()
         return lines[pos.line - 1] if 0 < pos.line <= len(lines) else None
 
     def error(self, pos: Pos, message: str, hint: str | None = None) -> SpecError:

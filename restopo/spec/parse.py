@@ -122,22 +122,69 @@ class ToNodes(Transformer):
 
 def parse_text(text: str, path: str = "<string>") -> SpecFile:
     """Parse a whole spec; raises SpecError on a syntax error."""
+    check_nesting(text, path)
     try:
         tree = parser().parse(text, start="start")
+        return SpecFile(path, ToNodes(path).transform(tree))
     except UnexpectedInput as e:
         raise syntax_error(e, text, path) from None
-    return SpecFile(path, ToNodes(path).transform(tree))
+    except RecursionError:  # a shape check_nesting does not foresee: still one clear error
+        raise SpecError(path, 1, 1, "the spec is nested too deeply to read") from None
 
 
 def parse_value(text: str, source: str, offset: int = 0):
     """Parse one value (the right side of a --set override). `offset` is the column (0-based)
     where `text` starts in the line shown to the user, so positions point into that line."""
     padded = " " * offset + text
+    check_nesting(padded, source)
     try:
         tree = parser().parse(padded, start="value")
     except UnexpectedInput as e:
         raise syntax_error(e, padded, source, what="value") from None
     return ToNodes(source).transform(tree)
+
+
+# The language nests at most three levels (`residual custom { before sublayer:
+# attend(embedding, window(8)) }`); the parse tree is transformed recursively, so a deeper
+# text (`f(f(f(...)))`) is refused before it can exhaust Python's recursion limit.
+MAX_NESTING = 16
+
+
+def check_nesting(text: str, path: str) -> None:
+    """SpecError at the first '(' or '{' that opens more than MAX_NESTING levels (comments
+    and strings skipped; one pass over the text)."""
+    depth, line, col, i, n = 0, 1, 1, 0, len(text)
+    while i < n:
+        c = text[i]
+        if c == "#" or c == '"':  # a comment, or a string: both end at the line's end
+            end = text.find("\n", i + 1) if c == "#" else _string_end(text, i)
+            end = n if end == -1 else end
+            col += end - i
+            i = end
+            continue
+        if c in "({":
+            depth += 1
+            if depth > MAX_NESTING:
+                raise SpecError(path, line, col, f"nested too deeply: more than {MAX_NESTING} "
+                                f"'(' or '{{' open at once",
+                                "a spec nests a few levels at most, e.g. "
+                                "'before sublayer: attend(embedding, window(8))'",
+                                _line(text, line))
+        elif c in ")}":
+            depth = max(0, depth - 1)
+        if c == "\n":
+            line, col = line + 1, 1
+        else:
+            col += 1
+        i += 1
+
+
+def _string_end(text: str, start: int) -> int:
+    """The offset just after the string opened at `start` (or its line's end if unclosed)."""
+    close, nl = text.find('"', start + 1), text.find("\n", start + 1)
+    if close != -1 and (nl == -1 or close < nl):
+        return close + 1
+    return nl
 
 
 # -- syntax errors in words -----------------------------------------------------------------

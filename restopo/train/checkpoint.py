@@ -1,19 +1,30 @@
-"""Checkpoints that a crash can never leave half-written.
+"""Checkpoints that a crash can never leave half-written, and that are never trusted unread.
 
 Layout under a run's checkpoint folder (OUT/ckpt):
     step_000100/model.safetensors   weights (tied tensors stored once, safetensors.torch)
     step_000100/optimizer.pt        optimizer state_dict (tensors and numbers only)
     step_000100/state.pt            RNG states, data position (tensors and numbers only)
-    step_000100/meta.json           step, spec text, overrides, schedule; written last
+    step_000100/meta.json           step, spec text, overrides, schedule
+    step_000100/manifest.json       size and SHA-256 of each file above; written last
     latest                          the name of the newest complete step folder
+    damaged/step_000090             a checkpoint that failed its checks, moved aside by
+                                    `restopo train` (never deleted: it may still be read)
 
 A save writes a hidden temporary folder, fsyncs every file and the folder, renames it into
 place, then replaces `latest` (restopo.io.write_atomic). Interrupted anywhere, the previous
-`latest` still names a complete checkpoint. Loading reads safetensors and
-torch.load(weights_only=True) only: nothing is unpickled.
+`latest` still names a complete checkpoint. The new checkpoint is then read back against
+its manifest, and only once it verifies are older ones pruned (renamed aside first, so a
+kill mid-delete leaves nothing that looks like a checkpoint).
+
+Loading verifies the manifest (every byte of every file), then checks what state.pt and
+meta.json hold against the schema the loop writes, before anything is used: a flipped bit,
+a truncated file or a hand-edited value is a CheckpointError that says which file and why,
+and `find_resumable` falls back to the newest checkpoint that passes. Loading reads
+safetensors and torch.load(weights_only=True) only: nothing is unpickled.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pickle
@@ -28,6 +39,10 @@ from ..io import fsync_dir, fsync_file, write_atomic
 
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
 FILES = ("model.safetensors", "optimizer.pt", "state.pt", "meta.json")
+MANIFEST = "manifest.json"
+DAMAGED = "damaged"
+# Leftovers of an interrupted save, prune or atomic write (removed by `clean_leftovers`).
+LEFTOVER_PREFIXES = (".tmp-", ".old-", ".pruned-", ".restopo-", ".latest-")
 
 
 class CheckpointError(RuntimeError):
@@ -38,10 +53,97 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:06d}"
 
 
+# -- the manifest -----------------------------------------------------------------------
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _canonical(obj) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+
+
+def write_manifest(step_dir: str | os.PathLike) -> None:
+    """manifest.json: size and SHA-256 of every checkpoint file, and its own hash, written
+    in one canonical form (so a changed byte anywhere in it is seen too)."""
+    step_dir = Path(step_dir)
+    files = {name: {"bytes": (step_dir / name).stat().st_size,
+                    "sha256": _sha256(step_dir / name)} for name in FILES}
+    body = {"format": 1, "files": files}
+    (step_dir / MANIFEST).write_bytes(
+        _canonical({**body, "manifest_sha256": hashlib.sha256(_canonical(body)).hexdigest()}))
+
+
+_VERIFIED: dict[str, tuple] = {}  # folder -> stat of its files when they last verified
+
+
+def _signature(step_dir: Path) -> tuple | None:
+    try:
+        return tuple((s.st_size, s.st_mtime_ns, s.st_ino) for s in
+                     (os.stat(step_dir / name) for name in FILES + (MANIFEST,)))
+    except OSError:
+        return None
+
+
+def verify_checkpoint(step_dir: str | os.PathLike) -> str | None:
+    """Why the files of `step_dir` are not what was saved (a short reason naming the file),
+    or None when every file matches its manifest. A folder saved before restopo wrote
+    manifests (no manifest.json, every file present) passes: see `has_manifest`. Files
+    unchanged since they last verified in this process are not read again."""
+    step_dir = Path(step_dir)
+    missing = [f for f in FILES if not (step_dir / f).is_file()]
+    if missing:
+        return f"{', '.join(missing)} missing"
+    if not has_manifest(step_dir):
+        return None
+    key, signature = str(step_dir.resolve()), _signature(step_dir)
+    if signature is not None and _VERIFIED.get(key) == signature:
+        return None
+    damage = _verify_manifest(step_dir)
+    if damage is None and signature is not None:
+        _VERIFIED[key] = signature
+    return damage
+
+
+def _verify_manifest(step_dir: Path) -> str | None:
+    try:
+        raw = (step_dir / MANIFEST).read_bytes()
+        manifest = json.loads(raw)
+    except (OSError, ValueError) as e:
+        return f"{MANIFEST} unreadable ({type(e).__name__})"
+    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"} \
+        if isinstance(manifest, dict) else None
+    if (body is None or raw != _canonical(manifest) or body.get("format") != 1
+            or manifest.get("manifest_sha256") != hashlib.sha256(_canonical(body)).hexdigest()
+            or not isinstance(body.get("files"), dict) or sorted(body["files"]) != sorted(FILES)):
+        return f"{MANIFEST} does not match its own checksum"
+    for name in FILES:
+        want = body["files"][name]
+        path = step_dir / name
+        try:
+            size = path.stat().st_size
+            if not isinstance(want, dict) or size != want.get("bytes"):
+                return f"{name} has {size:,} bytes, the manifest says {want.get('bytes')}"
+            if _sha256(path) != want.get("sha256"):
+                return f"{name} does not match its SHA-256 checksum"
+        except OSError as e:
+            return f"{name} unreadable ({e.strerror or e})"
+    return None
+
+
+def has_manifest(step_dir: str | os.PathLike) -> bool:
+    return (Path(step_dir) / MANIFEST).exists()
+
+
+# -- saving -------------------------------------------------------------------------------
 def save_checkpoint(root: str | os.PathLike, step: int, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer | None, state: dict, meta: dict,
                     keep: int = 3, _write_file=None) -> Path:
-    """Save one checkpoint atomically and point `latest` at it; keep the newest `keep`.
+    """Save one checkpoint atomically and point `latest` at it; once it reads back intact,
+    keep the newest `keep` (older ones are pruned; if it does not verify, none are).
 
     `state` holds tensors and plain numbers (RNG states, data position); `meta` is JSON.
     `_write_file(name, path)` runs after each file is written (tests use it to fail midway).
@@ -59,9 +161,10 @@ def save_checkpoint(root: str | os.PathLike, step: int, model: torch.nn.Module,
                 optimizer.state_dict() if optimizer is not None else {}, p),
             "state.pt": lambda p: torch.save(state, p),
             "meta.json": lambda p: p.write_text(json.dumps({**meta, "step": step}, indent=1)),
+            MANIFEST: write_manifest,
         }
-        for name in FILES:
-            writers[name](tmp / name)
+        for name in FILES + (MANIFEST,):
+            writers[name](tmp if name == MANIFEST else tmp / name)
             fsync_file(tmp / name)
             if _write_file is not None:
                 _write_file(name, tmp / name)
@@ -76,6 +179,10 @@ def save_checkpoint(root: str | os.PathLike, step: int, model: torch.nn.Module,
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     write_atomic(root / "latest", final.name + "\n")
+    damage = verify_checkpoint(final)
+    if damage is not None:
+        raise CheckpointError(f"checkpoint {final} did not read back intact ({damage}); the "
+                              f"older checkpoints are kept. Is the disk failing or full?")
     _prune(root, keep)
     return final
 
@@ -85,7 +192,7 @@ def _complete(path: Path) -> bool:
 
 
 def list_checkpoints(root: str | os.PathLike) -> list[Path]:
-    """Complete step folders, oldest first."""
+    """Complete step folders (every file present; not yet verified), oldest first."""
     root = Path(root)
     if not root.is_dir():
         return []
@@ -95,11 +202,49 @@ def list_checkpoints(root: str | os.PathLike) -> list[Path]:
 
 
 def _prune(root: Path, keep: int) -> None:
+    """Delete all but the newest `keep` checkpoints (the newest has just verified). Each is
+    renamed aside before it is deleted, so a kill mid-delete leaves a `.pruned-` folder
+    (swept by the next save or start), never a half-deleted step folder."""
     for p in list_checkpoints(root)[:-keep] if keep > 0 else []:
-        shutil.rmtree(p, ignore_errors=True)
-    for p in root.iterdir():  # leftovers of saves that crashed
-        if p.name.startswith((".tmp-", ".old-")) and p.is_dir():
+        aside = root / f".pruned-{p.name}-{os.getpid()}"
+        os.replace(p, aside)
+        shutil.rmtree(aside, ignore_errors=True)
+    for p in root.iterdir():  # leftovers of saves and prunes that crashed
+        if p.name.startswith((".tmp-", ".old-", ".pruned-")) and p.is_dir():
             shutil.rmtree(p, ignore_errors=True)
+
+
+def clean_leftovers(root: str | os.PathLike) -> list[str]:
+    """Remove what interrupted saves, prunes and atomic writes left in a checkpoint folder
+    (temporary and half-pruned folders, temporary files), and move step folders missing a
+    file into damaged/. Call it only while holding the run's lock. Returns what it did."""
+    root = Path(root)
+    done = []
+    if not root.is_dir():
+        return done
+    for p in sorted(root.iterdir()):
+        if p.name.startswith(LEFTOVER_PREFIXES):
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+            done.append(f"removed {p.name}")
+        elif STEP_DIR.match(p.name) and p.is_dir() and not _complete(p):
+            done.append(f"moved {p.name} to {quarantine(p).relative_to(root)} "
+                        f"(incomplete: {verify_checkpoint(p) or 'files missing'})")
+    return done
+
+
+def quarantine(step_dir: Path) -> Path:
+    """Move a checkpoint that failed its checks to ROOT/damaged/ (kept, never trusted)."""
+    dest_root = step_dir.parent / DAMAGED
+    dest_root.mkdir(exist_ok=True)
+    dest, n = dest_root / step_dir.name, 1
+    while dest.exists():
+        n += 1
+        dest = dest_root / f"{step_dir.name}.{n}"
+    os.replace(step_dir, dest)
+    return dest
 
 
 def _step_of(path: Path) -> int:
@@ -109,50 +254,185 @@ def _step_of(path: Path) -> int:
 
 def latest_checkpoint(root: str | os.PathLike) -> Path | None:
     """The folder `latest` names, or the newest complete one if the pointer is missing or
-    stale (a crash between the folder rename and the pointer update)."""
+    stale (a crash between the folder rename and the pointer update). Not verified: see
+    `find_resumable`."""
     root = Path(root)
     pointer = root / "latest"
     candidates = list_checkpoints(root)
     if pointer.is_file():
-        named = root / pointer.read_text().strip()
-        if named.is_dir() and _complete(named):
+        named = root / pointer.read_text(errors="replace").strip()
+        if STEP_DIR.match(named.name) and named.is_dir() and _complete(named):
             newer = [p for p in candidates if _step_of(p) > _step_of(named)]
             return newer[-1] if newer else named
     return candidates[-1] if candidates else None
 
 
-def resolve_checkpoint(path: str | os.PathLike) -> Path:
+def check_checkpoint(step_dir: str | os.PathLike) -> str | None:
+    """Why `step_dir` cannot be resumed from (damaged files, or contents that do not fit the
+    schema), or None when it can."""
+    step_dir = Path(step_dir)
+    damage = verify_checkpoint(step_dir)
+    if damage is not None:
+        return damage
+    try:
+        meta = read_meta(step_dir)
+        read_state(step_dir, meta.get("step"))
+    except CheckpointError as e:
+        return str(e).removeprefix(f"cannot load checkpoint {step_dir}: ")
+    return None
+
+
+def find_resumable(root: str | os.PathLike) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest checkpoint under `root` that verifies and fits the schema, and the newer
+    ones passed over, each with why (newest first)."""
+    skipped = []
+    for p in reversed(list_checkpoints(root)):
+        why = check_checkpoint(p)
+        if why is None:
+            return p, skipped
+        skipped.append((p, why))
+    return None, skipped
+
+
+def resolve_checkpoint(path: str | os.PathLike, say=None) -> Path:
     """A step folder from a step folder, a checkpoint folder (with `latest`) or a run folder
-    (with ckpt/). Raises CheckpointError saying what was looked for."""
+    (with ckpt/): the newest that verifies; `say(line)` hears of each one passed over.
+    Raises CheckpointError saying what was looked for."""
     p = Path(path)
     if not p.exists():
         raise CheckpointError(f"checkpoint {str(p)!r} does not exist")
     if p.is_dir() and _complete(p):
+        why = check_checkpoint(p)
+        if why is not None:
+            raise CheckpointError(f"checkpoint {p} is damaged: {why}")
         return p
     for root in (p, p / "ckpt"):
-        found = latest_checkpoint(root)
+        found, skipped = find_resumable(root)
+        for bad, why in skipped:
+            if say is not None:
+                say(f"{bad} is damaged ({why}); passing over it")
         if found is not None:
             return found
+        if skipped:
+            raise CheckpointError(f"no intact checkpoint in {str(root)!r}: "
+                                  + "; ".join(f"{b.name}: {w}" for b, w in skipped))
     raise CheckpointError(f"no complete checkpoint in {str(p)!r}; give a run folder (with "
                           f"ckpt/), its ckpt/ folder or a ckpt/step_NNNNNN folder")
 
 
+# -- what the files must hold -----------------------------------------------------------
+_META_TYPES = {"step": int, "spec_text": str, "spec_path": str, "data_base": str,
+               "title": str, "world": int, "config": dict, "loss": (int, float, type(None)),
+               "val_loss": (int, float, type(None))}
+
+
 def read_meta(step_dir: str | os.PathLike) -> dict:
+    """meta.json, checked: a JSON object whose known keys have the types the loop wrote."""
     path = Path(step_dir) / "meta.json"
     try:
-        return json.loads(path.read_text())
+        meta = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(f"cannot read {path}: {e}") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"cannot read {path}: not a JSON object")
+    for key, kind in _META_TYPES.items():
+        if key in meta and (not isinstance(meta[key], kind) or isinstance(meta[key], bool)):
+            raise CheckpointError(f"cannot read {path}: '{key}' is {meta[key]!r}, "
+                                  f"not {_kind_name(kind)}")
+    overrides = meta.get("overrides", [])
+    if not (isinstance(overrides, list) and all(isinstance(o, str) for o in overrides)):
+        raise CheckpointError(f"cannot read {path}: 'overrides' must be a list of strings, "
+                              f"got {overrides!r}"[:300])
+    if "step" in meta and meta["step"] < 0:
+        raise CheckpointError(f"cannot read {path}: 'step' is negative")
+    return meta
+
+
+def _kind_name(kind) -> str:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    names = {int: "a whole number", float: "a number", str: "a string", dict: "an object",
+             type(None): "null"}
+    return " or ".join(dict.fromkeys(names[k] for k in kinds))
+
+
+def read_state(step_dir: str | os.PathLike, step: int | None = None) -> dict:
+    """state.pt, loaded without unpickling and checked: 'step' (that of meta.json), the data
+    sampler's and torch's RNG states (each accepted by a scratch generator), 'elapsed'."""
+    step_dir = Path(step_dir)
+    state = _load_pt(step_dir, "state.pt", "cpu")
+
+    def bad(what: str) -> CheckpointError:
+        return CheckpointError(f"cannot load checkpoint {step_dir}: state.pt {what}")
+
+    if not isinstance(state, dict):
+        raise bad("is not a dict")
+    s = state.get("step")
+    if not isinstance(s, int) or isinstance(s, bool) or s < 0:
+        raise bad(f"holds step {s!r}, not a whole number" if "step" in state
+                  else "has no 'step'")
+    if step is not None and s != step:
+        raise bad(f"is for step {s}, but meta.json says step {step}")
+    if not isinstance(state.get("elapsed", 0.0), (int, float)):
+        raise bad("holds a non-numeric 'elapsed'")
+    data = state.get("data")
+    if not isinstance(data, dict):
+        raise bad("has no data position ('data')")
+    for name, rng in (("data position", data.get("generator")),
+                      ("torch RNG state", state.get("torch_cpu"))):
+        if not _valid_rng_state(rng):
+            raise bad(f"holds no valid {name}")
+    if "torch_cuda" in state and not (isinstance(state["torch_cuda"], torch.Tensor)
+                                      and state["torch_cuda"].dtype == torch.uint8):
+        raise bad("holds no valid CUDA RNG state")
+    return state
+
+
+def _valid_rng_state(t) -> bool:
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8:
+        return False
+    try:
+        torch.Generator().set_state(t)
+    except (RuntimeError, ValueError, TypeError):
+        return False
+    return True
+
+
+def _load_pt(step_dir: Path, name: str, map_location):
+    try:
+        return torch.load(step_dir / name, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError:
+        raise CheckpointError(f"cannot load checkpoint {step_dir}: {name} holds objects other "
+                              f"than tensors and numbers, which restopo never unpickles") from None
+    except Exception as e:  # torch and OS errors: one line naming the folder
+        raise CheckpointError(f"cannot load checkpoint {step_dir}: {name}: {_one_line(e)}") \
+            from None
+
+
+def _one_line(e: Exception) -> str:
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()] or [type(e).__name__]
+    text = " ".join(lines)
+    return text if len(text) < 300 else text[:300] + "..."
 
 
 def load_checkpoint(step_dir: str | os.PathLike, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer | None = None,
                     map_location: str | torch.device = "cpu") -> tuple[dict, dict]:
-    """Load weights (and optimizer state) in place; returns (state, meta)."""
+    """Verify, check and load weights (and optimizer state) in place; returns (state, meta).
+    Nothing is loaded into `model` or `optimizer` unless the whole checkpoint verifies."""
     from safetensors.torch import load_model
 
     step_dir = Path(step_dir)
+    damage = verify_checkpoint(step_dir)
+    if damage is not None:
+        raise CheckpointError(f"cannot load checkpoint {step_dir}: it is damaged: {damage}")
     meta = read_meta(step_dir)
+    state = read_state(step_dir, meta.get("step"))
+    opt_state = _load_pt(step_dir, "optimizer.pt", map_location) if optimizer else None
+    if opt_state is not None and not (isinstance(opt_state, dict)
+                                      and isinstance(opt_state.get("state"), dict)
+                                      and isinstance(opt_state.get("param_groups"), list)):
+        raise CheckpointError(f"cannot load checkpoint {step_dir}: optimizer.pt is not an "
+                              f"optimizer state (no 'state' and 'param_groups')")
     try:
         missing, unexpected = load_model(model, str(step_dir / "model.safetensors"),
                                          strict=False, device=str(map_location))
@@ -160,20 +440,13 @@ def load_checkpoint(step_dir: str | os.PathLike, model: torch.nn.Module,
             raise CheckpointError(
                 f"{step_dir} does not fit this model: missing {sorted(missing)[:4]}, "
                 f"unexpected {sorted(unexpected)[:4]} (was it saved from another spec?)")
-        if optimizer is not None:
-            optimizer.load_state_dict(torch.load(step_dir / "optimizer.pt",
-                                                 map_location=map_location, weights_only=True))
-        state = torch.load(step_dir / "state.pt", map_location="cpu", weights_only=True)
+        if opt_state is not None:
+            optimizer.load_state_dict(opt_state)
     except CheckpointError:
         raise
-    except pickle.UnpicklingError:
-        raise CheckpointError(f"cannot load checkpoint {step_dir}: it holds objects other "
-                              f"than tensors and numbers, which restopo never unpickles") from None
     except Exception as e:  # safetensors, torch and OS errors: one line naming the folder
-        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()] or [type(e).__name__]
-        text = " ".join(lines)
-        text = text if len(text) < 300 else text[:300] + "..."
-        if "state_dict" in text:
+        text = _one_line(e)
+        if "state_dict" in text or "size" in text:
             text += " (was it saved from another spec?)"
         raise CheckpointError(f"cannot load checkpoint {step_dir}: {text}") from None
     return state, meta

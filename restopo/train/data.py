@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 import sys
 import sysconfig
 import tempfile
@@ -91,16 +92,28 @@ def open_corpus(source: str, *, base_dir: str | os.PathLike | None = None,
     path = Path(source).expanduser()
     if not path.is_absolute() and base_dir is not None:
         path = Path(base_dir) / path
-    if not path.exists():
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
         raise DataError(f"data path {str(path)!r} does not exist; give a text file, a folder "
-                        f"of text files, a .bin of uint16 token ids or builtin:stdlib")
-    if path.is_dir():
+                        f"of text files, a .bin of uint16 token ids or builtin:stdlib") from None
+    except OSError as e:  # a name too long, a link loop, no permission
+        raise DataError(f"cannot use data path {_shown(path)}: {e.strerror or e}") from None
+    if stat.S_ISDIR(mode):
         if (path / "train.bin").is_file():
             return _bin_folder(path)
         return _text_folder(path)
+    if not stat.S_ISREG(mode):
+        raise DataError(f"data path {_shown(path)} is not a regular file or a folder (a pipe "
+                        f"or a device?); give a text file, a folder or a .bin")
     if path.suffix == ".bin":
         return _bin_file(path)
     return _text_file(path)
+
+
+def _shown(path: Path) -> str:
+    text = str(path)
+    return repr(text if len(text) <= 120 else text[:100] + "..." + text[-17:])
 
 
 # --- builtin:stdlib ----------------------------------------------------------------------
@@ -212,10 +225,65 @@ def _text_file(path: Path) -> Corpus:
     return Corpus(train, val, BYTE_VOCAB, f"text file {path}")
 
 
+# A text folder is read whole into memory: bounded, so `data: "~"` is an error, not an
+# hour of reading the home folder. Raise the bounds with these environment variables.
+MAX_FOLDER_FILES = ("RESTOPO_DATA_MAX_FILES", 100_000)
+MAX_FOLDER_BYTES = ("RESTOPO_DATA_MAX_BYTES", 1 << 30)
+
+
+def _limit(setting: tuple[str, int]) -> int:
+    name, default = setting
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 1:
+        raise DataError(f"${name} must be a positive whole number, got {text!r}")
+    return value
+
+
+def folder_files(path: Path) -> list[Path]:
+    """The regular files under `path`, sorted, hidden files and folders skipped, symbolic
+    links to folders not followed; DataError past the file-count or byte bound."""
+    max_files, max_bytes = _limit(MAX_FOLDER_FILES), _limit(MAX_FOLDER_BYTES)
+    found, total = [], 0
+    for dirpath, dirnames, filenames in os.walk(path, onerror=_walk_error):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        for name in sorted(filenames):
+            if name.startswith("."):
+                continue
+            p = Path(dirpath) / name
+            try:
+                st = p.stat()
+            except OSError:
+                continue  # a dangling link: not data
+            if not stat.S_ISREG(st.st_mode):
+                continue  # pipes and devices would block or never end
+            found.append(p)
+            total += st.st_size
+            if len(found) > max_files or total > max_bytes:
+                what = (f"more than {max_files:,} files" if len(found) > max_files
+                        else f"more than {max_bytes:,} bytes")
+                env = (MAX_FOLDER_FILES if len(found) > max_files else MAX_FOLDER_BYTES)[0]
+                raise DataError(f"data folder {_shown(path)} holds {what}, the most a text "
+                                f"folder may (it is read into memory whole); point data: at a "
+                                f"smaller folder, or set {env} to raise the bound")
+    return sorted(found)  # the order the corpus has always had (by path parts)
+
+
+def _walk_error(e: OSError) -> None:
+    raise DataError(f"cannot read data folder {_shown(Path(e.filename or '?'))}: "
+                    f"{e.strerror or e}")
+
+
 def _text_folder(path: Path) -> Corpus:
-    files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+    files = folder_files(path)
     if not files:
-        raise DataError(f"data folder {str(path)!r} holds no files")
+        raise DataError(f"data folder {str(path)!r} holds no files (hidden files and folders "
+                        f"are skipped)")
     parts = {"train": [], "val": []}
     for p in files:
         rel = p.relative_to(path).as_posix()

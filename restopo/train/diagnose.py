@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from ..ir import Aggregation, BlockSum, Embedding, Partial, Sublayer
 from ..ir.walk import Visitor, walk
+from ..io import write_atomic
 from .checkpoint import load_checkpoint, resolve_checkpoint
 from .plots import plot_depth_lines, plot_heatmap
 
@@ -234,26 +235,37 @@ def write_figures(numbers: dict, graph, out_dir: Path, title: str) -> dict[str, 
                                             rows=labels, cols=cols, title=heat_title,
                                             vmin=0.0)
     js = out_dir / "diagnose.json"
-    js.write_text(json.dumps(numbers, indent=1))
+    write_atomic(js, json.dumps(numbers, indent=1))
     paths["json"] = js
     return paths
 
 
 def diagnose(checkpoint: str, out_dir: str | None = None, *, batches: int = 4,
-             batch_size: int = 8, device: str = "cpu", data_base: str | None = None) -> dict:
-    """Load a checkpoint (its spec travels inside), measure, write the figures."""
+             batch_size: int = 8, device: str = "cpu", data_base: str | None = None,
+             say=None) -> dict:
+    """Load a checkpoint (its spec travels inside), measure, write the figures. `say(line)`
+    hears of damaged checkpoints passed over."""
     from .data import fixed_batches, open_corpus
     from .init_check import step0_report
     from .runspec import model_from_meta
 
-    step_dir = resolve_checkpoint(checkpoint)
+    step_dir = resolve_checkpoint(checkpoint, say=say)
     spec, model, meta = model_from_meta(step_dir)
     load_checkpoint(step_dir, model)
+    bad = [n for n, p in model.named_parameters() if not torch.isfinite(p).all()]
+    if bad:
+        raise ValueError(f"{step_dir} holds NaN or infinite weights ({', '.join(bad[:3])}"
+                         f"{', ...' if len(bad) > 3 else ''}): the run diverged before it was "
+                         f"saved; diagnose an earlier checkpoint")
     corpus = open_corpus(spec.train.data, base_dir=data_base or meta.get("data_base"))
     corpus.check(spec.model.vocab, spec.model.context)
     val = fixed_batches(corpus.val, spec.model.context, batch_size, batches)
     graph = spec.ir()
     numbers = collect(model, graph, val, torch.device(device))
+    if not all(math.isfinite(x) for k in ("output_rms", "input_rms", "param_grad_norm",
+                                          "output_grad_rms") for x in numbers[k]):
+        raise ValueError(f"{step_dir}: the model's activations or gradients overflow to NaN or "
+                         f"infinity on the validation batches, so there is nothing to plot")
     numbers["checkpoint"] = str(step_dir)
     numbers["step"] = meta.get("step")
     # The spec's model as training initialised it, against the standard residual.

@@ -1,7 +1,7 @@
 """Many processes: launching torchrun, and the process group inside each worker.
 
-`restopo train --nproc N` re-runs itself under `python -m torch.distributed.run` (torchrun)
-without --nproc and forwards the exit code. Inside a worker (RANK/WORLD_SIZE set by
+`restopo train --nproc N` re-runs itself under torchrun (`python -m restopo.train.torchrun`:
+torch.distributed.run without its traceback) without --nproc and forwards the exit code. Inside a worker (RANK/WORLD_SIZE set by
 torchrun) `setup()` joins the process group: gloo on CPU, NCCL on CUDA, with a timeout so a
 collective never waits forever on a rank that died; torchrun's agent then stops the others
 and exits non-zero, and the launcher says so in one line.
@@ -126,14 +126,15 @@ def mean_over_ranks(value: float, ctx: DistContext) -> float:
 
 def torchrun_command(argv: list[str], nproc: int, max_restarts: int = 0) -> list[str]:
     """The torchrun command line that runs `restopo <argv>` on `nproc` local processes."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+    return [sys.executable, "-m", "restopo.train.torchrun", "--standalone",
             f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}",
             "-m", "restopo", *argv]
 
 
-def launch(argv: list[str], nproc: int, max_restarts: int = 0) -> int:
-    """Run `restopo <argv>` under torchrun; its exit code, with one clear line on failure."""
-    env = dict(os.environ)
+def launch(argv: list[str], nproc: int, max_restarts: int = 0, env: dict | None = None) -> int:
+    """Run `restopo <argv>` under torchrun (with `env` added to the environment); its exit
+    code, with one clear line on failure."""
+    env = {**os.environ, **(env or {})}
     # torchrun sets 1 thread per worker with a warning when unset; say it ourselves instead
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     cmd = torchrun_command(argv, nproc, max_restarts)

@@ -233,11 +233,13 @@ def train(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, out: str | o
             bar.update(1)
 
             val_loss = None
-            if done % cfg.eval_every == 0 or done == cfg.steps:
+            # 0 turns evaluation (eval_every) and checkpoints (save_every) off
+            if cfg.eval_every > 0 and (done % cfg.eval_every == 0 or done == cfg.steps):
                 stepper.before_eval()
                 val_loss = evaluate(raw, val_batches, device, ctx)
                 last["val_loss"] = val_loss
-            if done % cfg.log_every == 0 or done in (1, cfg.steps) or val_loss is not None:
+            if (cfg.log_every > 0 and done % cfg.log_every == 0) or done in (1, cfg.steps) \
+                    or val_loss is not None:
                 loss_value = mean_over_ranks(loss.item(), ctx)
                 if not math.isfinite(loss_value):
                     raise TrainingError(f"the loss became {loss_value} at step {done}; lower "
@@ -252,7 +254,7 @@ def train(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, out: str | o
                                     + (f" val {last['val_loss']:.3f}" if last["val_loss"]
                                        is not None else "")
                                     + f" {rate:,.0f} tok/s", refresh=False)
-            if done % cfg.save_every == 0 or done == cfg.steps:
+            if cfg.save_every > 0 and (done % cfg.save_every == 0 or done == cfg.steps):
                 save(done)
     finally:
         bar.close()

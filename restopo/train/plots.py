@@ -32,17 +32,20 @@ def _save(fig, path: str | os.PathLike) -> Path:
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict]:
-    """The records of a metrics.jsonl (a torn last line from a crash is skipped)."""
+    """The records of a metrics.jsonl (a torn last line from a crash, or any line that is
+    not a record with a whole-number step, is skipped)."""
     out = []
     try:
-        lines = Path(path).read_text().splitlines()
+        lines = Path(path).read_text(errors="replace").splitlines()
     except OSError:
         return out
     for line in lines:
         try:
-            out.append(json.loads(line))
+            rec = json.loads(line)
         except ValueError:
             continue
+        if isinstance(rec, dict) and type(rec.get("step")) is int:
+            out.append(rec)
     return out
 
 

@@ -1,0 +1,85 @@
+"""What `restopo check` accepts, `restopo train` can run: the bounds on a spec's sizes.
+
+Each bound says why it is there. They are far above any model trained today and stop the
+numbers that would only exhaust memory or time (a batch of 10^8 sequences, a depth whose
+IR has billions of edges) at the line that wrote them, in one pass over the depth.
+
+    depth            4,096 layers    fields.MAX_DEPTH: one module per sublayer is built
+    source reads     4,194,304       the IR and the lowered graph hold one entry per source
+                                     an aggregation reads (Full AttnRes: about L^2 / 2)
+    tokens per step  16,777,216      batch x context ids are made in memory at once
+    validation       16,777,216      eval_batches x batch x context ids, kept for the run
+    context          131,072         the rotary tables and attention's scores grow with it
+    parameters       17,179,869,184  every process builds the whole model in fp32 (64 GiB)
+                                     before a pipeline stage keeps its share
+"""
+from __future__ import annotations
+
+from .fields import Checker
+from .objects import ModelSpec, TrainSpec
+
+MAX_SOURCE_READS = 1 << 22
+MAX_STEP_TOKENS = 1 << 24
+MAX_VAL_TOKENS = 1 << 24
+MAX_CONTEXT = 1 << 17
+MAX_PARAMETERS = 1 << 34
+
+
+def parameters(model: ModelSpec) -> int:
+    """The parameter count of restopo's transformer for `model` (sublayers, embedding and
+    LM head; the topology's own few are left out)."""
+    d = model.width
+    hidden = int(model.mlp_ratio * d)
+    per_mlp = (3 if model.mlp == "swiglu" else 2) * hidden * d
+    n_attn = sum(k == "attn" for k in model.kinds)
+    body = n_attn * 4 * d * d + (len(model.kinds) - n_attn) * per_mlp
+    return body + model.vocab * d * (1 if model.tie_embeddings else 2)
+
+
+def check_model_limits(model: ModelSpec, c: Checker) -> bool:
+    """Context and parameter count; False after an error (then nothing is built)."""
+    ok = True
+    if model.context > MAX_CONTEXT:
+        c.error(model.where("context"), f"'context' is at most {MAX_CONTEXT:,} tokens, got "
+                f"{model.context:,}", "the rotary tables and attention's scores grow with "
+                "the context; train with a shorter one")
+        ok = False
+    n = parameters(model)
+    if n > MAX_PARAMETERS:
+        c.error(model.where("width"), f"this model has {n:,} parameters, more than the "
+                f"{MAX_PARAMETERS:,} restopo can build", "every process builds the whole "
+                "model in fp32 before a pipeline stage keeps its share; use a smaller width, "
+                "depth or vocab")
+        ok = False
+    return ok
+
+
+def check_source_reads(model: ModelSpec, reads: int, c: Checker) -> None:
+    """The IR's size, counted in O(depth) before anything is built."""
+    if reads > MAX_SOURCE_READS:
+        c.error(model.where("depth"), f"the aggregations of this topology read {reads:,} "
+                f"sources in all at depth {model.depth}, more than {MAX_SOURCE_READS:,}",
+                "the IR and the lowered model hold one entry per source read (Full AttnRes "
+                "reads about L^2/2 for L sublayers); use a smaller depth, a window, or Block "
+                "AttnRes")
+
+
+def check_train_limits(train: TrainSpec, context: int | None, c: Checker) -> None:
+    """Tokens of one optimizer step and of the validation batches; accumulation steps
+    must cut the batch evenly."""
+    if train.batch % train.accum:
+        c.error(train.where("accum"), f"accum ({train.accum}) must divide batch "
+                f"({train.batch})", "each accumulation step takes batch/accum sequences")
+    if context is None:
+        return
+    step = train.batch * context
+    if step > MAX_STEP_TOKENS:
+        c.error(train.where("batch"), f"one step would take batch x context = {train.batch:,} "
+                f"x {context:,} = {step:,} tokens, more than {MAX_STEP_TOKENS:,}",
+                "a step's token ids are made in memory at once; use a smaller batch")
+    val = train.eval_batches * step
+    if step <= MAX_STEP_TOKENS and val > MAX_VAL_TOKENS:
+        c.error(train.where("eval_batches"), f"validation would keep eval_batches x batch x "
+                f"context = {val:,} tokens, more than {MAX_VAL_TOKENS:,}",
+                "the validation batches are made once and kept for the run; use fewer "
+                "eval_batches")

@@ -1,0 +1,73 @@
+"""One run per run folder: an exclusive lock on OUT/.restopo.lock while `restopo train` runs.
+
+Two runs writing one folder prune each other's temporary checkpoints and interleave their
+metrics. The lock is an flock on a file in the folder: the kernel drops it when the holder
+exits, however it exits (SIGKILL included), so a lock is never stale. The file records who
+holds it (pid, host, start time, command) so the refused run can say so.
+
+With `--nproc N` the launching process takes the lock and its torchrun workers inherit the
+right to the folder through RESTOPO_RUN_LOCK (the lock file's path); a worker started by a
+bare `torchrun` takes it itself (rank 0 only: the other ranks never write there).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+LOCK_NAME = ".restopo.lock"
+ENV = "RESTOPO_RUN_LOCK"
+
+
+class RunLocked(RuntimeError):
+    """The run folder is held by another live run (the message names it)."""
+
+
+@contextlib.contextmanager
+def run_lock(out: str | os.PathLike):
+    """Hold the lock on run folder `out` (created if need be) for the block's duration;
+    RunLocked when another process holds it."""
+    out = Path(out)
+    path = (out / LOCK_NAME).resolve()
+    if os.environ.get(ENV) == str(path):  # our launcher holds it for us
+        yield
+        return
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no lock (restopo is tested on Linux and macOS)
+        yield
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise RunLocked(f"{out} is in use by another run ({_holder(fd)}); wait for it "
+                            f"to finish, or choose another --out") from None
+        info = {"pid": os.getpid(), "host": socket.gethostname(),
+                "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+                "command": " ".join(["restopo", *sys.argv[1:]])[:500]}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(info).encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def hand_down(out: str | os.PathLike) -> dict:
+    """Environment for child processes that may use `out` while this process holds it."""
+    return {ENV: str((Path(out) / LOCK_NAME).resolve())}
+
+
+def _holder(fd: int) -> str:
+    try:
+        info = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        return (f"pid {info['pid']} on {info['host']}, started {info['started']}: "
+                f"{info['command']}")
+    except (OSError, ValueError, KeyError, TypeError):
+        return "its owner did not say who it is"

@@ -1,0 +1,165 @@
+"""Checkpoints are verified before use (issue 16, #2, #6, #7): every file has a SHA-256 in
+the manifest, any changed byte is found, a damaged or ill-formed checkpoint is passed over
+for the newest good one (saying which and why), pruning waits for the new checkpoint to
+verify, and what killed runs leave behind is swept on start."""
+import json
+
+import pytest
+import torch
+
+from hostile import time_limit
+from restopo.train import checkpoint as ck
+from restopo.train.checkpoint import CheckpointError
+
+from test_checkpoint_atomic import Tied, _save, _trained
+
+
+@pytest.fixture(autouse=True)
+def _each_under_a_time_limit():
+    with time_limit(600):
+        yield
+
+FILES = ck.FILES + (ck.MANIFEST,)
+
+
+def _flip(path, offset, n=1):
+    data = bytearray(path.read_bytes())
+    offset %= len(data)
+    for i in range(offset, min(offset + n, len(data))):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_a_flipped_byte_anywhere_is_found(tmp_path, name):
+    m, opt = _trained()
+    step = _save(tmp_path, 3, m, opt)
+    size = (step / name).stat().st_size
+    for offset in sorted({0, 1, size // 3, size // 2, size - 1}):
+        assert ck.verify_checkpoint(step) is None
+        _flip(step / name, offset)
+        why = ck.verify_checkpoint(step)
+        assert why is not None and (name in why or ck.MANIFEST in why), (offset, why)
+        with pytest.raises(CheckpointError, match="damaged"):
+            ck.load_checkpoint(step, Tied(), None)
+        _flip(step / name, offset)  # put it back
+    (step / name).write_bytes((step / name).read_bytes()[:-1])  # truncated
+    assert ck.verify_checkpoint(step) is not None
+
+
+def test_nothing_is_loaded_from_a_damaged_checkpoint(tmp_path):
+    m, opt = _trained()
+    step = _save(tmp_path, 1, m, opt)
+    _flip(step / "optimizer.pt", 100)
+    fresh = Tied()
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    with pytest.raises(CheckpointError):
+        ck.load_checkpoint(step, fresh, torch.optim.AdamW(fresh.parameters()))
+    assert all(torch.equal(before[k], v) for k, v in fresh.state_dict().items())
+
+
+def _bad_state(step_dir, state):
+    torch.save(state, step_dir / "state.pt")
+    ck.write_manifest(step_dir)  # checksums agree: only the schema can catch it
+
+
+def _bad_meta(step_dir, meta):
+    (step_dir / "meta.json").write_text(json.dumps(meta))
+    ck.write_manifest(step_dir)
+
+
+def _good_state(step):
+    return {"step": step, "torch_cpu": torch.get_rng_state(),
+            "data": {"generator": torch.Generator().get_state()}}
+
+
+@pytest.mark.parametrize("damage, words", [
+    (lambda d: _bad_state(d, {"step": 2}), "no data position"),
+    (lambda d: _bad_state(d, {**_good_state(2), "step": "abc"}), "not a whole number"),
+    (lambda d: _bad_state(d, {**_good_state(2), "step": 7}), "meta.json says step 2"),
+    (lambda d: _bad_state(d, {**_good_state(2), "data": {"generator": torch.zeros(
+        5056, dtype=torch.uint8)}}), "no valid data position"),
+    (lambda d: _bad_state(d, {**_good_state(2), "torch_cpu": torch.zeros(3)}),
+     "no valid torch RNG state"),
+    (lambda d: _bad_state(d, [1, 2]), "not a dict"),
+    (lambda d: _bad_meta(d, {"step": 2, "overrides": [1]}), "'overrides' must be a list"),
+    (lambda d: _bad_meta(d, {"step": 2, "spec_text": 123}), "'spec_text' is 123"),
+    (lambda d: _bad_meta(d, {"step": "2"}), "'step' is '2'"),
+    (lambda d: _bad_meta(d, [2]), "not a JSON object"),
+])
+def test_contents_that_load_but_are_wrong_fail_the_schema(tmp_path, damage, words):
+    m, opt = _trained()
+    _save(tmp_path, 1, m, opt)
+    step = _save(tmp_path, 2, m, opt)
+    damage(step)
+    assert ck.verify_checkpoint(step) is None  # intact files ...
+    assert words in ck.check_checkpoint(step)  # ... that do not hold a training state
+    with pytest.raises(CheckpointError, match="cannot"):
+        ck.load_checkpoint(step, Tied(), None)
+    found, skipped = ck.find_resumable(tmp_path)
+    assert found.name == "step_000001" and skipped[0][0] == step and words in skipped[0][1]
+
+
+def test_a_checkpoint_that_does_not_read_back_prunes_nothing(tmp_path, monkeypatch):
+    m, opt = _trained()
+    for step in (1, 2, 3):
+        _save(tmp_path, step, m, opt, keep=2)
+    assert [p.name for p in ck.list_checkpoints(tmp_path)] == ["step_000002", "step_000003"]
+
+    # a disk that changes the data after it was written: flip once the save has renamed it
+    real_verify = ck.verify_checkpoint
+
+    def flaky(step_dir):
+        if step_dir.name == "step_000004":
+            _flip(step_dir / "model.safetensors", 10)
+        return real_verify(step_dir)
+
+    monkeypatch.setattr(ck, "verify_checkpoint", flaky)
+    with pytest.raises(CheckpointError, match="did not read back intact"):
+        _save(tmp_path, 4, m, opt, keep=2)
+    monkeypatch.setattr(ck, "verify_checkpoint", real_verify)
+    names = [p.name for p in ck.list_checkpoints(tmp_path)]
+    assert "step_000002" in names and "step_000003" in names  # nothing pruned
+
+
+def test_pruning_renames_before_deleting_and_leftovers_are_swept(tmp_path):
+    m, opt = _trained()
+    for step in (1, 2):
+        _save(tmp_path, step, m, opt)
+    # what a kill leaves: a half-pruned folder, a save's temp folder, the atomic writer's
+    # temp file of `latest`, a step folder missing files (a kill mid-delete before renames)
+    (tmp_path / ".pruned-step_000000-1").mkdir()
+    (tmp_path / ".tmp-step_000003-x").mkdir()
+    (tmp_path / ".restopo-abc").write_text("step_000002\n")
+    (tmp_path / ".latest-xyz").write_text("step_000002\n")
+    half = tmp_path / "step_000000"
+    half.mkdir()
+    (half / "optimizer.pt").write_bytes(b"x")
+    done = ck.clean_leftovers(tmp_path)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["damaged", "latest", "step_000001", "step_000002"], names
+    assert (tmp_path / "damaged" / "step_000000" / "optimizer.pt").exists()  # kept aside
+    assert len(done) == 5
+
+
+def test_a_checkpoint_saved_before_manifests_still_loads(tmp_path):
+    m, opt = _trained()
+    step = _save(tmp_path, 1, m, opt)
+    (step / ck.MANIFEST).unlink()
+    assert ck.verify_checkpoint(step) is None and not ck.has_manifest(step)
+    m2 = Tied()
+    ck.load_checkpoint(step, m2, None)
+    assert torch.equal(m2.mix.weight, m.mix.weight)
+
+
+def test_resolve_passes_over_damaged_and_names_an_explicit_one(tmp_path):
+    m, opt = _trained()
+    root = tmp_path / "run" / "ckpt"
+    _save(root, 1, m, opt)
+    bad = _save(root, 2, m, opt)
+    _flip(bad / "state.pt", 40)
+    heard = []
+    assert ck.resolve_checkpoint(tmp_path / "run", say=heard.append).name == "step_000001"
+    assert "step_000002 is damaged (state.pt does not match" in heard[0]
+    with pytest.raises(CheckpointError, match="step_000002 is damaged"):
+        ck.resolve_checkpoint(bad)

@@ -1,0 +1,296 @@
+"""`restopo train` and `restopo diagnose` never lose data or crash on what a user hands them
+(issue 16): damaged checkpoints are passed over for the newest good one, settings the hints
+document run, one run per folder, bounded data, bounded flags, checked checkpoint contents,
+and no leftovers. Each case is the issue's reproducer, under a time limit."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from hostile import time_limit
+from restopo.cli import main
+from restopo.train import checkpoint as ck
+
+ROOT = Path(__file__).resolve().parents[1]
+CORPUS = ROOT / "tests" / "golden" / "corpus.txt"
+SPEC = f"""\
+model t {{ vocab: 256; width: 32; depth: 2; heads: 4; context: 32 }}
+residual block_attnres(blocks: 2)
+train {{
+  data: "{CORPUS}"
+  steps: 16; batch: 4; lr: 3e-3; warmup: 2
+  eval_every: 4; eval_batches: 1; save_every: 4; log_every: 1
+}}
+"""
+
+
+@pytest.fixture(autouse=True)
+def _each_under_a_time_limit():
+    with time_limit(600):
+        yield
+
+
+@pytest.fixture
+def spec(tmp_path, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    path = tmp_path / "t.restopo"
+    path.write_text(SPEC)
+    return path
+
+
+def train(*argv, limit=180):
+    with time_limit(limit):
+        return main(["train", *map(str, argv), "--no-progress"])
+
+
+def records(out):
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def one_line_error(capsys, argv, code=1, limit=120):
+    with time_limit(limit):
+        got = main([*map(str, argv)])
+    err = capsys.readouterr().err
+    assert got == code, err
+    assert "Traceback" not in err, err
+    return err
+
+
+def flip(path, offset, n=64):
+    data = bytearray(path.read_bytes())
+    for i in range(offset % len(data), min(offset % len(data) + n, len(data))):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+# -- #2: damaged checkpoints ---------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", ["flip", "truncate", "header"])
+def test_damaged_newest_checkpoint_falls_back_and_resumes_exactly(spec, tmp_path, capsys,
+                                                                   damage):
+    out = tmp_path / "run"
+    assert train(spec, "--out", out) == 0
+    clean = records(out)
+    newest = out / "ckpt" / "step_000016" / "model.safetensors"
+    if damage == "flip":  # the issue's reproducer (offset inside this small file)
+        flip(newest, 50000 % newest.stat().st_size)
+    elif damage == "truncate":
+        newest.write_bytes(newest.read_bytes()[:1000])
+    else:
+        newest.write_bytes(b"\xff" * 8 + newest.read_bytes()[8:])
+    capsys.readouterr()
+    assert train(spec, "--out", out, "--resume") == 0
+    err = capsys.readouterr().err
+    assert "step_000016 is damaged (model.safetensors" in err
+    assert "moved to ckpt/damaged/step_000016" in err
+    assert "resuming from step_000012, the newest checkpoint that verifies" in err
+    assert records(out) == [{**r, "tokens_per_s": x["tokens_per_s"], "elapsed": x["elapsed"]}
+                            for r, x in zip(clean, records(out))]  # every loss, bit for bit
+    assert (out / "ckpt" / "damaged" / "step_000016").is_dir()  # kept aside, not deleted
+    assert ck.check_checkpoint(out / "ckpt" / "step_000016") is None  # saved again, intact
+
+
+@pytest.mark.slow
+def test_good_checkpoints_survive_a_run_resumed_past_damage(spec, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert train(spec, "--out", out, "--set", "train.steps=12") == 0
+    flip(out / "ckpt" / "step_000012" / "optimizer.pt", 5000)
+    assert train(spec, "--out", out, "--resume", "--steps", "20") == 0
+    kept = [p.name for p in ck.list_checkpoints(out / "ckpt")]
+    assert kept == ["step_000012", "step_000016", "step_000020"]
+    assert all(ck.check_checkpoint(out / "ckpt" / k) is None for k in kept)
+
+
+@pytest.mark.slow
+def test_checkpoint_contents_that_load_but_are_wrong(spec, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert train(spec, "--out", out, "--set", "train.steps=8") == 0
+    step8 = out / "ckpt" / "step_000008"
+    torch.save({"step": 8}, step8 / "state.pt")  # the issue's {"step": 30}
+    ck.write_manifest(step8)  # checksums agree: the schema must catch it
+    assert train(spec, "--out", out, "--resume") == 0
+    err = capsys.readouterr().err
+    assert "state.pt has no data position" in err and "resuming from step_000004" in err
+    meta = out / "ckpt" / "step_000016" / "meta.json"
+    meta.write_text(meta.read_text().replace('"overrides": [', '"overrides": [1, '))
+    ck.write_manifest(meta.parent)
+    for step in ("step_000012", "step_000008", "step_000004"):
+        if (out / "ckpt" / step).exists():
+            (out / "ckpt" / step / "meta.json").write_text('{"spec_text": 123}')
+    err = one_line_error(capsys, ["train", "--resume", "--out", out, "--no-progress"])
+    assert "no intact checkpoint (all" in err and "drop --resume" in err
+
+
+# -- #3: documented settings ------------------------------------------------------------------
+@pytest.mark.slow
+def test_save_every_and_eval_every_zero_turn_them_off(spec, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert train(spec, "--out", out, "--set", "train.save_every=0",
+                 "--set", "train.eval_every=0", "--set", "train.steps=6") == 0
+    printed = capsys.readouterr().out
+    assert "checkpoint  none (train.save_every is 0)" in printed
+    assert not (out / "ckpt").exists()
+    assert all(r["val_loss"] is None for r in records(out)) and len(records(out)) == 6
+
+
+# -- #4: one run per folder -------------------------------------------------------------------
+HOLD = """
+import sys, time
+from restopo.train.runlock import run_lock
+with run_lock(sys.argv[1]):
+    print("held", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_held_run_folder_names_its_holder_and_frees_on_sigkill(spec, tmp_path, capsys):
+    out = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(out)], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        err = one_line_error(capsys, ["train", spec, "--out", out, "--steps", "2"])
+        assert f"{out} is in use by another run (pid {holder.pid}" in err
+        assert "choose another --out" in err
+        assert not (out / "metrics.jsonl").exists()
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=30)
+    assert train(spec, "--out", out, "--steps", "2") == 0  # the kernel dropped the lock
+
+
+@pytest.mark.slow
+def test_two_runs_into_one_folder(spec, tmp_path):
+    out = tmp_path / "run"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "restopo", "train", str(spec), "--out", str(out),
+           "--no-progress", "--steps", "200", "--set", "train.save_every=20"]
+    first = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (out / "metrics.jsonl").exists() and time.time() < deadline:
+        time.sleep(0.2)
+    second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    _, first_err = first.communicate(timeout=600)
+    assert first.returncode == 0, first_err
+    assert second.returncode == 1 and "is in use by another run" in second.stderr
+    steps = [r["step"] for r in records(out)]
+    assert steps == sorted(set(steps)) and steps[-1] == 200
+    assert [p.name for p in (out / "ckpt").iterdir() if not p.name.startswith("step")] == \
+        ["latest"]  # no temporary or empty folders
+
+
+# -- #5, #6: data, paths and flags --------------------------------------------------------
+def test_data_folders_are_bounded_and_data_paths_checked(spec, tmp_path, capsys, monkeypatch):
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    for i in range(6):
+        (folder / f"{i}.txt").write_text("some text " * 50)
+    monkeypatch.setenv("RESTOPO_DATA_MAX_FILES", "5")
+    err = one_line_error(capsys, ["train", spec, "--out", tmp_path / "a", "--set",
+                                  f"train.data={folder}"])
+    assert "more than 5 files" in err and "RESTOPO_DATA_MAX_FILES" in err
+    monkeypatch.setenv("RESTOPO_DATA_MAX_FILES", "100")
+    monkeypatch.setenv("RESTOPO_DATA_MAX_BYTES", "1000")
+    err = one_line_error(capsys, ["train", spec, "--out", tmp_path / "a", "--set",
+                                  f"train.data={folder}"])
+    assert "more than 1,000 bytes" in err and "RESTOPO_DATA_MAX_BYTES" in err
+    fifo = tmp_path / "fifo.txt"
+    os.mkfifo(fifo)
+    for data, words in ((fifo, "not a regular file"), (tmp_path / ("d" * 300), "too long")):
+        err = one_line_error(capsys, ["train", spec, "--out", tmp_path / "a", "--set",
+                                      f"train.data={data}"])
+        assert words in err
+
+
+@pytest.mark.parametrize("flag, value", [("--threads", "100000"), ("--threads", "0"),
+                                         ("--max-restarts", "-1"), ("--nproc", "0")])
+def test_numeric_flags_are_bounded(spec, tmp_path, capsys, flag, value):
+    err = one_line_error(capsys, ["train", spec, "--out", tmp_path / "r", flag, value], code=2)
+    assert f"argument {flag}: must be from" in err
+
+
+def test_out_and_diagnose_o_naming_a_file(spec, tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    err = one_line_error(capsys, ["train", spec, "--out", afile])
+    assert "is a file, not a folder" in err
+    err = one_line_error(capsys, ["diagnose", tmp_path, "-o", afile])
+    assert "is a file, not a folder" in err and afile.read_text() == "mine"
+
+
+# -- #7: leftovers and misleading lines ----------------------------------------------------
+@pytest.mark.slow
+def test_leftovers_of_killed_runs_are_swept_on_start(spec, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert train(spec, "--out", out, "--set", "train.steps=8") == 0
+    ckpt = out / "ckpt"
+    (ckpt / ".pruned-step_000001-99").mkdir()
+    (ckpt / ".tmp-step_000009-x").mkdir()
+    (ckpt / ".latest-abc").write_text("step_000008\n")
+    (out / ".restopo-xyz.jsonl").write_text("{}")
+    half = ckpt / "step_000002"  # a kill mid-delete by an older restopo
+    half.mkdir()
+    (half / "state.pt").write_bytes(b"x")
+    capsys.readouterr()
+    assert train(spec, "--out", out, "--resume", "--steps", "12") == 0
+    err = capsys.readouterr().err
+    assert "tidied" in err and "removed .pruned-step_000001-99" in err
+    assert sorted(p.name for p in ckpt.iterdir()) == [
+        "damaged", "latest", "step_000004", "step_000008", "step_000012"]
+    assert not (out / ".restopo-xyz.jsonl").exists()
+
+
+def test_an_unrelated_metrics_file_is_never_replaced(spec, tmp_path, capsys):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"my": "numbers"}\n')
+    err = one_line_error(capsys, ["train", spec, "--out", out, "--steps", "2"])
+    assert "already holds metrics.jsonl" in err and "--overwrite" in err
+    assert (out / "metrics.jsonl").read_text() == '{"my": "numbers"}\n'
+
+
+@pytest.mark.slow
+def test_diagnose_on_nan_weights_is_one_line(spec, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert train(spec, "--out", out, "--set", "train.steps=4") == 0
+    from safetensors.torch import load_file, save_file
+    step = out / "ckpt" / "step_000004"
+    weights = load_file(step / "model.safetensors")
+    first = sorted(weights)[0]
+    weights[first] = torch.full_like(weights[first], float("nan"))
+    save_file(weights, step / "model.safetensors")
+    ck.write_manifest(step)
+    err = one_line_error(capsys, ["diagnose", out, "-o", tmp_path / "fig"])
+    assert "NaN or infinite weights" in err and "log-scaled" not in err
+
+
+@pytest.mark.slow
+def test_a_failed_nproc_run_shows_no_torchrun_traceback(spec, tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", RESTOPO_DIST_TIMEOUT="60")
+    done = subprocess.run([sys.executable, "-m", "restopo", "train", str(spec), "--out",
+                           str(tmp_path / "r"), "--nproc", "2", "--pipeline", "3x1",
+                           "--no-progress"], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode != 0
+    assert "Traceback" not in done.stderr and "ChildFailedError" not in done.stderr
+    assert "needs a multiple of 3 processes" in done.stderr
+    assert done.stderr.rstrip().splitlines()[-1].startswith(
+        "restopo train: error: the 2-process run failed")
+
+
+@pytest.mark.slow
+def test_a_checkpoint_from_before_manifests_resumes_with_a_note(spec, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert train(spec, "--out", out, "--set", "train.steps=4") == 0
+    (out / "ckpt" / "step_000004" / "manifest.json").unlink()
+    capsys.readouterr()
+    assert train(spec, "--out", out, "--resume", "--steps", "8") == 0
+    err = capsys.readouterr().err
+    assert "step_000004 has no manifest.json (saved by an older restopo)" in err
+    assert ck.has_manifest(out / "ckpt" / "step_000008")
