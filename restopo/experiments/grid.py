@@ -19,11 +19,13 @@ class Job:
     seed: int
 
     def command(self, out: Path, *, resume: bool, threads: int = 1) -> list[str]:
+        """`resume`: continue from the run's checkpoint; otherwise start it afresh, over
+        whatever a run killed before its first checkpoint left (nothing to lose there)."""
         cmd = [sys.executable, "-m", "restopo", "train", self.spec, "--out", str(out / self.name),
                "--seed", str(self.seed), "--no-progress", "--threads", str(threads)]
         for s in self.overrides:
             cmd += ["--set", s]
-        return cmd + (["--resume"] if resume else [])
+        return cmd + (["--resume"] if resume else ["--overwrite"])
 
 
 def parse_vary(text: str) -> tuple[str, list[str]]:
