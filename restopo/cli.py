@@ -14,7 +14,7 @@ import sys
 from . import __version__
 from .spec.errors import SpecError
 
-COMMANDS = ("check", "inspect", "graph", "compile", "train", "diagnose")
+COMMANDS = ("check", "inspect", "graph", "compile", "train", "diagnose", "generate", "eval", "export")
 
 EXAMPLES = """\
 examples:

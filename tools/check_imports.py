@@ -28,7 +28,7 @@ import networkx as nx
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "restopo"
 LAYERS = ("grammars", "io", "registry", "topology", "ir", "draw", "spec", "ops", "nn", "fx", "backends",
-          "api", "train", "cli", "commands", "__main__")
+          "decode", "api", "train", "saved", "cli", "commands", "__main__")
 PLUGINS = ("backends",)
 
 
