@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-from types import MethodType
 
 from torch import fx, nn
 
@@ -44,7 +43,10 @@ def compile(spec_or_path, backend: str = "auto", overrides=()) -> fx.GraphModule
     model.spec_text = spec.text
     model.restopo_overrides = tuple(getattr(spec, "overrides", ()) or ())
     model.restopo_spec = spec
-    model.generate = MethodType(generate, model)  # model.generate(idx, max_new_tokens, ...)
+    # model.generate(idx, max_new_tokens, ...): fx gives each GraphModule a class of its
+    # own, so this is this model's method (a copy made by deepcopy/pickle gets a fresh class
+    # without it: restopo.generate(model, ...) works on any)
+    type(model).generate = generate
     return model
 
 

@@ -72,10 +72,12 @@ class Decoder:
 
     decoder(idx [B, T]) runs the T tokens after those already seen and returns the logits
     of the last one, [B, vocab]. compile=True runs the one-token steps through
-    torch.compile (the cache is then attended over its full, masked length: fixed shapes).
+    torch.compile with fixed shapes (`fixed`, the default then): the step's position is
+    updated in place and each cache is attended over its full length, masked.
     """
 
-    def __init__(self, model: nn.Module, batch: int, length: int, *, compile: bool = False):
+    def __init__(self, model: nn.Module, batch: int, length: int, *, compile: bool = False,
+                 fixed: bool | None = None):
         gm = lowered(model)
         parts = parts_of(gm)
         _check_decodable(parts)
@@ -103,7 +105,8 @@ class Decoder:
                                  context_names=parts.context_names),
                            backend=gm.backend, two_phase=len(gm.phases) > 0,
                            aggregations=gm.aggregations)
-        self.compiled = torch.compile(self.graph, dynamic=False) if compile else None
+        self.fixed = compile if fixed is None else fixed
+        self.run = torch.compile(self.graph, dynamic=False) if compile else self.graph
 
     @torch.no_grad()
     def __call__(self, idx: torch.Tensor) -> torch.Tensor:
@@ -111,14 +114,14 @@ class Decoder:
         if B != self.batch or self.pos + T > self.length:
             raise ValueError(f"this decoder holds {self.batch} sequences of up to "
                              f"{self.length} tokens; got {B} x {T} after {self.pos}")
-        one_step = self.compiled is not None and T == 1 and self.pos > 0
+        one_step = self.fixed and T == 1 and self.pos > 0
         if one_step:  # fixed shapes: update the positions in place, attend over all
             self.step.positions.fill_(self.pos)
             self.step.end = None
         else:
             self.step.positions = torch.arange(self.pos, self.pos + T, device=idx.device)
             self.step.end = self.pos + T
-        logits = (self.compiled if one_step else self.graph)(idx)[:, -1]
+        logits = (self.run if one_step else self.graph)(idx)[:, -1]
         if not one_step:
             self.step.positions = self.step.positions[-1:].clone()
         self.pos += T

@@ -67,8 +67,10 @@ def _from_checkpoint(p: Path, backend: str, device) -> nn.Module:
         meta = read_meta(step_dir)
         if "spec_text" not in meta:
             raise LoadError(f"{step_dir}/meta.json carries no spec text")
-        model = _compile(meta["spec_text"], meta.get("overrides", ()), step_dir, backend)
+        from .train.runspec import spec_from_meta
+        model = compile_spec(spec_from_meta(meta), backend=backend)
         load_checkpoint(step_dir, model, map_location=device)  # strict: names what differs
+        model.restopo_data_base = meta.get("data_base")  # where a relative train.data is
     except CheckpointError as e:
         raise LoadError(str(e)) from None
     return model.to(device)

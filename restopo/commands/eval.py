@@ -63,7 +63,9 @@ def run(args) -> int:
                 return _fail("the checkpoint's spec has no train.data; give --data")
             source = spec.train.data
         from ..train.runspec import data_base
-        base = data_base(spec) if args.data is None and spec.train is not None else None
+        base = None
+        if args.data is None:  # the run's data, read from where the run read it
+            base = getattr(model, "restopo_data_base", None) or data_base(spec)
         corpus = open_corpus(source, base_dir=base, progress=not args.no_progress)
         split = args.split or ("all" if args.data is not None and not str(source).startswith(
             "builtin:") and not str(source).endswith(".bin") else "val")
