@@ -30,7 +30,8 @@ class Step:
     how many cache positions are filled after it (None: all, masked; fixed shapes)."""
 
     def __init__(self, device):
-        self.positions = torch.zeros(1, dtype=torch.long, device=device)
+        self.one = torch.zeros(1, dtype=torch.long, device=device)  # a one-token step's
+        self.positions = self.one
         self.end: int | None = None
 
 
@@ -108,6 +109,11 @@ class Decoder:
         self.fixed = compile if fixed is None else fixed
         self.run = torch.compile(self.graph, dynamic=False) if compile else self.graph
 
+    def reset(self) -> None:
+        """Start a new sequence (the caches are overwritten as it goes: positions past the
+        current one are never attended to)."""
+        self.pos = 0
+
     @torch.no_grad()
     def __call__(self, idx: torch.Tensor) -> torch.Tensor:
         B, T = idx.shape
@@ -115,15 +121,13 @@ class Decoder:
             raise ValueError(f"this decoder holds {self.batch} sequences of up to "
                              f"{self.length} tokens; got {B} x {T} after {self.pos}")
         one_step = self.fixed and T == 1 and self.pos > 0
-        if one_step:  # fixed shapes: update the positions in place, attend over all
-            self.step.positions.fill_(self.pos)
-            self.step.end = None
+        if one_step:  # fixed shapes: the same position tensor, updated in place (a new
+            self.step.one.fill_(self.pos)  # object would make torch.compile recompile)
+            self.step.positions, self.step.end = self.step.one, None
         else:
             self.step.positions = torch.arange(self.pos, self.pos + T, device=idx.device)
             self.step.end = self.pos + T
         logits = (self.run if one_step else self.graph)(idx)[:, -1]
-        if not one_step:
-            self.step.positions = self.step.positions[-1:].clone()
         self.pos += T
         return logits
 

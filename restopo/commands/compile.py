@@ -16,11 +16,10 @@ import sys
 
 EXAMPLES = """\
 examples:
-  restopo compile examples/tiny.restopo -o tiny_model.py      # readable PyTorch module
-  restopo compile examples/tiny.restopo -o tiny.pt --set model.width=128
-  python -c "import tiny_model; print(tiny_model.build())"   # needs torch only
-  restopo compile examples/tiny.restopo -o tiny_model.py && restopo compile examples/tiny.restopo -o tiny.pt
-  python -c "import torch, tiny_model; tiny_model.build().load_state_dict(torch.load('tiny.pt')['state_dict'])"
+  restopo compile examples/tiny.restopo -o tiny_model.py      # standalone module (torch only)
+  restopo compile examples/tiny.restopo -o tiny.pt            # the spec and fresh weights
+  restopo compile examples/tiny.restopo -o wide.pt --set model.width=128
+  python -c "import torch, tiny_model; m = tiny_model.build(); m.load_state_dict(torch.load('tiny.pt')['state_dict']); print(m)"
 """
 
 

@@ -149,7 +149,9 @@ def _load_spec(args, out: Path | None):
         step_dir = latest_checkpoint(out / "ckpt")
         if step_dir is None:
             raise _Stop(f"nothing to resume: no checkpoint in {out / 'ckpt'}")
-        return runspec.spec_from_meta(read_meta(step_dir), overrides), step_dir
+        spec = runspec.spec_from_meta(read_meta(step_dir), overrides)
+        _note_resume(spec, step_dir)
+        return spec, step_dir
     spec = runspec.load(args.spec, overrides)
     out = out or Path("runs") / Path(args.spec).stem
     resume = args.resume or restart_count() > 0
@@ -164,7 +166,15 @@ def _load_spec(args, out: Path | None):
         if old.get("spec_text") != spec.text:
             print(f"restopo train: note: {args.spec} changed since {step_dir} was saved; "
                   f"resuming with the current file", file=sys.stderr)
+        _note_resume(spec, step_dir)
     return spec, step_dir
+
+
+def _note_resume(spec, step_dir) -> None:
+    from ..train import runspec
+    from ..train.checkpoint import read_meta
+    for note in runspec.resume_notes(spec, read_meta(step_dir), step_dir):
+        print(f"restopo train: note: {note}", file=sys.stderr)
 
 
 def _run(args) -> int:
