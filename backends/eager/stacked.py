@@ -5,7 +5,7 @@ new. Without autograd (generation, evaluation) that loop is pure cost: several o
 source at every aggregation point, which is most of what Block and Full AttnRes add to a
 one-token decoding step. Here the sources are stacked once and each step is one op over all
 of them. Same mathematics as the unstacked forms (logits in at least fp32, values summed in
-the sources' dtype), held against them in tests/test_ops_eager.py.
+the sources' dtype), held against them in tests/test_ops_stacked.py.
 """
 from __future__ import annotations
 
