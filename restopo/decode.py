@@ -81,7 +81,7 @@ class Decoder:
                  fixed: bool | None = None):
         gm = lowered(model)
         parts = parts_of(gm)
-        _check_decodable(parts)
+        require_own_sublayers(parts)
         rotary = parts.context
         if length > rotary.context:
             raise ValueError(f"prompt plus new tokens is {length} tokens, longer than the "
@@ -132,7 +132,7 @@ class Decoder:
         return logits
 
 
-def _check_decodable(parts: Parts) -> None:
+def require_own_sublayers(parts: Parts) -> None:
     """Cached decoding knows restopo's own sublayers (attention with rotary, MLP)."""
     ok = isinstance(parts.context, Rotary) and all(
         isinstance(s, (Attention, MLP)) for s in parts.sublayers)

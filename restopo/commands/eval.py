@@ -77,7 +77,7 @@ def run(args) -> int:
             tokens = np.concatenate([corpus.train, corpus.val])
         result = score(model, tokens, spec.model.context, args.batch_size, device=args.device,
                        progress=not args.no_progress)
-    except (LoadError, DataError, ValueError) as e:
+    except (LoadError, DataError, ValueError, RuntimeError) as e:
         return _fail(str(e))
     result.update(data=source, split=split, byte_level=bool(corpus.byte_level))
     if args.format == "json":

@@ -48,7 +48,7 @@ def run(args) -> int:
                 os.path.normpath(args.checkpoint))))
         else:
             export(model, out)
-    except (LoadError, ValueError) as e:
+    except (LoadError, ValueError, RuntimeError) as e:  # RuntimeError: e.g. no CUDA
         print(f"restopo export: error: {e}", file=sys.stderr)
         return 1
     print(f"wrote {out}", file=sys.stderr)

@@ -87,7 +87,7 @@ def run(args) -> int:
         for token in tokens:
             write(int(token[0]))
         write(None)
-    except (LoadError, ValueError) as e:
+    except (LoadError, ValueError, RuntimeError) as e:  # RuntimeError: e.g. no CUDA
         return _fail(str(e))
     return 0
 

@@ -167,8 +167,8 @@ def _init(model, spec) -> str:
 def module_source(model, name: str, source: str) -> str:
     """The text of a standalone module that builds `model` (a restopo.compile model)."""
     from ..fx.lower import parts_of
-    from ..decode import _check_decodable
-    _check_decodable(parts_of(model))  # restopo's own sublayers, which this file copies
+    from ..decode import require_own_sublayers
+    require_own_sublayers(parts_of(model))  # restopo's own sublayers, which this file copies
     spec = model.restopo_spec
     g = model.restopo_ir
     head = HEADER.format(name=_doc(name), source=_doc(source), topology=_doc(g.topology),
