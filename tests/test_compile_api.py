@@ -88,7 +88,7 @@ def test_cli_model_py_round_trip(tmp_path):
                 if isinstance(node, ast.Import) for a in node.names}
     imported |= {node.module.split(".")[0] for node in ast.walk(ast.parse(source))
                  if isinstance(node, ast.ImportFrom)}
-    assert imported <= {"__future__", "math", "collections", "torch"}  # standalone
+    assert imported <= {"__future__", "math", "collections", "types", "torch"}  # standalone
     assert "def forward(self, idx):" in source and "block1 = " in source
     spec = importlib.util.spec_from_file_location("gen_model", tmp_path / "gen_model.py")
     mod = importlib.util.module_from_spec(spec)

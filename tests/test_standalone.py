@@ -37,8 +37,9 @@ RUNNER = textwrap.dedent("""
         model = module.build().double()
         state = torch.load(name + ".pt", weights_only=True)["state_dict"]
         model.load_state_dict(state, strict=True)
-        with torch.no_grad():
-            out[name] = {"logits": model(idx).tolist(), "spec": module.SPEC}
+        with torch.no_grad():  # the eager backend's no-grad (stacked) forms
+            no_grad = model(idx).tolist()
+        out[name] = {"logits": no_grad, "grad": model(idx).tolist(), "spec": module.SPEC}
     assert not [m for m in sys.modules if m.split(".")[0] == "restopo"]
     print(json.dumps(out))
 """)
@@ -73,7 +74,7 @@ def test_standalone_modules_run_without_restopo(tmp_path):
         torch.save({"spec": text, "overrides": [], "state_dict": ref.state_dict()},
                    tmp_path / f"{name}.pt")
         source = module_source(ref, name, "t.restopo")
-        assert imported_roots(source) <= {"__future__", "math", "collections", "torch"}
+        assert imported_roots(source) <= {"__future__", "math", "collections", "types", "torch"}
         (tmp_path / f"{name}.py").write_text(source)
         names.append(name)
     run = subprocess.run([sys.executable, "-c", RUNNER, json.dumps(idx.tolist()), *names],
@@ -83,8 +84,9 @@ def test_standalone_modules_run_without_restopo(tmp_path):
     for name, topology in zip(names, TOPOLOGIES):
         text, logits = want[name]
         assert got[name]["spec"] == text
-        torch.testing.assert_close(torch.tensor(got[name]["logits"], dtype=torch.float64),
-                                   logits, rtol=1e-12, atol=1e-12, msg=topology)
+        for key in ("logits", "grad"):  # without and with autograd: both forms
+            torch.testing.assert_close(torch.tensor(got[name][key], dtype=torch.float64),
+                                       logits, rtol=1e-12, atol=1e-12, msg=topology)
 
 
 def test_compile_cli_writes_the_standalone_module(tmp_path):
@@ -94,7 +96,7 @@ def test_compile_cli_writes_the_standalone_module(tmp_path):
         r = compile_cli("t.restopo", "-o", out, cwd=tmp_path)
         assert r.returncode == 0, r.stderr
     source = (tmp_path / "gen_model.py").read_text()
-    assert imported_roots(source) <= {"__future__", "math", "collections", "torch"}
+    assert imported_roots(source) <= {"__future__", "math", "collections", "types", "torch"}
     run = subprocess.run([sys.executable, "-c", RUNNER.replace('name + ".pt"', '"m.pt"'),
                           "[[1, 2, 3]]", "gen_model"],
                          cwd=tmp_path, capture_output=True, text=True, timeout=120)

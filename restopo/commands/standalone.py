@@ -9,6 +9,7 @@ graph's generated code. Every value that reaches the generated source goes throu
 """
 from __future__ import annotations
 
+import ast
 import inspect
 import re
 
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -81,19 +83,33 @@ def _source(obj) -> str:
 
 
 def _kernels() -> str:
-    """The eager backend's depth.py and unstacked.py as top-level functions: unstacked's
-    names get an `_unstacked_` prefix (depth.py has functions of the same names)."""
+    """The eager backend (depth.py and the two forms it picks between, unstacked.py and
+    stacked.py) as top-level code: each form's functions get its prefix (`_stacked_phase1`)
+    and are gathered in a namespace of the module's name, which depth.py's code calls."""
     eager = get_backend("eager")
-    depth, unstacked = inspect.getmodule(eager.depth_attention), eager.depth.unstacked
-    names = [n for n, f in inspect.getmembers(unstacked, inspect.isfunction)
-             if f.__module__ == unstacked.__name__]
-    rename = re.compile(r"(?<![\w.])(" + "|".join(map(re.escape, names)) + r")\b")
-    low = _body(inspect.getsource(unstacked))
-    low = rename.sub(r"_unstacked_\1", low)
-    high = _body(inspect.getsource(depth))
-    high = re.sub(r"\bunstacked\.(\w+)", r"_unstacked_\1", high)
-    return ("\n\n# ---- depth-attention kernels (restopo's eager backend)\n" + low + "\n"
-            + high)
+    depth = inspect.getmodule(eager.depth_attention)
+    code, names = [], {}
+    for module in (depth.unstacked, depth.stacked):  # stacked imports from unstacked
+        short = module.__name__.rpartition(".")[2]
+        own = {n: f"_{short}_{n}" for n, f in inspect.getmembers(module, inspect.isfunction)
+               if f.__module__ == module.__name__}
+        renamed = {**_imported(module, names), **own}
+        pattern = re.compile(r"(?<![\w.])(" + "|".join(map(re.escape, renamed)) + r")\b")
+        body = pattern.sub(lambda m: renamed[m.group(1)], _body(inspect.getsource(module)))
+        fields = ", ".join(f"{n}={p}" for n, p in own.items())
+        code.append(f"{body}\n\n{short} = SimpleNamespace({fields})\n")
+        names[short] = own
+    return ("\n\n# ---- depth-attention kernels (restopo's eager backend)\n"
+            + "\n\n".join(code) + "\n\n" + _body(inspect.getsource(depth)))
+
+
+def _imported(module, names: dict) -> dict:
+    """name -> its prefixed name, for `from .other import name` of an earlier module."""
+    out = {}
+    for node in ast.parse(inspect.getsource(module)).body:
+        if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module in names:
+            out.update({a.name: names[node.module][a.name] for a in node.names})
+    return out
 
 
 def _body(module_source: str) -> str:

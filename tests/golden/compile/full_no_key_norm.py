@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -96,6 +97,98 @@ def _unstacked_phase1(completed: Sequence[torch.Tensor], gained_queries: torch.T
         o1 = term if o1 is None else o1 + term
     return o1.flatten(-2), m1, e.sum(1)
 
+
+unstacked = SimpleNamespace(_acc=_unstacked__acc, _rstd=_unstacked__rstd, depth_attention=_unstacked_depth_attention, phase1=_unstacked_phase1, source_logits=_unstacked_source_logits)
+
+
+def _stacked__rstd(v: torch.Tensor, eps: float) -> torch.Tensor:
+    """[*batch, 1]: 1 / RMS(v) over channels, in at least fp32 (a mean of squares: for the
+    tiny tensors of a decoding step, several times cheaper than vector_norm)."""
+    v = v.to(_unstacked__acc(v))
+    return torch.rsqrt((v * v).mean(-1, keepdim=True) + eps)
+
+
+def _stacked_without_grad(*tensors: torch.Tensor | None) -> bool:
+    """True when autograd will not record: grad mode off, or no input requires grad."""
+    return not torch.is_grad_enabled() or not any(
+        t is not None and t.requires_grad for t in tensors)
+
+
+def _stacked__stack(sources: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
+    return sources if isinstance(sources, torch.Tensor) else torch.stack(tuple(sources))
+
+
+def _stacked__by_head(v: torch.Tensor, heads: int) -> torch.Tensor:
+    """[n, *batch, d] -> [*batch, heads, n, c]: each head's sources as a matrix."""
+    return v.unflatten(-1, (heads, -1)).movedim(0, -2)
+
+
+def _stacked__key_scale(v: torch.Tensor, eps: float) -> torch.Tensor:
+    """1 / RMS of each source, [n, *batch, d] -> [*batch, 1, n, 1] (broadcasts over heads)."""
+    return _stacked__rstd(v, eps).movedim(0, -2).unsqueeze(-3)
+
+
+def _stacked_depth_attention(sources, query: torch.Tensor, gained_query: torch.Tensor, eps: float, *,
+                    key_norm: bool, gate: str, heads: int) -> torch.Tensor:
+    """h = sum_i alpha_i v_i over the stacked sources; `gained_query` is [d] or [*batch, d]
+    with the key-norm gain folded in."""
+    v = _stacked__stack(sources)                                     # [n, *batch, d]
+    acc = _unstacked__acc(v)
+    vh = _stacked__by_head(v, heads)                                 # [*batch, H, n, c]
+    q = gained_query.unflatten(-1, (heads, -1)).unsqueeze(-1).to(acc)  # [(*batch,) H, c, 1]
+    z = vh.to(acc) @ q                                      # [*batch, H, n, 1]
+    if key_norm:
+        z = z * _stacked__key_scale(v, eps)
+    alpha = torch.softmax(z, dim=-2) if gate == "softmax" else torch.sigmoid(z)
+    return (alpha.transpose(-1, -2).to(v.dtype) @ vh).squeeze(-2).flatten(-2)
+
+
+def _stacked_phase1(completed, gained_queries: torch.Tensor, eps: float, *, key_norm: bool,
+           heads: int):
+    """Phase 1 over the stacked completed blocks: (o1 [S,*b,d], m1 [S,*b,H], s1 [S,*b,H])."""
+    v = _stacked__stack(completed)                                   # [n, *batch, d]
+    acc = _unstacked__acc(v)
+    vh = _stacked__by_head(v, heads)                                 # [*batch, H, n, c]
+    q = gained_queries.unflatten(-1, (heads, -1)).permute(1, 2, 0).to(acc)  # [H, c, S]
+    z = vh.to(acc) @ q                                      # [*batch, H, n, S]
+    if key_norm:
+        z = z * _stacked__key_scale(v, eps)
+    m1 = z.amax(-2, keepdim=True)                           # [*batch, H, 1, S]
+    e = torch.exp(z - m1)
+    o1 = e.transpose(-1, -2).to(v.dtype) @ vh               # [*batch, H, S, c]
+    return (o1.movedim(-2, 0).flatten(-2), m1.squeeze(-2).movedim(-1, 0),
+            e.sum(-2).movedim(-1, 0))
+
+
+def _stacked_phase2(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor, partial: torch.Tensor | None,
+           gained_query: torch.Tensor, eps: float, *, key_norm: bool) -> torch.Tensor:
+    """Phase 2 (the partial merged into phase 1's result by online softmax) in as few ops
+    as the maths allows: the per-token weights of o1 and the partial, then one sum."""
+    heads = m1.shape[-1]
+    if heads == 1:  # [*batch, 1] weights broadcast over d as they are
+        if partial is None:
+            return o1 / s1.to(o1.dtype)
+        z2 = (partial @ gained_query.to(partial.dtype)).unsqueeze(-1).to(_unstacked__acc(partial))
+    else:
+        if partial is None:
+            return (o1.unflatten(-1, (heads, -1)) / s1.unsqueeze(-1).to(o1.dtype)).flatten(-2)
+        q = gained_query.unflatten(-1, (heads, -1))
+        z2 = (partial.unflatten(-1, (heads, -1)) * q).sum(-1, dtype=_unstacked__acc(partial))
+    if key_norm:
+        z2 = z2 * _stacked__rstd(partial, eps)
+    m = torch.maximum(m1, z2)
+    a, b = torch.exp(m1 - m), torch.exp(z2 - m)
+    den = a * s1 + b
+    a, b = (a / den).to(o1.dtype), (b / den).to(partial.dtype)
+    if heads == 1:
+        return o1 * a + partial * b
+    return (o1.unflatten(-1, (heads, -1)) * a.unsqueeze(-1)
+            + partial.unflatten(-1, (heads, -1)) * b.unsqueeze(-1)).flatten(-2)
+
+
+stacked = SimpleNamespace(_by_head=_stacked__by_head, _key_scale=_stacked__key_scale, _rstd=_stacked__rstd, _stack=_stacked__stack, depth_attention=_stacked_depth_attention, phase1=_stacked_phase1, phase2=_stacked_phase2, without_grad=_stacked_without_grad)
+
+
 def keys(sources: torch.Tensor, eps: float, key_norm: bool = True) -> torch.Tensor:
     """RMSNorm of each source over its channels, without the gain (the keys); the values
     stay raw. The gain is folded into the query instead: w . (g * k) == (g * w) . k, which
@@ -147,7 +240,7 @@ def depth_attention(sources: torch.Tensor | Sequence[torch.Tensor], query: torch
     """h = sum_i alpha_i v_i with alpha = softmax_i(w . RMSNorm(v_i)) (or sigmoid).
 
     `sources` may also be a sequence of [*batch, d] tensors: then no stacked copy is kept
-    for backward (see _unstacked_py); the result is the same."""
+    for backward (see unstacked.py); the result is the same."""
     if not isinstance(sources, torch.Tensor):
         _check_heads(sources[0].shape[-1], heads)
         form = stacked if stacked.without_grad(query, key_norm_weight, *sources) else unstacked
@@ -196,7 +289,7 @@ def phase2(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor, partial: torch.
     if partial is None:
         return (o * (1 / s1).unsqueeze(-1).to(o.dtype)).flatten(-2)
     q = gained(query, key_norm_weight, key_norm).unflatten(-1, (heads, -1))
-    z2 = _unstacked_source_logits(partial, q, eps, key_norm)               # [*batch, H]
+    z2 = unstacked.source_logits(partial, q, eps, key_norm)               # [*batch, H]
     m = torch.maximum(m1, z2)
     a, b = torch.exp(m1 - m), torch.exp(z2 - m)
     den = a * s1 + b
