@@ -1,9 +1,12 @@
 """The Python API: restopo.compile and restopo.aggregations."""
 from __future__ import annotations
 
+import os
+
 from torch import fx, nn
 
 from . import ops
+from .decode import generate
 from .fx.lower import aggregation_modules, lower, lowered, parts_of
 from .ir import build_ir
 from .nn.aggregate import Attend, TwoPhase
@@ -30,6 +33,7 @@ def compile(spec_or_path, backend: str = "auto", overrides=()) -> fx.GraphModule
     ops.check_backend(backend)
     if backend == "triton":
         ops.require_backend("triton")
+    _refuse_saved_model(spec_or_path)
     spec = as_spec(spec_or_path, overrides)
     if spec.model is None:
         raise ValueError(f"{spec.path}: the spec has no model section, so there is nothing to "
@@ -39,7 +43,26 @@ def compile(spec_or_path, backend: str = "auto", overrides=()) -> fx.GraphModule
     model.spec_text = spec.text
     model.restopo_overrides = tuple(getattr(spec, "overrides", ()) or ())
     model.restopo_spec = spec
+    # model.generate(idx, max_new_tokens, ...): fx gives each GraphModule a class of its
+    # own, so this is this model's method (a copy made by deepcopy/pickle gets a fresh class
+    # without it: restopo.generate(model, ...) works on any)
+    type(model).generate = generate
     return model
+
+
+SAVED = (".pt", ".safetensors")
+
+
+def _refuse_saved_model(spec_or_path) -> None:
+    """A saved model handed to compile: say to load it (compile reads spec text)."""
+    if not isinstance(spec_or_path, (str, os.PathLike)):
+        return
+    path = os.fspath(spec_or_path)
+    if "\n" in path or len(path) > 4096:
+        return  # spec text, not a path
+    if path.endswith(SAVED) or os.path.isdir(path):
+        raise ValueError(f"{path} is a saved model or checkpoint, not a spec: load it with "
+                         f"restopo.load({path!r})")
 
 
 def aggregations(model: nn.Module) -> list[nn.Module]:

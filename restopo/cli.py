@@ -15,7 +15,8 @@ import sys
 from . import __version__
 from .spec.errors import SpecError
 
-COMMANDS = ("check", "inspect", "graph", "compile", "train", "diagnose", "sweep", "compare")
+COMMANDS = ("check", "inspect", "graph", "compile", "train", "diagnose", "generate", "eval",
+            "export", "sweep", "compare")
 
 EXAMPLES = """\
 examples:

@@ -53,9 +53,15 @@ def atomic_path(path: str | os.PathLike) -> Iterator[str]:
 
 
 def _new_file_mode() -> int:
+    return new_mode()
+
+
+def new_mode(folder: bool = False) -> int:
+    """The mode a newly created file (or folder) gets under the user's umask: for what was
+    made by mkstemp/mkdtemp (0600/0700) or by a library that picks its own mode."""
     umask = os.umask(0)  # the only way to read it; set straight back
     os.umask(umask)
-    return 0o666 & ~umask
+    return (0o777 if folder else 0o666) & ~umask
 
 
 def fsync_file(path: str | os.PathLike) -> None:

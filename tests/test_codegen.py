@@ -119,9 +119,14 @@ def test_hostile_output_name(tmp_path, capsys):
     tree = ast.parse(source)
     docstring = ast.get_docstring(tree, clean=False)
     assert docstring.startswith(out.stem)  # the name stays inside the docstring
-    # nothing but the imports, constants, class and build() at the top of the module
+    # nothing but the imports (of torch and the standard library), constants, classes and
+    # functions at the top of the module
     kinds = {type(node).__name__ for node in tree.body}
-    assert kinds <= {"Expr", "Import", "Assign", "ClassDef", "FunctionDef"}
+    assert kinds <= {"Expr", "Import", "ImportFrom", "Assign", "ClassDef", "FunctionDef"}
+    imported = {a.name.split(".")[0] for n in tree.body if isinstance(n, ast.Import)
+                for a in n.names}
+    imported |= {n.module.split(".")[0] for n in tree.body if isinstance(n, ast.ImportFrom)}
+    assert imported <= {"__future__", "math", "collections", "types", "torch"}, imported
     calls = [n for n in tree.body if isinstance(n, ast.Expr) and not isinstance(n.value,
                                                                                ast.Constant)]
     assert not calls

@@ -88,7 +88,7 @@ def test_cli_model_py_round_trip(tmp_path):
                 if isinstance(node, ast.Import) for a in node.names}
     imported |= {node.module.split(".")[0] for node in ast.walk(ast.parse(source))
                  if isinstance(node, ast.ImportFrom)}
-    assert imported == {"torch", "restopo"}
+    assert imported <= {"__future__", "math", "collections", "types", "torch"}  # standalone
     assert "def forward(self, idx):" in source and "block1 = " in source
     spec = importlib.util.spec_from_file_location("gen_model", tmp_path / "gen_model.py")
     mod = importlib.util.module_from_spec(spec)
@@ -101,7 +101,7 @@ def test_cli_model_py_round_trip(tmp_path):
     built.load_state_dict(ref.state_dict())
     idx = torch.randint(0, 61, (2, 6))
     torch.testing.assert_close(built(idx), ref(idx), rtol=0, atol=0)
-    assert len(restopo.aggregations(built)) == 5
+    assert len(built.aggregations) == 5
 
 
 def test_cli_model_pt_round_trip(tmp_path):

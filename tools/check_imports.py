@@ -28,7 +28,8 @@ import networkx as nx
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "restopo"
 LAYERS = ("grammars", "io", "codegen", "registry", "topology", "ir", "draw", "spec", "ops", "nn",
-          "fx", "backends", "api", "train", "experiments", "cli", "commands", "__main__")
+          "fx", "backends", "decode", "api", "train", "saved", "experiments", "cli", "commands",
+          "__main__")
 PLUGINS = ("backends",)
 
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from . import unstacked
+from . import stacked, unstacked
 
 
 def keys(sources: torch.Tensor, eps: float, key_norm: bool = True) -> torch.Tensor:
@@ -69,7 +69,8 @@ def depth_attention(sources: torch.Tensor | Sequence[torch.Tensor], query: torch
     for backward (see unstacked.py); the result is the same."""
     if not isinstance(sources, torch.Tensor):
         _check_heads(sources[0].shape[-1], heads)
-        return unstacked.depth_attention(sources, query,
+        form = stacked if stacked.without_grad(query, key_norm_weight, *sources) else unstacked
+        return form.depth_attention(sources, query,
                                          gained(query, key_norm_weight, key_norm), eps,
                                          key_norm=key_norm, gate=gate, heads=heads)
     alpha = depth_weights(sources, query, key_norm_weight, eps, key_norm=key_norm, gate=gate,
@@ -90,10 +91,12 @@ def phase1(completed: torch.Tensor | Sequence[torch.Tensor], queries: torch.Tens
     # One implementation for both forms: a stacked tensor is read as its n views. (A fused
     # einsum over the stack was tried: its bf16 backward under torch.compile trips a
     # view-of-a-permute on CPU, and the per-block loop costs nothing that matters here.)
+    # Without autograd, one stacked pass (stacked.py): far fewer ops, e.g. when decoding.
     sources = completed.unbind(0) if isinstance(completed, torch.Tensor) else completed
     _check_heads(sources[0].shape[-1], heads)
-    return unstacked.phase1(sources, gained(queries, key_norm_weights, key_norm), eps,
-                            key_norm=key_norm, heads=heads)
+    form = stacked if stacked.without_grad(queries, key_norm_weights, *sources) else unstacked
+    return form.phase1(sources, gained(queries, key_norm_weights, key_norm), eps,
+                       key_norm=key_norm, heads=heads)
 
 
 def phase2(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor, partial: torch.Tensor | None,
@@ -102,6 +105,9 @@ def phase2(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor, partial: torch.
     """Phase 2: merge the block's partial sum (taken *before* this sublayer's output is added)
     into phase 1's result by online softmax. With no partial (the block's first sublayer),
     h = o1 / s1."""
+    if stacked.without_grad(o1, partial, query, key_norm_weight):
+        return stacked.phase2(o1, m1, s1, partial, gained(query, key_norm_weight, key_norm),
+                              eps, key_norm=key_norm)
     heads = m1.shape[-1]
     o = o1.unflatten(-1, (heads, -1))
     # Per-token coefficients times the raw tensors: autograd then keeps only o1 and the

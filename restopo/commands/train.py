@@ -233,7 +233,9 @@ def _load_spec(args, out: Path):
             raise _Stop("give a SPEC file (or --resume with --out DIR to continue "
                         "a run from its checkpoint)")
         step_dir = _resume_point(out, required=True)
-        return runspec.spec_from_meta(read_meta(step_dir), overrides), step_dir
+        spec = runspec.spec_from_meta(read_meta(step_dir), overrides)
+        _note_resume(spec, step_dir)
+        return spec, step_dir
     spec = runspec.load(args.spec, overrides)
     resume = args.resume or restart_count() > 0
     step_dir = _resume_point(out, required=args.resume) if resume else None
@@ -244,7 +246,15 @@ def _load_spec(args, out: Path):
         if old.get("spec_text") != spec.text:
             print(f"restopo train: note: {args.spec} changed since {step_dir} was saved; "
                   f"resuming with the current file", file=sys.stderr)
+        _note_resume(spec, step_dir)
     return spec, step_dir
+
+
+def _note_resume(spec, step_dir) -> None:
+    from ..train import runspec
+    from ..train.checkpoint import read_meta
+    for note in runspec.resume_notes(spec, read_meta(step_dir), step_dir):
+        print(f"restopo train: note: {note}", file=sys.stderr)
 
 
 def _run(args) -> int:

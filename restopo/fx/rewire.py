@@ -191,6 +191,20 @@ class Rewired(nn.Module):
         h = self.body(call)
         return ends.back(h, *ends.extra(*call.args))
 
+    def generate(self, *args, **kwargs):
+        """Hugging Face's generate() of the original model, every forward it makes running
+        through the rewired stream: its own cache (past_key_values), attention masks and
+        positions, which the rewired front replays (restopo.fx.hf)."""
+        generate = getattr(self.model, "generate", None)
+        if generate is None:
+            raise AttributeError(f"{type(self.model).__name__} has no generate(); for a model "
+                                 f"of restopo's own use restopo.generate")
+        self.model.forward = self.forward  # an instance attribute: the class is untouched
+        try:
+            return generate(*args, **kwargs)
+        finally:
+            del self.model.forward
+
     def _apply(self, fn, *args, **kwargs):
         out = super()._apply(fn, *args, **kwargs)
         self.structure.resync(self.model)  # .to()/.double() replace buffers, not update them

@@ -37,6 +37,11 @@ class Rotary(nn.Module):
                              f"{self.context}; crop the input or raise model.context")
         return self.cos[:T].to(v0.dtype), self.sin[:T].to(v0.dtype)
 
+    def at(self, positions: torch.Tensor, dtype: torch.dtype):
+        """cos/sin [T, head_dim] of the given positions (decoding: the offset ones)."""
+        return self.cos.index_select(0, positions).to(dtype), \
+            self.sin.index_select(0, positions).to(dtype)
+
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [B, heads, T, head_dim] by position."""
@@ -44,8 +49,38 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
+class KVCache:
+    """The keys and values one attention sublayer has seen, preallocated for `length`
+    positions ([batch, heads, length, head_dim] each).
+
+    `positions` ([T] long, shared by every layer's cache: the tokens of the current step)
+    and `end` (how many positions are filled after this step; None: attend over all
+    `length`, masked, so shapes stay fixed under torch.compile) are set by the decoder.
+    """
+
+    def __init__(self, batch: int, heads: int, head_dim: int, length: int, *,
+                 dtype: torch.dtype, device, step):
+        shape = (batch, heads, length, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.step = step  # the decoder's shared step state: .positions and .end
+
+    def update(self, k: torch.Tensor, v: torch.Tensor):
+        """Store this step's k, v [B, heads, T, hd]; the keys, values and the causal mask
+        [T, S] (key position <= query position) to attend with."""
+        positions, end = self.step.positions, self.step.end
+        self.k.index_copy_(2, positions, k)
+        self.v.index_copy_(2, positions, v)
+        keys, values = (self.k, self.v) if end is None else (self.k[:, :, :end],
+                                                              self.v[:, :, :end])
+        key_pos = torch.arange(keys.shape[2], device=keys.device)
+        return keys, values, key_pos <= positions[:, None]
+
+
 class Attention(nn.Module):
-    """Causal multi-head self-attention with rotary positions; PreNorm inside."""
+    """Causal multi-head self-attention with rotary positions; PreNorm inside. With a
+    `cache` (KVCache, decoding) the step's keys and values are stored there and the queries
+    attend over every position seen so far."""
 
     def __init__(self, d: int, heads: int):
         super().__init__()
@@ -56,12 +91,17 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(d, 3 * d, bias=False)
         self.proj = nn.Linear(d, d, bias=False)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: KVCache | None = None) -> torch.Tensor:
         B, T, d = h.shape
         q, k, v = self.qkv(self.norm(h)).view(B, T, 3, self.heads, d // self.heads) \
             .permute(2, 0, 3, 1, 4).unbind(0)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if cache is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            k, v, mask = cache.update(k, v)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.proj(y.transpose(1, 2).reshape(B, T, d))
 
 

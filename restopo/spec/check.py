@@ -28,7 +28,7 @@ PARALLEL_KEYS = ("stages", "virtual", "schedule", "microbatches", "cache")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 TRAIN_KEYS = ("data", "steps", "batch", "lr", "schedule", "warmup", "min_lr", "weight_decay",
               "grad_clip", "accum", "eval_every", "eval_batches", "save_every", "seed",
-              "log_every")
+              "log_every", "keep")
 LR_SCHEDULES = ("cosine", "constant")
 
 
@@ -159,11 +159,12 @@ def check_train(view: View, c: Checker) -> TrainSpec | None:
     f = view.fields
     got = {}
     ints = {"steps": 1, "batch": 1, "warmup": 0, "accum": 1, "eval_every": 0, "eval_batches": 1,
-            "save_every": 0, "seed": 0, "log_every": 1}
+            "save_every": 0, "seed": 0, "log_every": 1, "keep": 1}
     whys = {"eval_every": "0 turns evaluation off", "save_every": "0 turns checkpoints off",
             "steps": "the number of optimizer steps", "batch": "sequences per optimizer step",
             "log_every": "steps between log lines", "eval_batches": "batches per evaluation",
-            "accum": "gradient accumulation steps per optimizer step"}
+            "accum": "gradient accumulation steps per optimizer step",
+            "keep": "checkpoints kept on disk"}
     for k, lo in ints.items():
         if k in f:
             got[k] = c.integer(f[k], k, lo, why=whys.get(k))

@@ -113,6 +113,7 @@ class TrainSpec:
     save_every: int = 100
     seed: int = 0
     log_every: int = 10
+    keep: int = 3                  # checkpoints kept on disk (the newest)
     pos: Pos | None = field(default=None, compare=False, repr=False)
     positions: tuple[tuple[str, Pos], ...] = field(default=(), compare=False, repr=False)
 

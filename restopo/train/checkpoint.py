@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from ..io import fsync_dir, fsync_file, write_atomic
+from ..io import fsync_dir, fsync_file, new_mode, write_atomic
 
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
 FILES = ("model.safetensors", "optimizer.pt", "state.pt", "meta.json")
@@ -164,10 +164,13 @@ def save_checkpoint(root: str | os.PathLike, step: int, model: torch.nn.Module,
             MANIFEST: write_manifest,
         }
         for name in FILES + (MANIFEST,):
-            writers[name](tmp if name == MANIFEST else tmp / name)
+            path = tmp if name == MANIFEST else tmp / name
+            writers[name](path)
+            os.chmod(tmp / name, new_mode())  # safetensors writes 0600: use the umask
             fsync_file(tmp / name)
             if _write_file is not None:
                 _write_file(name, tmp / name)
+        os.chmod(tmp, new_mode(folder=True))  # mkdtemp made it 0700
         fsync_dir(tmp)
         if final.exists():  # the same step saved again (a restarted run): swap it out
             old = root / f".old-{final.name}-{os.getpid()}"

@@ -59,12 +59,12 @@ class TrainConfig:
     save_every: int = TrainSpec.save_every
     seed: int = TrainSpec.seed
     log_every: int = TrainSpec.log_every
-    keep: int = 3  # checkpoints kept on disk
+    keep: int = TrainSpec.keep  # checkpoints kept on disk
 
     @classmethod
     def from_spec(cls, train, context: int, **changes) -> "TrainConfig":
         fields = {k: getattr(train, k) for k in cls.__dataclass_fields__
-                  if k not in ("context", "keep") and hasattr(train, k)}
+                  if k != "context" and hasattr(train, k)}
         return cls(context=context, **{**fields, **changes})
 
     @property

@@ -78,3 +78,42 @@ def model_from_meta(step_dir, backend: str = "eager"):
     meta = read_meta(step_dir)
     spec = spec_from_meta(meta)
     return spec, build_model(spec, backend), meta
+
+
+def _weights_shape(model) -> object:
+    """What decides a model's parameter shapes (context only sizes rotary tables)."""
+    import dataclasses
+    return dataclasses.replace(model, context=0, name=None)
+
+
+def resume_notes(spec, meta: dict, step_dir) -> list[str]:
+    """What to tell a person resuming `spec` from the checkpoint `step_dir` (its meta.json
+    is `meta`). Raises CheckpointError, naming the stored --set values, when the run's
+    weights cannot fit this spec's model because those values are not given again."""
+    from .loop import TrainConfig, lr_at
+
+    notes = []
+    given = set(spec.overrides or ())
+    missing = [o for o in meta.get("overrides", ()) if o not in given]
+    if missing:
+        flags = " ".join(f"--set {o}" for o in missing)
+        if _weights_shape(spec_from_meta(meta).model) != _weights_shape(spec.model):
+            raise CheckpointError(
+                f"{step_dir} was trained with {flags}, which this run does not give, so its "
+                f"weights do not fit this spec's model; add the same --set values, or resume "
+                f"without the spec file (restopo train --resume --out RUN) to use the "
+                f"checkpoint's own spec and settings")
+        notes.append(f"{step_dir} was trained with {flags}; this run does not give it, so "
+                     f"the spec's own value applies")
+    old = meta.get("config")
+    if old and spec.train is not None:
+        new = TrainConfig.from_spec(spec.train, spec.model.context)
+        old = TrainConfig(**{k: v for k, v in old.items() if k in TrainConfig.__dataclass_fields__})
+        step = int(meta.get("step", 0))
+        if new.steps != old.steps and "constant" not in (new.schedule, old.schedule):
+            notes.append(
+                f"train.steps is now {new.steps} (the run was scheduled for {old.steps}): "
+                f"the cosine schedule is re-stretched over {new.steps} steps, so the learning "
+                f"rate follows a new curve from here (at step {step}: {lr_at(step, old):.3g} "
+                f"before, {lr_at(step, new):.3g} now)")
+    return notes

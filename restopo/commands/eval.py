@@ -1,0 +1,91 @@
+"""`restopo eval CKPT [--data FILE|builtin:stdlib]`: loss, bits per byte and perplexity."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+EXAMPLES = """\
+examples:
+  restopo eval runs/tiny                          # the run's held-out split (its train.data)
+  restopo eval runs/tiny --data builtin:stdlib    # the standard library's held-out files
+  restopo eval runs/tiny --data notes.txt         # all of your own text
+  restopo eval model.safetensors --data notes.txt --split val --format json
+
+Every token of the split is predicted once, with up to `context` tokens before it. Bits per
+byte is the loss in bits for byte-level data (vocab 256); for token-id data (.bin) it is
+bits per token.
+"""
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "eval", help="loss, bits per byte and perplexity of a trained model on text",
+        description="Score a trained model on a corpus: the mean loss over every token of "
+                    "its held-out split (or of a file of your own), bits per byte and "
+                    "perplexity.",
+        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("checkpoint", metavar="CKPT",
+                   help="a run folder, checkpoint folder, .pt or .safetensors")
+    p.add_argument("--data", metavar="SOURCE",
+                   help="builtin:stdlib, a text file or folder, or .bin token ids (default: "
+                        "the checkpoint's train.data)")
+    p.add_argument("--split", choices=("val", "train", "all"), default=None,
+                   help="which part to score (default: all of a --data text file, else the "
+                        "held-out split, val)")
+    p.add_argument("--batch-size", type=int, default=16, metavar="B",
+                   help="windows per forward pass (default 16)")
+    p.add_argument("--format", choices=("text", "json"), default="text")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+def _fail(message: str) -> int:
+    print(f"restopo eval: error: {message}", file=sys.stderr)
+    return 1
+
+
+def run(args) -> int:
+    import numpy as np
+
+    from ..saved import LoadError, load
+    from ..train.data import DataError, open_corpus
+    from ..train.score import score
+    if args.batch_size < 1:
+        return _fail("--batch-size must be at least 1")
+    try:
+        model = load(args.checkpoint, device=args.device)
+        spec = model.restopo_spec
+        source = args.data
+        if source is None:
+            if spec.train is None:
+                return _fail("the checkpoint's spec has no train.data; give --data")
+            source = spec.train.data
+        from ..train.runspec import data_base
+        base = None
+        if args.data is None:  # the run's data, read from where the run read it
+            base = getattr(model, "restopo_data_base", None) or data_base(spec)
+        corpus = open_corpus(source, base_dir=base, progress=not args.no_progress)
+        split = args.split or ("all" if args.data is not None and not str(source).startswith(
+            "builtin:") and not str(source).endswith(".bin") else "val")
+        if corpus.vocab > spec.model.vocab:
+            return _fail(f"{corpus.description} has token ids up to {corpus.vocab - 1}, past "
+                         f"the model's vocab {spec.model.vocab}")
+        tokens = {"val": corpus.val, "train": corpus.train}.get(split)
+        if tokens is None:
+            tokens = np.concatenate([corpus.train, corpus.val])
+        result = score(model, tokens, spec.model.context, args.batch_size, device=args.device,
+                       progress=not args.no_progress)
+    except (LoadError, DataError, ValueError, RuntimeError) as e:
+        return _fail(str(e))
+    result.update(data=source, split=split, byte_level=bool(corpus.byte_level))
+    if args.format == "json":
+        print(json.dumps(result, indent=1))
+        return 0
+    unit = "bits per byte" if corpus.byte_level else "bits per token"
+    print(f"{corpus.description} ({split} split, {result['tokens']} tokens)")
+    print(f"{'loss':<16}{result['loss']:.4f} nats/token")
+    print(f"{unit:<16}{result['bits_per_token']:.4f}")
+    print(f"{'perplexity':<16}{result['perplexity']:.3f}")
+    return 0

@@ -1,0 +1,112 @@
+"""`restopo generate CKPT --prompt TEXT`: sample from a trained model, streaming to stdout."""
+from __future__ import annotations
+
+import argparse
+import codecs
+import sys
+
+EXAMPLES = """\
+examples:
+  restopo generate runs/tiny --prompt "def main(" --max-new-tokens 200
+  restopo generate runs/tiny/ckpt/step_000600 --prompt "import " --temperature 0   # greedy
+  restopo generate model.safetensors --prompt "class " --top-k 40 --top-p 0.9 --seed 1
+
+CKPT is anything restopo.load reads: a run folder (its latest checkpoint), a ckpt/ or
+ckpt/step_NNNNNN folder, a .pt from restopo compile / export, or an exported .safetensors.
+A byte-level model (vocab 256) reads the prompt as UTF-8 and prints its bytes as they come
+(invalid UTF-8 shows as U+FFFD); any other vocab takes --prompt-ids and prints token ids.
+"""
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "generate", help="sample text from a trained model (KV-cached decoding)",
+        description="Load a trained model and continue a prompt, one token at a time with "
+                    "per-sublayer KV caches, printing each token as it comes.",
+        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("checkpoint", metavar="CKPT",
+                   help="a run folder, checkpoint folder, .pt or .safetensors")
+    p.add_argument("--prompt", default="\n", metavar="TEXT",
+                   help="the text to continue (default: a newline)")
+    p.add_argument("--prompt-ids", metavar="IDS",
+                   help="the prompt as token ids, e.g. '5 17 3' (for a vocab other than bytes)")
+    p.add_argument("--max-new-tokens", type=int, default=200, metavar="N",
+                   help="tokens to generate (default 200; prompt + N must fit the context)")
+    p.add_argument("--temperature", type=float, default=0.8, metavar="T",
+                   help="sampling temperature; 0 is greedy (default 0.8)")
+    p.add_argument("--top-k", type=int, default=None, metavar="K",
+                   help="sample among the K likeliest tokens only")
+    p.add_argument("--top-p", type=float, default=None, metavar="P",
+                   help="sample among the likeliest tokens holding probability P")
+    p.add_argument("--seed", type=int, default=None, help="make the sampling repeatable")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.set_defaults(func=run)
+
+
+def _fail(message: str) -> int:
+    print(f"restopo generate: error: {message}", file=sys.stderr)
+    return 1
+
+
+def prompt_tokens(args, vocab: int):
+    """The prompt's token ids: UTF-8 bytes for a byte-level model, else --prompt-ids."""
+    if args.prompt_ids is not None:
+        try:
+            ids = [int(t) for t in args.prompt_ids.replace(",", " ").split()]
+        except ValueError:
+            raise ValueError(f"--prompt-ids takes integers separated by spaces; got "
+                             f"{args.prompt_ids!r}") from None
+        bad = [i for i in ids if not 0 <= i < vocab]
+        if bad:
+            raise ValueError(f"--prompt-ids: token {bad[0]} is outside the vocab 0..{vocab - 1}")
+    elif vocab == 256:
+        ids = list(args.prompt.encode("utf-8"))
+    else:
+        raise ValueError(f"the model's vocab is {vocab}, not bytes (256): give the prompt as "
+                         f"token ids with --prompt-ids")
+    if not ids:
+        raise ValueError("the prompt is empty; give at least one character (or token id)")
+    return ids
+
+
+def run(args) -> int:
+    import torch
+
+    from ..decode import stream
+    from ..saved import LoadError, load
+    if args.max_new_tokens < 0:
+        return _fail("--max-new-tokens must be 0 or more")
+    try:
+        model = load(args.checkpoint, device=args.device)
+        vocab = model.embed.num_embeddings
+        ids = prompt_tokens(args, vocab)
+        idx = torch.tensor([ids], dtype=torch.long, device=args.device)
+        tokens = stream(model, idx, args.max_new_tokens, args.temperature, args.top_k,
+                        args.top_p, args.seed)
+        write = _byte_writer() if vocab == 256 else _id_writer()
+        for token in tokens:
+            write(int(token[0]))
+        write(None)
+    except (LoadError, ValueError, RuntimeError) as e:  # RuntimeError: e.g. no CUDA
+        return _fail(str(e))
+    return 0
+
+
+def _byte_writer():
+    """Print bytes as UTF-8 as soon as they form characters (replacement for bad ones)."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def write(byte):
+        text = decoder.decode(b"" if byte is None else bytes([byte]), final=byte is None)
+        if byte is None:
+            text += "\n"
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    return write
+
+
+def _id_writer():
+    def write(token):
+        sys.stdout.write("\n" if token is None else f"{token} ")
+        sys.stdout.flush()
+    return write

@@ -1,0 +1,211 @@
+"""Generation with a KV cache for models built by restopo.compile (or restopo.load).
+
+Depth attention mixes a token's own sublayer outputs, never other positions', so decoding
+needs no residual cache across positions: only each attention sublayer's keys and values
+(restopo.nn.sublayers.KVCache). A `Decoder` is the model lowered once more from its IR
+(restopo.fx.lower, the fx visitor of restopo.ir.walk), sharing every weight and aggregation
+module, with three pieces swapped: each attention sublayer reads and fills its cache, the
+rotary context is taken at the step's positions, and the head reads the last position only.
+So the prompt is prefilled through the model's own forward graph, and each new token runs
+the same walk: its aggregations over its own sources, a block's two-phase plan (phase 1
+batched over the block's sublayers) included, whatever topology the IR describes.
+
+    out = restopo.generate(model, idx, max_new_tokens=64, temperature=0)   # greedy
+    out = model.generate(idx, 64, temperature=0.8, top_k=40, seed=1)        # the same
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from .fx.lower import lower, lowered, parts_of
+from .nn.parts import Parts
+from .nn.sublayers import MLP, Attention, KVCache, Rotary
+
+
+class Step:
+    """What the current decoding step reads: the positions of its tokens ([T] long) and
+    how many cache positions are filled after it (None: all, masked; fixed shapes)."""
+
+    def __init__(self, device):
+        self.one = torch.zeros(1, dtype=torch.long, device=device)  # a one-token step's
+        self.positions = self.one
+        self.end: int | None = None
+
+
+class CachedAttention(nn.Module):
+    """An attention sublayer that stores its keys and values in `cache`."""
+
+    def __init__(self, attention: Attention, cache: KVCache):
+        super().__init__()
+        self.attention, self.cache = attention, cache
+
+    def forward(self, h, cos, sin):
+        return self.attention(h, cos, sin, cache=self.cache)
+
+
+class StepRotary(nn.Module):
+    """The rotary context at the step's positions (the cached tokens came before)."""
+
+    def __init__(self, rotary: Rotary, step: Step):
+        super().__init__()
+        self.rotary, self.step = rotary, step
+
+    def forward(self, idx, v0):
+        return self.rotary.at(self.step.positions, v0.dtype)
+
+
+class LastPosition(nn.Module):
+    """The head on the last position only: [B, T, d] -> logits [B, 1, vocab]."""
+
+    def __init__(self, head: nn.Module):
+        super().__init__()
+        self.head = head
+
+    def forward(self, h):
+        return self.head(h[:, -1:])
+
+
+class Decoder:
+    """A cached view of `model` for `batch` sequences of up to `length` tokens.
+
+    decoder(idx [B, T]) runs the T tokens after those already seen and returns the logits
+    of the last one, [B, vocab]. compile=True runs the one-token steps through
+    torch.compile with fixed shapes (`fixed`, the default then): the step's position is
+    updated in place and each cache is attended over its full length, masked.
+    """
+
+    def __init__(self, model: nn.Module, batch: int, length: int, *, compile: bool = False,
+                 fixed: bool | None = None):
+        gm = lowered(model)
+        parts = parts_of(gm)
+        require_own_sublayers(parts)
+        rotary = parts.context
+        if length > rotary.context:
+            raise ValueError(f"prompt plus new tokens is {length} tokens, longer than the "
+                             f"model's context {rotary.context}; generate fewer tokens or "
+                             f"shorten the prompt")
+        weight = parts.embed.weight
+        self.step = Step(weight.device)
+        self.batch, self.length, self.pos = batch, length, 0
+        self.caches: list[KVCache] = []
+        subs = []
+        for sub in parts.sublayers:
+            if isinstance(sub, Attention):
+                cache = KVCache(batch, sub.heads, weight.shape[1] // sub.heads, length,
+                                dtype=weight.dtype, device=weight.device, step=self.step)
+                self.caches.append(cache)
+                sub = CachedAttention(sub, cache)
+            subs.append(sub)
+        self.graph = lower(gm.restopo_ir,
+                           Parts(embed=parts.embed, sublayers=subs, kinds=parts.kinds,
+                                 head=LastPosition(parts.head),
+                                 context=StepRotary(rotary, self.step),
+                                 context_names=parts.context_names),
+                           backend=gm.backend, two_phase=len(gm.phases) > 0,
+                           aggregations=gm.aggregations)
+        self.fixed = compile if fixed is None else fixed
+        self.run = torch.compile(self.graph, dynamic=False) if compile else self.graph
+
+    def reset(self) -> None:
+        """Start a new sequence (the caches are overwritten as it goes: positions past the
+        current one are never attended to)."""
+        self.pos = 0
+
+    @torch.no_grad()
+    def __call__(self, idx: torch.Tensor) -> torch.Tensor:
+        B, T = idx.shape
+        if B != self.batch or self.pos + T > self.length:
+            raise ValueError(f"this decoder holds {self.batch} sequences of up to "
+                             f"{self.length} tokens; got {B} x {T} after {self.pos}")
+        one_step = self.fixed and T == 1 and self.pos > 0
+        if one_step:  # fixed shapes: the same position tensor, updated in place (a new
+            self.step.one.fill_(self.pos)  # object would make torch.compile recompile)
+            self.step.positions, self.step.end = self.step.one, None
+        else:
+            self.step.positions = torch.arange(self.pos, self.pos + T, device=idx.device)
+            self.step.end = self.pos + T
+        logits = (self.run if one_step else self.graph)(idx)[:, -1]
+        self.pos += T
+        return logits
+
+
+def require_own_sublayers(parts: Parts) -> None:
+    """Cached decoding knows restopo's own sublayers (attention with rotary, MLP)."""
+    ok = isinstance(parts.context, Rotary) and all(
+        isinstance(s, (Attention, MLP)) for s in parts.sublayers)
+    if not ok:
+        raise ValueError("cached generation works on models built by restopo.compile or "
+                         "restopo.load; a rewired Hugging Face model keeps its own "
+                         "generate() (rewired.generate(...))")
+
+
+def sample(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
+           top_p: float | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+    """The next token [B] from logits [B, vocab]: argmax at temperature 0, else a draw from
+    softmax(logits / temperature) kept to the top_k tokens and the top_p probability mass."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # drop a token when the mass before it already reaches top_p (the first stays)
+        drop = probs.cumsum(-1) - probs >= top_p
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def _check_sampling(max_new_tokens, temperature, top_k, top_p) -> None:
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be 0 or more; got {max_new_tokens}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be 0 (greedy) or more; got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be at least 1; got {top_k}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1]; got {top_p}")
+
+
+def stream(model: nn.Module, idx: torch.Tensor, max_new_tokens: int,
+           temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+           seed: int | None = None, *, compile: bool = False) -> Iterator[torch.Tensor]:
+    """The new tokens one step at a time, each [B] (see `generate`)."""
+    _check_sampling(max_new_tokens, temperature, top_k, top_p)
+    if idx.dim() != 2 or idx.shape[1] == 0:
+        raise ValueError(f"idx must be token ids [batch, T] with T >= 1; got shape "
+                         f"{tuple(idx.shape)}")
+    if max_new_tokens == 0:
+        return
+    decoder = Decoder(model, idx.shape[0], idx.shape[1] + max_new_tokens, compile=compile)
+    generator = None
+    if seed is not None:
+        generator = torch.Generator(device=idx.device).manual_seed(seed)
+    logits = decoder(idx)  # the prompt, through the model's forward graph
+    for n in range(max_new_tokens):
+        token = sample(logits, temperature, top_k, top_p, generator)
+        yield token
+        if n + 1 < max_new_tokens:
+            logits = decoder(token[:, None])
+
+
+def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int,
+             temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+             seed: int | None = None, *, compile: bool = False) -> torch.Tensor:
+    """idx [B, T] followed by `max_new_tokens` sampled tokens: [B, T + max_new_tokens].
+
+    temperature 0 is greedy; top_k / top_p keep the k likeliest tokens / the smallest set
+    with that much probability; seed makes the draws repeatable. The prompt runs through
+    the model's forward once, then each token through the per-sublayer KV caches.
+    compile=True runs the one-token steps through torch.compile.
+    """
+    with torch.no_grad():
+        new = list(stream(model, idx, max_new_tokens, temperature, top_k, top_p, seed,
+                          compile=compile))
+    return torch.cat([idx, *(t[:, None] for t in new)], dim=1)

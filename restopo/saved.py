@@ -1,0 +1,149 @@
+"""A trained model's saved forms: `restopo.load` reads any of them, `export` writes one.
+
+restopo.load(path) takes
+  a run folder (its latest checkpoint), a ckpt/ folder or a ckpt/step_NNNNNN folder
+      (restopo.train.checkpoint: meta.json has the spec text and overrides);
+  a `restopo compile -o model.pt` file or `restopo export -o model.pt`
+      ({"spec", "overrides", "state_dict"}, read with torch.load(weights_only=True));
+  an exported model.safetensors (the spec and overrides in its metadata), or a checkpoint's
+      own model.safetensors (the spec from the meta.json beside it);
+and returns restopo.compile(spec, overrides) with the weights loaded strictly (a tied LM
+head is the embedding, stored once or twice), in eval mode. Nothing is unpickled.
+
+An exported .safetensors holds every state_dict key, the tied head too, so plain
+`model.load_state_dict(safetensors.torch.load_file(path))` is strict anywhere, the
+standalone model.py of `restopo compile` included.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .api import compile as compile_spec
+from .io import atomic_path
+
+SPEC_KEY, OVERRIDES_KEY = "restopo.spec", "restopo.overrides"
+
+
+class LoadError(ValueError):
+    """A path that holds no model restopo can load (the message names it and says why)."""
+
+
+def load(path: str | os.PathLike, backend: str = "auto", device: str | torch.device = "cpu"
+         ) -> nn.Module:
+    """The model saved at `path` (see the module docstring), in eval mode on `device`."""
+    p = Path(path)
+    if not p.exists():
+        raise LoadError(f"{p}: no such file or folder; give a run folder, a checkpoint "
+                        f"folder, a .pt from restopo compile or a .safetensors export")
+    if p.is_dir():
+        model = _from_checkpoint(p, backend, device)
+    elif p.suffix == ".pt":
+        model = _from_pt(p, backend, device)
+    elif p.suffix == ".safetensors":
+        model = _from_safetensors(p, backend, device)
+    else:
+        raise LoadError(f"{p}: not a model restopo saved (expected a folder, .pt or "
+                        f".safetensors); a .restopo spec is compiled with restopo.compile")
+    return model.eval()
+
+
+def _compile(spec_text: str, overrides, path: Path, backend: str) -> nn.Module:
+    from .spec import parse_spec
+    spec = parse_spec(spec_text, path=f"<spec in {path}>", overrides=tuple(overrides))
+    return compile_spec(spec, backend=backend)
+
+
+def _from_checkpoint(p: Path, backend: str, device) -> nn.Module:
+    from .train.checkpoint import CheckpointError, load_checkpoint, read_meta, \
+        resolve_checkpoint
+    try:
+        step_dir = resolve_checkpoint(p)
+        meta = read_meta(step_dir)
+        if "spec_text" not in meta:
+            raise LoadError(f"{step_dir}/meta.json carries no spec text")
+        from .train.runspec import spec_from_meta
+        model = compile_spec(spec_from_meta(meta), backend=backend)
+        load_checkpoint(step_dir, model, map_location=device)  # strict: names what differs
+        model.restopo_data_base = meta.get("data_base")  # where a relative train.data is
+    except CheckpointError as e:
+        raise LoadError(str(e)) from None
+    return model.to(device)
+
+
+def _from_pt(p: Path, backend: str, device) -> nn.Module:
+    try:
+        blob = torch.load(p, map_location=device, weights_only=True)
+    except pickle.UnpicklingError:
+        raise LoadError(f"{p}: holds objects other than tensors and numbers, which restopo "
+                        f"never unpickles") from None
+    except Exception as e:  # not a torch file at all
+        raise LoadError(f"{p}: not a torch file restopo wrote ({_one_line(e)})") from None
+    if not isinstance(blob, dict) or not {"spec", "state_dict"} <= set(blob):
+        raise LoadError(f"{p}: not a restopo model file (no 'spec' and 'state_dict'); "
+                        f"write one with restopo compile -o model.pt or restopo export")
+    model = _compile(blob["spec"], blob.get("overrides", ()), p, backend).to(device)
+    _load_strict(model, blob["state_dict"], p)
+    return model
+
+
+def _from_safetensors(p: Path, backend: str, device) -> nn.Module:
+    from safetensors import safe_open
+    try:
+        with safe_open(str(p), framework="pt") as f:
+            metadata = f.metadata() or {}
+    except Exception as e:
+        raise LoadError(f"{p}: not a safetensors file ({_one_line(e)})") from None
+    if SPEC_KEY not in metadata:
+        if (p.parent / "meta.json").is_file():  # a checkpoint's own weights file
+            return _from_checkpoint(p.parent, backend, device)
+        raise LoadError(f"{p}: the file carries no restopo spec (metadata {SPEC_KEY!r}); "
+                        f"export one with restopo export CKPT -o model.safetensors")
+    overrides = json.loads(metadata.get(OVERRIDES_KEY, "[]"))
+    model = _compile(metadata[SPEC_KEY], overrides, p, backend).to(device)
+    from safetensors.torch import load_file
+    _load_strict(model, load_file(str(p), device=str(device)), p)
+    return model
+
+
+def _load_strict(model: nn.Module, state_dict, where: Path) -> None:
+    try:
+        model.load_state_dict(state_dict, strict=True)
+    except RuntimeError as e:
+        raise LoadError(f"{where}: does not fit its own spec ({_one_line(e)})") from None
+
+
+def _one_line(e: Exception, limit: int = 300) -> str:
+    text = " ".join(ln.strip() for ln in str(e).splitlines() if ln.strip()) or type(e).__name__
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def export(model: nn.Module, path: str | os.PathLike) -> Path:
+    """Write a loaded or compiled model to `path`, atomically: .safetensors (every
+    state_dict key, the spec and overrides in the metadata) or .pt (as restopo compile -o
+    model.pt). Both load back with restopo.load."""
+    p = Path(path)
+    spec_text = getattr(model, "spec_text", None)
+    if spec_text is None:
+        raise LoadError("this model carries no spec text; export models made by "
+                        "restopo.compile or restopo.load")
+    overrides = list(getattr(model, "restopo_overrides", ()) or ())
+    # every key, tied ones as their own contiguous copies (safetensors refuses shared memory)
+    state = {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
+    if p.suffix == ".safetensors":
+        from safetensors.torch import save_file
+        meta = {SPEC_KEY: spec_text, OVERRIDES_KEY: json.dumps(overrides)}
+        with atomic_path(p) as tmp:
+            save_file(state, tmp, metadata=meta)
+    elif p.suffix == ".pt":
+        with atomic_path(p) as tmp, open(tmp, "wb") as f:
+            torch.save({"spec": spec_text, "overrides": overrides, "state_dict": state}, f)
+    else:
+        raise LoadError(f"{p}: export writes .safetensors or .pt (for a standalone "
+                        f"model.py use restopo export CKPT -o model.py)")
+    return p

@@ -1,0 +1,135 @@
+"""KV-cached generation (restopo.decode) against re-running the full forward at each step."""
+import pytest
+import torch
+
+import restopo
+from restopo.decode import Decoder, sample
+
+TOPOLOGIES = [
+    "standard",
+    "full_attnres",
+    "block_attnres(blocks: 3)",          # 8 sublayers: 3 does not divide them
+    "block_attnres(blocks: 4)",          # divides them
+    "rezero",
+    "denseformer",
+    "highway",
+    "full_attnres(window: 3)",
+    "block_attnres(blocks: 2, query: input_dependent, heads: 2)",
+]
+
+
+def model_for(topology: str, seed: int = 0, dtype=torch.float64):
+    spec = (f"model m {{ vocab: 61; width: 16; depth: 4; heads: 2; context: 24 }}\n"
+            f"residual {topology}\n")
+    torch.manual_seed(seed)
+    model = restopo.compile(spec, backend="eager").to(dtype)
+    with torch.no_grad():  # away from the initialisation, where every topology agrees
+        for p in model.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    return model.eval()
+
+
+def tokens(B=2, T=5, seed=1):
+    return torch.randint(0, 61, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def uncached_greedy(model, idx, n):
+    """The reference: the whole sequence through the model's forward at every step."""
+    logits = []
+    with torch.no_grad():
+        for _ in range(n):
+            last = model(idx)[:, -1]
+            logits.append(last)
+            idx = torch.cat([idx, last.argmax(-1, keepdim=True)], dim=1)
+    return idx, logits
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+@pytest.mark.parametrize("fixed", [False, True], ids=["sliced", "fixed"])
+def test_cached_greedy_equals_uncached(topology, fixed):
+    model = model_for(topology)
+    idx, n = tokens(), 12
+    want, want_logits = uncached_greedy(model, idx, n)
+    decoder = Decoder(model, idx.shape[0], idx.shape[1] + n, fixed=fixed)
+    got, logits = idx, decoder(idx)
+    for k in range(n):
+        torch.testing.assert_close(logits, want_logits[k], rtol=1e-10, atol=1e-10)
+        got = torch.cat([got, logits.argmax(-1, keepdim=True)], dim=1)
+        if k + 1 < n:
+            logits = decoder(got[:, -1:])
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("topology", ["standard", "block_attnres(blocks: 3)"])
+def test_float32_generate_equals_uncached(topology):
+    model = model_for(topology, dtype=torch.float32)
+    idx = tokens(B=3, T=4)
+    want, _ = uncached_greedy(model, idx, 15)
+    assert torch.equal(model.generate(idx, 15, temperature=0), want)
+    assert torch.equal(restopo.generate(model, idx, 15, temperature=0), want)
+
+
+def test_prompt_in_pieces_equals_one_prefill():
+    """Feeding the prompt in chunks fills the same caches as one prefill."""
+    model = model_for("block_attnres(blocks: 3)")
+    idx = tokens(T=9)
+    a, b = Decoder(model, 2, 12), Decoder(model, 2, 12)
+    whole = a(idx)
+    b(idx[:, :4])
+    b(idx[:, 4:5])
+    torch.testing.assert_close(b(idx[:, 5:]), whole, rtol=1e-12, atol=1e-12)
+
+
+def test_decoding_runs_the_two_phase_plan():
+    """The decode graph is the model's own lowering: a block's phase 1 runs once for all of
+    its sublayers, also for a one-token step."""
+    model = model_for("block_attnres(blocks: 2)")
+    decoder = Decoder(model, 2, 8)
+    code = decoder.graph.code
+    assert code.count("getattr(self.phases") == 2 and "phase1 = " in code
+    assert all(p is q for p, q in zip(decoder.graph.aggregations, model.aggregations))
+
+
+def test_sampling_is_seeded_and_filtered():
+    model = model_for("full_attnres", dtype=torch.float32)
+    idx = tokens()
+    a = model.generate(idx, 10, temperature=1.0, seed=3)
+    assert torch.equal(a, model.generate(idx, 10, temperature=1.0, seed=3))
+    assert not torch.equal(a, model.generate(idx, 10, temperature=1.0, seed=4))
+    greedy = model.generate(idx, 10, temperature=0)
+    assert torch.equal(model.generate(idx, 10, temperature=0.7, top_k=1, seed=0), greedy)
+    assert torch.equal(model.generate(idx, 10, temperature=0.7, top_p=1e-6, seed=0), greedy)
+
+
+def test_top_k_and_top_p_keep_the_right_tokens():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    g = torch.Generator().manual_seed(0)
+    draws = {int(sample(logits, 1.0, top_p=0.75, generator=g)) for _ in range(200)}
+    assert draws == {0, 1}  # 0.5 < 0.75, 0.5 + 0.3 >= 0.75: tokens 0 and 1 only
+    draws = {int(sample(logits, 1.0, top_k=3, generator=g)) for _ in range(300)}
+    assert draws == {0, 1, 2}
+
+
+def test_bad_arguments_say_what_to_do():
+    model = model_for("standard", dtype=torch.float32)
+    idx = tokens()
+    with pytest.raises(ValueError, match="longer than the model's context 24"):
+        model.generate(idx, 20)
+    with pytest.raises(ValueError, match="temperature"):
+        model.generate(idx, 2, temperature=-1)
+    with pytest.raises(ValueError, match="top_p"):
+        model.generate(idx, 2, top_p=0)
+    assert torch.equal(model.generate(idx, 0), idx)
+    from models.nanogpt import GPT, GPTConfig
+    gpt = GPT(GPTConfig(block_size=16, vocab_size=32, n_layer=2, n_head=2, n_embd=16))
+    with pytest.raises(ValueError, match="rewired Hugging Face"):
+        Decoder(restopo.rewire(gpt, "residual full_attnres\n"), 1, 4)
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("topology", ["standard", "block_attnres(blocks: 3)"])
+def test_compiled_decoding_equals_uncached(topology):
+    model = model_for(topology, dtype=torch.float32)
+    idx = tokens()
+    want, _ = uncached_greedy(model, idx, 8)
+    assert torch.equal(restopo.generate(model, idx, 8, temperature=0, compile=True), want)

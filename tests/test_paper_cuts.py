@@ -1,0 +1,88 @@
+"""The newcomer's paper cuts: resume messages, train.keep, file modes under the umask, and
+the `compile --help` examples, each as a person would meet it."""
+import os
+import shlex
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from restopo.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+SPEC = """\
+model t { vocab: 256; width: 16; depth: 1; heads: 2; context: 16 }
+residual block_attnres(blocks: 1)
+train { data: "corpus.txt"; steps: 3; batch: 2; warmup: 1; save_every: 1; eval_every: 0 }
+"""
+
+
+@pytest.fixture
+def spec(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "corpus.txt").write_text("def f(x):\n    return x + 1\n" * 40)
+    (tmp_path / "t.restopo").write_text(SPEC)
+    return tmp_path / "t.restopo"
+
+
+def train(*argv):
+    return main(["train", *map(str, argv), "--no-progress"])
+
+
+def test_resume_without_the_set_values_names_them(spec, capsys):
+    assert train(spec, "--out", "run", "--set", "model.width=32") == 0
+    capsys.readouterr()
+    assert train(spec, "--out", "run", "--resume", "--set", "train.steps=4") == 1
+    err = capsys.readouterr().err
+    assert "--set model.width=32" in err and "size mismatch" not in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_resuming_with_more_steps_says_the_schedule_stretches(spec, capsys):
+    assert train(spec, "--out", "run") == 0
+    capsys.readouterr()
+    assert train("--out", "run", "--resume", "--set", "train.steps=6") == 0
+    err = capsys.readouterr().err
+    assert "re-stretched over 6 steps" in err and "scheduled for 3" in err
+    assert train("--out", "run", "--resume", "--set", "train.steps=6") == 0  # same steps: quiet
+    assert "re-stretched" not in capsys.readouterr().err
+
+
+def test_train_keep_is_a_spec_key(spec):
+    assert train(spec, "--out", "run", "--set", "train.keep=2") == 0
+    assert sorted(p.name for p in (spec.parent / "run" / "ckpt").iterdir()) == [
+        "latest", "step_000002", "step_000003"]
+    assert main(["check", str(spec), "--set", "train.keep=0"]) == 1
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o002])
+def test_run_files_follow_the_umask(spec, umask):
+    old = os.umask(umask)
+    try:
+        assert train(spec, "--out", "run") == 0
+    finally:
+        os.umask(old)
+    run = spec.parent / "run"
+    paths = [p for p in run.rglob("*")]
+    assert any(p.name == "model.safetensors" for p in paths) and (run / "loss.png").exists()
+    for p in paths:
+        want = (0o777 if p.is_dir() else 0o666) & ~umask
+        assert stat.S_IMODE(p.stat().st_mode) == want, p
+
+
+def test_compile_help_examples_run(tmp_path, capsys):
+    assert main(["compile", "--help"]) == 0
+    lines = [ln.strip() for ln in capsys.readouterr().out.split("examples:")[1].splitlines()]
+    commands = [ln.split("  #")[0] for ln in lines if ln.startswith(("restopo ", "python "))]
+    assert any(c.startswith("python ") for c in commands) and ".code" not in " ".join(commands)
+    (tmp_path / "examples").symlink_to(ROOT / "examples")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    for command in commands:
+        argv = shlex.split(command)
+        argv = [sys.executable, "-m", "restopo", *argv[1:]] if argv[0] == "restopo" else \
+            [sys.executable, *argv[1:]]
+        r = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                           env=env)
+        assert r.returncode == 0, (command, r.stderr)

@@ -1,0 +1,174 @@
+"""restopo.load from every saved form (strict, overrides applied, eval mode), restopo.export,
+and the generate / eval / export commands."""
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import restopo
+from restopo.cli import main
+from restopo.saved import LoadError, export, load
+from restopo.train.checkpoint import save_checkpoint
+from restopo.train.runspec import run_meta
+
+SPEC = """\
+model t { vocab: 256; width: 32; depth: 2; heads: 4; context: 16 }
+residual block_attnres(blocks: 2)
+train { data: "corpus.txt"; steps: 4; batch: 2 }
+"""
+OVERRIDES = ("model.width=24",)
+TEXT = "def f(x):\n    return x + 1  # é ✓\n" * 60
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A run folder with two checkpoints of a model whose weights are not the init's."""
+    folder = tmp_path_factory.mktemp("saved")
+    (folder / "corpus.txt").write_text(TEXT)
+    (folder / "t.restopo").write_text(SPEC)
+    spec = restopo.load_spec(str(folder / "t.restopo"), overrides=OVERRIDES)
+    torch.manual_seed(0)
+    model = restopo.compile(spec)
+    meta = run_meta(spec, str(folder))
+    for step in (1, 2):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+        state = {"step": step, "data": {"generator": torch.Generator().get_state()},
+                 "torch_cpu": torch.get_rng_state()}  # what a training run saves
+        save_checkpoint(folder / "run" / "ckpt", step, model, None, state, meta)
+    return folder, model
+
+
+def idx():
+    return torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(5))
+
+
+def same(a, b):
+    with torch.no_grad():
+        return torch.equal(a(idx()), b(idx()))
+
+
+def test_load_from_checkpoint_folders(run):
+    folder, model = run
+    ckpt = folder / "run" / "ckpt"
+    for path in (folder / "run", ckpt, ckpt / "step_000002",
+                 ckpt / "step_000002" / "model.safetensors"):
+        got = load(path)
+        assert not got.training and got.embed.weight.shape == (256, 24)  # overrides applied
+        assert got.head.lm_head.weight is got.embed.weight  # tied, as trained
+        assert same(got, model)
+    older = load(ckpt / "step_000001")
+    assert not same(older, model)
+
+
+def test_export_and_pt_round_trip_strictly(run, tmp_path):
+    folder, model = run
+    m = load(folder / "run")
+    for name in ("m.safetensors", "m.pt"):
+        export(m, tmp_path / name)
+        back = restopo.load(tmp_path / name)
+        assert same(back, model) and back.restopo_overrides == OVERRIDES
+    from safetensors.torch import load_file
+    state = load_file(tmp_path / "m.safetensors")
+    assert "head.lm_head.weight" in state  # every key: strict load_state_dict anywhere
+    fresh = restopo.compile(SPEC, overrides=OVERRIDES)
+    fresh.load_state_dict(state, strict=True)
+    assert same(fresh, model)
+
+
+def test_compile_pt_loads(tmp_path):
+    (tmp_path / "t.restopo").write_text(SPEC)
+    assert main(["compile", str(tmp_path / "t.restopo"), "-o", str(tmp_path / "c.pt")]) == 0
+    blob = torch.load(tmp_path / "c.pt", weights_only=True)
+    m = load(tmp_path / "c.pt")
+    torch.testing.assert_close(m.embed.weight, blob["state_dict"]["embed.weight"],
+                               rtol=0, atol=0)
+
+
+def test_a_file_that_does_not_fit_is_refused(run, tmp_path):
+    folder, _ = run
+    m = load(folder / "run")
+    export(m, tmp_path / "m.pt")
+    blob = torch.load(tmp_path / "m.pt", weights_only=True)
+    del blob["state_dict"]["aggregations.0.pseudo_query"]
+    torch.save(blob, tmp_path / "bad.pt")
+    with pytest.raises(LoadError, match=r"bad.pt: does not fit.*pseudo_query"):
+        load(tmp_path / "bad.pt")
+    (tmp_path / "x.safetensors").write_bytes(b"not safetensors")
+    for path, message in ((tmp_path / "nope", "no such file"),
+                          (tmp_path / "x.safetensors", "not a safetensors file"),
+                          (folder / "t.restopo", "not a model restopo saved"),
+                          (tmp_path, "no complete checkpoint")):
+        with pytest.raises(LoadError, match=message):
+            load(path)
+
+
+def test_compile_of_a_saved_model_says_to_load_it(tmp_path):
+    with pytest.raises(ValueError, match=r"restopo.load\('.*m.pt'\)"):
+        restopo.compile(str(tmp_path / "m.pt"))
+
+
+def cli(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "restopo", *map(str, args)], cwd=cwd,
+                          capture_output=True, timeout=300)
+
+
+def test_generate_command_streams_what_generate_returns(run):
+    folder, _ = run
+    r = cli("generate", "run", "--prompt", "def f(", "--max-new-tokens", "9",
+            "--temperature", "0", cwd=folder)
+    assert r.returncode == 0, r.stderr.decode()
+    m = load(folder / "run")
+    prompt = torch.tensor([list("def f(".encode())])
+    new = restopo.generate(m, prompt, 9, temperature=0)[0, prompt.shape[1]:]
+    want = bytes(new.tolist()).decode("utf-8", errors="replace") + "\n"
+    assert r.stdout.decode("utf-8") == want
+    r = cli("generate", "run", "--prompt", "x", "--max-new-tokens", "50", cwd=folder)
+    assert r.returncode == 1 and b"longer than the model's context 16" in r.stderr
+    assert b"Traceback" not in r.stderr
+
+
+def test_eval_matches_a_hand_loop(run, capsys):
+    folder, _ = run
+    assert main(["eval", str(folder / "run"), "--data", str(folder / "corpus.txt"),
+                 "--format", "json", "--no-progress"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    data = list((folder / "corpus.txt").read_bytes())
+    m = load(folder / "run")
+    # reference: token t predicted from the (up to 16) tokens of its window, in float64
+    m = m.double()
+    nll, count, start = 0.0, 0, 0
+    with torch.no_grad():
+        while start < len(data) - 1:
+            window = torch.tensor([data[start:start + 17]])
+            logits = m(window[:, :-1])
+            nll += F.cross_entropy(logits[0], window[0, 1:], reduction="sum").item()
+            count += window.shape[1] - 1
+            start += 16
+    assert got["tokens"] == count == len(data) - 1 and got["split"] == "all"
+    assert math.isclose(got["loss"], nll / count, rel_tol=1e-5)
+    assert math.isclose(got["bits_per_token"], nll / count / math.log(2), rel_tol=1e-5)
+    assert math.isclose(got["perplexity"], math.exp(nll / count), rel_tol=1e-5)
+    # the run's own data, held-out split by default; text with the units
+    assert main(["eval", str(folder / "run"), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "(val split" in out and "bits per byte" in out and "perplexity" in out
+
+
+def test_export_command_and_mistakes(run, tmp_path, capsys):
+    folder, model = run
+    assert main(["export", str(folder / "run"), "-o", str(tmp_path / "e.safetensors")]) == 0
+    assert same(load(tmp_path / "e.safetensors"), model)
+    assert main(["export", str(folder / "run"), "-o", str(tmp_path / "e.txt")]) == 2
+    assert main(["export", str(tmp_path / "missing"), "-o", str(tmp_path / "e.pt")]) == 1
+    err = capsys.readouterr().err
+    assert "must end in .safetensors, .pt or .py" in err and "no such file" in err
+    assert not (tmp_path / "e.pt").exists()
+    for command in ("generate", "eval", "export"):
+        assert main([command, "--help"]) == 0
+        assert f"restopo {command} " in capsys.readouterr().out

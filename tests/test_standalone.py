@@ -1,0 +1,118 @@
+"""`restopo compile -o model.py` is standalone: the file runs in a fresh interpreter that
+cannot import restopo at all, and with the `-o model.pt` weights loaded strictly it computes
+what restopo's compiled model computes."""
+import ast
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import restopo
+
+MODEL = "model m { vocab: 61; width: 16; depth: 3; heads: 2; context: 16 }\n"
+TOPOLOGIES = ["standard", "full_attnres", "block_attnres(blocks: 2)",
+              "block_attnres(blocks: 2, query: input_dependent, gate: sigmoid, heads: 2)",
+              "full_attnres(window: 2)", "rezero", "layerscale", "highway", "denseformer",
+              "denseformer(gate: softmax)", "block_attnres(blocks: 3, key_norm: none)"]
+
+# Runs in the subprocess: restopo cannot be imported (a finder refuses it); each module is
+# built, loaded strictly from its .pt, run on the given tokens, and the logits come back.
+RUNNER = textwrap.dedent("""
+    import importlib, importlib.abc, json, sys
+
+    class NoRestopo(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] == "restopo":
+                raise ImportError("restopo must not be imported by a standalone model.py")
+
+    sys.meta_path.insert(0, NoRestopo())
+    import torch
+    idx = torch.tensor(json.loads(sys.argv[1]))
+    out = {}
+    for name in sys.argv[2:]:
+        module = importlib.import_module(name)
+        model = module.build().double()
+        state = torch.load(name + ".pt", weights_only=True)["state_dict"]
+        model.load_state_dict(state, strict=True)
+        with torch.no_grad():  # the eager backend's no-grad (stacked) forms
+            no_grad = model(idx).tolist()
+        out[name] = {"logits": no_grad, "grad": model(idx).tolist(), "spec": module.SPEC}
+    assert not [m for m in sys.modules if m.split(".")[0] == "restopo"]
+    print(json.dumps(out))
+""")
+
+
+def compile_cli(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "restopo", "compile", *map(str, args)],
+                          cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
+def imported_roots(source: str) -> set[str]:
+    tree = ast.parse(source)
+    roots = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import)
+             for a in n.names}
+    return roots | {n.module.split(".")[0] for n in ast.walk(tree)
+                    if isinstance(n, ast.ImportFrom)}
+
+
+def test_standalone_modules_run_without_restopo(tmp_path):
+    from restopo.commands.standalone import module_source
+    idx = torch.randint(0, 61, (2, 7), generator=torch.Generator().manual_seed(1))
+    want, names = {}, []
+    for k, topology in enumerate(TOPOLOGIES):
+        text = MODEL + f"residual {topology}\n"
+        name = f"gen_model_{k}"
+        torch.manual_seed(k)
+        ref = restopo.compile(text).double()
+        with torch.no_grad():  # trained-looking weights, saved as restopo compile -o .pt
+            for p in ref.parameters():
+                p.add_(0.1 * torch.randn_like(p))
+            want[name] = (text, ref(idx))
+        torch.save({"spec": text, "overrides": [], "state_dict": ref.state_dict()},
+                   tmp_path / f"{name}.pt")
+        source = module_source(ref, name, "t.restopo")
+        assert imported_roots(source) <= {"__future__", "math", "collections", "types", "torch"}
+        (tmp_path / f"{name}.py").write_text(source)
+        names.append(name)
+    run = subprocess.run([sys.executable, "-c", RUNNER, json.dumps(idx.tolist()), *names],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    got = json.loads(run.stdout)
+    for name, topology in zip(names, TOPOLOGIES):
+        text, logits = want[name]
+        assert got[name]["spec"] == text
+        for key in ("logits", "grad"):  # without and with autograd: both forms
+            torch.testing.assert_close(torch.tensor(got[name][key], dtype=torch.float64),
+                                       logits, rtol=1e-12, atol=1e-12, msg=topology)
+
+
+def test_compile_cli_writes_the_standalone_module(tmp_path):
+    text = MODEL + "residual block_attnres(blocks: 2)\n"
+    (tmp_path / "t.restopo").write_text(text)
+    for out in ("gen_model.py", "m.pt"):
+        r = compile_cli("t.restopo", "-o", out, cwd=tmp_path)
+        assert r.returncode == 0, r.stderr
+    source = (tmp_path / "gen_model.py").read_text()
+    assert imported_roots(source) <= {"__future__", "math", "collections", "types", "torch"}
+    run = subprocess.run([sys.executable, "-c", RUNNER.replace('name + ".pt"', '"m.pt"'),
+                          "[[1, 2, 3]]", "gen_model"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout)["gen_model"]["spec"] == text
+
+
+def test_spec_text_cannot_break_out_of_the_module(tmp_path):
+    """Quotes, backslashes and triple quotes in the spec (comments) stay data."""
+    text = ("# a ''' and a \"\"\" and a \\ and ends with a quote'\n" + MODEL
+            + "residual standard  # \\\n")
+    (tmp_path / "t.restopo").write_text(text)
+    (tmp_path / "odd'\"name.restopo").write_text(text)
+    for spec_file in ("t.restopo", "odd'\"name.restopo"):
+        r = compile_cli(spec_file, "-o", "gen_model.py", cwd=tmp_path)
+        assert r.returncode == 0, r.stderr
+        namespace = {}
+        exec(compile((tmp_path / "gen_model.py").read_text(), "gen_model.py", "exec"), namespace)
+        assert namespace["SPEC"] == text
