@@ -151,6 +151,8 @@ def _formula(g: IR, groups) -> str | None:
     members = {m for grp in groups for m in grp.members}
     if members and all(a.id in members for a in aggs[:-1]):
         return "Table 1 Block AttnRes two-phase, (N/S + 5)d at the last block"
+    if not members and not any(stream_fed(g, a) for a in aggs):
+        return "direct, (k + 1)d over k sources (+ 3d per running sum added)"
     return None
 
 
