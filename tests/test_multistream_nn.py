@@ -143,7 +143,7 @@ def test_streams_differ_after_ten_steps(name):
            "shc": T.hyper_connections(M.kinds, 4),
            "dhc": T.hyper_connections(M.kinds, 4, dynamic=True)}[name]
     before, after = _spread_after_training(top, steps=0), _spread_after_training(top)
-    assert after > 5e-3 and after > 10 * before  # SHC and DHC start exactly alike (0)
+    assert after > 5e-3 and after > 4 * before  # SHC and DHC start exactly alike (0)
 
 
 def test_the_symmetry_trap_with_phi_zero():
