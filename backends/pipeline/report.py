@@ -30,7 +30,8 @@ def to_json(plan: Plan) -> dict:
             {"from_chunk": h.src, "to_chunk": h.src + 1, "from_rank": h.src_rank,
              "to_rank": h.dst_rank, "naive": [v.name for v in h.naive],
              "cached": [v.name for v in h.cached],
-             "naive_vectors": len(h.naive), "cached_vectors": len(h.cached)}
+             "naive_vectors": sum(v.size for v in h.naive),
+             "cached_vectors": sum(v.size for v in h.cached)}
             for h in plan.hops],
         "totals": {},
     }
