@@ -133,3 +133,21 @@ def test_default_mhc_lite_is_within_order_alpha_of_standard():
     model, spec = _model("mhc_lite", 4, depth=3)
     idx = _idx(spec)
     assert 0 < _rel(model(idx), _standard(spec)(idx)) < 0.05
+
+
+def test_step0_prediction_for_streams():
+    """restopo.train.init_check predicts from the IR which topologies start as PreNorm: HC
+    (exactly, measured 0 in float32) but not mHC or mHC-lite (O(alpha), measured)."""
+    from restopo.ir import build_ir
+    from restopo.train.init_check import starts_as_standard, step0_report
+    spec = ModelSpec(vocab=64, width=16, depth=3, heads=2, context=8)
+    idx = _idx(spec)
+    for variant in VARIANTS:
+        top = VARIANTS[variant](spec.kinds, 4)
+        report = step0_report(spec, top, build_ir(spec.kinds, top), idx)
+        assert report["expected_equal"] == starts_as_standard(build_ir(spec.kinds, top)) \
+            == (variant in ("shc", "dhc"))
+        if variant in ("shc", "dhc"):
+            assert report["difference"] == 0.0
+        else:
+            assert 0 < report["difference"] < 1e-2
