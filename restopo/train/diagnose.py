@@ -301,7 +301,7 @@ def write_figures(numbers: dict, graph, out_dir: Path, title: str) -> dict[str, 
                                             rows=labels, cols=cols, title=heat_title,
                                             vmin=0.0)
     if numbers.get("stream_coefficients"):
-        paths["hyper_connections"] = plot_stream_coefficients(
+        paths["streams"] = plot_stream_coefficients(
             numbers["stream_coefficients"], out_dir / "hyper_connections.png", xlabels=xlabels,
             title=f"{title}: mean H^pre, H^post and H^res per sublayer")
     js = out_dir / "diagnose.json"
