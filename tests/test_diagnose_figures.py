@@ -111,12 +111,8 @@ def test_fresh_scalars_weights_follow_the_gate():
             assert a["weights"] == pytest.approx(want(len(a["sources"])), abs=1e-6)
 
 
-def test_wrong_weights_would_be_caught():
-    """The reconstruction check has teeth: perturb a query after the forward pass and the
-    recomputed weights no longer rebuild the captured h."""
-    top = TOPOLOGIES["full"]
-    model = randomised(top)
-    g = build_ir(M.kinds, top, M.width)
+def _capture(model, idx):
+    """One forward pass: every source v_0..v_L and every sublayer's and the head's input."""
     captured = {}
     subs = list(model.get_submodule("sublayers"))
     hooks = [model.get_submodule("embed").register_forward_hook(
@@ -128,9 +124,21 @@ def test_wrong_weights_would_be_caught():
     hooks.append(model.get_submodule("head").register_forward_pre_hook(
         lambda m, a: captured.__setitem__(("h", len(subs) + 1), a[0])))
     with torch.no_grad():
-        model(batches(1)[0][0])
-        v = [captured[i] for i in range(len(subs) + 1)]
-        h = [captured[("h", i)] for i in range(1, len(subs) + 2)]
+        model(idx)
+    for hk in hooks:
+        hk.remove()
+    return ([captured[i] for i in range(len(subs) + 1)],
+            [captured[("h", i)] for i in range(1, len(subs) + 2)])
+
+
+def test_wrong_weights_would_be_caught():
+    """The reconstruction check has teeth: perturb a query after the forward pass and the
+    recomputed weights no longer rebuild the captured h."""
+    top = TOPOLOGIES["full"]
+    model = randomised(top)
+    g = build_ir(M.kinds, top, M.width)
+    v, h = _capture(model, batches(1)[0][0])
+    with torch.no_grad():
         assert max(e for *_, e in depth_weights(g, aggregations(model), v, h)) < 1e-5
         aggregations(model)[3].pseudo_query.add_(1.0)
         assert max(e for *_, e in depth_weights(g, aggregations(model), v, h)) > 1e-3
@@ -144,20 +152,8 @@ def test_wrong_stream_coefficients_would_be_caught():
     g = build_ir(M.kinds, top, M.width)
     numbers = collect(model, g, batches(1), torch.device("cpu"))
     assert numbers["reconstruction_error"] < 1e-4
-    captured = {}
-    subs = list(model.get_submodule("sublayers"))
-    hooks = [model.get_submodule("embed").register_forward_hook(
-        lambda m, a, o: captured.__setitem__(0, o))]
-    for i, s in enumerate(subs, start=1):
-        hooks.append(s.register_forward_pre_hook(
-            lambda m, a, i=i: captured.__setitem__(("h", i), a[0])))
-        hooks.append(s.register_forward_hook(lambda m, a, o, i=i: captured.__setitem__(i, o)))
-    hooks.append(model.get_submodule("head").register_forward_pre_hook(
-        lambda m, a: captured.__setitem__(("h", len(subs) + 1), a[0])))
+    v, h = _capture(model, batches(1)[0][0])
     with torch.no_grad():
-        model(batches(1)[0][0])
-        v = [captured[i] for i in range(len(subs) + 1)]
-        h = [captured[("h", i)] for i in range(1, len(subs) + 2)]
         assert max(e for *_, e in depth_weights(g, aggregations(model), v, h)) < 1e-4
         aggregations(model)[2].phi.add_(0.5)
         assert max(e for *_, e in depth_weights(g, aggregations(model), v, h)) > 1e-3

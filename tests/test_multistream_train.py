@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from test_train_processes import env  # noqa: F401  (the fixture: one process env, corpus ready)
+
 SPEC = """\
 model t { vocab: 256; width: 32; depth: 2; heads: 4; context: 32 }
 residual mhc(streams: 2)
@@ -18,16 +20,6 @@ train {
 }
 """
 ROOT = os.path.join(os.path.dirname(__file__), "..")
-
-
-@pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    e = dict(os.environ, OMP_NUM_THREADS="1", RESTOPO_DIST_TIMEOUT="60",
-             RESTOPO_CACHE=str(tmp_path_factory.mktemp("cache")))
-    subprocess.run([sys.executable, "-c", "from restopo.train.data import open_corpus; "
-                    "open_corpus('builtin:stdlib', progress=False)"], env=e, check=True,
-                   timeout=120)
-    return e
 
 
 def train(env, *argv, timeout=240):

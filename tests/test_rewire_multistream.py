@@ -9,6 +9,7 @@ import restopo
 from restopo.fx.rewire import rewire
 
 from models.nanogpt import GPT, GPTConfig
+from models.rewired import gpt_losses
 
 
 def gpt(n_layer=2, seed=0):
@@ -48,15 +49,7 @@ def test_mhc_trains_its_coefficients_and_keeps_the_original_weights():
         torch.testing.assert_close(v, before[k], rtol=0, atol=0)
     assert all(k.startswith("body.aggregations.") for k in r.state_dict()
                if not k.startswith("model."))
-    opt = torch.optim.AdamW(r.parameters(), lr=3e-3)
-    idx, targets = tokens(T=16)
-    losses = []
-    for _ in range(12):
-        _, loss = r(idx, targets)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = gpt_losses(r, *tokens(T=16), steps=12)
     assert losses[-1] < losses[0] - 0.5, losses
     phis = [a.phi for a in restopo.aggregations(r) if hasattr(a, "phi")]
     assert len(phis) == 4 and all(p.grad is not None and p.grad.abs().sum() > 0 for p in phis)
