@@ -94,3 +94,24 @@ def test_topology_constructors_refuse_what_the_checker_refuses():
                 lambda: T.mhc(kinds, 4, sinkhorn=0), lambda: T.Rule("attend", (), streams=2)):
         with pytest.raises(ValueError):
             bad()
+
+
+@pytest.mark.parametrize("text,n,per_sublayer", [
+    ("hyper_connections(streams: 4)", 4, lambda d: 24),                      # n(n+2)
+    ("hyper_connections(streams: 4, dynamic: true)", 4,
+     lambda d: 2 * d + 6 * d + 24 + 2),                                      # + LN, W, s
+    ("mhc(streams: 4)", 4, lambda d: 96 * d + 27),                          # nd(n^2+2n)+...
+    ("mhc_lite(streams: 4)", 4, lambda d: 128 * d + 35),                    # nd(2n+n!)+...
+    ("mhc(streams: 1)", 1, lambda d: 3 * d + 6),
+])
+def test_live_values_and_added_parameters(text, n, per_sublayer):
+    """n live d-vectors per token; parameters per sublayer as ../shared/hyper.md section 6
+    (the head's sum owns none), equal to what the built modules hold."""
+    from restopo.api import compile as compile_spec
+    from restopo.ir import added_parameters, live_values_per_token
+    spec = parse_spec(M + f"residual {text}\n")
+    g = spec.ir()
+    assert live_values_per_token(g) == n
+    assert added_parameters(g) == 8 * per_sublayer(64)
+    model = compile_spec(spec, backend="eager")
+    assert sum(p.numel() for p in model.aggregations.parameters()) == added_parameters(g)
