@@ -80,8 +80,8 @@ class Visitor(Generic[V]):
         """Told once per aggregation point, after h_l is known, what it was computed from:
         its sources in IR order, or for a stream-fed point (stream=True) the running value
         and the newest output (h_{l-1}, v_{l-1}), just (v_0,) at l = 1; a multi-stream
-        point's input is its streams (X_l,). Diagnostics read
-        the depth weights here; visitors that only compute ignore it."""
+        point's input is its streams (X_l,). Diagnostics read the depth weights here;
+        visitors that only compute ignore it."""
 
     def provide(self, node: Node) -> V | None:
         """A value made outside the walked span (received, cached), or None to compute it.
