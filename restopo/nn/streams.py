@@ -13,7 +13,8 @@ reads the sublayer's input; after the sublayer `write_streams` updates the strea
 R is applied as written, so each variant states which transpose of its paper's matrix it
 is: SHC/DHC R = A_r^T [HC Eq.2-5], mHC R = comb^T [DSV4 hc_post], mHC-lite R = sum_k a_k P_k.
 
-Precision: coefficients (and Sinkhorn, and their backward) are computed in float32 (float64
+Precision: coefficients (and Sinkhorn, and their backward, recomputed from the logits) are
+computed in float32 (float64
 for a float64 model) with autocast off, whatever the model's dtype; the parameters stay
 float32 when the model is cast to bf16 or fp16 (`_Float32Params`), as DeepSeek stores its
 hc_* weights [hyper.md section 7]. The
@@ -79,13 +80,43 @@ def sinkhorn(logits: torch.Tensor, iters: int, eps: float = SINKHORN_EPS) -> tor
     normalisation, then iters - 1 times (rows, columns), eps in every denominator. The last
     step normalises columns, so columns sum to 1 up to eps and rows approximately; mHC
     applies the transpose, R = comb^T, whose rows (the forward gain) are then the exact ones.
-    Plain autograd backpropagates through the unrolled iterations."""
+
+    The backward is the gradient of the unrolled iterations, recomputed from the logits
+    (`_RecomputedSinkhorn`, as mHC's kernel and Megatron do) instead of keeping 2 * iters
+    intermediate n x n matrices per token for it."""
+    if torch.is_grad_enabled() and logits.requires_grad:
+        return _RecomputedSinkhorn.apply(logits, iters, eps)
+    return unrolled_sinkhorn(logits, iters, eps)
+
+
+def unrolled_sinkhorn(logits: torch.Tensor, iters: int, eps: float = SINKHORN_EPS):
+    """The iterations themselves (plain autograd would keep every intermediate)."""
     m = torch.softmax(logits, dim=-1) + eps
     m = m / (m.sum(-2, keepdim=True) + eps)
     for _ in range(iters - 1):
         m = m / (m.sum(-1, keepdim=True) + eps)
         m = m / (m.sum(-2, keepdim=True) + eps)
     return m
+
+
+class _RecomputedSinkhorn(torch.autograd.Function):
+    """Forward without a graph; backward re-runs the iterations under autograd and takes
+    their exact gradient. Only the logits are saved."""
+
+    @staticmethod
+    def forward(ctx, logits, iters, eps):
+        ctx.save_for_backward(logits)
+        ctx.iters, ctx.eps = iters, eps
+        with torch.no_grad():
+            return unrolled_sinkhorn(logits, iters, eps)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (logits,) = ctx.saved_tensors
+        with torch.enable_grad():
+            z = logits.detach().requires_grad_()
+            (dz,) = torch.autograd.grad(unrolled_sinkhorn(z, ctx.iters, ctx.eps), z, grad)
+        return dz, None, None
 
 
 class _Float32Params(nn.Module):
