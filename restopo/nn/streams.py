@@ -100,23 +100,31 @@ def unrolled_sinkhorn(logits: torch.Tensor, iters: int, eps: float = SINKHORN_EP
 
 
 class _RecomputedSinkhorn(torch.autograd.Function):
-    """Forward without a graph; backward re-runs the iterations under autograd and takes
-    their exact gradient. Only the logits are saved."""
+    """Forward without a graph, only the logits saved; backward runs the iterations again,
+    keeping each normalisation's output and denominator, and goes back through them:
+    out = m / d with d = sum(m) + eps along an axis gives dm = (g - sum(g out)) / d, and the
+    softmax dz = p (g - sum(g p)). The exact gradient of the unrolled iterations (tested
+    against autograd), in fewer operations than autograd's."""
 
     @staticmethod
     def forward(ctx, logits, iters, eps):
         ctx.save_for_backward(logits)
         ctx.iters, ctx.eps = iters, eps
-        with torch.no_grad():
-            return unrolled_sinkhorn(logits, iters, eps)
+        return unrolled_sinkhorn(logits, iters, eps)
 
     @staticmethod
     def backward(ctx, grad):
         (logits,) = ctx.saved_tensors
-        with torch.enable_grad():
-            z = logits.detach().requires_grad_()
-            (dz,) = torch.autograd.grad(unrolled_sinkhorn(z, ctx.iters, ctx.eps), z, grad)
-        return dz, None, None
+        p = torch.softmax(logits, dim=-1)
+        m, steps = p + ctx.eps, []
+        for axis in [-2] + [-1, -2] * (ctx.iters - 1):
+            d = m.sum(axis, keepdim=True) + ctx.eps
+            m = m / d
+            steps.append((m, d, axis))
+        g = grad
+        for out, d, axis in reversed(steps):
+            g = (g - (g * out).sum(axis, keepdim=True)) / d
+        return p * (g - (g * p).sum(-1, keepdim=True)), None, None
 
 
 class _Float32Params(nn.Module):
