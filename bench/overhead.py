@@ -1,6 +1,7 @@
-"""Overhead of Full and Block AttnRes against the standard residual, side by side.
+"""Overhead of Full and Block AttnRes and mHC against the standard residual, side by side.
 
-For each topology (standard, Full AttnRes, Block AttnRes with N blocks) on the same model
+For each topology (standard, Full AttnRes, Block AttnRes with N blocks, mHC with n streams)
+on the same model
 dimensions, in eager mode and under torch.compile, this measures
   step  the wall time of one forward + backward (loss = mean logsumexp of the logits): the
         fastest of the timed rounds (other processes on the machine only ever add time;
@@ -16,6 +17,8 @@ and prints each as a ratio to the standard residual.
     python bench/overhead.py                 # width 512, depth 12, context 256, batch 4
     python bench/overhead.py --quick         # a CI-size smoke run
     python bench/overhead.py --width 256 --depth 6 --no-compile
+    python bench/overhead.py --width 64 --depth 16 --context 128 --batch 16 --heads 4 \
+        --no-compile                         # the size of examples/*.restopo
 """
 from __future__ import annotations
 
@@ -40,6 +43,7 @@ def parse_args(argv=None):
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--blocks", type=int, default=8, help="N of Block AttnRes")
+    p.add_argument("--streams", type=int, default=4, help="n of mHC (0: leave mHC out)")
     p.add_argument("--iters", type=int, default=5, help="timed rounds")
     p.add_argument("--warmup", type=int, default=2,
                    help="untimed rounds (compilation; the last one counts saved activations)")
@@ -62,8 +66,11 @@ def parse_args(argv=None):
 def topologies(args):
     kinds = T.sublayer_kinds(args.depth)
     blocks = min(args.blocks, args.depth)
-    return {"standard": T.standard(kinds), "full": T.full_attnres(kinds),
-            f"block{blocks}": T.block_attnres(kinds, blocks=blocks)}
+    out = {"standard": T.standard(kinds), "full": T.full_attnres(kinds),
+           f"block{blocks}": T.block_attnres(kinds, blocks=blocks)}
+    if args.streams:
+        out[f"mhc{args.streams}"] = T.mhc(kinds, args.streams)
+    return out
 
 
 def make(args, topo):

@@ -10,6 +10,7 @@ numbered 1..L, the embedding is source 0 and the head is aggregation point L + 1
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 SUBLAYER_KINDS = ("attn", "mlp")
@@ -26,10 +27,24 @@ SOURCE_NAMES = ("embedding", "sublayers", "window", "blocks", "partial")
 #   rezero      stream update h += alpha * v, alpha a learned scalar, init 0
 #   layerscale  stream update h += gamma * v, gamma a learned per-channel vector
 #   highway     stream update h += g * (v - h), g = sigmoid(W norm(h) + b), an input gate
-METHODS = ("attend", "sum", "scalars", "rezero", "layerscale", "highway")
+#   hyper_connections, mhc, mhc_lite   multi-stream residuals (see MULTI_STREAM_METHODS)
+METHODS = ("attend", "sum", "scalars", "rezero", "layerscale", "highway",
+           "hyper_connections", "mhc", "mhc_lite")
 # Methods that update one running stream: their sources are always the embedding and
 # every earlier sublayer, and they keep a single live value per token.
 STREAM_METHODS = ("rezero", "layerscale", "highway")
+# Multi-stream residuals (../shared/hyper.md): each token carries n streams of width d,
+# X in R^{n x d}, starting as n copies of the embedding. Before sublayer l the streams are
+# read into its input, h_l = sum_i pre_i X_i; after it they are written,
+# X <- R X + post (x) v_l; the head reads the sum of the streams. They read no sources.
+#   hyper_connections  Hyper-Connections, static (SHC) or dynamic (DHC, `dynamic: true`)
+#   mhc                manifold-constrained HC: R is projected by `sinkhorn` Sinkhorn-Knopp
+#                      iterations onto the doubly stochastic matrices
+#   mhc_lite           mHC with R a softmax mixture of all n! permutation matrices
+MULTI_STREAM_METHODS = ("hyper_connections", "mhc", "mhc_lite")
+MAX_STREAMS = 16         # papers use 1..8; the parameters grow as n^3 d (mHC)
+MAX_LITE_STREAMS = 6     # mhc_lite's H^res mixes n! permutation matrices: 720 at n = 6
+DEFAULT_SINKHORN = 20    # mHC's t_max [mHC Eq.9]
 
 QUERY_KINDS = ("static", "input_dependent")
 GATES = ("softmax", "sigmoid")                  # attend
@@ -81,6 +96,9 @@ class Rule:
     gate: str | None = None
     key_norm: str = "rms"
     heads: int = 1
+    streams: int = 1                 # n, multi-stream methods only
+    dynamic: bool = False            # hyper_connections: DHC instead of SHC
+    sinkhorn: int | None = None      # mhc: Sinkhorn-Knopp iterations (None: the default)
 
     def __post_init__(self):
         if self.gate is None:
@@ -89,6 +107,33 @@ class Rule:
         if allowed and self.gate not in allowed:
             raise ValueError(f"{self.method} takes gate {' | '.join(allowed)}; "
                              f"got {self.gate!r}")
+        if self.method == "mhc" and self.sinkhorn is None:
+            object.__setattr__(self, "sinkhorn", DEFAULT_SINKHORN)
+        check_streams(self.method, self.streams, self.sinkhorn)
+        if self.multi_stream and self.sources:
+            raise ValueError(f"{self.method} reads the residual streams, not sources")
+
+    @property
+    def multi_stream(self) -> bool:
+        return self.method in MULTI_STREAM_METHODS
+
+
+def check_streams(method: str, streams: int, sinkhorn: int | None = None) -> None:
+    """ValueError (saying why) for a stream count or Sinkhorn count `method` cannot take."""
+    if method not in MULTI_STREAM_METHODS:
+        if streams != 1:
+            raise ValueError(f"{method} keeps one residual stream; streams applies to "
+                             f"{', '.join(MULTI_STREAM_METHODS)}")
+        return
+    if not 1 <= streams <= MAX_STREAMS:
+        raise ValueError(f"streams must be between 1 and {MAX_STREAMS}; got {streams}")
+    if method == "mhc_lite" and streams > MAX_LITE_STREAMS:
+        raise ValueError(f"mhc_lite mixes all n! permutation matrices, {math.factorial(streams):,} "
+                         f"per sublayer at streams: {streams}; it allows at most "
+                         f"{MAX_LITE_STREAMS} streams")
+    if sinkhorn is not None and sinkhorn < 1:
+        raise ValueError(f"sinkhorn counts Sinkhorn-Knopp iterations and must be at least 1; "
+                         f"got {sinkhorn}")
 
 
 @dataclass(frozen=True)
@@ -240,8 +285,29 @@ def denseformer(kinds: tuple[str, ...], gate: str = "none") -> Topology:
     return Topology("denseformer", tuple((i,) for i in range(1, len(kinds) + 1)), rule, rule)
 
 
+def _multi_stream(name: str, kinds: tuple[str, ...], **options) -> Topology:
+    rule = Rule(name, (), **options)
+    return Topology(name, partition_by_count(kinds, 1), rule, rule)
+
+
+def hyper_connections(kinds: tuple[str, ...], streams: int, dynamic: bool = False) -> Topology:
+    """Hyper-Connections over n = `streams` streams: static (SHC) or, with `dynamic`, DHC."""
+    return _multi_stream("hyper_connections", kinds, streams=streams, dynamic=dynamic)
+
+
+def mhc(kinds: tuple[str, ...], streams: int, sinkhorn: int = DEFAULT_SINKHORN) -> Topology:
+    """mHC over n = `streams` streams, H^res from `sinkhorn` Sinkhorn-Knopp iterations."""
+    return _multi_stream("mhc", kinds, streams=streams, sinkhorn=sinkhorn)
+
+
+def mhc_lite(kinds: tuple[str, ...], streams: int) -> Topology:
+    """mHC-lite over n = `streams` streams: H^res a mixture of the n! permutations."""
+    return _multi_stream("mhc_lite", kinds, streams=streams)
+
+
 # The named one-liners of the language, by name.
 NAMED = {
     "standard": standard, "full_attnres": full_attnres, "block_attnres": block_attnres,
     "rezero": rezero, "layerscale": layerscale, "highway": highway, "denseformer": denseformer,
+    "hyper_connections": hyper_connections, "mhc": mhc, "mhc_lite": mhc_lite,
 }

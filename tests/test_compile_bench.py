@@ -11,6 +11,7 @@ def test_overhead_bench_quick(capsys):
     assert bench.main(["--quick", "--no-compile", "--iters", "1"]) == 0
     out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines() if line.startswith("eager ")]
-    assert [r[1] for r in rows] == ["standard", "full", "block2"]
+    assert [r[1] for r in rows] == ["standard", "full", "block2", "mhc4"]
     assert rows[0][3] == "1.000" and rows[0][7] == "1.000"
     assert float(rows[1][7]) > 1.0  # Full keeps every source for backward: more than standard
+    assert float(rows[3][7]) > 1.0  # so does mHC: its n streams at every sublayer

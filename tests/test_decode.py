@@ -15,6 +15,9 @@ TOPOLOGIES = [
     "highway",
     "full_attnres(window: 3)",
     "block_attnres(blocks: 2, query: input_dependent, heads: 2)",
+    "hyper_connections(streams: 2, dynamic: true)",  # the n streams per token
+    "mhc(streams: 4, sinkhorn: 5)",
+    "mhc_lite(streams: 3)",
 ]
 
 

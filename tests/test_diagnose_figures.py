@@ -56,6 +56,9 @@ TOPOLOGIES = {
     "rezero": T.rezero(M.kinds),
     "layerscale": T.layerscale(M.kinds),
     "highway": T.highway(M.kinds),
+    "mhc": T.mhc(M.kinds, 4),
+    "dhc": T.hyper_connections(M.kinds, 3, dynamic=True),
+    "mhc_lite": T.mhc_lite(M.kinds, 3),
 }
 
 
@@ -75,6 +78,13 @@ def test_weights_reconstruct_every_aggregation(name):
     assert len(numbers["output_rms"]) == len(numbers["param_grad_norm"]) == 2 * M.depth
     assert all(g > 0 for g in numbers["param_grad_norm"])
     assert len(numbers["input_rms"]) == 2 * M.depth + 1
+    if top.sublayer_rule.multi_stream:  # the mean coefficients of every sublayer
+        n = top.sublayer_rule.streams
+        coeffs = numbers["stream_coefficients"]
+        assert len(coeffs) == 2 * M.depth
+        assert all(len(c["pre"]) == len(c["post"]) == n and len(c["res"]) == n for c in coeffs)
+        if name != "dhc":  # mHC and mHC-lite mix with (nearly) doubly stochastic H^res
+            assert all(sum(row) == pytest.approx(1, abs=1e-5) for c in coeffs for row in c["res"])
 
 
 def test_fresh_attnres_is_the_plain_mean():
@@ -101,12 +111,8 @@ def test_fresh_scalars_weights_follow_the_gate():
             assert a["weights"] == pytest.approx(want(len(a["sources"])), abs=1e-6)
 
 
-def test_wrong_weights_would_be_caught():
-    """The reconstruction check has teeth: perturb a query after the forward pass and the
-    recomputed weights no longer rebuild the captured h."""
-    top = TOPOLOGIES["full"]
-    model = randomised(top)
-    g = build_ir(M.kinds, top, M.width)
+def _capture(model, idx):
+    """One forward pass: every source v_0..v_L and every sublayer's and the head's input."""
     captured = {}
     subs = list(model.get_submodule("sublayers"))
     hooks = [model.get_submodule("embed").register_forward_hook(
@@ -118,11 +124,38 @@ def test_wrong_weights_would_be_caught():
     hooks.append(model.get_submodule("head").register_forward_pre_hook(
         lambda m, a: captured.__setitem__(("h", len(subs) + 1), a[0])))
     with torch.no_grad():
-        model(batches(1)[0][0])
-        v = [captured[i] for i in range(len(subs) + 1)]
-        h = [captured[("h", i)] for i in range(1, len(subs) + 2)]
+        model(idx)
+    for hk in hooks:
+        hk.remove()
+    return ([captured[i] for i in range(len(subs) + 1)],
+            [captured[("h", i)] for i in range(1, len(subs) + 2)])
+
+
+def test_wrong_weights_would_be_caught():
+    """The reconstruction check has teeth: perturb a query after the forward pass and the
+    recomputed weights no longer rebuild the captured h."""
+    top = TOPOLOGIES["full"]
+    model = randomised(top)
+    g = build_ir(M.kinds, top, M.width)
+    v, h = _capture(model, batches(1)[0][0])
+    with torch.no_grad():
         assert max(e for *_, e in depth_weights(g, aggregations(model), v, h)) < 1e-5
         aggregations(model)[3].pseudo_query.add_(1.0)
+        assert max(e for *_, e in depth_weights(g, aggregations(model), v, h)) > 1e-3
+
+
+def test_wrong_stream_coefficients_would_be_caught():
+    """For n streams the weights come from re-running each point's coefficients on streams
+    rebuilt from the captured outputs: after a change to one phi they no longer rebuild h."""
+    top = TOPOLOGIES["mhc"]
+    model = randomised(top)
+    g = build_ir(M.kinds, top, M.width)
+    numbers = collect(model, g, batches(1), torch.device("cpu"))
+    assert numbers["reconstruction_error"] < 1e-4
+    v, h = _capture(model, batches(1)[0][0])
+    with torch.no_grad():
+        assert max(e for *_, e in depth_weights(g, aggregations(model), v, h)) < 1e-4
+        aggregations(model)[2].phi.add_(0.5)
         assert max(e for *_, e in depth_weights(g, aggregations(model), v, h)) > 1e-3
 
 
@@ -131,7 +164,8 @@ def cache(tmp_path_factory):
     return tmp_path_factory.mktemp("restopo-cache")
 
 
-@pytest.mark.parametrize("residual", ["block_attnres(blocks: 2)", "standard"])
+@pytest.mark.parametrize("residual", ["block_attnres(blocks: 2)", "standard",
+                                      "mhc(streams: 2)"])
 def test_diagnose_command_writes_figures(tmp_path, monkeypatch, capsys, residual, cache):
     monkeypatch.setenv("RESTOPO_CACHE", str(cache))
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # train's default: one thread
@@ -147,6 +181,11 @@ def test_diagnose_command_writes_figures(tmp_path, monkeypatch, capsys, residual
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and name in printed
     numbers = json.loads((out / "diagnose" / "diagnose.json").read_text())
     assert numbers["step"] == 4 and numbers["reconstruction_error"] < 1e-4
+    if residual.startswith("mhc"):  # the H^pre/H^post/H^res heatmaps; step 0 is O(alpha) off
+        png = out / "diagnose" / "hyper_connections.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "hyper_connections" in printed
+        assert not numbers["step0"]["expected_equal"] and numbers["step0"]["difference"] < 1e-2
+        return
     # both start as the standard residual, and the report says so
     assert "step 0: equals the standard residual" in printed
     assert numbers["step0"]["expected_equal"] and numbers["step0"]["difference"] < 1e-5

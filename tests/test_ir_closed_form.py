@@ -140,7 +140,7 @@ def test_blocks_outside_the_allowed_set_are_rejected(depth):
 def test_examples_live_values():
     """Live values per token of every example against attnres.md: standard and the
     single-stream family 1, Block N + 1, Full (and DenseFormer, which reads every source)
-    L + 1, the sliding window w + 1."""
+    L + 1, the sliding window w + 1; n streams (hyper.md) n."""
     from pathlib import Path
 
     from restopo.spec import load_spec
@@ -148,7 +148,7 @@ def test_examples_live_values():
             "block_attnres": 9, "block_heads16": 9, "block_no_key_norm": 9, "custom_wiring": 9,
             "full_attnres": 33, "full_input_dependent": 33, "full_sigmoid": 33,
             "full_no_key_norm": 33, "full_scalars": 33, "denseformer": 33,
-            "full_window8": 9, "tiny": 3}
+            "full_window8": 9, "tiny": 3, "mhc": 4, "hyper_connections": 4}
     examples = Path(__file__).resolve().parent.parent / "examples"
     got = {p.stem: live_values_per_token(load_spec(p).ir())
            for p in sorted(examples.glob("*.restopo"))}

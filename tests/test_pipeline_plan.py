@@ -200,3 +200,19 @@ def test_denseformer_sends_every_output_once_per_rank():
     assert [len(h.naive) for h in plan.hops] == [3, 5, 7]
     # rank 1 received 1-2 at the first hop and produced 3-4 itself
     assert [v.name for v in plan.hops[2].cached] == ["sublayer5", "sublayer6"]
+
+
+def test_multi_stream_state_crosses_every_cut_whole():
+    """n streams: every hop sends the n * d state, naive and cached alike (it changes at
+    every sublayer, so there is nothing to cache), and the byte count includes all of it."""
+    from restopo.topology import mhc, sublayer_kinds
+    kinds = sublayer_kinds(8)
+    g = build_ir(kinds, mhc(kinds, 4), 32)
+    plan = make_plan(g, 4, 1)
+    for h in plan.hops:
+        assert [v.name for v in h.naive] == [v.name for v in h.cached] == ["streams[4]"]
+    assert plan.vectors(False) == plan.vectors(True) == 3 * 4
+    assert plan.bytes_per_token(True) == 3 * 4 * 32 * 4
+    report = to_json(plan)
+    assert [h["naive_vectors"] for h in report["hops"]] == [4, 4, 4]
+    assert report["totals"]["cached"]["hidden"] == 12

@@ -19,7 +19,8 @@ from restopo.backends.pipeline.selfcheck import table
 from restopo.backends.pipeline.stage import build_chunks
 from restopo.fx.lower import aggregation_modules, parts_of
 from restopo.topology import (STANDARD_SOURCES, Rule, Source, Topology, block_attnres,
-                              full_attnres, partition_by_count, standard, sublayer_kinds)
+                              full_attnres, hyper_connections, mhc, partition_by_count,
+                              standard, sublayer_kinds)
 
 SPEC = types.SimpleNamespace(vocab=32, width=16, depth=4, heads=2, mlp="swiglu",
                              mlp_ratio=2.0, context=8, tie_embeddings=True)
@@ -40,6 +41,8 @@ TOPOLOGIES = {
     "rezero": _custom("rezero", Rule("rezero", STANDARD_SOURCES)),
     "highway": _custom("highway", Rule("highway", STANDARD_SOURCES)),
     "input_query": block_attnres(KINDS, blocks=2, query="input_dependent"),
+    "mhc": mhc(KINDS, 4),
+    "dhc": hyper_connections(KINDS, 3, dynamic=True),
 }
 
 
@@ -154,3 +157,14 @@ def test_full_and_standard(topology):
     check(rows, schedules=1)
     if topology == "standard":   # one hidden state per hop, 3 hops
         assert rows[0]["measured_fwd_bytes"] == rows[1]["measured_fwd_bytes"] == 3 * 2 * 8 * 16 * 4
+
+
+@pytest.mark.slow
+def test_multi_stream_state_crosses_every_cut():
+    """mHC with n = 4: the whole [b, T, 4, d] state crosses each of the 3 hops, forward and
+    backward, and the pipelined step equals the single process."""
+    rows = launch("2x2", topology="mhc:4", depth=2, schedules="1f1b")
+    check(rows, schedules=1)
+    for r in rows:
+        assert r["plan_streams"] == 3 * 4
+        assert r["measured_fwd_bytes"] == r["measured_bwd_bytes"] == 3 * 4 * 2 * 8 * 16 * 4

@@ -9,7 +9,7 @@ from restopo.fx.rewire import RewireError, rewire
 from restopo.spec import SpecError
 
 from models import attnres_loop as loop
-from models.rewired import randomise
+from models.rewired import gpt_losses, randomise
 from models.nanogpt import GPT, GPTConfig, NoResidualGPT, PostNormGPT
 
 
@@ -123,15 +123,7 @@ def test_training_lowers_the_loss():
     torch.manual_seed(0)
     m = GPT(GPTConfig(n_layer=2))
     r = rewire(m, "residual block_attnres(blocks: 2)\n")
-    opt = torch.optim.AdamW(r.parameters(), lr=3e-3)
-    idx, targets = tokens(T=16)
-    losses = []
-    for _ in range(15):
-        _, loss = r(idx, targets)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = gpt_losses(r, *tokens(T=16))
     assert losses[-1] < losses[0] - 0.5, losses
     # the pseudo-queries left zero: the depth attention is being learnt
     assert any(a.pseudo_query.abs().sum() > 0 for a in restopo.aggregations(r))

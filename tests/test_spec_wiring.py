@@ -37,6 +37,12 @@ PAIRS = [
      "before sublayer: scalars(embedding, sublayers; gate: softmax)\n"
      " before head: scalars(embedding, sublayers; gate: softmax)"),
     ("denseformer(gate: sigmoid)", "before sublayer: scalars(embedding, sublayers; gate: sigmoid)"),
+    ("hyper_connections(streams: 4)", "before sublayer: hyper_connections(streams: 4)"),
+    ("hyper_connections(streams: 2, dynamic: true)",
+     "before sublayer: hyper_connections(streams: 2; dynamic: true)"),
+    ("mhc(streams: 4)", "before sublayer: mhc(streams: 4, sinkhorn: 20)"),
+    ("mhc(streams: 3, sinkhorn: 7)", "before sublayer: mhc(sinkhorn: 7, streams: 3)"),
+    ("mhc_lite(streams: 4)", "before sublayer: mhc_lite(streams: 4)"),
 ]
 
 
@@ -70,6 +76,12 @@ def test_different_wirings_differ():
     b = parse_spec(MODEL + "residual block_attnres(blocks: 2)").ir()
     c = parse_spec(MODEL + "residual block_attnres(blocks: 3, gate: sigmoid)").ir()
     assert graph_data(a) != graph_data(b) and graph_data(a) != graph_data(c)
+    streams = [parse_spec(MODEL + f"residual {r}").ir() for r in (
+        "mhc(streams: 4)", "mhc(streams: 2)", "mhc(streams: 4, sinkhorn: 5)",
+        "mhc_lite(streams: 4)", "hyper_connections(streams: 4)",
+        "hyper_connections(streams: 4, dynamic: true)")]
+    assert all(graph_data(x) != graph_data(y) for i, x in enumerate(streams)
+               for y in streams[i + 1:])
 
 
 def test_softmax_scalars_are_not_denseformer():

@@ -16,7 +16,9 @@ MODEL = "model m { vocab: 61; width: 16; depth: 3; heads: 2; context: 16 }\n"
 TOPOLOGIES = ["standard", "full_attnres", "block_attnres(blocks: 2)",
               "block_attnres(blocks: 2, query: input_dependent, gate: sigmoid, heads: 2)",
               "full_attnres(window: 2)", "rezero", "layerscale", "highway", "denseformer",
-              "denseformer(gate: softmax)", "block_attnres(blocks: 3, key_norm: none)"]
+              "denseformer(gate: softmax)", "block_attnres(blocks: 3, key_norm: none)",
+              "hyper_connections(streams: 2, dynamic: true)", "mhc(streams: 2, sinkhorn: 4)",
+              "mhc_lite(streams: 3)"]
 
 # Runs in the subprocess: restopo cannot be imported (a finder refuses it); each module is
 # built, loaded strictly from its .pt, run on the given tokens, and the logits come back.
@@ -74,7 +76,8 @@ def test_standalone_modules_run_without_restopo(tmp_path):
         torch.save({"spec": text, "overrides": [], "state_dict": ref.state_dict()},
                    tmp_path / f"{name}.pt")
         source = module_source(ref, name, "t.restopo")
-        assert imported_roots(source) <= {"__future__", "math", "collections", "types", "torch"}
+        assert imported_roots(source) <= {"__future__", "math", "collections", "contextlib",
+                                          "itertools", "types", "torch"}
         (tmp_path / f"{name}.py").write_text(source)
         names.append(name)
     run = subprocess.run([sys.executable, "-c", RUNNER, json.dumps(idx.tolist()), *names],

@@ -16,9 +16,11 @@ by a later chunk reads. Values are named by what they are, per token, each one d
                 across the cut (its first m members before the cut, the rest after)
   stream        the running hidden state h_{s+1} of a single-stream topology (the standard
                 residual, ReZero, LayerScale, Highway)
+  streams       the n streams X_{s+1} of a multi-stream topology (Hyper-Connections, mHC):
+                one value of n d-vectors (`size` n), sent as one [b, T, n, d] tensor
 
-`partial` and `stream` are the *hidden partial*: transient, recomputed at every cut, sent at
-every hop. When a cut falls exactly on a block boundary the running sum of the block that
+`partial`, `stream` and `streams` are the *hidden partial*: transient, recomputed at every
+cut, sent at every hop (the n streams change at every sublayer: nothing to cache). When a cut falls exactly on a block boundary the running sum of the block that
 just ended *is* that block's representation b_n; it is sent once, counted as a block, and no
 separate partial crosses (nothing is open). So when every chunk completes exactly N_p whole
 blocks, the transfers per token are, in d-vectors:
@@ -43,9 +45,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from restopo.ir import IR, BlockSum, Embedding, Sublayer, stream_fed
+from restopo.ir import IR, BlockSum, Embedding, Streams, Sublayer, stream_fed
 
-TRANSIENT = ("partial", "stream")
+TRANSIENT = ("partial", "stream", "streams")
 
 
 class PlanError(ValueError):
@@ -67,7 +69,18 @@ class Value:
             return self.kind
         if self.kind == "partial":
             return f"partial{self.index}[{self.count}]"
+        if self.kind == "streams":
+            return f"streams[{self.count}]"
         return f"{self.kind}{self.index}"
+
+    @property
+    def size(self) -> int:
+        """d-vectors per token: n for the streams, else 1."""
+        return self.count if self.kind == "streams" else 1
+
+    def shape(self, batch: int, T: int, d: int) -> tuple[int, ...]:
+        """The tensor that carries this value across a cut."""
+        return (batch, T, self.count, d) if self.kind == "streams" else (batch, T, d)
 
     @property
     def transient(self) -> bool:
@@ -80,7 +93,8 @@ class Value:
 def _value(kind: str, index: int = 0, count: int = 0) -> Value:
     # Order: the embedding, then blocks and sublayer outputs as produced, then the hidden
     # partial last (it is the one a receiving chunk reads first).
-    rank = {"embedding": 0, "block": 1, "sublayer": 1, "partial": 2, "stream": 3}[kind]
+    rank = {"embedding": 0, "block": 1, "sublayer": 1, "partial": 2, "stream": 3,
+            "streams": 3}[kind]
     return Value((rank, index, count, kind), kind, index, count)
 
 
@@ -141,7 +155,7 @@ class Plan:
         """d-vectors per token sent over all hops (of one kind: embedding|block|sublayer|
         hidden, where hidden is partial + stream)."""
         kinds = TRANSIENT if kind == "hidden" else (kind,)
-        return sum(1 for h in self.hops for v in self.hop_values(h, cached)
+        return sum(v.size for h in self.hops for v in self.hop_values(h, cached)
                    if kind is None or v.kind in kinds)
 
     def bytes_per_token(self, cached: bool) -> int | None:
@@ -318,6 +332,8 @@ def source_value(g: IR, src: str, s: int) -> Value | None:
     node = g.node(src)
     if isinstance(node, Embedding):
         return EMBEDDING
+    if isinstance(node, Streams):  # X_l is made after sublayer l-1: only X_{s+1} crosses
+        return _value("streams", count=node.n) if node.index == s + 1 else None
     if isinstance(node, Sublayer):
         if node.index > s:
             return None

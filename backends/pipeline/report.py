@@ -30,7 +30,8 @@ def to_json(plan: Plan) -> dict:
             {"from_chunk": h.src, "to_chunk": h.src + 1, "from_rank": h.src_rank,
              "to_rank": h.dst_rank, "naive": [v.name for v in h.naive],
              "cached": [v.name for v in h.cached],
-             "naive_vectors": len(h.naive), "cached_vectors": len(h.cached)}
+             "naive_vectors": sum(v.size for v in h.naive),
+             "cached_vectors": sum(v.size for v in h.cached)}
             for h in plan.hops],
         "totals": {},
     }
@@ -42,6 +43,7 @@ def to_json(plan: Plan) -> dict:
             "blocks": plan.vectors(cached, "block"),
             "sublayer_outputs": plan.vectors(cached, "sublayer"),
             "hidden": plan.vectors(cached, "hidden"),
+            "streams": plan.vectors(cached, "streams"),  # n streams, part of hidden
         }
     out["totals"]["paper_bound_blocks"] = plan.paper_bound_blocks
     return out
@@ -76,9 +78,11 @@ def describe(plan) -> str:
         m = t[label]
         b = m["bytes_per_token"]
         size = f" = {b} bytes/token at {d['dtype_bytes']} bytes/value" if b is not None else ""
+        streams = m.get("streams", 0)
         lines.append(f"  {label:7s}{m['vectors_per_token']:6d}{size}  (embedding "
                      f"{m['embedding']}, blocks {m['blocks']}, sublayer outputs "
-                     f"{m['sublayer_outputs']}, hidden partial {m['hidden']})")
+                     f"{m['sublayer_outputs']}, hidden partial {m['hidden'] - streams}"
+                     + (f", n streams {streams}" if streams else "") + ")")
     n_p = d["blocks_per_chunk"]
     np_text = f"N_p = {n_p}" if n_p is not None else \
         f"chunks complete {[len(c['blocks_completed']) for c in d['chunk_table']]} blocks; " \

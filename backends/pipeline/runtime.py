@@ -9,7 +9,8 @@ GraphModule) into the plan's chunks, keeps this rank's chunks (rank, rank + P, .
   1f1b                Schedule1F1B          ScheduleInterleaved1F1B
   interleaved_1f1b    ScheduleInterleaved1F1B
 
-Stage I/O is the plan's flat tuple of [b, T, d] values per cut (naive or cached). The
+Stage I/O is the plan's flat tuple of [b, T, d] values per cut (naive or cached; a
+multi-stream state is one [b, T, n, d] value). The
 rank-local side channel of the cache (cache.py) needs no library support: a chunk keeps
 detached leaves for the later chunks of its rank and takes their gradients back through an
 identity on its own first output, so PipelineStage only ever carries what another rank needs.
@@ -145,13 +146,13 @@ class Pipeline:
             if c == 0:
                 ins = (torch.zeros(mb, T, dtype=torch.long, device=dev),)
             else:
-                ins = tuple(torch.empty(mb, T, d, device=dev, requires_grad=True)
-                            for _ in m.in_values)
+                ins = tuple(torch.empty(v.shape(mb, T, d), device=dev, requires_grad=True)
+                            for v in m.in_values)
             if c == C - 1:
                 outs = (torch.empty(mb, T, self.vocab, device=dev, requires_grad=True),)
             else:
-                outs = tuple(torch.empty(mb, T, d, device=dev, requires_grad=True)
-                             for _ in m.out_values)
+                outs = tuple(torch.empty(v.shape(mb, T, d), device=dev, requires_grad=True)
+                             for v in m.out_values)
             stages.append(CountingStage(m, c, C, dev, input_args=ins, output_args=outs,
                                         group=self.groups.pp))
         V = len(stages)

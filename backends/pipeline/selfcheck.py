@@ -28,7 +28,8 @@ def tiny_model(topology: str, depth: int, width: int = 16, seed: int = 0):
     from restopo.fx.lower import lower
     from restopo.ir import build_ir
     from restopo.nn.model import build_parts, model_kinds
-    from restopo.topology import block_attnres, full_attnres, standard, sublayer_kinds
+    from restopo.topology import (block_attnres, full_attnres, hyper_connections, mhc,
+                                  standard, sublayer_kinds)
 
     spec = types.SimpleNamespace(vocab=32, width=width, depth=depth, heads=2, mlp="swiglu",
                                  mlp_ratio=2.0, context=16, tie_embeddings=True)
@@ -37,6 +38,10 @@ def tiny_model(topology: str, depth: int, width: int = 16, seed: int = 0):
         topo = standard(kinds)
     elif topology == "full":
         topo = full_attnres(kinds)
+    elif topology.startswith("mhc:"):  # mhc:n streams
+        topo = mhc(kinds, int(topology.split(":")[1]))
+    elif topology.startswith("dhc:"):  # dynamic Hyper-Connections, n streams
+        topo = hyper_connections(kinds, int(topology.split(":")[1]), dynamic=True)
     else:  # block:N
         topo = block_attnres(kinds, blocks=int(topology.split(":")[1]))
     torch.manual_seed(seed)
@@ -103,6 +108,7 @@ def run(args) -> list[dict]:
                 "measured_fwd_bytes": allg[:, 0].sum().item(),
                 "measured_bwd_bytes": allg[:, 1].sum().item(),
                 "plan_bytes": plan.vectors(cached) * tokens * args.width * 4,
+                "plan_streams": plan.vectors(cached, "streams"),
                 "naive_bytes": plan.vectors(False) * tokens * args.width * 4,
                 "cached_bytes": plan.vectors(True) * tokens * args.width * 4,
                 "bound_block_bytes": plan.paper_bound_blocks * tokens * args.width * 4,
@@ -131,7 +137,8 @@ def table(rows: list[dict]) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pipeline", default="2x1")
-    ap.add_argument("--topology", default="block:4", help="standard | full | block:N")
+    ap.add_argument("--topology", default="block:4",
+                    help="standard | full | block:N | mhc:n | dhc:n (n streams)")
     ap.add_argument("--depth", type=int, default=4)
     ap.add_argument("--width", type=int, default=16)
     ap.add_argument("--seq", type=int, default=8)

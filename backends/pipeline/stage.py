@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from restopo.ir import BlockSum, Embedding, Partial, Sublayer, two_phase_plan
+from restopo.ir import BlockSum, Embedding, Partial, Streams, Sublayer, two_phase_plan
 from restopo.ir.walk import walk
 from restopo.nn.aggregate import TwoPhase
 from restopo.nn.run import EagerRun
@@ -88,6 +88,8 @@ class ChunkModule(nn.Module):
             return Embedding.id
         if v.kind == "stream":
             return f"agg{self.span[1] + 1}"
+        if v.kind == "streams":
+            return f"streams{self.span[1] + 1}"
         if v.kind == "sublayer":
             return f"sublayer{v.index}"
         members = self.g.blocks[v.index - 1]
@@ -142,6 +144,8 @@ class _ChunkRun(EagerRun):
             return _value("partial", node.block, len(node.members))
         if node.id == f"agg{first}":  # the running stream h_first
             return STREAM
+        if isinstance(node, Streams) and node.index == first > 1:  # the n streams X_first
+            return _value("streams", count=node.n)
         return None
 
     def get(self, v: Value) -> torch.Tensor:

@@ -22,8 +22,10 @@ examples:
 
 The text table lists every aggregation point in execution order: the sublayer it feeds
 (attn, mlp, or the head), its method and its ordered sources (embedding, blockN, partial,
-sublayerN). JSON has the keys sublayers, blocks, live_values_per_token, added_parameters
-and aggregations [index, before, method, sources, ...].
+sublayerN). JSON has the keys sublayers, blocks, live_values_per_token, added_parameters,
+residual_io (memory I/O per token per sublayer in units of d, unfused, as the paper's Table
+1: peak_d, reads_d, writes_d, scalars, mean_d, head_d, formula) and aggregations [index,
+before, method, sources, ...].
 """
 
 
@@ -49,7 +51,7 @@ def register(subparsers) -> None:
 
 def build_report(spec, args=None) -> dict:
     """The JSON form: restopo.ir.summary of the spec's IR, plus the model it was built for."""
-    from ..ir.analyses import summary
+    from ..ir.summary import summary
     g = spec.ir()
     report = {"spec": spec.path}
     report.update(summary(g))
@@ -109,6 +111,9 @@ def compact_sources(sources: list[str]) -> str:
 def _options(a: dict) -> str:
     if a["method"] == "scalars":
         return f"gate {a['gate']}"
+    if "streams" in a:
+        return f"{a['streams']} streams" + (" dynamic" if a.get("dynamic") else "") + (
+            f" sinkhorn {a['sinkhorn']}" if a.get("sinkhorn") else "")
     if a["method"] != "attend":
         return ""
     opts = [a["query"], a["gate"], f"key_norm {a['key_norm']}"]
@@ -143,6 +148,8 @@ def format_text(report: dict) -> str:
              f"  live values per token  {report['live_values_per_token']}"]
     if report.get("added_parameters") is not None:
         lines.append(f"  added parameters       {report['added_parameters']:,}")
+    if report.get("residual_io"):
+        lines.extend(_io_lines(report["residual_io"]))
     groups = report.get("two_phase_groups") or []
     if groups:
         lines.append(f"  two-phase groups       {len(groups)}: "
@@ -151,7 +158,7 @@ def format_text(report: dict) -> str:
     lines.append("")
     lines.extend(_aggregation_table(report))
     known = {"spec", "topology", "sublayers", "blocks", "block_sizes", "live_values_per_token",
-             "added_parameters", "two_phase_groups", "aggregations", "model"}
+             "added_parameters", "two_phase_groups", "aggregations", "model", "residual_io"}
     for key, value in report.items():
         if key in known:
             continue
@@ -159,6 +166,31 @@ def format_text(report: dict) -> str:
         fmt = TEXT_SECTIONS.get(key)
         lines.extend(fmt(value) if fmt else _generic(key, value))
     return "\n".join(lines) + "\n"
+
+
+def _d(x: float) -> str:
+    if x == 1:
+        return "d"
+    return f"{int(x)}d" if float(x).is_integer() else f"{x:.4g}d"
+
+
+def _io_lines(io: dict) -> list[str]:
+    """Residual memory I/O per token per sublayer, and the two-phase Full figure."""
+    def figure(r: dict) -> str:
+        text = _d(r["peak_d"]) + (f" + {r['scalars']}" if r["scalars"] else "")
+        if r["mean_d"] != r["peak_d"]:
+            text += f" at the peak, {_d(r['mean_d'])} on average"
+        return text
+
+    lines = [f"  residual I/O           {figure(io)} per sublayer (reads {_d(io['reads_d'])}, "
+             f"writes {_d(io['writes_d'])}"
+             + (f", {io['scalars']} coefficients" if io["scalars"] else "")
+             + "; unfused, per token)" + (f"; {io['formula']}" if io.get("formula") else "")]
+    if io.get("two_phase_full"):
+        t = io["two_phase_full"]
+        lines.append(f"    two-phase, if grouped {figure(t)}; {t['formula']} (restopo runs "
+                     "these points directly)")
+    return lines
 
 
 def _generic(key: str, value, indent: str = "") -> list[str]:

@@ -15,7 +15,7 @@ import inspect
 import re
 
 from ..codegen import literal, text_literal
-from ..nn import aggregate, sublayers
+from ..nn import aggregate, streams, sublayers
 from ..nn.norm import NORM_EPS
 from ..registry import get_backend
 
@@ -35,7 +35,7 @@ The depth-attention kernels, sublayers and aggregation modules below are restopo
 HEADER = '''{doc}
 from __future__ import annotations
 
-import math
+{imports}import math
 from collections.abc import Sequence
 from types import SimpleNamespace
 
@@ -48,6 +48,8 @@ OVERRIDES = {overrides}
 NORM_EPS = {eps}
 EPS = NORM_EPS
 '''
+
+STREAM_IMPORTS = "import contextlib\nimport itertools\n"  # restopo.nn.streams uses them
 
 OPS = '''
 
@@ -127,8 +129,9 @@ def _body(module_source: str) -> str:
     return "\n".join(out).strip("\n") + "\n"
 
 
-def _constructor(m, spec) -> str:
-    """The call that builds module `m` again (its class's constructor, repr'd values)."""
+def _constructor(m, spec, index: int = 0) -> str:
+    """The call that builds module `m` again (its class's constructor, repr'd values);
+    `index`: the aggregation point's l (a Hyper-Connection's init reads it)."""
     name = type(m).__name__
     if isinstance(m, sublayers.Attention):
         return f"Attention({m.qkv.in_features!r}, {m.heads!r})"
@@ -143,7 +146,16 @@ def _constructor(m, spec) -> str:
         return f"LayerScale({m.gamma.numel()!r})"
     if isinstance(m, aggregate.Highway):
         return f"Highway({m.d!r})"
-    if isinstance(m, (aggregate.Sum, aggregate.ReZero, aggregate.StreamStart)):
+    if isinstance(m, streams.HyperConnection):
+        return f"HyperConnection({m.n!r}, {m.d!r}, {index!r}, {m.dynamic!r})"
+    if isinstance(m, streams.ManifoldHyperConnection):
+        return f"ManifoldHyperConnection({m.n!r}, {m.d!r}, {m.sinkhorn_iters!r})"
+    if isinstance(m, streams.LiteHyperConnection):
+        return f"LiteHyperConnection({m.n!r}, {m.d!r})"
+    if isinstance(m, streams.StreamExpand):
+        return f"StreamExpand({m.n!r})"
+    if isinstance(m, (aggregate.Sum, aggregate.ReZero, aggregate.StreamStart,
+                      streams.StreamSum, streams.StreamWrite)):
         return f"{name}()"
     raise ValueError(f"the standalone writer does not know {name}; "
                      f"write -o model.pt and use restopo instead")
@@ -155,7 +167,15 @@ def _aggregation_code(model) -> str:
         used |= {aggregate.Attend, aggregate.TwoPhase}
     order = (aggregate.Attend, aggregate.TwoPhase, aggregate.Sum, aggregate.Scalars,
              aggregate.ReZero, aggregate.LayerScale, aggregate.Highway, aggregate.StreamStart)
-    return "\n\n".join(_source(c) for c in order if c in used)
+    code = "\n\n".join(_source(c) for c in order if c in used)
+    if _multi_stream(model):  # restopo.nn.streams whole: its classes share helpers
+        code += ("\n\n# ---- multi-stream modules (restopo.nn.streams)\n\n"
+                 + _body(inspect.getsource(streams)))
+    return code
+
+
+def _multi_stream(model) -> bool:
+    return hasattr(model, "expand_streams")
 
 
 def _init(model, spec) -> str:
@@ -171,8 +191,12 @@ def _init(model, spec) -> str:
     lines += [f"{ind}    {_constructor(m, spec)}," for m in model.sublayers]
     lines.append(f"{ind}])")
     lines.append(f"{ind}self.aggregations = nn.ModuleList([")
-    lines += [f"{ind}    {_constructor(m, spec)}," for m in model.aggregations]
+    lines += [f"{ind}    {_constructor(m, spec, l)},"
+              for l, m in enumerate(model.aggregations, start=1)]
     lines.append(f"{ind}])")
+    if _multi_stream(model):
+        lines.append(f"{ind}self.expand_streams = {_constructor(model.expand_streams, spec)}")
+        lines.append(f"{ind}self.write_streams = {_constructor(model.write_streams, spec)}")
     index = {id(m): i for i, m in enumerate(model.aggregations)}
     groups = [[index[id(m)] for m in p.members] for p in model.phases]
     lines.append(f"{ind}self.phases = nn.ModuleList(TwoPhase([self.aggregations[i] for i in "
@@ -193,6 +217,7 @@ def module_source(model, name: str, source: str) -> str:
     g = model.restopo_ir
     doc = DOC.format(name=name, source=source, topology=g.topology, sublayers=g.n_sublayers)
     head = HEADER.format(doc=text_literal(doc, '"""', raw=False),
+                         imports=STREAM_IMPORTS if _multi_stream(model) else "",
                          spec=text_literal(model.spec_text),
                          overrides=literal(tuple(getattr(model, "restopo_overrides", ()))),
                          eps=literal(NORM_EPS))

@@ -3,9 +3,11 @@ walk over the IR (restopo.ir.walk), which fixes the order and the rules below.
 
 The graph calls `embed` -> `context` -> for each sublayer l: its aggregation h_l, then
 `sublayers.{l-1}` -> the head's aggregation -> `head`. Submodules, hence state_dict names:
-  embed, context, sublayers.{i}, aggregations.{i}, phases.{k}, head
-where aggregations.{i} computes the input of sublayers.{i} (aggregations.{L} feeds the head)
-and phases.{k} runs phase 1 of the k-th two-phase group (it owns no parameters).
+  embed, context, sublayers.{i}, aggregations.{i}, phases.{k}, expand_streams,
+  write_streams, head
+where aggregations.{i} computes the input of sublayers.{i} (aggregations.{L} feeds the head),
+phases.{k} runs phase 1 of the k-th two-phase group, and a multi-stream model's
+expand_streams and write_streams make and update its n streams (these own no parameters).
 
 How values become code (each is one line of `gm.code`):
 - a standard-residual stream keeps one live value: `h3 = h2 + sublayer2`;
@@ -15,7 +17,10 @@ How values become code (each is one line of `gm.code`):
 - a two-phase group (restopo.ir.two_phase_plan) runs phase 1 once, before its first member,
   and each member merges its pre-update partial: `h5 = aggregations_4(partial2_2,
   phase1=block2_phase1, slot=1)`;
-- every other aggregation calls its module on its sources in IR order.
+- every other aggregation calls its module on its sources in IR order;
+- n streams: `streams1 = self.expand_streams(embedding)`; before sublayer l
+  `mix1 = aggregations_0(streams1)` gives (h_l, post, R) and `h1 = mix1[0]`; after it
+  `streams2 = self.write_streams(streams1, sublayer1, mix1)`; the head's module sums them.
 """
 from __future__ import annotations
 
@@ -29,8 +34,10 @@ from ..ir import IR, Aggregation, PhaseGroup, Sublayer, two_phase_plan
 from ..ir.walk import Visitor, walk
 from ..nn.aggregate import Attend, TwoPhase, make_aggregation
 from ..nn.parts import Parts
+from ..nn.streams import StreamExpand, StreamWrite
 
-SUBMODULES = ("embed", "context", "sublayers", "aggregations", "phases", "head")
+SUBMODULES = ("embed", "context", "sublayers", "aggregations", "phases", "expand_streams",
+              "write_streams", "head")
 
 
 def lower(g: IR, parts: Parts, backend: str = "auto", two_phase: bool = True,
@@ -68,6 +75,8 @@ def lower(g: IR, parts: Parts, backend: str = "auto", two_phase: bool = True,
     root.phases = nn.ModuleList(
         TwoPhase([root.aggregations[g.node(m).index - 1] for m in grp.members], backend)
         for grp in plan)
+    if aggs[0].multi_stream:
+        root.expand_streams, root.write_streams = StreamExpand(aggs[0].streams), StreamWrite()
     emitter = _Emitter(parts)
     graph = emitter.emit(g, plan)
     gm = fx.GraphModule(root, graph, class_name="RestopoModel")
@@ -141,6 +150,18 @@ class _Emitter(Visitor):
                partial: fx.Node | None) -> fx.Node:
         return self.node("call_module", _target(agg), [] if partial is None else [partial],
                          {"phase1": phase1, "slot": slot}, name=f"h{agg.index}")
+
+    def expand(self, agg: Aggregation, v0: fx.Node) -> fx.Node:
+        return self.node("call_module", "expand_streams", (v0,), name="streams1")
+
+    def read(self, agg: Aggregation, x: fx.Node):
+        mix = self.node("call_module", _target(agg), (x,), name=f"mix{agg.index}")
+        h = self.node("call_function", operator.getitem, (mix, 0), name=f"h{agg.index}")
+        return h, mix
+
+    def write(self, agg: Aggregation, x: fx.Node, v: fx.Node, mix: fx.Node) -> fx.Node:
+        return self.node("call_module", "write_streams", (x, v, mix),
+                         name=f"streams{agg.index + 1}")
 
     def head(self, h: fx.Node) -> fx.Node:
         return self.node("call_module", "head", (h,), name="logits")

@@ -3,9 +3,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import math
+
 from ..topology import STREAM_METHODS
 from .graph import IR
-from .nodes import Aggregation, Partial
+from .nodes import Aggregation, Partial, Streams
 
 
 def aggregations(g: IR) -> list[str]:
@@ -18,8 +20,12 @@ def sublayers(g: IR) -> list[str]:
 
 
 def display_name(g: IR, node: str) -> str:
-    """The name shown to people: partial sums are all called 'partial'."""
-    return "partial" if isinstance(g.node(node), Partial) else node
+    """The name shown to people: partial sums are all called 'partial', a multi-stream
+    state 'streams'."""
+    value = g.node(node)
+    if isinstance(value, Partial):
+        return "partial"
+    return "streams" if isinstance(value, Streams) else node
 
 
 def sources(g: IR, agg: str) -> tuple[str, ...]:
@@ -51,12 +57,23 @@ def stream_fed(g: IR, agg: str | Aggregation) -> bool:
     return a.index == 1 or a.method != "sum" or is_stream(g, g.aggregation(a.index - 1))
 
 
+def is_multi_stream(g: IR) -> bool:
+    """True for a multi-stream topology (Hyper-Connections, mHC, mHC-lite)."""
+    return g.aggregation(1).multi_stream
+
+
+def value_size(node) -> int:
+    """d-vectors per token of an IR value: n for the streams X_l, else 1."""
+    return node.n if isinstance(node, Streams) else 1
+
+
 def live_values_per_token(g: IR) -> int:
     """The most d-vectors a token must keep at once between sublayers for the depth mixing.
 
     A value is live at point l when it was produced before aggregation l and is read by an
     aggregation at l or later; every value read only by stream aggregations is folded into a
-    single running value. Standard: 1; Block AttnRes with N blocks: N + 1; Full: L + 1.
+    single running value. Standard: 1; Block AttnRes with N blocks: N + 1; Full: L + 1;
+    n streams (Hyper-Connections, mHC): n.
     """
     aggs = g.aggregations()
     last_read: dict[str, int] = {}
@@ -72,8 +89,8 @@ def live_values_per_token(g: IR) -> int:
     for s, r in last_read.items():
         born = g.node(s).produced + 1
         if born <= r:
-            delta[born] += 1
-            delta[r + 1] -= 1
+            delta[born] += value_size(g.node(s))
+            delta[r + 1] -= value_size(g.node(s))
     best, live = 0, 0
     for l in range(1, len(aggs) + 1):
         live += delta[l]
@@ -86,8 +103,26 @@ def added_parameters(g: IR) -> int:
     d = g.width
     if d is None:
         raise ValueError("the IR was built without a width; pass width= to build_ir")
-    return sum(aggregation_parameters(a.method, len(a.sources), d, a.query, a.key_norm,
+    return sum(stream_parameters(a.method, a.streams, d, a.dynamic) if a.multi_stream
+               and not a.is_head else
+               aggregation_parameters(a.method, len(a.sources), d, a.query, a.key_norm,
                                       a.index) for a in g.aggregations())
+
+
+def stream_parameters(method: str, n: int, d: int, dynamic: bool = False) -> int:
+    """Parameters one multi-stream sublayer owns (../shared/hyper.md section 6; the head's
+    sum of the streams owns none):
+      SHC       n(n+2)                                      A_m, A_r, B
+      DHC       2d + d(n+2) + n(n+2) + 2                    + LayerNorm(d), W_m, W_r, W_b,
+                                                              s_alpha, s_beta
+      mHC       nd(n^2+2n) + (n^2+2n) + 3                   phi, b, (a_pre, a_post, a_res)
+      mHC-lite  nd(2n+n!) + (2n+n!) + 3                     the same with n! mixture logits
+    (restopo's mHC-lite has no separate RMSNorm gain over nd: like mHC, it folds into phi.)"""
+    if method == "hyper_connections":
+        static = n * (n + 2)
+        return static + (2 * d + d * (n + 2) + 2 if dynamic else 0)
+    k = n * n if method == "mhc" else math.factorial(n)
+    return n * d * (2 * n + k) + (2 * n + k) + 3
 
 
 def aggregation_parameters(method: str, n_sources: int, d: int, query: str = "static",
@@ -163,26 +198,3 @@ def two_phase_plan(g: IR, within=None) -> list[PhaseGroup]:
                          for m in members)
         plan.append(PhaseGroup(completed, tuple(m.id for m in members), partials))
     return sorted(plan, key=lambda p: g.node(p.members[0]).index)
-
-
-def summary(g: IR) -> dict:
-    """The JSON form of `restopo inspect`."""
-    aggs = []
-    for a in g.aggregations():
-        entry = {"index": a.index, "before": a.before, "method": a.method,
-                 "sources": [display_name(g, s) for s in a.sources]}
-        if a.method == "attend":
-            entry.update(query=a.query, gate=a.gate, key_norm=a.key_norm, heads=a.heads)
-        elif a.method == "scalars":  # none: DenseFormer's raw weights; else normalised
-            entry.update(gate=a.gate)
-        aggs.append(entry)
-    return {
-        "topology": g.topology,
-        "sublayers": g.n_sublayers,
-        "blocks": len(g.blocks),
-        "block_sizes": [len(b) for b in g.blocks],
-        "live_values_per_token": live_values_per_token(g),
-        "added_parameters": added_parameters(g) if g.width else None,
-        "two_phase_groups": [list(p.members) for p in two_phase_plan(g)],
-        "aggregations": aggs,
-    }

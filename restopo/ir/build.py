@@ -7,12 +7,18 @@ Nodes (typed values of restopo.ir.nodes; ids are the names people see in `restop
   partial{n}.{j}   Partial      p_n^j, the sum of the first j-1 outputs of block n (j >= 2)
   agg{l}           Aggregation  h_l, l = 1..L+1 (L+1: before the head)
   head             Head         final norm and LM head
+A multi-stream topology (restopo.topology.MULTI_STREAM_METHODS) has no block or partial
+sums; instead
+  streams{l}       Streams      X_l, the n streams before sublayer l, l = 1..L+1
+with edges embedding -> streams1 (n copies) and streams{l}, sublayer{l}, agg{l} ->
+streams{l+1} (the write X_{l+1} = R_l X_l + post_l (x) v_l uses agg{l}'s coefficients);
+agg{l} reads streams{l}.
 """
 from __future__ import annotations
 
 from ..topology import STREAM_METHODS, Rule, Source, Topology
 from .graph import IR
-from .nodes import Aggregation, BlockSum, Embedding, Head, Partial, Sublayer
+from .nodes import Aggregation, BlockSum, Embedding, Head, Partial, Streams, Sublayer
 
 
 class TopologyError(ValueError):
@@ -33,6 +39,8 @@ def build_ir(kinds: tuple[str, ...], topology: Topology, width: int | None = Non
             block_of[i], pos_in_block[i] = n, j
     for i, k in enumerate(kinds, start=1):
         g.add_value(Sublayer(i, k, block_of[i]))
+    if topology.sublayer_rule.multi_stream or topology.head_rule.multi_stream:
+        return _multi_stream(g, topology)
     for n, members in enumerate(topology.blocks, start=1):
         if len(members) >= 2:
             g.add_value(BlockSum(n, members))
@@ -65,6 +73,32 @@ def build_ir(kinds: tuple[str, ...], topology: Topology, width: int | None = Non
         g.add_value(agg)
         for p, s in enumerate(sources):
             g.add_edge(s, agg.id, position=p)
+        g.add_edge(agg.id, "head" if head else f"sublayer{l}")
+    g.add_value(Head(L + 1))
+    return g
+
+
+def _multi_stream(g: IR, topology: Topology) -> IR:
+    rule, L = topology.sublayer_rule, g.n_sublayers
+    if topology.head_rule != rule:
+        raise TopologyError(f"a multi-stream topology reads its streams before every sublayer "
+                            f"and sums them before the head; it needs the same rule for both, "
+                            f"got {rule.method} and {topology.head_rule.method}")
+    for l in range(1, L + 2):
+        x = Streams(l, rule.streams)
+        g.add_value(x)
+        if l == 1:
+            g.add_edge(Embedding.id, x.id)
+        else:
+            for prev in (f"streams{l - 1}", f"sublayer{l - 1}", f"agg{l - 1}"):
+                g.add_edge(prev, x.id)
+        head = l == L + 1
+        agg = Aggregation(l, "head" if head else g.kinds[l - 1], rule.method, (x.id,),
+                          1 if not head else len(topology.blocks) + 1, 0 if head else l,
+                          gate=rule.gate, streams=rule.streams, dynamic=rule.dynamic,
+                          sinkhorn=rule.sinkhorn)
+        g.add_value(agg)
+        g.add_edge(x.id, agg.id, position=0)
         g.add_edge(agg.id, "head" if head else f"sublayer{l}")
     g.add_value(Head(L + 1))
     return g

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Union
 
+from ..topology import MULTI_STREAM_METHODS
+
 
 @dataclass(frozen=True)
 class Embedding:
@@ -71,13 +73,33 @@ class Partial:
 
 
 @dataclass(frozen=True)
+class Streams:
+    """X_l, the n residual streams (n d-vectors per token) of a multi-stream topology before
+    sublayer l (l = L + 1: before the head). X_1 is n copies of the embedding; X_{l+1} =
+    R_l X_l + post_l (x) v_l, with R_l and post_l made by aggregation l from X_l."""
+
+    index: int
+    n: int
+
+    @property
+    def id(self) -> str:
+        return f"streams{self.index}"
+
+    @property
+    def produced(self) -> int:
+        return self.index - 1
+
+
+@dataclass(frozen=True)
 class Aggregation:
     """h_l, the input of sublayer l (or, at l = L + 1, of the head), from `sources` (node
     ids, in order) by `method` (see restopo.topology.METHODS).
 
     block, j: the block the point sits in and its position there (the head: N + 1, 0).
     The options are the rule's: query, gate and key_norm and heads (attend), gate (scalars),
-    window (the sliding-window source it read, if any).
+    window (the sliding-window source it read, if any), streams, dynamic and sinkhorn
+    (multi-stream methods: the point reads its one source, Streams X_l, into h_l; the
+    head's sums the streams).
     """
 
     index: int
@@ -91,6 +113,9 @@ class Aggregation:
     key_norm: str = "rms"
     heads: int = 1
     window: int | None = None
+    streams: int = 1
+    dynamic: bool = False
+    sinkhorn: int | None = None
 
     @property
     def id(self) -> str:
@@ -103,6 +128,10 @@ class Aggregation:
     @property
     def is_head(self) -> bool:
         return self.before == "head"
+
+    @property
+    def multi_stream(self) -> bool:
+        return self.method in MULTI_STREAM_METHODS
 
 
 @dataclass(frozen=True)
@@ -117,5 +146,5 @@ class Head:
         return self.index
 
 
-Node = Union[Embedding, Sublayer, BlockSum, Partial, Aggregation, Head]
-Value = Union[Embedding, Sublayer, BlockSum, Partial]  # what an aggregation may read
+Node = Union[Embedding, Sublayer, BlockSum, Partial, Streams, Aggregation, Head]
+Value = Union[Embedding, Sublayer, BlockSum, Partial, Streams]  # what an aggregation may read

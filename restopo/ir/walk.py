@@ -15,7 +15,11 @@ diagnose records depth weights. So the rules below exist once:
 - a plain sum of one source is that source, of two an `add`, of more an `aggregate`;
 - a two-phase group (restopo.ir.two_phase_plan) runs `phase1` once, before its first
   member, then `phase2` per member with its pre-update partial (None for a block's first);
-- every other aggregation is `aggregate(agg, sources)` over its sources in IR order.
+- every other aggregation is `aggregate(agg, sources)` over its sources in IR order;
+- a multi-stream topology (restopo.ir.Streams) starts its n streams as `expand(agg_1,
+  v_0)`, reads sublayer l's input as `read(agg_l, X_l)` -> (h_l, coefficients) just
+  before it, writes `write(agg_l, X_l, v_l, coefficients)` -> X_{l+1} right after it, and
+  the head's point is `aggregate(agg_{L+1}, [X_{L+1}])` (the sum of the streams).
 
 A walk may cover a span of sublayers (a pipeline chunk): values produced before the span
 come from `Visitor.provide`, and the walk returns every value it saw, so the caller can
@@ -27,7 +31,7 @@ from typing import Any, Generic, TypeVar
 
 from .analyses import PhaseGroup, stream_fed
 from .graph import IR
-from .nodes import Aggregation, BlockSum, Embedding, Node, Partial, Sublayer
+from .nodes import Aggregation, BlockSum, Embedding, Node, Partial, Streams, Sublayer
 
 V = TypeVar("V")
 
@@ -57,14 +61,27 @@ class Visitor(Generic[V]):
     def phase2(self, agg: Aggregation, phase1: Any, slot: int, partial: V | None) -> V:
         raise NotImplementedError
 
+    def expand(self, agg: Aggregation, v0: V) -> V:
+        """X_1: n = agg.streams copies of the embedding."""
+        raise NotImplementedError
+
+    def read(self, agg: Aggregation, x: V) -> tuple[V, Any]:
+        """h_l = sum_i pre_i X_i, and the coefficients (post, R) that `write` needs."""
+        raise NotImplementedError
+
+    def write(self, agg: Aggregation, x: V, v: V, coefficients: Any) -> V:
+        """X_{l+1} = R X_l + post (x) v_l."""
+        raise NotImplementedError
+
     def head(self, h: V) -> V:
         raise NotImplementedError
 
     def aggregated(self, agg: Aggregation, inputs: list[V], h: V, stream: bool) -> None:
         """Told once per aggregation point, after h_l is known, what it was computed from:
         its sources in IR order, or for a stream-fed point (stream=True) the running value
-        and the newest output (h_{l-1}, v_{l-1}), just (v_0,) at l = 1. Diagnostics read
-        the depth weights here; visitors that only compute ignore it."""
+        and the newest output (h_{l-1}, v_{l-1}), just (v_0,) at l = 1; a multi-stream
+        point's input is its streams (X_l,). Diagnostics read the depth weights here;
+        visitors that only compute ignore it."""
 
     def provide(self, node: Node) -> V | None:
         """A value made outside the walked span (received, cached), or None to compute it.
@@ -98,6 +115,7 @@ class Walk(Generic[V]):
         self.slot_of = {m: (k, s) for k, grp in enumerate(self.groups)
                         for s, m in enumerate(grp.members)}
         self.phase1: dict[int, Any] = {}
+        self.coefficients: dict[int, Any] = {}  # multi-stream: read l's, for write l
 
     def run(self, first: int, last: int) -> None:
         g, values, L = self.g, self.values, self.g.n_sublayers
@@ -112,6 +130,10 @@ class Walk(Generic[V]):
             if agg.id not in values:
                 values[agg.id] = self._aggregate(agg)
             values[f"sublayer{i}"] = self.visitor.sublayer(g.sublayer(i), values[agg.id])
+            if agg.multi_stream:
+                values[f"streams{i + 1}"] = self.visitor.write(
+                    agg, self.value(f"streams{i}"), values[f"sublayer{i}"],
+                    self.coefficients.pop(i))
             following = g.aggregation(i + 1)
             if stream_fed(g, following):
                 values[following.id] = self._aggregate(following)
@@ -145,13 +167,20 @@ class Walk(Generic[V]):
         elif isinstance(node, BlockSum):
             out = self.visitor.add(self.value(f"partial{node.index}.{len(node.members)}"),
                                    self.value(f"sublayer{node.members[-1]}"), node.id)
+        elif isinstance(node, Streams) and node.index == 1:
+            out = self.visitor.expand(self.g.aggregation(1), self.value(Embedding.id))
         else:
-            out = self._provided(node)  # a sublayer output or the embedding of another span
+            out = self._provided(node)  # made in another span (a sublayer output, ...)
         self.values[node_id] = out
         return out
 
     def _aggregate(self, a: Aggregation) -> V:
         fed = stream_fed(self.g, a)
+        if a.multi_stream and not a.is_head:
+            x = self.value(a.sources[0])
+            h, self.coefficients[a.index] = self.visitor.read(a, x)
+            self.visitor.aggregated(a, [x], h, stream=False)
+            return h
         if fed:
             inputs = ([self.value(Embedding.id)] if a.index == 1 else
                       [self.values[f"agg{a.index - 1}"], self.value(f"sublayer{a.index - 1}")])

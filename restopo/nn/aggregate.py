@@ -10,6 +10,8 @@ member modules.
 Every aggregation module answers `input_weights(*inputs)`: the weight of each of its
 inputs, broadcastable to it, with forward(*inputs) == sum_i w_i * inputs_i. Diagnostics
 read a module's depth weights through that one method, never by re-deriving its maths.
+Multi-stream modules (restopo.nn.streams) answer `coefficients(x)` -> (pre, post, R)
+instead.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from .. import ops
 from ..ir import Aggregation
 from ..topology import STREAM_METHODS
 from .norm import NORM_EPS
+from .streams import make_stream_module
 
 EPS = NORM_EPS
 
@@ -231,8 +234,11 @@ class StreamStart(nn.Module):
 
 
 def make_aggregation(agg: Aggregation, d: int, backend: str = "auto") -> nn.Module:
-    """The module for one IR aggregation node."""
+    """The module for one IR aggregation node (multi-stream ones: restopo.nn.streams)."""
     method = agg.method
+    if agg.multi_stream:
+        return make_stream_module(method, agg.streams, d, agg.index, agg.is_head,
+                                  agg.dynamic, agg.sinkhorn)
     if method == "attend":
         return Attend(d, agg.query, agg.gate, agg.key_norm, agg.heads, backend)
     if method == "sum":

@@ -13,6 +13,7 @@ from torch import nn
 
 from ..ir import Aggregation, PhaseGroup, Sublayer
 from ..ir.walk import Visitor
+from .streams import expand_streams, write_streams
 
 
 class EagerRun(Visitor):
@@ -51,6 +52,16 @@ class EagerRun(Visitor):
     def phase2(self, agg: Aggregation, phase1, slot: int, partial) -> torch.Tensor:
         args = [] if partial is None else [partial]
         return self.aggregations(agg.index)(*args, phase1=phase1, slot=slot)
+
+    def expand(self, agg: Aggregation, v0: torch.Tensor) -> torch.Tensor:
+        return expand_streams(v0, agg.streams)
+
+    def read(self, agg: Aggregation, x: torch.Tensor):
+        mix = self.aggregations(agg.index)(x)
+        return mix[0], mix
+
+    def write(self, agg: Aggregation, x, v, mix) -> torch.Tensor:
+        return write_streams(x, v, mix[1], mix[2])
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         return self.head_module(h)

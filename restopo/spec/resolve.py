@@ -16,8 +16,11 @@ from .objects import ResidualSpec, SourceText
 
 ATTEND_OPTIONS = ("query", "gate", "key_norm", "heads")
 SCALARS_OPTIONS = ("gate",)
+# Multi-stream methods: the same options as a one-liner and as a rule.
+STREAM_OPTIONS = {"hyper_connections": ("streams", "dynamic"), "mhc": ("streams", "sinkhorn"),
+                  "mhc_lite": ("streams",)}
 # The options each aggregation method takes (the others take none).
-METHOD_OPTIONS = {"attend": ATTEND_OPTIONS, "scalars": SCALARS_OPTIONS}
+METHOD_OPTIONS = {"attend": ATTEND_OPTIONS, "scalars": SCALARS_OPTIONS, **STREAM_OPTIONS}
 
 
 def allowed_blocks_hint(kinds: tuple[str, ...]) -> str:
@@ -68,8 +71,11 @@ def resolve_residual(res: ResidualSpec, kinds: tuple[str, ...]) -> T.Topology:
     except ValueError as e:
         raise _err(src, res.pos, str(e), "a transformer layer begins with 'attn'") from None
     if res.form == "custom":
-        blocks = partition(res, kinds, src)
+        blocks = (T.partition_by_count(kinds, 1) if res.sublayer_rule.multi_stream
+                  else partition(res, kinds, src))
         return T.Topology(res.name, blocks, res.sublayer_rule, res.head_rule)
+    if res.name in STREAM_OPTIONS:  # checked: streams, dynamic, sinkhorn
+        return T.NAMED[res.name](kinds, **dict(res.options))
     options = {k: v for k, v in res.options if k in ATTEND_OPTIONS}
     if res.name == "block_attnres":
         if res.blocks is None and res.block_size is None:

@@ -1,9 +1,15 @@
 """Checking the residual section: named one-liners (`block_attnres(blocks: 8)`) and custom
 wiring (`before sublayer: attend(embedding, blocks, partial)`), then the parts that depend
 on the model (the partition of its depth, depth heads that divide its width).
+
+Multi-stream residuals are one-liners (`mhc(streams: 4, sinkhorn: 20)`) or a custom
+`before sublayer:` rule of the same name (`mhc(streams: 4; sinkhorn: 20)`); such a rule
+reads the streams, not sources, and its head always sums the streams, so the section takes
+neither sources, `before head:` nor blocks.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from .. import topology as T
@@ -11,13 +17,15 @@ from .errors import SpecError, did_you_mean
 from .fields import SEP_HINT, Checker, Field, View, alts, divisors, positions
 from .nodes import Arg, Call, Key, ListValue, Name, describe
 from .objects import ModelSpec, ResidualSpec
-from .resolve import ATTEND_OPTIONS, METHOD_OPTIONS, SCALARS_OPTIONS, resolve_residual
+from .resolve import (ATTEND_OPTIONS, METHOD_OPTIONS, SCALARS_OPTIONS, STREAM_OPTIONS,
+                      resolve_residual)
 
 NAMED_OPTIONS = {
     "standard": (), "rezero": (), "layerscale": (), "highway": (),
     "denseformer": SCALARS_OPTIONS,
     "full_attnres": ATTEND_OPTIONS + ("window",),
     "block_attnres": ("blocks", "block_size") + ATTEND_OPTIONS,
+    **STREAM_OPTIONS,
 }
 CUSTOM_KEYS = ("blocks", "block_size", "before sublayer", "before head")
 
@@ -66,6 +74,14 @@ def _named(view: View, c: Checker) -> ResidualSpec | None:
         else:
             c.error(f.key.pos, f"unknown option '{k}' for {name.text}",
                     did_you_mean(k, allowed))
+    if name.text in T.MULTI_STREAM_METHODS:
+        # a misspelled 'streams' was just reported with its did-you-mean: not missing too
+        opts = _stream_options(view.fields, name.text, name.pos, c,
+                               quiet=len(c.errors) > before)
+        if opts is None or len(c.errors) > before:
+            return None
+        return ResidualSpec(name.text, "named", tuple(opts.items()), pos=name.pos,
+                            positions=positions(view), source=c.src)
     method = "scalars" if name.text == "denseformer" else "attend"
     opts = _rule_options(view.fields, method, c)
     blocks, block_size = _blocks(view, c)
@@ -95,6 +111,36 @@ def _rule_options(fields: dict[str, Field], method: str, c: Checker) -> dict:
         out["heads"] = c.integer(fields["heads"], "heads", 1,
                                  why="depth-attention heads; they must divide width")
     return out
+
+
+def _stream_options(fields: dict[str, Field], method: str, pos, c: Checker,
+                    quiet: bool = False) -> dict | None:
+    """The checked streams, dynamic and sinkhorn of a multi-stream method (`fields` holds
+    only options the method takes); None after an error (quiet: a missing 'streams' is
+    not reported, because another error of the same call already was)."""
+    if "streams" not in fields:
+        if quiet:
+            return None
+        c.error(pos, f"{method} needs 'streams: n', the number of residual streams",
+                f"e.g. {method}(streams: 4): n = 4 is the papers' choice; 1 is a plain "
+                "residual")
+        return None
+    f = fields["streams"]
+    n = c.integer(f, "streams", 1, T.MAX_STREAMS,
+                  why="the number of residual streams, each of width d (the papers use 1 to 8)")
+    out = {"streams": n}
+    if n is not None and method == "mhc_lite" and n > T.MAX_LITE_STREAMS:
+        c.error(f.value.pos, f"mhc_lite mixes all n! permutation matrices: streams: {n} "
+                f"would need {math.factorial(n):,} of them per sublayer",
+                f"use streams: {T.MAX_LITE_STREAMS} or fewer, or mhc(streams: {n}), whose "
+                "Sinkhorn projection grows as n^2")
+        out["streams"] = None
+    if "dynamic" in fields:
+        out["dynamic"] = c.boolean(fields["dynamic"], "dynamic")
+    if "sinkhorn" in fields:
+        out["sinkhorn"] = c.integer(fields["sinkhorn"], "sinkhorn", 1, why=(
+            "Sinkhorn-Knopp iterations per sublayer (mHC uses 20)"))
+    return None if None in out.values() else out
 
 
 def _gate_fits(fl: Field, method: str, c: Checker) -> bool:
@@ -142,10 +188,37 @@ def _custom(view: View, c: Checker) -> ResidualSpec | None:
     head = _rule(f["before head"], "head", c) if "before head" in f else None
     if len(c.errors) > before or sub is None:
         return None
+    if sub.multi_stream or (head is not None and head.multi_stream):
+        return _custom_streams(view, sub, head, c)
     if head is None:  # the head reads what the sublayers read; no partial is open there
         head = replace(sub, sources=tuple(s for s in sub.sources if s.name != "partial"))
     name = view.label.text if view.label else "custom"
     return ResidualSpec(name, "custom", (), blocks, block_size, sub, head,
+                        pos=(view.label or view.kind).pos, positions=positions(view),
+                        source=c.src)
+
+
+def _custom_streams(view: View, sub: T.Rule, head: T.Rule | None,
+                    c: Checker) -> ResidualSpec | None:
+    """A custom section whose rule is multi-stream: the head sums the streams and there are
+    no blocks, so neither may be given."""
+    f = view.fields
+    if not sub.multi_stream:
+        c.error(f["before head"].key.pos, f"the head cannot read {head.method} streams "
+                f"unless every sublayer does", f"write 'before sublayer: {head.method}(...)' "
+                "and leave out 'before head:'")
+        return None
+    if head is not None:
+        c.error(f["before head"].key.pos, f"with {sub.method} the head sums the streams; it "
+                "takes no rule of its own", "remove 'before head:'")
+        return None
+    for k in ("blocks", "block_size"):
+        if k in f:
+            c.error(f[k].key.pos, f"'{k}' does not apply to {sub.method}: n streams replace "
+                    "the blocks", f"remove '{k}'")
+            return None
+    name = view.label.text if view.label else "custom"
+    return ResidualSpec(name, "custom", (), None, None, sub, sub,
                         pos=(view.label or view.kind).pos, positions=positions(view),
                         source=c.src)
 
@@ -189,7 +262,12 @@ def _rule(fl: Field, target: str, c: Checker) -> T.Rule | None:
     for k, fa in named.items():
         if k in takes:
             continue
-        if k not in ATTEND_OPTIONS:
+        owner = next((m for m, opts in STREAM_OPTIONS.items() if k in opts), None)
+        if owner is not None and k not in ATTEND_OPTIONS:
+            c.error(fa.key.pos, f"option '{k}' does not apply to {method}",
+                    f"'{k}' is an option of {owner}" + (f"; {method} takes {alts(takes)}"
+                                                        if takes else ""))
+        elif k not in ATTEND_OPTIONS:
             c.error(fa.key.pos, f"unknown option '{k}' for {method}",
                     did_you_mean(k, takes) if takes else f"{method} takes no options")
         else:
@@ -200,6 +278,17 @@ def _rule(fl: Field, target: str, c: Checker) -> T.Rule | None:
         keys = [a.key.text for a in dup]
         second = next(a for i, a in enumerate(dup) if a.key.text in keys[:i])
         c.error(second.key.pos, f"option '{second.key.text}' is given twice", "keep one")
+    if method in T.MULTI_STREAM_METHODS:
+        if any(a.key is None for a in args):
+            first = next(a for a in args if a.key is None)
+            c.error(first.pos, f"{method} reads the n residual streams, not sources",
+                    f"write {method}(streams: 4)")
+            return None
+        got = _stream_options({k: v for k, v in named.items() if k in takes}, method, v.pos, c,
+                              quiet=len(c.errors) > before)
+        if got is None or len(c.errors) > before:
+            return None
+        return T.Rule(method, (), **got)
     if takes:
         options = _rule_options({k: v for k, v in named.items() if k in takes}, method, c)
     if method in T.STREAM_METHODS:

@@ -8,13 +8,18 @@ result h_1..h_{L+1}, then one backward pass. From them:
   gradients.png        gradient norm of each sublayer's parameters, and RMS of dLoss/dv_l
   depth_attention.png  the weight of every source at every aggregation point, averaged over
                        tokens; for a standard residual every weight is 1
+  hyper_connections.png  multi-stream topologies only: the mean H^pre, H^post and H^res of
+                       every sublayer (restopo.nn.streams)
   diagnose.json        the numbers behind the pictures
 
 The weights come from replaying the one walk over the IR (restopo.ir.walk) on the captured
 values: each aggregation module is asked for the weights of its inputs
 (`input_weights`, see restopo.nn.aggregate), and stream updates are composed into weights
 per source. The replay runs every aggregation directly, so the picture is the same for the
-direct and two-phase lowerings. As a check, sum_i weight_i * v_i is compared with the
+direct and two-phase lowerings. For n streams the replay rebuilds the streams from the
+captured outputs with each point's coefficients (pre, post, R) and carries, per source, its
+weight in every stream: X_{l+1} = R X_l + post v_l makes those weights R w (and post for
+v_l), and h_l = sum_i pre_i X_i gives source weights pre . w. As a check, sum_i weight_i * v_i is compared with the
 captured h_l token by token (`reconstruction_error` in diagnose.json; about 1e-6 in
 float32).
 """
@@ -30,8 +35,9 @@ import torch.nn.functional as F
 from ..ir import Aggregation, BlockSum, Embedding, Partial, Sublayer
 from ..ir.walk import Visitor, walk
 from ..io import write_atomic
+from ..nn.streams import expand_streams, write_streams
 from .checkpoint import load_checkpoint, resolve_checkpoint
-from .plots import plot_depth_lines, plot_heatmap
+from .plots import plot_depth_lines, plot_heatmap, plot_stream_coefficients
 
 
 def _rms(t: torch.Tensor) -> float:
@@ -47,6 +53,11 @@ class _Replay(Visitor):
         self.modules, self.v, self.h = aggregations, v, h
         self.stream: list[torch.Tensor] = []  # per-token weights of v_0.. in the stream
         self.points: dict[int, tuple[list[str], list[float], float]] = {}
+        # n streams: per source its weight in each stream [..., n]; each point's (pre, post,
+        # R) averaged over tokens
+        self.in_streams: list[torch.Tensor] = []
+        self.pre: dict[int, torch.Tensor] = {}
+        self.coefficients: dict[int, dict] = {}
 
     def embedding(self):
         return self.v[0]
@@ -66,8 +77,33 @@ class _Replay(Visitor):
     def head(self, h):
         return h
 
+    def expand(self, agg: Aggregation, v0):
+        self.in_streams = [torch.ones(agg.streams, dtype=v0.dtype, device=v0.device)]
+        return expand_streams(v0, agg.streams)
+
+    def read(self, agg: Aggregation, x):
+        pre, post, res = self.modules[agg.index - 1].coefficients(x)
+        self.pre[agg.index] = pre
+        self.coefficients[agg.index] = {
+            "pre": _token_mean(pre, 1), "post": _token_mean(post, 1), "res": _token_mean(res, 2)}
+        return self.h[agg.index - 1], (pre, post, res)
+
+    def write(self, agg: Aggregation, x, v, coefficients):
+        _, post, res = coefficients
+        res, post = res.to(x.dtype), post.to(x.dtype)
+        self.in_streams = [(res @ w.unsqueeze(-1)).squeeze(-1) for w in self.in_streams]
+        self.in_streams.append(post)
+        return write_streams(x, v, post, res)
+
     def aggregated(self, agg: Aggregation, inputs, h, stream: bool) -> None:
         l = agg.index
+        if agg.multi_stream:  # h_l = sum_i (pre . w_i) v_i; the head sums the streams
+            pre = self.pre.get(l)
+            weights = [w.sum(-1) if pre is None else (w * pre.to(w.dtype)).sum(-1)
+                       for w in self.in_streams]
+            self._record(l, [Embedding.id] + [f"sublayer{i}" for i in range(1, l)],
+                         [w.unsqueeze(-1) for w in weights], self.v[:l])
+            return
         weights = self.modules[l - 1].input_weights(*inputs)
         if stream:  # h_l = a h_{l-1} + b v_{l-1}: every earlier source's weight scales by a
             self.stream = weights if l == 1 else \
@@ -77,18 +113,31 @@ class _Replay(Visitor):
             weights = self.stream
         else:
             ids, values = list(agg.sources), inputs
+        self._record(l, ids, weights, values)
+
+    def _record(self, l: int, ids, weights, values) -> None:
         recon = sum(w * x for w, x in zip(weights, values))
         err = (recon - self.h[l - 1]).abs().max().item()
         means = [(w * torch.ones_like(x)).float().mean().item() for w, x in zip(weights, values)]
         self.points[l] = (ids, means, err)
 
 
+def _token_mean(t: torch.Tensor, keep: int) -> list:
+    """The mean over every leading (token) axis, keeping the last `keep` axes, as lists."""
+    t = t.detach().double()
+    return t.reshape(-1, *t.shape[t.dim() - keep:]).mean(0).tolist()
+
+
 @torch.no_grad()
-def depth_weights(graph, aggregations, v: list[torch.Tensor], h: list[torch.Tensor]):
+def depth_weights(graph, aggregations, v: list[torch.Tensor], h: list[torch.Tensor],
+                  coefficients: dict | None = None):
     """Per aggregation point l = 1..L+1: (source ids, mean weight per source, max abs error of
-    sum_i w_i v_i against the captured h_l)."""
+    sum_i w_i v_i against the captured h_l). For n streams `coefficients`, when given, is
+    filled with each sublayer's mean {"pre", "post", "res"}."""
     replay = _Replay(aggregations, v, h)
     walk(graph, replay)
+    if coefficients is not None:
+        coefficients.update(replay.coefficients)
     return [replay.points[l] for l in range(1, len(v) + 1)]
 
 
@@ -133,6 +182,7 @@ def collect(model, graph, batches, device) -> dict:
         hooks.append(sub.register_forward_hook(keep_output(i)))
     hooks.append(head.register_forward_pre_hook(keep_input(L + 1)))
     per_agg = None
+    streams: dict[int, dict] = {}  # n streams: per sublayer, the summed mean coefficients
     try:
         for x, y in batches:
             captured.clear()
@@ -148,7 +198,11 @@ def collect(model, graph, batches, device) -> dict:
                 h_sq[i - 1] += captured[("h", i)].detach().float().pow(2).mean().item()
             v = [captured[("v", i)].detach() for i in range(L + 1)]
             h = [captured[("h", i)].detach() for i in range(1, L + 2)]
-            batch_w = depth_weights(graph, list_aggregations(model), v, h)
+            coefficients: dict = {}
+            batch_w = depth_weights(graph, list_aggregations(model), v, h, coefficients)
+            for l, c in coefficients.items():
+                streams[l] = c if l not in streams else \
+                    {k: _add(streams[l][k], c[k]) for k in c}
             if per_agg is None:
                 per_agg = [[ids, list(w), err] for ids, w, err in batch_w]
             else:
@@ -161,6 +215,11 @@ def collect(model, graph, batches, device) -> dict:
     n = len(batches)
     grad_norm = [math.sqrt(sum(p.grad.float().pow(2).sum().item() for p in sub.parameters()
                                if p.grad is not None)) / n for sub in sublayers]
+    extra = {}
+    if streams:  # mean H^pre, H^post, H^res per sublayer
+        extra["stream_coefficients"] = [
+            {k: _scale(c[k], 1 / n) for k in ("pre", "post", "res")}
+            for _, c in sorted(streams.items())]
     return {
         "kinds": list(graph.kinds),
         "output_rms": [math.sqrt(s / n) for s in v_sq[1:]],
@@ -172,7 +231,15 @@ def collect(model, graph, batches, device) -> dict:
                           "method": graph.aggregation(l).method}
                          for l, (ids, w, _) in enumerate(per_agg, start=1)],
         "reconstruction_error": max(e for _, _, e in per_agg),
-    }
+    } | extra
+
+
+def _add(a, b):
+    return [_add(x, y) for x, y in zip(a, b)] if isinstance(a, list) else a + b
+
+
+def _scale(a, k: float):
+    return [_scale(x, k) for x in a] if isinstance(a, list) else a * k
 
 
 def _row_key(graph, node_id: str):
@@ -234,6 +301,10 @@ def write_figures(numbers: dict, graph, out_dir: Path, title: str) -> dict[str, 
     paths["depth_attention"] = plot_heatmap(matrix, out_dir / "depth_attention.png",
                                             rows=labels, cols=cols, title=heat_title,
                                             vmin=0.0)
+    if numbers.get("stream_coefficients"):
+        paths["streams"] = plot_stream_coefficients(
+            numbers["stream_coefficients"], out_dir / "hyper_connections.png", xlabels=xlabels,
+            title=f"{title}: mean H^pre, H^post and H^res per sublayer")
     js = out_dir / "diagnose.json"
     write_atomic(js, json.dumps(numbers, indent=1))
     paths["json"] = js

@@ -19,6 +19,9 @@ from ..ir import IR, BlockSum, Partial, Sublayer
 # Tolerances on max |logits - standard logits| / max |standard logits| at step 0.
 STANDARD_AT_INIT_TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
 _UNIFORM_AT_INIT = ("attend", "sum", "scalars")  # methods that weigh their sources alike
+# Hyper-Connections start as PreNorm exactly (one-hot read, identity mixing, unit writes);
+# mHC and mHC-lite only up to O(alpha phi): their random phi breaks the streams' symmetry.
+_STREAMS_START_AS_STANDARD = ("hyper_connections",)
 
 
 def starts_as_standard(g: IR) -> bool:
@@ -26,7 +29,9 @@ def starts_as_standard(g: IR) -> bool:
     uses a method that weighs its sources alike at initialisation and its sources cover the
     embedding and every earlier sublayer output exactly once (block sums and partials count
     their members). Stream updates (ReZero, LayerScale, Highway) start elsewhere; a sliding
-    window leaves outputs out."""
+    window leaves outputs out. Of the multi-stream methods, Hyper-Connections do."""
+    if g.aggregation(1).multi_stream:
+        return g.aggregation(1).method in _STREAMS_START_AS_STANDARD
     for a in g.aggregations():
         if a.method not in _UNIFORM_AT_INIT:
             return False

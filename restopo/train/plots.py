@@ -109,3 +109,39 @@ def plot_heatmap(matrix, path: str | os.PathLike, *, rows: list[str], cols: list
     ax.set_title(title, fontsize=9)
     fig.colorbar(im, ax=ax, label="weight (mean over tokens)")
     return _save(fig, path)
+
+
+def plot_stream_coefficients(coefficients: list[dict], path: str | os.PathLike, *,
+                             xlabels: list[str], title: str) -> Path:
+    """Multi-stream coefficients per sublayer (mean over tokens): H^pre and H^post as
+    streams x sublayers maps, and each sublayer's n x n H^res side by side (row i, column j:
+    the weight of stream j in the new stream i)."""
+    import numpy as np
+
+    plt = _pyplot()
+    pre = np.asarray([c["pre"] for c in coefficients], dtype=float).T    # [n, L]
+    post = np.asarray([c["post"] for c in coefficients], dtype=float).T
+    n, L = pre.shape
+    res = np.full((n, L * (n + 1) - 1), np.nan)  # the L matrices, a blank column between
+    for l, c in enumerate(coefficients):
+        res[:, l * (n + 1):l * (n + 1) + n] = np.asarray(c["res"], dtype=float)
+    width = max(7.0, 0.3 * L * (n + 1) / 2 + 2)
+    fig, axes = plt.subplots(3, 1, figsize=(width, 2.2 + 1.2 * n),
+                             gridspec_kw={"height_ratios": [1, 1, 1.2]})
+    for ax, m, name in ((axes[0], pre, "H^pre (read weight of stream i)"),
+                        (axes[1], post, "H^post (write weight into stream i)")):
+        im = ax.imshow(m, aspect="auto", cmap="viridis")
+        ax.set_xticks(range(L), xlabels, rotation=90, fontsize=6)
+        ax.set_yticks(range(n), [f"stream {i}" for i in range(n)], fontsize=7)
+        ax.set_title(name, fontsize=8)
+        fig.colorbar(im, ax=ax)
+    im = axes[2].imshow(np.ma.masked_invalid(res), aspect="auto", cmap="viridis")
+    axes[2].set_xticks([l * (n + 1) + (n - 1) / 2 for l in range(L)], xlabels, rotation=90,
+                       fontsize=6)
+    axes[2].set_yticks(range(n), [f"to {i}" for i in range(n)], fontsize=7)
+    axes[2].set_title("H^res per sublayer (row: new stream, column: old stream)", fontsize=8)
+    axes[2].set_xlabel("sublayer")
+    fig.colorbar(im, ax=axes[2])
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    return _save(fig, path)

@@ -33,3 +33,17 @@ def hf_losses(model, idx, steps=15, lr=3e-3):
         opt.step()
         losses.append(loss.item())
     return losses
+
+
+def gpt_losses(model, idx, targets, steps=15, lr=3e-3):
+    """Losses of `steps` AdamW steps of a nanoGPT-style model, `(logits, loss) = model(idx,
+    targets)`, on one batch."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        _, loss = model(idx, targets)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
