@@ -78,8 +78,13 @@ class _Stop(Exception):
 
 
 def _fail(message: str) -> int:
-    print(f"restopo train: error: {message}", file=sys.stderr)
-    return 1
+    """Say a mistake once: every worker of a run meets it, rank 0 says it (and the workers
+    exit with USAGE_EXIT, so the launcher adds nothing)."""
+    from ..train.dist import USAGE_EXIT, under_torchrun
+
+    if _is_writer():
+        print(f"restopo train: error: {message}", file=sys.stderr)
+    return USAGE_EXIT if under_torchrun() else 1
 
 
 def _overrides(args) -> tuple[str, ...]:
@@ -120,6 +125,7 @@ def run(args) -> int:
     from ..train.checkpoint import CheckpointError
     from ..train.data import DataError
     from ..train.dist import cpu_threads
+    from ..train.layout import LayoutError
     from ..train.loop import TrainingError
     from ..train.runlock import RunLocked
     PlanError = get_backend("pipeline").PlanError
@@ -127,7 +133,8 @@ def run(args) -> int:
     try:
         with cpu_threads(args.threads):
             return _run(args)
-    except (DataError, CheckpointError, TrainingError, PlanError, RunLocked, _Stop) as e:
+    except (DataError, CheckpointError, TrainingError, PlanError, LayoutError, RunLocked,
+            _Stop) as e:
         return _fail(str(e))
 
 
@@ -280,13 +287,23 @@ def _launch(args, out: Path) -> int:
     spec, _ = _load_spec(args, out)  # bad specs and data fail here, once, not per rank
     if spec.model is None:
         return _fail(f"{spec.path} has no model section; training needs one")
+    _layout(args, spec, args.nproc)  # so do layouts that cannot run
     runspec.open_data(spec, progress=not args.no_progress)
-    return dist.launch(_worker_argv(args), args.nproc, args.max_restarts, env=hand_down(out))
+    return dist.launch(_worker_argv(args), args.nproc, args.max_restarts, env=hand_down(out),
+                       checkpoints=out / "ckpt")
+
+
+def _layout(args, spec, world: int):
+    """The run's layout over `world` processes, checked against the spec (LayoutError)."""
+    from ..train import layout
+
+    chosen = layout.resolve(args.pipeline, spec.parallel, world)
+    layout.check_layout(spec, chosen, "--nproc" if args.nproc or world == 1 else None)
+    return chosen
 
 
 def _train(args, out: Path) -> int:
-    from ..registry import get_backend
-    from ..train import dist, runspec
+    from ..train import dist, layout, runspec
     from ..train.data import DataError
     from ..train.loop import TrainConfig, train
 
@@ -296,6 +313,7 @@ def _train(args, out: Path) -> int:
     spec, step_dir = _load_spec(args, out)
     if spec.model is None:
         return _fail(f"{spec.path} has no model section; training needs one")
+    chosen = _layout(args, spec, int(os.environ.get("WORLD_SIZE", "1")))
     try:
         ctx = dist.setup(args.device)
     except RuntimeError as e:
@@ -306,8 +324,8 @@ def _train(args, out: Path) -> int:
         corpus = runspec.open_data(spec, progress=ctx.is_main and not args.no_progress)
         if ctx.is_main:
             dist.barrier(ctx)
-        try:
-            model = runspec.build_model(spec, args.backend)
+        try:  # whole, or this process's share of it (restopo.train.layout)
+            model, stepper = layout.build(spec, chosen, ctx, args.backend)
         except RuntimeError as e:  # a backend that cannot run here says why
             raise _Stop(str(e)) from None
         cfg = TrainConfig.from_spec(spec.train, spec.model.context)
@@ -315,17 +333,8 @@ def _train(args, out: Path) -> int:
             n_params = sum(p.numel() for p in model.parameters())
             print(f"restopo train: {spec.path} ({spec.topology.name}, {n_params:,} parameters) "
                   f"on {corpus.description}; {cfg.steps} steps x {cfg.batch} x "
-                  f"{cfg.context} tokens, {ctx.world} process(es) on {ctx.device}"
+                  f"{cfg.context} tokens, {chosen.describe()} on {ctx.device}"
                   + (f"; resuming from {step_dir}" if step_dir else ""), file=sys.stderr)
-        pipeline_backend = get_backend("pipeline")
-        PipelineConfig, PipelinedStep = (pipeline_backend.PipelineConfig,
-                                         pipeline_backend.PipelinedStep)
-        # --pipeline, or the spec's parallel section when several processes run
-        pipeline = PipelineConfig.resolve(args.pipeline, spec.parallel if ctx.distributed
-                                          or args.pipeline else None)
-        stepper = None  # the loop's default: data parallel
-        if pipeline is not None:
-            stepper = PipelinedStep(model.to(ctx.device), pipeline, ctx, cfg.batch)
         try:
             summary = train(model, corpus, cfg, out, ctx,
                             meta=runspec.run_meta(spec, runspec.data_base(spec)),

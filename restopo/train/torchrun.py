@@ -15,10 +15,14 @@ def main(argv=None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    from .dist import USAGE_EXIT
+
     try:
         run(parse_args(argv))
-    except ChildFailedError:
-        return 1
+    except ChildFailedError as e:
+        # a worker's mistake said once by rank 0: pass its status on, so nothing is added
+        _, first = e.get_first_failure()
+        return USAGE_EXIT if first.exitcode == USAGE_EXIT else 1
     return 0
 
 
