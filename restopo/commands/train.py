@@ -80,11 +80,23 @@ class _Stop(Exception):
 def _fail(message: str) -> int:
     """Say a mistake once: every worker of a run meets it, rank 0 says it (and the workers
     exit with USAGE_EXIT, so the launcher adds nothing)."""
-    from ..train.dist import USAGE_EXIT, under_torchrun
-
     if _is_writer():
         print(f"restopo train: error: {message}", file=sys.stderr)
-    return USAGE_EXIT if under_torchrun() else 1
+    return _usage_exit()
+
+
+def _usage_exit() -> int:
+    """The exit status after a mistake. Under torchrun the other workers give rank 0 time to
+    say it and exit first: torchrun stops every worker as soon as one exits."""
+    import time
+
+    from ..train.dist import USAGE_EXIT, under_torchrun
+
+    if not under_torchrun():
+        return 1
+    if not _is_writer():
+        time.sleep(float(os.environ.get("RESTOPO_USAGE_WAIT", "10")))
+    return USAGE_EXIT
 
 
 def _overrides(args) -> tuple[str, ...]:
@@ -130,12 +142,21 @@ def run(args) -> int:
     from ..train.runlock import RunLocked
     PlanError = get_backend("pipeline").PlanError
 
+    from ..spec import SpecError
+    from ..train.dist import under_torchrun
+
     try:
         with cpu_threads(args.threads):
             return _run(args)
     except (DataError, CheckpointError, TrainingError, PlanError, LayoutError, RunLocked,
             _Stop) as e:
         return _fail(str(e))
+    except SpecError as e:
+        if not under_torchrun():
+            raise  # the CLI renders it
+        if _is_writer():  # every worker read the same spec: rank 0 says it
+            print(e.render(), file=sys.stderr)
+        return _usage_exit()
 
 
 def _is_writer() -> bool:
@@ -145,8 +166,15 @@ def _is_writer() -> bool:
     return not under_torchrun() or os.environ["RANK"] == "0"
 
 
+# Set for the workers of `restopo train --nproc`: the launcher has said the notes of the
+# first attempt already (a restarted attempt says its own).
+NOTES_SAID = "RESTOPO_NOTES_SAID"
+
+
 def _note(message: str) -> None:
-    if _is_writer():
+    from ..train.dist import restart_count
+
+    if _is_writer() and not (os.environ.get(NOTES_SAID) and restart_count() == 0):
         print(f"restopo train: note: {message}", file=sys.stderr)
 
 
@@ -251,8 +279,8 @@ def _load_spec(args, out: Path):
     if step_dir is not None:
         old = read_meta(step_dir)
         if old.get("spec_text") != spec.text:
-            print(f"restopo train: note: {args.spec} changed since {step_dir} was saved; "
-                  f"resuming with the current file", file=sys.stderr)
+            _note(f"{args.spec} changed since {step_dir} was saved; resuming with the "
+                  f"current file")
         _note_resume(spec, step_dir)
     return spec, step_dir
 
@@ -261,7 +289,7 @@ def _note_resume(spec, step_dir) -> None:
     from ..train import runspec
     from ..train.checkpoint import read_meta
     for note in runspec.resume_notes(spec, read_meta(step_dir), step_dir):
-        print(f"restopo train: note: {note}", file=sys.stderr)
+        _note(note)
 
 
 def _run(args) -> int:
@@ -289,8 +317,8 @@ def _launch(args, out: Path) -> int:
         return _fail(f"{spec.path} has no model section; training needs one")
     _layout(args, spec, args.nproc)  # so do layouts that cannot run
     runspec.open_data(spec, progress=not args.no_progress)
-    return dist.launch(_worker_argv(args), args.nproc, args.max_restarts, env=hand_down(out),
-                       checkpoints=out / "ckpt")
+    return dist.launch(_worker_argv(args), args.nproc, args.max_restarts,
+                       env={**hand_down(out), NOTES_SAID: "1"}, checkpoints=out / "ckpt")
 
 
 def _layout(args, spec, world: int):
