@@ -78,9 +78,11 @@ CASES = {
     "pipeline 4x2": (4, ["--pipeline", "4x2", "--set", "model.depth=4"]),
     "fsdp 2": (2, ["--data", "fsdp"]),
     "pipeline 2x1 x fsdp 2": (4, ["--pipeline", "2x1", "--data", "fsdp"]),
-    # scalars FSDP cannot shard (ReZero), an untied head: units of their own
-    "fsdp 2, rezero, untied": (2, ["--data", "fsdp", "--set", "residual=rezero", "--set",
-                                   "model.tie_embeddings=false"]),
+    # scalars FSDP cannot shard (ReZero), an untied head (units of their own), and two
+    # accumulation steps (gradients reduced once, on the last)
+    "fsdp 2, rezero, untied, accum 2": (2, ["--data", "fsdp", "--set", "residual=rezero",
+                                            "--set", "model.tie_embeddings=false", "--set",
+                                            "train.accum=2"]),
 }
 
 

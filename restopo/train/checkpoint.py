@@ -219,13 +219,13 @@ def save_checkpoint(root: str | os.PathLike, step: int, model: torch.nn.Module,
     return final
 
 
-# Tests set this to a file name (or "rename", "latest") to kill the process that has just
-# written it, as a crash at that point of a sharded save would.
+# Tests set this to STEP_FOLDER/FILE (or STEP_FOLDER/rename, STEP_FOLDER/latest) to kill the
+# process that has just written that file of that step, as a crash there would.
 CRASH_AFTER = "RESTOPO_CRASH_AFTER"
 
 
-def _crash_point(name: str) -> None:
-    if os.environ.get(CRASH_AFTER) == name:
+def _crash_point(step_dir: Path, name: str) -> None:
+    if os.environ.get(CRASH_AFTER) == f"{step_dir.name}/{name}":
         import signal
 
         os.kill(os.getpid(), signal.SIGKILL)
@@ -266,7 +266,7 @@ def save_sharded(root: str | os.PathLike, step: int, named, optimizer, state: di
         fsync_file(tmp / file)
     except (OSError, ShardError) as e:
         error = f"rank {rank} could not write {file}: {_one_line(e)}"
-    _crash_point(file)
+    _crash_point(final, file)
     parts = exchange({"file": file, "entries": entries, "error": error})
     _agree([p["error"] for p in parts])
     if rank == 0:
@@ -298,7 +298,7 @@ def _commit_sharded(root: Path, tmp: Path, final: Path, parts, state, meta, step
             writers[name](tmp / name)
         os.chmod(tmp / name, new_mode())
         fsync_file(tmp / name)
-        _crash_point(name)
+        _crash_point(final, name)
     os.chmod(tmp, new_mode(folder=True))
     fsync_dir(tmp)
     if final.exists():  # the same step saved again (a restarted run): swap it out
@@ -307,9 +307,9 @@ def _commit_sharded(root: Path, tmp: Path, final: Path, parts, state, meta, step
         shutil.rmtree(old, ignore_errors=True)
     os.replace(tmp, final)
     fsync_dir(root)
-    _crash_point("rename")
+    _crash_point(final, "rename")
     write_atomic(root / "latest", final.name + "\n")
-    _crash_point("latest")
+    _crash_point(final, "latest")
     damage = verify_checkpoint(final)
     if damage is not None:
         raise CheckpointError(f"checkpoint {final} did not read back intact ({damage}); the "
