@@ -382,16 +382,19 @@ def _phase2_bwd(DH, DY, O1, M1, S1, P, U, NW, DO1, DM1, DS1, DP, DU_PART, DNW_PA
         else:
             h = o1 / s1[:, None]
         if HAS_NORM:
-            # y = h rn nw: dh += rn gy - h rn^3 (gy . h) / D with gy = dy nw
+            # y = hn nw with hn = h rn: dh += rn (gy - hn (gy . hn) / D), gy = dy nw. Written
+            # with hn (bounded) rather than rn^3: an all-zero row (a padded one too) has
+            # rn = 1/sqrt(norm_eps), whose cube overflows fp32 and would give 0 * inf = NaN
             dy = tl.load(DY + io, mask=mask, other=0.0).to(ACC)
             rn = 1.0 / tl.sqrt(tl.sum(h * h, axis=1) / D + norm_eps)
+            hn = h * rn[:, None]
             if HAS_NW:
                 gy = dy * nw[None, :]
                 if HAS_DNW:
-                    dnw += dy * h * rn[:, None]
+                    dnw += dy * hn
             else:
                 gy = dy
-            g += rn[:, None] * gy - (rn * rn * rn * tl.sum(gy * h, axis=1) / D)[:, None] * h
+            g += rn[:, None] * (gy - hn * (tl.sum(gy * hn, axis=1) / D)[:, None])
         gh = tl.sum(g * h, axis=1)
         if HAS_PARTIAL:
             # h = (a o1 + b p) / (a s1 + b), a = e^(m1 - m), b = e^(z2 - m), m = max(m1, z2)
