@@ -108,9 +108,11 @@ def launch(fn, device: torch.device, grid, args: tuple, *, fixed: dict, configs:
     fixed: the config used under the interpreter or when `tiles()` forces one; configs: the
     candidates a GPU autotunes over (dicts of meta-parameters plus num_warps, num_stages),
     keyed on the argument names `key` (the dtypes of tensor arguments are part of triton's
-    key too)."""
+    key too). RESTOPO_TRITON_AUTOTUNE=0 takes the first candidate instead (one compile per
+    kernel: quicker correctness checks)."""
     forced = bool(_override) or device.type != "cuda"
-    if forced or len(configs) < 2:
+    untuned = os.environ.get("RESTOPO_TRITON_AUTOTUNE", "1").strip() == "0"
+    if forced or untuned or len(configs) < 2:
         cfg = dict(fixed if forced or not configs else configs[0])
         warps, stages = cfg.pop("num_warps", 4), cfg.pop("num_stages", 1)
         kernel(fn, device)[grid(cfg)](*args, **constexprs, **cfg, num_warps=warps,
