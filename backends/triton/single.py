@@ -24,7 +24,19 @@ import torch
 
 from . import runtime as rt
 from .runtime import tl, triton
-from .sources import Sources, buffer_rows, source_rows
+from .sources import Sources, buffer_rows, load_source
+
+
+@rt.device_fn
+def key_logit(v, u, D, eps, KEY_NORM: tl.constexpr):
+    """(z, r) of rows v [R, BLOCK_D] against the folded query u: z = r (v . u), with
+    r = rsqrt(mean(v^2) + eps) the key norm's scale (1 without the key norm)."""
+    z = tl.sum(v * u[None, :], axis=1)
+    if KEY_NORM:
+        r = 1.0 / tl.sqrt(tl.sum(v * v, axis=1) / D + eps)
+    else:
+        r = z * 0.0 + 1.0
+    return z * r, r
 
 
 def _depth_fwd(SRC, U, OUT, LSE, R, D, n0, n, eps,
@@ -42,11 +54,8 @@ def _depth_fwd(SRC, U, OUT, LSE, R, D, n0, n, eps,
     acc = tl.zeros([BLOCK_R, BLOCK_D], ACC)       # running sum of e^(z - m) v
     for g in tl.static_range(NGROUPS):            # the sources of each dtype
         for i in range(0 if g == 0 else n0, n0 if g == 0 else n):
-            vp = source_rows(SRC, n, i, rows, DT0 if g == 0 else DT1, ALIGNED)
-            v = tl.load(vp[:, None] + cols[None, :], mask=mask, other=0.0).to(ACC)
-            z = tl.sum(v * u[None, :], axis=1)
-            if KEY_NORM:
-                z = z / tl.sqrt(tl.sum(v * v, axis=1) / D + eps)
+            v = load_source(SRC, n, i, rows, cols, mask, DT0 if g == 0 else DT1, ALIGNED, ACC)
+            z, _ = key_logit(v, u, D, eps, KEY_NORM)
             m_new = tl.maximum(m, z)
             scale = tl.exp(m - m_new)
             p = tl.exp(z - m_new)
@@ -78,24 +87,17 @@ def _depth_bwd(SRC, DSRC, U, DOUT, LSE, DLSE, DU_PART, R, D, n0, n, eps,
         dhh = tl.zeros([BLOCK_R], ACC)
         for g in tl.static_range(NGROUPS):
             for i in range(0 if g == 0 else n0, n0 if g == 0 else n):
-                vp = source_rows(SRC, n, i, rows, DT0 if g == 0 else DT1, ALIGNED)
-                v = tl.load(vp[:, None] + cols[None, :], mask=mask, other=0.0).to(ACC)
-                z = tl.sum(v * u[None, :], axis=1)
-                if KEY_NORM:
-                    z = z / tl.sqrt(tl.sum(v * v, axis=1) / D + eps)
+                v = load_source(SRC, n, i, rows, cols, mask, DT0 if g == 0 else DT1, ALIGNED,
+                                ACC)
+                z, _ = key_logit(v, u, D, eps, KEY_NORM)
                 dhh += tl.exp(z - lse) * tl.sum(dh * v, axis=1)
         delta = dhh - tl.load(DLSE + rows, mask=rmask, other=0.0).to(ACC)
         # pass 2: each source's gradient, into its own buffer
         for g in tl.static_range(NGROUPS):
             for i in range(0 if g == 0 else n0, n0 if g == 0 else n):
-                vp = source_rows(SRC, n, i, rows, DT0 if g == 0 else DT1, ALIGNED)
-                v = tl.load(vp[:, None] + cols[None, :], mask=mask, other=0.0).to(ACC)
-                z = tl.sum(v * u[None, :], axis=1)
-                if KEY_NORM:
-                    r = 1.0 / tl.sqrt(tl.sum(v * v, axis=1) / D + eps)
-                    z = z * r
-                else:
-                    r = tl.full([BLOCK_R], 1.0, ACC)
+                v = load_source(SRC, n, i, rows, cols, mask, DT0 if g == 0 else DT1, ALIGNED,
+                                ACC)
+                z, r = key_logit(v, u, D, eps, KEY_NORM)
                 alpha = tl.exp(z - lse)
                 dz = alpha * (tl.sum(dh * v, axis=1) - delta)
                 dv = alpha[:, None] * dh + (dz * r)[:, None] * u[None, :]

@@ -125,19 +125,22 @@ def as_list(sources) -> list[torch.Tensor]:
 
 
 @rt.device_fn
-def source_rows(TABLE, n, i, rows, DT: tl.constexpr, ALIGNED: tl.constexpr):
-    """Pointers to channel 0 of rows `rows` (int64) of table source i, of dtype DT."""
-    base = tl.load(TABLE + i).to(tl.pointer_type(DT))
-    stride = tl.load(TABLE + n + i)
-    if ALIGNED:
-        base = tl.multiple_of(base, 16)
-        stride = tl.multiple_of(stride, 16)
-    return base + rows * stride
-
-
-@rt.device_fn
 def buffer_rows(ADDR, i, rows, D, DT: tl.constexpr):
     """Pointers to channel 0 of rows `rows` of the contiguous [R, D] buffer at ADDR[i]
     (a buffer this backend allocated: 16-byte aligned)."""
     base = tl.multiple_of(tl.load(ADDR + i).to(tl.pointer_type(DT)), 16)
     return base + rows * D
+
+
+@rt.device_fn
+def load_source(TABLE, n, i, rows, cols, mask, DT: tl.constexpr, ALIGNED: tl.constexpr,
+                ACC: tl.constexpr):
+    """The [rows, cols] tile (rows int64) of table source i, of dtype DT, in the accumulation
+    dtype (0 where masked)."""
+    base = tl.load(TABLE + i).to(tl.pointer_type(DT))
+    stride = tl.load(TABLE + n + i)
+    if ALIGNED:
+        base = tl.multiple_of(base, 16)
+        stride = tl.multiple_of(stride, 16)
+    vp = base + rows * stride
+    return tl.load(vp[:, None] + cols[None, :], mask=mask, other=0.0).to(ACC)

@@ -33,8 +33,8 @@ import torch
 
 from . import runtime as rt
 from .runtime import tl, triton
-from .single import folded_query
-from .sources import Sources, buffer_rows, source_rows, tl_dtype
+from .single import folded_query, key_logit
+from .sources import Sources, buffer_rows, load_source, tl_dtype
 
 
 # ---- phase 1 ------------------------------------------------------------------------------
@@ -56,14 +56,13 @@ def _phase1_fwd(SRC, U, Z, M, SUM, OUTS, R, D, n0, n, S, eps,
     zmask = rmask[:, None] & smask[None, :]
     for g in tl.static_range(NGROUPS):
         for i in range(0 if g == 0 else n0, n0 if g == 0 else n):
-            vp = source_rows(SRC, n, i, rows, DT0 if g == 0 else DT1, ALIGNED)
             dot = tl.zeros([BLOCK_R, BLOCK_S], ACC)
             sq = tl.zeros([BLOCK_R], ACC)
             for c0 in range(0, D, BLOCK_C):
                 cols = c0 + tl.arange(0, BLOCK_C)
                 cmask = cols < D
-                v = tl.load(vp[:, None] + cols[None, :], mask=rmask[:, None] & cmask[None, :],
-                            other=0.0).to(ACC)
+                v = load_source(SRC, n, i, rows, cols, rmask[:, None] & cmask[None, :],
+                                DT0 if g == 0 else DT1, ALIGNED, ACC)
                 u = tl.load(U + uq[:, None] + cols[None, :],
                             mask=smask[:, None] & cmask[None, :], other=0.0).to(ACC)
                 dot += tl.sum(v[:, None, :] * u[None, :, :], axis=2)
@@ -95,9 +94,8 @@ def _phase1_fwd(SRC, U, Z, M, SUM, OUTS, R, D, n0, n, S, eps,
         for g in tl.static_range(NGROUPS):
             for i in range(0 if g == 0 else n0, n0 if g == 0 else n):
                 e = tl.exp(tl.load(Z + tl.cast(i, tl.int64) * S * R + sr, mask=srmask, other=0.0) - mt)
-                vp = source_rows(SRC, n, i, rows, DT0 if g == 0 else DT1, ALIGNED)
-                v = tl.load(vp[:, None] + cols[None, :], mask=rmask[:, None] & cmask[None, :],
-                            other=0.0).to(ACC)
+                v = load_source(SRC, n, i, rows, cols, rmask[:, None] & cmask[None, :],
+                                DT0 if g == 0 else DT1, ALIGNED, ACC)
                 acc += e[:, :, None] * v[None, :, :]
         tl.store(orow[:, :, None] + cols[None, None, :], acc,
                  mask=srmask[:, :, None] & cmask[None, None, :])
@@ -125,14 +123,13 @@ def _phase1_dlogits(SRC, DO1S, DM, DS, Z, M, DZ, RINV, COEF, R, D, n0, n, S, eps
     ties = tl.zeros([BLOCK_S, BLOCK_R], ACC)
     for g in tl.static_range(NGROUPS):
         for i in range(0 if g == 0 else n0, n0 if g == 0 else n):
-            vp = source_rows(SRC, n, i, rows, DT0 if g == 0 else DT1, ALIGNED)
             pdot = tl.zeros([BLOCK_S, BLOCK_R], ACC)
             sq = tl.zeros([BLOCK_R], ACC)
             for c0 in range(0, D, BLOCK_C):
                 cols = c0 + tl.arange(0, BLOCK_C)
                 cmask = cols < D
-                v = tl.load(vp[:, None] + cols[None, :], mask=rmask[:, None] & cmask[None, :],
-                            other=0.0).to(ACC)
+                v = load_source(SRC, n, i, rows, cols, rmask[:, None] & cmask[None, :],
+                                DT0 if g == 0 else DT1, ALIGNED, ACC)
                 gg = tl.load(grow[:, :, None] + cols[None, None, :],
                              mask=srmask[:, :, None] & cmask[None, None, :], other=0.0).to(ACC)
                 pdot += tl.sum(gg * v[None, :, :], axis=2)
@@ -185,8 +182,8 @@ def _phase1_dsources(SRC, DSRC, U, DO1S, Z, M, DZ, RINV, COEF, DU_PART, R, D, n0
                      mask=srmask[:, :, None] & cmask[None, None, :], other=0.0).to(ACC)
         for g in tl.static_range(NGROUPS):
             for i in range(0 if g == 0 else n0, n0 if g == 0 else n):
-                vp = source_rows(SRC, n, i, rows, DT0 if g == 0 else DT1, ALIGNED)
-                v = tl.load(vp[:, None] + cols[None, :], mask=vmask, other=0.0).to(ACC)
+                v = load_source(SRC, n, i, rows, cols, vmask, DT0 if g == 0 else DT1, ALIGNED,
+                                ACC)
                 e = tl.exp(tl.load(Z + tl.cast(i, tl.int64) * S * R + sr, mask=srmask, other=0.0) - m)
                 dz = tl.load(DZ + tl.cast(i, tl.int64) * S * R + sr, mask=srmask, other=0.0)
                 if KEY_NORM:
@@ -315,9 +312,7 @@ def _phase2_fwd(O1, M1, S1, P, U, NW, H, Y, R, D, stride_or, stride_pr, eps, nor
     if HAS_PARTIAL:
         p = tl.load(P + rows[:, None] * stride_pr + cols[None, :], mask=mask, other=0.0).to(ACC)
         u = tl.load(U + cols, mask=cmask, other=0.0).to(ACC)
-        z2 = tl.sum(p * u[None, :], axis=1)
-        if KEY_NORM:
-            z2 = z2 / tl.sqrt(tl.sum(p * p, axis=1) / D + eps)
+        z2, _ = key_logit(p, u, D, eps, KEY_NORM)
         m = tl.maximum(m1, z2)
         a = tl.exp(m1 - m)
         b = tl.exp(z2 - m)
@@ -368,12 +363,7 @@ def _phase2_bwd(DH, DY, O1, M1, S1, P, U, NW, DO1, DM1, DS1, DP, DU_PART, DNW_PA
         if HAS_PARTIAL:
             p = tl.load(P + rows[:, None] * stride_pr + cols[None, :], mask=mask,
                         other=0.0).to(ACC)
-            z2 = tl.sum(p * u[None, :], axis=1)
-            if KEY_NORM:
-                r = 1.0 / tl.sqrt(tl.sum(p * p, axis=1) / D + eps)
-                z2 = z2 * r
-            else:
-                r = tl.full([BLOCK_R], 1.0, ACC)
+            z2, r = key_logit(p, u, D, eps, KEY_NORM)
             m = tl.maximum(m1, z2)
             a = tl.exp(m1 - m)
             b = tl.exp(z2 - m)
