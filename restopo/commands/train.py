@@ -17,6 +17,11 @@ examples:
   restopo train --resume --out runs/quick --steps 400                # spec from the checkpoint
   restopo train examples/tiny.restopo --nproc 2                      # 2 processes via torchrun
   torchrun --nproc_per_node 2 -m restopo train examples/tiny.restopo
+  restopo train examples/tiny.restopo --nproc 2 --data fsdp          # shard params + AdamW
+  restopo train examples/tiny.restopo --nproc 4 --pipeline 2x2       # stage-local pipeline
+  restopo train examples/tiny.restopo --nproc 2 --resume --data fsdp # resume another layout
+  torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d \\
+      --rdzv-endpoint HOST:29500 --rdzv-id run1 -m restopo train examples/tiny.restopo
 
 `batch` is the global batch of one optimizer step: with --nproc N each process takes
 batch/N rows of it, so the numbers match a 1-process run. Data: `data:` in the spec's train
@@ -70,6 +75,10 @@ def register(subparsers) -> None:
                    help="pipeline parallel: P stages x V virtual stages (needs a multiple "
                         "of P processes: --nproc P, or torchrun); the spec's parallel "
                         "section gives schedule, microbatches and cache")
+    p.add_argument("--data", choices=("ddp", "fsdp"), dest="data_parallel",
+                   help="the data-parallel engine over the processes (same as --set "
+                        "parallel.data=...): ddp replicates the model, fsdp shards "
+                        "parameters, gradients and AdamW state per sublayer (FSDP2)")
     p.set_defaults(func=run)
 
 
@@ -105,6 +114,8 @@ def _overrides(args) -> tuple[str, ...]:
         extra.append(f"train.steps={args.steps}")
     if args.seed is not None:
         extra.append(f"train.seed={args.seed}")
+    if args.data_parallel is not None:
+        extra.append(f"parallel.data={args.data_parallel}")
     return tuple(args.overrides) + tuple(extra)
 
 
@@ -125,6 +136,8 @@ def _worker_argv(args) -> list[str]:
         argv.append("--overwrite")
     if args.pipeline:
         argv += ["--pipeline", args.pipeline]
+    if args.data_parallel:
+        argv += ["--data", args.data_parallel]
     if args.no_progress:
         argv.append("--no-progress")
     if args.threads is not None:
