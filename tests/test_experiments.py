@@ -150,12 +150,30 @@ def test_tiny_sweep_kill_rerun_and_compare(tmp_path):
     for png in ("val_loss_by_step.png", "val_loss_by_tokens.png", "final_val_loss.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
     assert "## What the figures show" in (out / "results.md").read_text()
+    # each finished run records the load it ran under; std-s0 ran alone, the rest too
+    info = json.loads((out / "blk-s0" / "run.json").read_text())
+    assert info["cpus"] == os.cpu_count() and 0 <= info["load_mean"] <= info["load_max"]
     # the resumed run equals the same run done in one go
     clean = tmp_path / "clean"
     assert main(["train", specs[0], "--seed", "1", "--out", str(clean), "--no-progress",
                  "--threads", "1"]) == 0
     resumed = {r.seed: r for r in find_runs([out])}
     assert resumed[1].final_val == find_runs([clean])[0].final_val
+
+
+def test_timing_note_says_when_step_times_compare_arms():
+    """s/step compares arms only when every run recorded its load and none competed for
+    cores; otherwise the reading says it does not."""
+    def run(load):
+        r = _synthetic_run("a", "a", 0, 10, 2.0)
+        r.load = load
+        return r
+    quiet = [run({"load_mean": 1.0, "load_max": 1.4, "cpus": 2}) for _ in range(3)]
+    assert "compares arms roughly" in report.timing_note(quiet)
+    busy = quiet + [run({"load_mean": 3.5, "load_max": 5.0, "cpus": 2})]
+    note = report.timing_note(busy)
+    assert "does not compare arms" in note and "5.0 on 2 CPUs" in note
+    assert "not recorded" in report.timing_note(quiet + [run({})])
 
 
 @pytest.mark.slow

@@ -191,13 +191,34 @@ def reading(arms: list[Arm], baseline: Arm | None) -> list[str]:
                          f"n = {d.n}) contains zero.")
     gaps = [abs(a.diff.mean) for a in arms if a.diff is not None]
     if gaps and spread:
+        wider = sum(g > spread for g in gaps)
         lines.append(f"- The baseline's seed spread (standard deviation of its final loss) is "
-                     f"{spread:.4f}; the largest gap to it is {max(gaps):.4f}"
-                     + (", so the gaps are larger than the spread between seeds." if
-                        max(gaps) > spread else
-                        ": at this scale the seed spread is as large as the gaps, and the "
-                        "ordering of arms is not established."))
+                     f"{spread:.4f}; {wider} of {len(gaps)} gaps to it are larger (the largest "
+                     f"{max(gaps):.4f})"
+                     + ("." if wider else ": at this scale the seed spread is as large as the "
+                        "gaps, and the ordering of arms is not established."))
+    lines.append(timing_note([r for a in arms for r in a.runs]))
     return lines
+
+
+def timing_note(runs) -> str:
+    """Whether the s/step column compares arms: only if every run had the machine to itself
+    in the same way (a sweep records the load average each run ran under)."""
+    loads = [r.load for r in runs if r.load.get("load_max") is not None]
+    if len(loads) < len(runs):
+        return ("- s/step is wall time under whatever else the machine ran, which was not "
+                "recorded for every run: it does not compare arms. `python bench/overhead.py` "
+                "measures the aggregations' cost side by side.")
+    lo = min(x["load_mean"] for x in loads)
+    hi = max(x["load_max"] for x in loads)
+    cpus = max(x.get("cpus") or 1 for x in loads)
+    if hi <= cpus and hi - lo <= 0.5 * cpus:
+        return (f"- s/step was measured at a load average of {lo:.1f} to {hi:.1f} on {cpus} "
+                "CPUs: the runs did not compete for cores, so it compares arms roughly "
+                "(`python bench/overhead.py` measures the overhead side by side).")
+    return (f"- s/step was measured at a load average of {lo:.1f} to {hi:.1f} on {cpus} CPUs: "
+            "runs competed for cores under a changing load, so it does not compare arms. "
+            "`python bench/overhead.py` measures the aggregations' cost side by side.")
 
 
 def scale_note(arms: list[Arm]) -> str:

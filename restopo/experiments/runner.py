@@ -60,17 +60,36 @@ def run_job(job: Job, out: Path, resume: bool, threads: int = 1) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     t0 = time.perf_counter()
     with open(folder / "train.log", "a") as log:
-        code = subprocess.call(job.command(out, resume=resume, threads=threads),
-                               stdout=log, stderr=subprocess.STDOUT, env=env)
+        child = subprocess.Popen(job.command(out, resume=resume, threads=threads),
+                                 stdout=log, stderr=subprocess.STDOUT, env=env)
+        load = machine_load(child)
+    code = child.returncode
     seconds = time.perf_counter() - t0
     if code == 0:
-        _record(out, job, status="done", seconds=round(seconds, 1))
+        _record(out, job, status="done", seconds=round(seconds, 1), **load)
         return {"name": job.name, "status": "done", "seconds": seconds}
     lines = (folder / "train.log").read_text(errors="replace").splitlines()[-TAIL:]
     error = next((ln for ln in reversed(lines) if "error" in ln.lower()), lines[-1] if lines
                  else f"exit status {code}")
     _record(out, job, status="failed", returncode=code, error=error, log_tail=lines)
     return {"name": job.name, "status": "failed", "error": error, "seconds": seconds}
+
+
+def machine_load(child: subprocess.Popen, every: float = 5.0) -> dict:
+    """Wait for `child`, sampling the machine's 1-minute load average: a run's step time
+    means something only beside the load it ran under (other runs, other work)."""
+    if not hasattr(os, "getloadavg"):
+        child.wait()
+        return {}
+    samples = [os.getloadavg()[0]]
+    while True:
+        try:
+            child.wait(timeout=every)
+            break
+        except subprocess.TimeoutExpired:
+            samples.append(os.getloadavg()[0])
+    return {"load_mean": round(sum(samples) / len(samples), 2),
+            "load_max": round(max(samples), 2), "cpus": os.cpu_count()}
 
 
 def run_local(jobs: list[Job], out: Path, workers: int, report) -> list[dict]:

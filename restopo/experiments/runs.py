@@ -31,6 +31,7 @@ class Run:
     meta: dict = field(repr=False)
     records: list[dict] = field(repr=False)
     status: str = "done"           # done | partial | failed (from run.json, else inferred)
+    load: dict = field(default_factory=dict, repr=False)  # load_mean/max, cpus (run.json)
 
     @property
     def name(self) -> str:
@@ -107,7 +108,8 @@ def read_run(path: str | Path) -> Run:
                                                        int(m.group("seed")) if m else None))
     status = info.get("status") or ("done" if meta and meta.get("step") ==
                                     meta.get("config", {}).get("steps") else "partial")
-    return Run(path, arm, seed, meta, records, status)
+    load = {k: info[k] for k in ("load_mean", "load_max", "cpus") if k in info}
+    return Run(path, arm, seed, meta, records, status, load)
 
 
 def find_runs(paths) -> list[Run]:
