@@ -112,6 +112,11 @@ def test_compute_equivalence_from_synthetic_runs(tmp_path):
     assert fit.b == pytest.approx(b, rel=1e-3) and fit.a == pytest.approx(a, rel=1e-2)
     [(arm, loss, compute, ratio)] = equiv
     assert arm.name == "block-mid" and ratio == pytest.approx(1.25, rel=1e-3)
+    report.compare(arms, arms[0])
+    # the baseline at its other sizes is a scaling series, not an arm against it
+    table = report.rows(arms, arms[0])
+    assert [r[4] for r in table] == ["baseline", "baseline, another size",
+                                     "baseline, another size", "(needs 2+ seeds)"]
     paths = report.write_report(arms, arms[0], tmp_path, ["restopo", "compare"], scaling=True)
     assert "1.250" in paths["md"].read_text()
     assert paths["scaling"].read_bytes()[:4] == b"\x89PNG"

@@ -104,9 +104,15 @@ def pick_baseline(arms: list[Arm], name: str | None) -> Arm | None:
 
 
 def compare(arms: list[Arm], baseline: Arm | None) -> None:
+    """Each arm's difference to the baseline; the baseline's own family at other sizes (a
+    scaling series) is not an arm against it."""
     for arm in arms:
-        if baseline is not None and arm is not baseline:
+        if baseline is not None and not same_family(arm, baseline):
             arm.diff = difference(arm.finals, baseline.finals)
+
+
+def same_family(arm: Arm, baseline: Arm) -> bool:
+    return arm is baseline or arm.family == baseline.family
 
 
 # -- the table ------------------------------------------------------------------------------
@@ -126,6 +132,8 @@ def _diff(arm: Arm, baseline: Arm | None) -> str:
         return "-"
     if arm is baseline:
         return "baseline"
+    if same_family(arm, baseline):
+        return "baseline, another size"
     d = arm.diff
     if d is None:
         return "(needs 2+ seeds)"
