@@ -118,7 +118,7 @@ def test_compute_equivalence_from_synthetic_runs(tmp_path):
     assert [r[4] for r in table] == ["baseline", "baseline, another size",
                                      "baseline, another size", "(needs 2+ seeds)"]
     paths = report.write_report(arms, arms[0], tmp_path, ["restopo", "compare"], scaling=True)
-    assert "1.250" in paths["md"].read_text()
+    assert "| 1.250 | no interval (needs 2+ seeds) |" in paths["md"].read_text()
     assert paths["scaling"].read_bytes()[:4] == b"\x89PNG"
 
 

@@ -140,6 +140,13 @@ def _diff(arm: Arm, baseline: Arm | None) -> str:
     return f"{d.mean:+.4f} [{d.low:+.4f}, {d.high:+.4f}]"
 
 
+def _gap_verdict(arm: Arm) -> str:
+    d = arm.diff
+    if d is None:
+        return "no interval (needs 2+ seeds)"
+    return "95% interval excludes 0" if d.excludes_zero else "within the noise"
+
+
 def rows(arms: list[Arm], baseline: Arm | None) -> list[list[str]]:
     out = []
     for a in arms:
@@ -402,11 +409,13 @@ def write_report(arms: list[Arm], baseline: Arm | None, out: Path, command: list
                f"loss = {fit.a:.4g} · C^-{fit.b:.4g} (R² {fit.r2:.3f}). For each other arm, "
                f"the compute the fitted {baseline.family} needs to reach its loss, as a "
                "multiple of the compute it used (above 1: it matches a larger-compute "
-               "baseline).", "",
+               "baseline). A ratio is only as sure as the loss gap under it: where the "
+               "gap's 95% interval contains zero, the ratio is not told apart from 1.", "",
                markdown_table(("arm", "final val loss", "compute (FLOPs)",
-                               f"{baseline.family} compute to match / own"),
-                              [[a.name, f"{loss:.4f}", f"{c:.3g}", f"{ratio:.3f}"]
-                               for a, loss, c, ratio in equiv]),
+                               f"{baseline.family} compute to match / own",
+                               "loss gap vs baseline"),
+                              [[a.name, f"{loss:.4f}", f"{c:.3g}", f"{ratio:.3f}",
+                                _gap_verdict(a)] for a, loss, c, ratio in equiv]),
                "![compute equivalence](scaling.png)", ""]
     write_atomic(paths["md"], "\n".join(md))
     return paths
