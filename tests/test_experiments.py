@@ -154,7 +154,9 @@ def test_tiny_sweep_kill_rerun_and_compare(tmp_path):
     assert table["blk"]["diff_mean"] != ""
     for png in ("val_loss_by_step.png", "val_loss_by_tokens.png", "final_val_loss.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
-    assert "## What the figures show" in (out / "results.md").read_text()
+    text = (out / "results.md").read_text()
+    assert "## What the figures show" in text
+    assert f"restopo train {specs[1]} --seed S   # blk: S = 0, 1" in text
     # each finished run records the load it ran under; std-s0 ran alone, the rest too
     info = json.loads((out / "blk-s0" / "run.json").read_text())
     assert info["cpus"] == os.cpu_count() and 0 <= info["load_mean"] <= info["load_max"]

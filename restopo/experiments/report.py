@@ -140,6 +140,22 @@ def _diff(arm: Arm, baseline: Arm | None) -> str:
     return f"{d.mean:+.4f} [{d.low:+.4f}, {d.high:+.4f}]"
 
 
+def made_by(arms: list[Arm]) -> list[str]:
+    """One `restopo train` line per arm from what its runs recorded (seeds as a list);
+    nothing for arms whose runs did not record it."""
+    lines = []
+    for a in arms:
+        jobs = {(r.job.get("spec"), tuple(r.job.get("overrides", ()))) for r in a.runs}
+        if len(jobs) != 1 or None in next(iter(jobs))[:1]:
+            continue
+        spec, overrides = next(iter(jobs))
+        seeds = ", ".join(str(r.seed) for r in sorted(a.runs, key=lambda r: r.seed or 0))
+        sets = "".join(f" --set {shlex.quote(o)}" for o in overrides)
+        lines.append(f"restopo train {shlex.quote(spec)}{sets} --seed S   # {a.name}: "
+                     f"S = {seeds}")
+    return lines
+
+
 def _gap_verdict(arm: Arm) -> str:
     d = arm.diff
     if d is None:
@@ -395,6 +411,12 @@ def write_report(arms: list[Arm], baseline: Arm | None, out: Path, command: list
           "step 0). `s/step`: wall time per step over the whole run, evaluation included.",
           "", "## What the figures show, and what they do not", ""]
     md += reading(arms, baseline) + ["", scale_note(arms), ""]
+    made = made_by(arms)
+    if made:
+        md += ["## How the runs were made", "",
+               "Each arm's `restopo train` (a sweep recorded it in each run's run.json; "
+               "`restopo sweep` with the same specs, `--vary` and `--seeds` makes them all):",
+               "", "```sh", *made, "```", ""]
     md += ["## Curves", "", "![validation loss by step](val_loss_by_step.png)", "",
            "![validation loss by training tokens](val_loss_by_tokens.png)", "",
            "![final validation loss per arm](final_val_loss.png)", ""]

@@ -32,6 +32,7 @@ class Run:
     records: list[dict] = field(repr=False)
     status: str = "done"           # done | partial | failed (from run.json, else inferred)
     load: dict = field(default_factory=dict, repr=False)  # load_mean/max, cpus (run.json)
+    job: dict = field(default_factory=dict, repr=False)   # spec, overrides (run.json)
 
     @property
     def name(self) -> str:
@@ -109,7 +110,8 @@ def read_run(path: str | Path) -> Run:
     status = info.get("status") or ("done" if meta and meta.get("step") ==
                                     meta.get("config", {}).get("steps") else "partial")
     load = {k: info[k] for k in ("load_mean", "load_max", "cpus") if k in info}
-    return Run(path, arm, seed, meta, records, status, load)
+    job = {k: info[k] for k in ("spec", "overrides") if k in info}
+    return Run(path, arm, seed, meta, records, status, load, job)
 
 
 def find_runs(paths) -> list[Run]:
