@@ -303,7 +303,7 @@ def plot_curves(arms: list[Arm], path: Path, *, tokens: bool) -> Path:
     highest seed at each evaluation."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    for a in arms:
+    for i, a in enumerate(arms):
         per_step: dict[int, list[float]] = {}
         for r in a.runs:
             for s, v in r.val_curve():
@@ -314,7 +314,9 @@ def plot_curves(arms: list[Arm], path: Path, *, tokens: bool) -> Path:
         scale = a.runs[0].tokens_per_step if tokens else 1
         x = [s * scale for s in steps]
         mean = [sum(per_step[s]) / len(per_step[s]) for s in steps]
-        line, = ax.plot(x, mean, "-", lw=1.5, label=f"{a.name} ({len(a.runs)})")
+        # ten colours, then the same colours dashed: every arm its own line
+        line, = ax.plot(x, mean, ("-", "--", ":")[i // 10 % 3], color=f"C{i % 10}", lw=1.5,
+                        label=f"{a.name} ({len(a.runs)})")
         ax.fill_between(x, [min(per_step[s]) for s in steps], [max(per_step[s]) for s in steps],
                         color=line.get_color(), alpha=0.18, lw=0)
     ax.set_xlabel("training tokens" if tokens else "step")
@@ -375,6 +377,9 @@ def plot_scaling(arms: list[Arm], fit: PowerLaw, baseline_family: str, path: Pat
                 label=family)
     ax.set_xscale("log")
     ax.set_yscale("log")
+    from matplotlib.ticker import ScalarFormatter
+    ax.yaxis.set_major_formatter(ScalarFormatter())  # plain losses, not 1.6 x 10^0
+    ax.yaxis.set_minor_formatter(ScalarFormatter())
     ax.set_xlabel("training compute (FLOPs)")
     ax.set_ylabel("final validation loss")
     ax.legend(fontsize=7)
