@@ -9,7 +9,8 @@ from . import ops
 from .decode import generate
 from .fx.lower import aggregation_modules, lower, lowered, parts_of
 from .ir import build_ir
-from .nn.aggregate import Attend, TwoPhase
+from .nn.aggregate import Attend, TwoPhase, make_aggregation
+from .nn.init import Init
 from .nn.model import build_parts, model_kinds
 from .spec import as_spec
 
@@ -22,13 +23,17 @@ def build_model(model, topology, backend: str = "auto", two_phase: bool = True) 
     return lower(g, parts, backend=backend, two_phase=two_phase)
 
 
-def compile(spec_or_path, backend: str = "auto", overrides=()) -> fx.GraphModule:  # noqa: A001
+def compile(spec_or_path, backend: str = "auto", overrides=(), *,  # noqa: A001
+            init: Init | None = None) -> fx.GraphModule:
     """The model a spec describes: an fx GraphModule, forward(idx [B, T]) -> logits [B, T, V].
 
     spec_or_path: a Spec, a path to a .restopo file, or spec text. backend: auto (triton on
     CUDA when it imports, else eager) | eager | triton (a RuntimeError says why it cannot run).
     The spec text and overrides ride along as `model.spec_text` / `model.restopo_overrides`
     (and the Spec as `model.restopo_spec`) so checkpoints can store them.
+    init: a restopo.nn.init.Init draws each unit's weights from a generator seeded by (seed,
+    unit name), the same in any layout (or builds them on the meta device); without it the
+    weights come from torch's global generator.
     """
     ops.check_backend(backend)
     if backend == "triton":
@@ -39,7 +44,15 @@ def compile(spec_or_path, backend: str = "auto", overrides=()) -> fx.GraphModule
         raise ValueError(f"{spec.path}: the spec has no model section, so there is nothing to "
                          "compile; add a model block (or use restopo.rewire on a model you have)")
     g = spec.ir()
-    model = lower(g, build_parts(spec.model), backend=backend)
+    if init is None:
+        model = lower(g, build_parts(spec.model), backend=backend)
+    else:
+        parts, d = build_parts(spec.model, init), spec.model.width
+        aggregations = nn.ModuleList(
+            init.unit(f"aggregations.{i}", lambda a=a: make_aggregation(a, d, backend))
+            for i, a in enumerate(g.aggregations()))
+        model = lower(g, parts, backend=backend, aggregations=aggregations)
+        model.restopo_init = init
     model.spec_text = spec.text
     model.restopo_overrides = tuple(getattr(spec, "overrides", ()) or ())
     model.restopo_spec = spec

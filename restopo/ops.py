@@ -7,14 +7,17 @@ Same signatures as the eager backend's ops plus `backend=`:
 Each backend is found by name in the registry (`get_backend`, restopo.registry), which loads
 it on first use; `register_backend` replaces one.
 
-Shapes: `sources` [n, *batch, d], `query` [d] (or [*batch, d] for an input-dependent query,
-which the fused kernels do not take: such calls run eagerly on every backend).
+Shapes: `sources` [n, *batch, d] or a sequence of n [*batch, d] tensors, `query` [d] (or
+[*batch, d] for an input-dependent query, which the fused kernels do not take: such calls
+run eagerly on every backend). A sequence reaches either backend as it is: neither stacks
+it (the fused kernels read the sources through a table of their addresses).
 """
 from __future__ import annotations
 
 import os
 
 import torch
+import torch.nn.functional as F
 
 from .registry import get_backend, register_backend  # noqa: F401  (the public entry)
 
@@ -83,25 +86,21 @@ def _first(sources) -> torch.Tensor:
     return sources if isinstance(sources, torch.Tensor) else sources[0]
 
 
-def _stacked(sources) -> torch.Tensor:
-    return sources if isinstance(sources, torch.Tensor) else torch.stack(tuple(sources))
-
-
 def depth_attention(sources: torch.Tensor, query: torch.Tensor,
                     key_norm_weight: torch.Tensor | None = None, eps: float = 1e-6, *,
                     key_norm: bool = True, gate: str = "softmax", heads: int = 1,
                     backend: str = "eager", logits=None) -> torch.Tensor:
     """h = sum_i alpha_i v_i, alpha = softmax_i(query . RMSNorm(v_i)) (or sigmoid); [*batch, d].
 
-    `sources` is [n, *batch, d], or a sequence of n [*batch, d] tensors: the eager backend
-    then keeps no stacked copy for backward (the fused kernels take them stacked).
-    `logits`: each source's logit [*batch, heads], already made (restopo.nn.shared_sources);
-    the eager backend uses them with a sequence of sources, the fused kernels make their own."""
+    `sources` is [n, *batch, d], or a sequence of n [*batch, d] tensors: then no backend
+    keeps a stacked copy for backward. `logits`: each source's logit [*batch, heads],
+    already made (restopo.nn.shared_sources); the eager backend uses them with a sequence of
+    sources, the fused kernels make their own."""
     if isinstance(sources, torch.Tensor) and sources.dim() < 2:
         raise ValueError(f"sources must be [n, *batch, d]; got shape {tuple(sources.shape)}")
     # Per-token (input-dependent) queries have no fused kernel: they run eagerly.
     if query.dim() == 1 and _pick(backend, _first(sources)) == "triton":
-        return _triton_module().depth_attention(_stacked(sources), query, key_norm_weight, eps,
+        return _triton_module().depth_attention(sources, query, key_norm_weight, eps,
                                                 key_norm=key_norm, gate=gate, heads=heads)
     return _eager().depth_attention(sources, query, key_norm_weight, eps, key_norm=key_norm,
                                     gate=gate, heads=heads, logits=logits)
@@ -111,10 +110,11 @@ def phase1(completed: torch.Tensor, queries: torch.Tensor,
            key_norm_weights: torch.Tensor | None = None, eps: float = 1e-6, *,
            key_norm: bool = True, heads: int = 1, backend: str = "eager", logits=None):
     """Phase 1 for one block: (o1 [S, *batch, d], m1 [S, *batch, heads], s1 [S, *batch, heads]).
-    `completed` is [n, *batch, d] or a sequence of n [*batch, d] tensors; `logits`: each
+    `completed` is [n, *batch, d] or a sequence of n [*batch, d] tensors. The fused backend
+    returns o1 as a tuple of S tensors (o1[s] is the same either way). `logits`: each
     block's [S, *batch, heads] against the queries, already made (as in depth_attention)."""
     if _pick(backend, _first(completed)) == "triton":
-        return _triton_module().phase1(_stacked(completed), queries, key_norm_weights, eps,
+        return _triton_module().phase1(completed, queries, key_norm_weights, eps,
                                        key_norm=key_norm, heads=heads)
     return _eager().phase1(completed, queries, key_norm_weights, eps, key_norm=key_norm,
                            heads=heads, logits=logits)
@@ -141,6 +141,23 @@ def phase2(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor, partial: torch.
         return _triton_module().phase2(o1, m1, s1, partial, query, key_norm_weight, eps,
                                        key_norm=key_norm)
     return _eager().phase2(o1, m1, s1, partial, query, key_norm_weight, eps, key_norm=key_norm)
+
+
+def phase2_norm(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor,
+                partial: torch.Tensor | None, query: torch.Tensor,
+                key_norm_weight: torch.Tensor | None = None, eps: float = 1e-6, *,
+                norm_weight: torch.Tensor | None = None, norm_eps: float | None = None,
+                key_norm: bool = True, keep_h: bool = True, backend: str = "eager"):
+    """Phase 2 and the next sublayer's PreNorm: (h, rms_norm(h, norm_weight, norm_eps)),
+    or (None, y) with keep_h=False. The fused backend computes both in one kernel; the
+    eager one is phase2 followed by the norm, exactly what the unfused sublayer computes."""
+    norm_eps = eps if norm_eps is None else norm_eps
+    if _pick(backend, o1) == "triton":
+        return _triton_module().phase2_norm(o1, m1, s1, partial, query, key_norm_weight, eps,
+                                            norm_weight=norm_weight, norm_eps=norm_eps,
+                                            key_norm=key_norm, keep_h=keep_h)
+    h = _eager().phase2(o1, m1, s1, partial, query, key_norm_weight, eps, key_norm=key_norm)
+    return h if keep_h else None, F.rms_norm(h, (h.shape[-1],), norm_weight, norm_eps)
 
 
 def depth_weights(sources, query: torch.Tensor, key_norm_weight: torch.Tensor | None = None,

@@ -150,10 +150,14 @@ def test_graph_writes_dot(tmp_path, capsys):
     dot = out.read_text()
     assert dot.startswith('digraph "restopo" {') and dot.rstrip().endswith("}")
     assert dot.count("subgraph \"cluster_block") == 2 and '"cluster_head"' in dot
-    # every read of the IR is an edge: agg6 reads embedding, block1 and partial2.2
-    for src in ("embedding", "block1", "partial2.2"):
-        assert f'"{src}" -> "agg6"' in dot
-    assert '"agg9" -> "head"' in dot
+    # agg6 (block 2's second point) reads the completed embedding and block1 through
+    # block 2's phase 1, and its partial p_2^2, which is sublayer5 itself (as in model.code)
+    for edge in ('"embedding" -> "block2_phase1"', '"block1" -> "block2_phase1"',
+                 '"block2_phase1" -> "agg6"', '"sublayer5" -> "agg6"', '"agg9" -> "head"'):
+        assert edge in dot
+    for src in ("embedding", "block1", "block2"):  # the head reads every block
+        assert f'"{src}" -> "agg9"' in dot
+    assert "partial2.2" not in dot and 'label="partial2_3' in dot
     assert [p.name for p in tmp_path.iterdir()] == ["g.dot"]  # no temporary left behind
 
 

@@ -1,5 +1,6 @@
 """`restopo train SPEC --pipeline 2x2` under torchrun follows the single-process loss curve
-and leaves a checkpoint that a single process loads and resumes from."""
+and leaves a sharded checkpoint (one share per stage) that a single process loads and
+resumes from, and that `restopo export` consolidates into one file."""
 import json
 import os
 import subprocess
@@ -42,10 +43,16 @@ def test_pipelined_training_matches_one_process(tmp_path):
         assert (x["val_loss"] is None) == (y["val_loss"] is None)
         if x["val_loss"] is not None:
             assert y["val_loss"] == pytest.approx(x["val_loss"], abs=1e-5)
-    # the pipelined checkpoint holds every stage's weights
+    # the pipelined checkpoint: one share per stage, consolidated by restopo export into
+    # every weight of the model (as the single process's, the tied head included)
+    step = os.path.join(piped, "ckpt", "step_000006")
+    assert sorted(f for f in os.listdir(step) if f.startswith("shard-")) == [
+        "shard-00000-of-00002.safetensors", "shard-00001-of-00002.safetensors"]
+    exported = str(tmp_path / "piped.safetensors")
+    restopo("export", piped, "-o", exported)
     wa = load_file(os.path.join(single, "ckpt", "step_000006", "model.safetensors"))
-    wb = load_file(os.path.join(piped, "ckpt", "step_000006", "model.safetensors"))
-    assert wa.keys() == wb.keys()
+    wb = load_file(exported)
+    assert set(wa) <= set(wb) and set(wb) - set(wa) == {"head.lm_head.weight"}
     assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-4
     # a single process loads it as its own: the model and AdamW over the whole model
     import torch

@@ -18,10 +18,15 @@ identity on its own first output, so PipelineStage only ever carries what anothe
 Bytes are counted at the send calls: `CountingStage` adds up the tensors of every isend op
 the stage hands the schedule, forward (activations) and backward (gradients) separately.
 
-Every process builds the whole model from the same seed and keeps its chunks' parameters;
-parameters shared across ranks (tied embedding and LM head) have their gradients summed over
-the pipeline group after each step. With more processes than stages the world is laid out as
-rank = replica * P + stage and gradients are averaged over the replicas (data parallel).
+A process holds only its chunks' modules (the caller builds the rest of the model on the
+meta device: restopo.nn.init, backends/pipeline/train.py). Parameters shared across ranks
+(a tied embedding and LM head) have their gradients summed over the pipeline group after
+each step, found by name. With more processes than stages the world is a 2-D mesh, rank =
+replica * P + stage; gradients are averaged over the replicas (replicated data parallel) or
+the chunks are FSDP-sharded over them by the caller (FSDP handles them).
+
+With a compute dtype other than float32 (bf16 on CUDA), each chunk runs under autocast and
+the tensors crossing cuts are sent in that dtype, so the bytes counted follow it.
 """
 from __future__ import annotations
 
@@ -60,30 +65,25 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 class Groups:
-    """The process layout: pipeline stage = rank % P, replica = rank // P."""
+    """The process layout, a 2-D DeviceMesh ("dp", "pp"): pipeline stage = rank % P,
+    replica = rank // P. `pp`/`dp` are this process's groups along each dimension (None
+    when that dimension has size 1: the whole world, or no one else)."""
 
-    def __init__(self, stages: int):
+    def __init__(self, stages: int, device_type: str = "cpu"):
+        from torch.distributed.device_mesh import init_device_mesh
+
         world, rank = dist.get_world_size(), dist.get_rank()
         if world % stages:
             raise ValueError(f"{world} processes cannot run a {stages}-stage pipeline: the "
                              f"number of processes must be a multiple of {stages}")
         self.stages, self.replicas = stages, world // stages
         self.stage, self.replica = rank % stages, rank // stages
-        if self.replicas == 1:
-            self.pp, self.dp = None, None
-            self.pp_ranks = list(range(stages))
-            return
-        # new_group must be called by every process, for every group, in the same order.
-        self.pp = self.dp = None
-        for r in range(self.replicas):
-            ranks = [r * stages + s for s in range(stages)]
-            grp = dist.new_group(ranks)
-            if r == self.replica:
-                self.pp, self.pp_ranks = grp, ranks
-        for s in range(stages):
-            grp = dist.new_group([r * stages + s for r in range(self.replicas)])
-            if s == self.stage:
-                self.dp = grp
+        self.pp_ranks = [self.replica * stages + s for s in range(stages)]
+        self.mesh = init_device_mesh(device_type, (self.replicas, stages),
+                                     mesh_dim_names=("dp", "pp"))
+        self.dp_mesh = self.mesh["dp"]
+        self.pp = self.mesh["pp"].get_group() if self.replicas > 1 else None
+        self.dp = self.dp_mesh.get_group() if self.replicas > 1 else None
 
 
 class Pipeline:
@@ -91,7 +91,8 @@ class Pipeline:
 
     def __init__(self, model, plan: Plan, *, schedule: str = "1f1b", n_microbatches: int = 2,
                  cached: bool = True, device=None, groups: Groups | None = None,
-                 loss_fn=lm_loss):
+                 loss_fn=lm_loss, dtype: torch.dtype = torch.float32,
+                 replicated: bool = True):
         from restopo.fx.lower import aggregation_modules, lowered, parts_of
 
         if schedule not in SCHEDULES:
@@ -107,10 +108,20 @@ class Pipeline:
         self.g = gm.restopo_ir
         parts, aggs = parts_of(model), aggregation_modules(model)
         rank = self.groups.stage
+        self.dtype, self.replicated = dtype, replicated
         self.chunks: list[ChunkModule] = build_chunks(
-            plan, self.g, parts, aggs, rank, cached=cached, n_microbatches=n_microbatches)
+            plan, self.g, parts, aggs, rank, cached=cached, n_microbatches=n_microbatches,
+            dtype=dtype, device_type=self.device.type)
         self.vocab = _vocab(parts.head)
-        self._tied = _cross_rank_parameters(plan, self.g, parts, aggs)
+        self.model = model
+        # a tied tensor's gradient is summed by the stages that hold it, in each replica
+        self.tied = {}
+        P = plan.stages
+        for name, stages in cross_rank_names(plan, self.g, parts, aggs, model).items():
+            for r in range(self.groups.replicas):  # every process makes every group, in order
+                group = dist.new_group([r * P + s for s in stages])
+                if r == self.groups.replica and self.groups.stage in stages:
+                    self.tied[name] = group
         self.width = plan.width or self.g.graph.get("width") or parts.embed.weight.shape[1]
         self._stages = None
         self._shape = None
@@ -127,10 +138,10 @@ class Pipeline:
                     out.append(p)
         return out
 
-    def named_parameters(self, model):
-        """(name, parameter) of `model` for the parameters this rank holds."""
+    def named_parameters(self, model=None):
+        """(name in the whole model, parameter) of the parameters this rank holds."""
         mine = {id(p) for p in self.parameters()}
-        return [(n, p) for n, p in model.named_parameters() if id(p) in mine]
+        return [(n, p) for n, p in (model or self.model).named_parameters() if id(p) in mine]
 
     # ------------------------------------------------------------------ stages
     def _build(self, batch: int, T: int):
@@ -146,13 +157,13 @@ class Pipeline:
             if c == 0:
                 ins = (torch.zeros(mb, T, dtype=torch.long, device=dev),)
             else:
-                ins = tuple(torch.empty(v.shape(mb, T, d), device=dev, requires_grad=True)
-                            for v in m.in_values)
+                ins = tuple(torch.empty(v.shape(mb, T, d), device=dev, dtype=self.dtype,
+                                        requires_grad=True) for v in m.in_values)
             if c == C - 1:
                 outs = (torch.empty(mb, T, self.vocab, device=dev, requires_grad=True),)
             else:
-                outs = tuple(torch.empty(v.shape(mb, T, d), device=dev, requires_grad=True)
-                             for v in m.out_values)
+                outs = tuple(torch.empty(v.shape(mb, T, d), device=dev, dtype=self.dtype,
+                                         requires_grad=True) for v in m.out_values)
             stages.append(CountingStage(m, c, C, dev, input_args=ins, output_args=outs,
                                         group=self.groups.pp))
         V = len(stages)
@@ -169,6 +180,17 @@ class Pipeline:
         """Forward and backward of one batch (every process passes the same batch). Returns
         the batch's mean loss on every process of the pipeline; gradients are left in the
         parameters' .grad (summed across ranks for shared ones, averaged over replicas)."""
+        loss = self._run(idx, targets, train=True)
+        self._sync_grads()
+        return loss
+
+    @torch.no_grad()
+    def evaluate(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The batch's mean loss, forward only through the same schedule (no process holds
+        more than its chunks); on every process of the pipeline."""
+        return self._run(idx, targets, train=False)
+
+    def _run(self, idx: torch.Tensor, targets: torch.Tensor, train: bool) -> torch.Tensor:
         batch, T = idx.shape
         if self._shape != (batch, T):
             self._build(batch, T)
@@ -181,29 +203,34 @@ class Pipeline:
         last = any(m.c == self.plan.n_chunks - 1 for m in self.chunks)
         args = (idx.to(self.device),) if first else ()
         kwargs = {"target": targets.to(self.device), "losses": losses} if last else {}
-        self._schedule.step(*args, **kwargs)
+        (self._schedule.step if train else self._schedule.eval)(*args, **kwargs)
         self.chunks[0].cache.clear()
-        for k in self.sent:
-            self.last_sent[k] = sum(s.sent[k] for s in self._stages) - before[k]
-            self.sent[k] += self.last_sent[k]
-        self._sync_grads()
+        if train:
+            for k in self.sent:
+                self.last_sent[k] = sum(s.sent[k] for s in self._stages) - before[k]
+                self.sent[k] += self.last_sent[k]
         loss = torch.stack(losses).mean().detach() if last else torch.zeros((), device=self.device)
         src = self.groups.pp_ranks[self.plan.stages - 1]
-        loss = loss.to(self.device).contiguous()
+        loss = loss.to(self.device, torch.float32).contiguous()
         dist.broadcast(loss, src=src, group=self.groups.pp)
         return loss
 
     def _sync_grads(self):
-        for p in self._tied:
+        for name, group in self.tied.items():
+            p = self.model.get_parameter(name)
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad, group=self.groups.pp)
-        if self.groups.dp is not None:
-            for p in self.parameters():
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                dist.all_reduce(p.grad, group=self.groups.dp)
-                p.grad /= self.groups.replicas
+            dist.all_reduce(_local(p.grad), group=group)
+        if self.groups.dp is None:
+            return
+        # Replicated: every gradient; FSDP-sharded chunks: only what FSDP leaves whole.
+        for p in self.parameters():
+            if not self.replicated and hasattr(p, "to_local"):
+                continue
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad, group=self.groups.dp)
+            p.grad /= self.groups.replicas
 
     def bytes_per_microbatch(self) -> dict[str, float]:
         """Bytes this process sent in the last step, per microbatch."""
@@ -217,17 +244,18 @@ def _vocab(head) -> int:
     return [p for p in head.parameters() if p.dim() == 2][-1].shape[0]
 
 
-def _cross_rank_parameters(plan: Plan, g, parts, aggs) -> list[torch.nn.Parameter]:
-    """Parameters used by chunks on more than one rank (a tied embedding and LM head), in a
-    fixed order so every process all-reduces them in step."""
-    ranks_of: dict[int, set[int]] = {}
-    params: dict[int, torch.nn.Parameter] = {}
-    order: list[int] = []
+def cross_rank_names(plan: Plan, g, parts, aggs, model) -> dict[str, list[int]]:
+    """The parameters used by chunks on more than one rank (a tied embedding and LM head):
+    name -> the stages that use it, in a fixed order so every process agrees."""
+    name = {id(p): n for n, p in model.named_parameters()}
+    ranks_of: dict[str, set[int]] = {}
     for r in range(plan.stages):
         for m in build_chunks(plan, g, parts, aggs, r):
             for p in m.parameters():
-                if id(p) not in params:
-                    params[id(p)] = p
-                    order.append(id(p))
-                ranks_of.setdefault(id(p), set()).add(r)
-    return [params[i] for i in order if len(ranks_of[i]) > 1]
+                ranks_of.setdefault(name[id(p)], set()).add(r)
+    return {n: sorted(ranks) for n, ranks in ranks_of.items() if len(ranks) > 1}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this process holds of `t` (a DTensor's local shard, sharing its storage)."""
+    return getattr(t, "_local_tensor", t)

@@ -8,7 +8,8 @@ Launched under torchrun (one process per stage), e.g.
 For every schedule and with caching off and on, one training step's loss and every
 parameter's gradient are compared with a single-process forward/backward of the same model
 on the same batch (fp32), and the bytes sent per microbatch at the send calls (summed over
-ranks) with the plan's figure. Rank 0 writes the rows as JSON and prints them side by side
+ranks) with the plan's figure. With --dtype bf16 the stages run under autocast and send
+bf16 (the plan counts 2 bytes per value); the one-process reference stays fp32. Rank 0 writes the rows as JSON and prints them side by side
 with the paper's bound. Tests and bench/pipeline_traffic.py call this.
 """
 from __future__ import annotations
@@ -60,8 +61,10 @@ def run(args) -> list[dict]:
     model = tiny_model(args.topology, args.depth, args.width)
     g = model.restopo_ir
     cuts = [int(c) for c in args.cuts.split(",")] if args.cuts else None
-    plan = make_plan(g, P, V, cuts=cuts)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    plan = make_plan(g, P, V, cuts=cuts, dtype_bytes=dtype.itemsize)
     M, T = args.microbatches, args.seq
+    size = dtype.itemsize  # bytes per value on the wire
     gen = torch.Generator().manual_seed(1)
     idx = torch.randint(0, 32, (M * args.microbatch_size, T), generator=gen)
     tgt = torch.randint(0, 32, (M * args.microbatch_size, T), generator=gen)
@@ -77,7 +80,8 @@ def run(args) -> list[dict]:
     for schedule in schedules:
         for cached in (False, True):
             model.zero_grad(set_to_none=True)
-            pipe = Pipeline(model, plan, schedule=schedule, n_microbatches=M, cached=cached)
+            pipe = Pipeline(model, plan, schedule=schedule, n_microbatches=M, cached=cached,
+                            dtype=dtype)
             loss = pipe.step(idx, tgt)
             grad_err, checked = 0.0, set()
             for name, p in pipe.named_parameters(model):
@@ -107,11 +111,12 @@ def run(args) -> list[dict]:
                 "params_total": len(ref),
                 "measured_fwd_bytes": allg[:, 0].sum().item(),
                 "measured_bwd_bytes": allg[:, 1].sum().item(),
-                "plan_bytes": plan.vectors(cached) * tokens * args.width * 4,
+                "dtype": args.dtype,
+                "plan_bytes": plan.vectors(cached) * tokens * args.width * size,
                 "plan_streams": plan.vectors(cached, "streams"),
-                "naive_bytes": plan.vectors(False) * tokens * args.width * 4,
-                "cached_bytes": plan.vectors(True) * tokens * args.width * 4,
-                "bound_block_bytes": plan.paper_bound_blocks * tokens * args.width * 4,
+                "naive_bytes": plan.vectors(False) * tokens * args.width * size,
+                "cached_bytes": plan.vectors(True) * tokens * args.width * size,
+                "bound_block_bytes": plan.paper_bound_blocks * tokens * args.width * size,
                 "naive_blocks": plan.vectors(False, "block"),
                 "cached_blocks": plan.vectors(True, "block"),
                 "bound_blocks": plan.paper_bound_blocks,
@@ -146,6 +151,8 @@ def main(argv=None) -> int:
     ap.add_argument("--microbatch-size", type=int, default=2)
     ap.add_argument("--cuts", default="", help="fixed chunk ends, e.g. 3,5,7")
     ap.add_argument("--schedules", default="", help="comma list; default all")
+    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                    help="compute and wire dtype of the stages (bf16: autocast, as on CUDA)")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)

@@ -9,9 +9,12 @@ running sums, same stream rule, and the two-phase plan for groups whose members 
 this chunk); values made before the span come from `_ChunkRun.provide`: received from the
 previous chunk, or, with caching, held by this rank's `RankCache` (see cache.py).
 The rotary context depends only on the sequence length, so every chunk rebuilds it from the
-shape of what it receives.
+shape of what it receives. With a compute dtype other than float32 (bf16 on CUDA) the walk
+runs under autocast and the values leave the chunk in that dtype.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from torch import nn
@@ -28,8 +31,10 @@ from .plan import EMBEDDING, STREAM, Plan, Value, _value
 class ChunkModule(nn.Module):
     def __init__(self, plan: Plan, g, chunk: int, *, embed, sublayers, aggregations, head,
                  context=None, cached: bool = True, cache: RankCache | None = None,
-                 n_microbatches: int = 1):
+                 n_microbatches: int = 1, dtype: torch.dtype = torch.float32,
+                 device_type: str = "cpu"):
         super().__init__()
+        self.dtype, self.device_type = dtype, device_type
         self.plan, self.g, self.c = plan, g, chunk
         self.info = plan.chunks[chunk]
         self.cached = cached
@@ -66,12 +71,13 @@ class ChunkModule(nn.Module):
         self.calls += 1
         received = {} if self.info.embedding else dict(zip(self.in_values, inputs))
         run = _ChunkRun(self, mb, received, idx=inputs[0] if self.info.embedding else None)
-        if not self.info.embedding:
-            run.set_context(inputs[0])
-        w = walk(self.g, run, self.groups, span=self.span)
+        with self._autocast():
+            if not self.info.embedding:
+                run.set_context(inputs[0])
+            w = walk(self.g, run, self.groups, span=self.span)
         if self.info.head:
             return w.output.float()
-        outs = [Boundary.apply(w.value(self.node_of(v))) for v in self.out_values]
+        outs = [Boundary.apply(w.value(self.node_of(v)), self.dtype) for v in self.out_values]
         if self.keep:
             # Keep one copy of each value later chunks of this rank read, and route the
             # gradients they accumulate back through this chunk (see cache.py).
@@ -81,6 +87,11 @@ class ChunkModule(nn.Module):
             if leaves:
                 outs[0] = Inject.apply(outs[0], leaves, *tensors)
         return tuple(outs)
+
+    def _autocast(self):
+        if self.dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=self.dtype)
 
     def node_of(self, v: Value) -> str:
         """The IR node whose tensor carries plan value `v` at this chunk's outgoing cut."""
@@ -113,6 +124,8 @@ class _ChunkRun(EagerRun):
         context = self.chunk.context
         if context is not None:
             batch, T = ref.shape[:2]
+            if ref.dtype in (torch.bfloat16, torch.float16):
+                ref = ref.float()  # as the whole model, which makes it from v_0 (float32)
             self.context = tuple(context(
                 torch.zeros(batch, T, dtype=torch.long, device=ref.device), ref))
 
@@ -164,10 +177,25 @@ def _ints(modules: nn.ModuleDict) -> dict[int, nn.Module]:
 
 
 def build_chunks(plan: Plan, g, parts, aggregations, rank: int, *, cached: bool = True,
-                 n_microbatches: int = 1) -> list[ChunkModule]:
+                 n_microbatches: int = 1, dtype: torch.dtype = torch.float32,
+                 device_type: str = "cpu") -> list[ChunkModule]:
     """The chunk modules of `rank` (chunks rank, rank + P, ...), sharing one cache."""
     cache = RankCache()
     return [ChunkModule(plan, g, c.index, embed=parts.embed, sublayers=parts.sublayers,
                         aggregations=aggregations, head=parts.head, context=parts.context,
-                        cached=cached, cache=cache, n_microbatches=n_microbatches)
+                        cached=cached, cache=cache, n_microbatches=n_microbatches,
+                        dtype=dtype, device_type=device_type)
             for c in plan.chunks if c.rank == rank]
+
+
+def chunk_units(plan: Plan, rank: int) -> list[str]:
+    """The model's units (restopo.nn.init names) that the chunks of `rank` hold."""
+    units = []
+    for c in plan.chunks:
+        if c.rank != rank:
+            continue
+        units += ["embed"] if c.embedding else []
+        units += [f"sublayers.{i - 1}" for i in c.sublayers]
+        units += [f"aggregations.{l - 1}" for l in c.aggregations]
+        units += ["head"] if c.head else []
+    return units

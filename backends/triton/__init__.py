@@ -2,19 +2,29 @@
 
 - `depth_attention`: one aggregation, each source read once (online softmax over sources).
 - `phase1` / `phase2`: the two-phase computation of Block AttnRes; `phase2_norm` also returns
-  the next sublayer's RMSNorm of the result, computed in the same pass.
+  the next sublayer's RMSNorm of the result, computed in the same pass (the lowering hands
+  it the sublayer's norm gain, and the sublayer skips its own norm).
 - `available(device)` -> (bool, reason): CUDA with triton, or CPU under TRITON_INTERPRET=1.
+
+Sources are a sequence of [*batch, d] tensors (or a stacked [n, *batch, d] tensor, read as
+its n views): the kernels read them through a table of addresses, never a stacked copy
+(sources.py), and autograd keeps nothing d-sized per call that was not alive anyway.
 
 The kernels cover heads=1 with the softmax gate, with or without the key RMSNorm. Other
 options (depth heads > 1, the sigmoid gate) are computed by the eager reference instead:
 same results, unfused. Inputs may be fp32, fp16, bf16 (accumulated in fp32) or fp64
-(accumulated in fp64, for gradcheck). Phase 1 returns m1 and s1 in the accumulation dtype
-(fp32 for half inputs, like flash-attention's logsumexp), not in the input dtype.
+(accumulated in fp64, for gradcheck), and sources may mix two of them (as under bf16
+autocast: an fp32 embedding, bf16 outputs); results take the promoted dtype. Phase 1
+returns o1 as S separate tensors (indexable by slot, like the eager backend's stacked
+one) and m1 and s1 in the accumulation dtype (fp32 for half inputs, like
+flash-attention's logsumexp), not in the input dtype.
 
-Layout: runtime.py (availability, launching, tiles), single.py (single-read kernels),
-twophase.py (phase 1 / phase 2 kernels), custom_ops.py (torch.library custom ops with fake
-implementations and autograd). Tests: `pytest tests/triton` (interpreter on CPU, including an
-offline sm_90 compile of every kernel); benchmark: `python bench/kernels.py` on a GPU.
+Layout: runtime.py (availability, launching and autotuning, tiles), sources.py (the table of
+source addresses), single.py (single-read kernels), twophase.py (phase 1 / phase 2
+kernels), custom_ops.py (torch.library custom ops with fake implementations and autograd).
+Tests: `pytest tests/triton` (interpreter on CPU, including an offline sm_90 compile of
+every kernel); benchmark: `python bench/kernels.py` on a GPU; `bench/gpu_check.sh` runs
+the whole GPU check.
 """
 from __future__ import annotations
 
@@ -24,6 +34,7 @@ import torch.nn.functional as F
 from ..eager import depth as _eager
 from . import runtime
 from .runtime import available, tiles
+from .sources import as_list
 
 __all__ = ["available", "depth_attention", "phase1", "phase2", "phase2_norm", "tiles"]
 
@@ -46,20 +57,16 @@ def _check_query(name: str, q: torch.Tensor | None, shape: tuple[int, ...]) -> N
         raise ValueError(f"{name} has shape {tuple(q.shape)}, expected {shape}")
 
 
-def _check_sources(name: str, x: torch.Tensor) -> None:
-    if x.dim() < 2 or x.shape[0] < 1:
-        raise ValueError(f"{name} must be [n >= 1, *batch, d], got shape {tuple(x.shape)}")
-
-
-def depth_attention(sources: torch.Tensor, query: torch.Tensor,
+def depth_attention(sources, query: torch.Tensor,
                     key_norm_weight: torch.Tensor | None = None, eps: float = 1e-6, *,
                     key_norm: bool = True, gate: str = "softmax", heads: int = 1) -> torch.Tensor:
-    """h = sum_i softmax_i(w . RMSNorm(v_i)) v_i over sources [n, *batch, d] -> [*batch, d]."""
+    """h = sum_i softmax_i(w . RMSNorm(v_i)) v_i over n sources (a sequence of [*batch, d]
+    tensors or a stacked [n, *batch, d]) -> [*batch, d]."""
     if gate != "softmax" or heads != 1:  # not fused: the eager reference computes these
         return _eager.depth_attention(sources, query, key_norm_weight, eps, key_norm=key_norm,
                                       gate=gate, heads=heads)
-    _check_sources("sources", sources)
-    d = sources.shape[-1]
+    sources = as_list(sources)
+    d = sources[0].shape[-1]
     _check_query("query", query, (d,))
     _check_query("key_norm_weight", key_norm_weight, (d,))
     h, _ = _load_ops().depth_attention_op(sources, query, key_norm_weight, float(eps),
@@ -67,22 +74,24 @@ def depth_attention(sources: torch.Tensor, query: torch.Tensor,
     return h
 
 
-def phase1(completed: torch.Tensor, queries: torch.Tensor,
+def phase1(completed, queries: torch.Tensor,
            key_norm_weights: torch.Tensor | None = None, eps: float = 1e-6, *,
            key_norm: bool = True, heads: int = 1):
-    """(o1 [S, *batch, d], m1 [S, *batch, 1], s1 [S, *batch, 1]) of the S queries [S, d] over
-    the completed blocks [n, *batch, d]; m1 and s1 in the accumulation dtype."""
+    """(o1, m1 [S, *batch, 1], s1 [S, *batch, 1]) of the S queries [S, d] over the n
+    completed blocks (a sequence of [*batch, d] or a stacked [n, *batch, d]); o1 is a tuple
+    of S tensors [*batch, d] (o1[s] as with the eager backend's stacked o1); m1 and s1 in
+    the accumulation dtype."""
     if heads != 1:
         return _eager.phase1(completed, queries, key_norm_weights, eps, key_norm=key_norm,
                              heads=heads)
-    _check_sources("completed", completed)
+    completed = as_list(completed)
     if queries.dim() != 2:
         raise ValueError(f"queries must be [S, d], got shape {tuple(queries.shape)}")
-    _check_query("queries", queries, (queries.shape[0], completed.shape[-1]))
+    _check_query("queries", queries, (queries.shape[0], completed[0].shape[-1]))
     _check_query("key_norm_weights", key_norm_weights, tuple(queries.shape))
     o1, m1, s1, _ = _load_ops().phase1_op(completed, queries, key_norm_weights, float(eps),
                                           bool(key_norm))
-    return o1, m1, s1
+    return tuple(o1), m1, s1
 
 
 def _heads_of(o1, m1, s1) -> int:
@@ -97,7 +106,7 @@ def _heads_of(o1, m1, s1) -> int:
 
 
 def _phase2(o1, m1, s1, partial, query, key_norm_weight, eps, norm_weight, norm_eps,
-            key_norm, with_norm):
+            key_norm, with_norm, with_h=True):
     d = o1.shape[-1]
     if partial is not None and partial.shape != o1.shape:
         raise ValueError(f"partial has shape {tuple(partial.shape)}, expected {tuple(o1.shape)}")
@@ -105,7 +114,8 @@ def _phase2(o1, m1, s1, partial, query, key_norm_weight, eps, norm_weight, norm_
     _check_query("key_norm_weight", key_norm_weight, (d,))
     _check_query("norm_weight", norm_weight, (d,))
     return _load_ops().phase2_op(o1, m1, s1, partial, query, key_norm_weight, norm_weight,
-                                 float(eps), float(norm_eps), bool(key_norm), with_norm)
+                                 float(eps), float(norm_eps), bool(key_norm), with_norm,
+                                 with_h or not with_norm)
 
 
 def phase2(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor, partial: torch.Tensor | None,
@@ -124,12 +134,14 @@ def phase2_norm(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor,
                 partial: torch.Tensor | None, query: torch.Tensor,
                 key_norm_weight: torch.Tensor | None = None, eps: float = 1e-6, *,
                 norm_weight: torch.Tensor | None = None, norm_eps: float | None = None,
-                key_norm: bool = True):
+                key_norm: bool = True, keep_h: bool = True):
     """phase2 fused with the next sublayer's PreNorm: (h, rms_norm(h) * norm_weight).
-    norm_eps defaults to eps."""
+    norm_eps defaults to eps. keep_h=False returns (None, y) and writes only y (a model
+    whose sublayer reads y needs nothing else of h: the backward recomputes it)."""
     norm_eps = eps if norm_eps is None else norm_eps
     if _heads_of(o1, m1, s1) != 1:
         h = _eager.phase2(o1, m1, s1, partial, query, key_norm_weight, eps, key_norm=key_norm)
-        return h, F.rms_norm(h, (h.shape[-1],), norm_weight, norm_eps)
-    return _phase2(o1, m1, s1, partial, query, key_norm_weight, eps, norm_weight, norm_eps,
-                   key_norm, True)
+        return h if keep_h else None, F.rms_norm(h, (h.shape[-1],), norm_weight, norm_eps)
+    h, y = _phase2(o1, m1, s1, partial, query, key_norm_weight, eps, norm_weight, norm_eps,
+                   key_norm, True, keep_h)
+    return (h if keep_h else None), y

@@ -77,6 +77,75 @@ def kernel(fn, device: torch.device):
     return _compiled[key]
 
 
+def device_fn(fn):
+    """A helper that kernels call. Inside a compiled kernel triton needs a JITFunction; inside
+    an interpreted one a JITFunction refuses to be called, so this one runs `fn` through the
+    interpreter when it is called from Python (only the interpreter ever does that)."""
+    if triton is None:  # pragma: no cover - triton missing: the kernels never run
+        return fn
+    from triton.runtime.jit import JITFunction
+
+    class DeviceFunction(JITFunction):
+        def __call__(self, *args, **kwargs):
+            if not hasattr(self, "interpreted"):
+                from triton.runtime.interpreter import InterpretedFunction
+                self.interpreted = InterpretedFunction(self.fn)
+            return self.interpreted(*args, **kwargs)
+
+    return DeviceFunction(fn)
+
+
+# ---- launching, with autotuning on a GPU ---------------------------------------------------
+# Under the interpreter (and when a test forces tiles) a kernel runs with one fixed config; on
+# a GPU `triton.autotune` picks one of a few (rows per program, warps, stages) per key.
+_tuners: dict[tuple, object] = {}
+
+
+def launch(fn, device: torch.device, grid, args: tuple, *, fixed: dict, configs: list[dict],
+           key: list[str], **constexprs) -> None:
+    """Run kernel `fn` on `grid` (a function of the config's meta-parameters).
+
+    fixed: the config used under the interpreter or when `tiles()` forces one; configs: the
+    candidates a GPU autotunes over (dicts of meta-parameters plus num_warps, num_stages),
+    keyed on the argument names `key` (the dtypes of tensor arguments are part of triton's
+    key too). RESTOPO_TRITON_AUTOTUNE=0 takes the first candidate instead (one compile per
+    kernel: quicker correctness checks)."""
+    forced = bool(_override) or device.type != "cuda"
+    untuned = os.environ.get("RESTOPO_TRITON_AUTOTUNE", "1").strip() == "0"
+    if forced or untuned or len(configs) < 2:
+        cfg = dict(fixed if forced or not configs else configs[0])
+        warps, stages = cfg.pop("num_warps", 4), cfg.pop("num_stages", 1)
+        kernel(fn, device)[grid(cfg)](*args, **constexprs, **cfg, num_warps=warps,
+                                      num_stages=stages)
+        return
+    tkey = (fn, tuple(tuple(sorted(c.items())) for c in configs), tuple(key))
+    if tkey not in _tuners:
+        cands = []
+        for c in configs:
+            c = dict(c)
+            warps, stages = c.pop("num_warps"), c.pop("num_stages")
+            cands.append(triton.Config(c, num_warps=warps, num_stages=stages))
+        _tuners[tkey] = triton.autotune(configs=cands, key=key)(kernel(fn, device))
+    _tuners[tkey][grid](*args, **constexprs)
+
+
+def row_grid(rows: int):
+    """The grid of a kernel with one program per BLOCK_R rows."""
+    return lambda meta: (triton.cdiv(max(rows, 1), meta["BLOCK_R"]),)
+
+
+def persistent_programs(tiles: int, device: torch.device) -> int:
+    """Programs for a kernel that sums a per-row quantity (a gradient of a [d] parameter):
+    each takes every P-th row tile and writes one partial sum, so the partials are [P, d]
+    whatever the row count (a few per SM; 3 under the interpreter, so that tests see
+    programs with several tiles and programs with none)."""
+    if device.type == "cuda":
+        cap = 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        cap = 3
+    return max(1, min(cap, tiles))
+
+
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """Accumulation dtype: fp32 for fp32/fp16/bf16 inputs, fp64 for fp64 (lets gradcheck run)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -135,3 +204,20 @@ def num_warps(elements: int) -> int:
     a [2, 2048] tile on 16 warps uses 63-110 registers with no spill; a [1, 8192] tile (d 7168)
     on 16 warps needs 128 registers and spills a little in the backward kernels."""
     return max(4, min(16, elements // 256))
+
+
+def row_configs(block_d: int, rows=(1, 2, 4)) -> list[dict]:
+    """GPU candidates for a kernel whose program holds BLOCK_R whole rows of block_d fp32
+    channels: per row count, the warps that give about 16 values per thread and tile (4 to
+    16 warps, at most 64 values), one with half the values per thread, and a 2-stage
+    variant of the first (5 configs at most, so tuning stays a few seconds a kernel)."""
+    out = []
+    for r in rows:
+        w = min(16, max(4, r * block_d // 512))
+        if r * block_d // (32 * w) <= 64:
+            out.append(dict(BLOCK_R=r, num_warps=w, num_stages=1))
+    if out and out[0]["num_warps"] < 16 and block_d >= 256:
+        out.insert(1, dict(out[0], num_warps=2 * out[0]["num_warps"]))
+    if out:
+        out.append(dict(out[0], num_stages=2))
+    return out or [dict(BLOCK_R=1, num_warps=16, num_stages=1)]

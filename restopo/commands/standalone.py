@@ -211,9 +211,10 @@ def _init(model, spec) -> str:
 
 def module_source(model, name: str, source: str) -> str:
     """The text of a standalone module that builds `model` (a restopo.compile model)."""
-    from ..fx.lower import parts_of
+    from ..fx.lower import lower, parts_of
     from ..decode import require_own_sublayers
-    require_own_sublayers(parts_of(model))  # restopo's own sublayers, which this file copies
+    parts = parts_of(model)
+    require_own_sublayers(parts)  # restopo's own sublayers, which this file copies
     spec = model.restopo_spec
     g = model.restopo_ir
     doc = DOC.format(name=name, source=source, topology=g.topology, sublayers=g.n_sublayers)
@@ -222,8 +223,12 @@ def module_source(model, name: str, source: str) -> str:
                          spec=text_literal(model.spec_text),
                          overrides=literal(tuple(getattr(model, "restopo_overrides", ()))),
                          eps=literal(NORM_EPS))
+    # the file runs the eager backend, so its forward is the eager lowering's (a fused
+    # backend's lowering hands the sublayers' norms to phase 2)
+    code = lower(g, parts, backend="eager", two_phase=len(model.phases) > 0,
+                 aggregations=model.aggregations).code
     forward = "\n".join(("    " + line) if line.strip() else ""
-                        for line in model.code.strip("\n").splitlines())
+                        for line in code.strip("\n").splitlines())
     parts = [head, _kernels(), OPS, "\n# ---- sublayers (restopo.nn.sublayers)\n\n",
              "\n\n".join(_source(c) for c in SUBLAYER_CODE),
              "\n\n# ---- aggregation modules (restopo.nn.aggregate)\n\n",

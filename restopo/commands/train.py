@@ -78,8 +78,25 @@ class _Stop(Exception):
 
 
 def _fail(message: str) -> int:
-    print(f"restopo train: error: {message}", file=sys.stderr)
-    return 1
+    """Say a mistake once: every worker of a run meets it, rank 0 says it (and the workers
+    exit with USAGE_EXIT, so the launcher adds nothing)."""
+    if _is_writer():
+        print(f"restopo train: error: {message}", file=sys.stderr)
+    return _usage_exit()
+
+
+def _usage_exit() -> int:
+    """The exit status after a mistake. Under torchrun the other workers give rank 0 time to
+    say it and exit first: torchrun stops every worker as soon as one exits."""
+    import time
+
+    from ..train.dist import USAGE_EXIT, under_torchrun
+
+    if not under_torchrun():
+        return 1
+    if not _is_writer():
+        time.sleep(float(os.environ.get("RESTOPO_USAGE_WAIT", "10")))
+    return USAGE_EXIT
 
 
 def _overrides(args) -> tuple[str, ...]:
@@ -120,15 +137,26 @@ def run(args) -> int:
     from ..train.checkpoint import CheckpointError
     from ..train.data import DataError
     from ..train.dist import cpu_threads
+    from ..train.layout import LayoutError
     from ..train.loop import TrainingError
     from ..train.runlock import RunLocked
     PlanError = get_backend("pipeline").PlanError
 
+    from ..spec import SpecError
+    from ..train.dist import under_torchrun
+
     try:
         with cpu_threads(args.threads):
             return _run(args)
-    except (DataError, CheckpointError, TrainingError, PlanError, RunLocked, _Stop) as e:
+    except (DataError, CheckpointError, TrainingError, PlanError, LayoutError, RunLocked,
+            _Stop) as e:
         return _fail(str(e))
+    except SpecError as e:
+        if not under_torchrun():
+            raise  # the CLI renders it
+        if _is_writer():  # every worker read the same spec: rank 0 says it
+            print(e.render(), file=sys.stderr)
+        return _usage_exit()
 
 
 def _is_writer() -> bool:
@@ -138,8 +166,15 @@ def _is_writer() -> bool:
     return not under_torchrun() or os.environ["RANK"] == "0"
 
 
+# Set for the workers of `restopo train --nproc`: the launcher has said the notes of the
+# first attempt already (a restarted attempt says its own).
+NOTES_SAID = "RESTOPO_NOTES_SAID"
+
+
 def _note(message: str) -> None:
-    if _is_writer():
+    from ..train.dist import restart_count
+
+    if _is_writer() and not (os.environ.get(NOTES_SAID) and restart_count() == 0):
         print(f"restopo train: note: {message}", file=sys.stderr)
 
 
@@ -244,8 +279,8 @@ def _load_spec(args, out: Path):
     if step_dir is not None:
         old = read_meta(step_dir)
         if old.get("spec_text") != spec.text:
-            print(f"restopo train: note: {args.spec} changed since {step_dir} was saved; "
-                  f"resuming with the current file", file=sys.stderr)
+            _note(f"{args.spec} changed since {step_dir} was saved; resuming with the "
+                  f"current file")
         _note_resume(spec, step_dir)
     return spec, step_dir
 
@@ -254,7 +289,7 @@ def _note_resume(spec, step_dir) -> None:
     from ..train import runspec
     from ..train.checkpoint import read_meta
     for note in runspec.resume_notes(spec, read_meta(step_dir), step_dir):
-        print(f"restopo train: note: {note}", file=sys.stderr)
+        _note(note)
 
 
 def _run(args) -> int:
@@ -280,13 +315,23 @@ def _launch(args, out: Path) -> int:
     spec, _ = _load_spec(args, out)  # bad specs and data fail here, once, not per rank
     if spec.model is None:
         return _fail(f"{spec.path} has no model section; training needs one")
+    _layout(args, spec, args.nproc)  # so do layouts that cannot run
     runspec.open_data(spec, progress=not args.no_progress)
-    return dist.launch(_worker_argv(args), args.nproc, args.max_restarts, env=hand_down(out))
+    return dist.launch(_worker_argv(args), args.nproc, args.max_restarts,
+                       env={**hand_down(out), NOTES_SAID: "1"}, checkpoints=out / "ckpt")
+
+
+def _layout(args, spec, world: int):
+    """The run's layout over `world` processes, checked against the spec (LayoutError)."""
+    from ..train import layout
+
+    chosen = layout.resolve(args.pipeline, spec.parallel, world)
+    layout.check_layout(spec, chosen, "--nproc" if args.nproc or world == 1 else None)
+    return chosen
 
 
 def _train(args, out: Path) -> int:
-    from ..registry import get_backend
-    from ..train import dist, runspec
+    from ..train import dist, layout, runspec
     from ..train.data import DataError
     from ..train.loop import TrainConfig, train
 
@@ -296,6 +341,7 @@ def _train(args, out: Path) -> int:
     spec, step_dir = _load_spec(args, out)
     if spec.model is None:
         return _fail(f"{spec.path} has no model section; training needs one")
+    chosen = _layout(args, spec, int(os.environ.get("WORLD_SIZE", "1")))
     try:
         ctx = dist.setup(args.device)
     except RuntimeError as e:
@@ -306,8 +352,8 @@ def _train(args, out: Path) -> int:
         corpus = runspec.open_data(spec, progress=ctx.is_main and not args.no_progress)
         if ctx.is_main:
             dist.barrier(ctx)
-        try:
-            model = runspec.build_model(spec, args.backend)
+        try:  # whole, or this process's share of it (restopo.train.layout)
+            model, stepper = layout.build(spec, chosen, ctx, args.backend)
         except RuntimeError as e:  # a backend that cannot run here says why
             raise _Stop(str(e)) from None
         cfg = TrainConfig.from_spec(spec.train, spec.model.context)
@@ -315,17 +361,8 @@ def _train(args, out: Path) -> int:
             n_params = sum(p.numel() for p in model.parameters())
             print(f"restopo train: {spec.path} ({spec.topology.name}, {n_params:,} parameters) "
                   f"on {corpus.description}; {cfg.steps} steps x {cfg.batch} x "
-                  f"{cfg.context} tokens, {ctx.world} process(es) on {ctx.device}"
+                  f"{cfg.context} tokens, {chosen.describe()} on {ctx.device}"
                   + (f"; resuming from {step_dir}" if step_dir else ""), file=sys.stderr)
-        pipeline_backend = get_backend("pipeline")
-        PipelineConfig, PipelinedStep = (pipeline_backend.PipelineConfig,
-                                         pipeline_backend.PipelinedStep)
-        # --pipeline, or the spec's parallel section when several processes run
-        pipeline = PipelineConfig.resolve(args.pipeline, spec.parallel if ctx.distributed
-                                          or args.pipeline else None)
-        stepper = None  # the loop's default: data parallel
-        if pipeline is not None:
-            stepper = PipelinedStep(model.to(ctx.device), pipeline, ctx, cfg.batch)
         try:
             summary = train(model, corpus, cfg, out, ctx,
                             meta=runspec.run_meta(spec, runspec.data_base(spec)),

@@ -16,7 +16,11 @@ How values become code (each is one line of `gm.code`):
   `block2 = partial2_3 + sublayer5`, built on first use;
 - a two-phase group (restopo.ir.two_phase_plan) runs phase 1 once, before its first member,
   and each member merges its pre-update partial: `h5 = aggregations_4(partial2_2,
-  phase1=block2_phase1, slot=1)`;
+  phase1=block2_phase1, slot=1)`; unless the backend is eager, a member whose sublayer
+  takes `normed=` (restopo's own) also computes that sublayer's PreNorm in the same op,
+  `h5_normed = aggregations_4(..., norm_weight=sublayers_4_norm_weight, norm_eps=1e-30)`,
+  and the sublayer is called with `normed=True` (one fused kernel on the triton backend;
+  phase 2 then the same norm on the eager one);
 - every other aggregation calls its module on its sources in IR order;
 - n streams: `streams1 = self.expand_streams(embedding)`; before sublayer l
   `mix1 = aggregations_0(streams1)` gives (h_l, post, R) and `h1 = mix1[0]`; after it
@@ -24,6 +28,7 @@ How values become code (each is one line of `gm.code`):
 """
 from __future__ import annotations
 
+import inspect
 import operator
 
 import torch
@@ -78,9 +83,10 @@ def lower(g: IR, parts: Parts, backend: str = "auto", two_phase: bool = True,
         for grp in plan)
     if aggs[0].multi_stream:
         root.expand_streams, root.write_streams = StreamExpand(aggs[0].streams), StreamWrite()
-    emitter = _Emitter(parts)
+    emitter = _Emitter(parts, fuse_norms=backend != "eager")
     graph = emitter.emit(g, plan)
     gm = fx.GraphModule(root, graph, class_name="RestopoModel")
+    _order_as_called(gm, graph)
     # GraphModule copies only what the graph calls; keep whole containers so every
     # aggregation (also ones lowered as plain adds) is in the module and its state_dict.
     for name in SUBMODULES:
@@ -107,6 +113,16 @@ def _share_logits(gm: fx.GraphModule, g: IR, plan) -> None:
         SharedSources(readers, EPS).install(gm)
 
 
+def _order_as_called(gm: fx.GraphModule, graph: fx.Graph) -> None:
+    """Submodules in the order the graph first calls them. GraphModule registers them in
+    the order of first use, get_attr included, so a fused PreNorm's get_attr of
+    `sublayers.{i}.norm.weight` would move `sublayers` up: the parameter order (optimizer
+    state, checkpoints) would then depend on the backend."""
+    called = [n.target.split(".")[0] for n in graph.nodes if n.op == "call_module"]
+    for name in list(dict.fromkeys(called)) + [k for k in gm._modules if k not in called]:
+        gm._modules[name] = gm._modules.pop(name)
+
+
 def _width_of(embed: nn.Module) -> int:
     w = getattr(embed, "weight", None)
     if w is None or w.dim() != 2:
@@ -118,8 +134,10 @@ def _width_of(embed: nn.Module) -> int:
 class _Emitter(Visitor):
     """The walk's visitor that writes the fx Graph: one node per value, named after the IR."""
 
-    def __init__(self, parts: Parts):
+    def __init__(self, parts: Parts, fuse_norms: bool = False):
         self.parts = parts
+        self.fuse_norms = fuse_norms
+        self.normed: set[int] = set()  # sublayers whose input is already RMSNorm(h)
         self.graph = fx.Graph()
         self.context: list[fx.Node] = []
         self.context_names: tuple[str, ...] | None = None
@@ -146,8 +164,9 @@ class _Emitter(Visitor):
         return embedding
 
     def sublayer(self, node: Sublayer, h: fx.Node) -> fx.Node:
+        kwargs = {"normed": True} if node.index in self.normed else None
         return self.node("call_module", f"sublayers.{node.index - 1}", (h, *self.context),
-                         name=node.id)
+                         kwargs, name=node.id)
 
     def add(self, a: fx.Node, b: fx.Node, name: str) -> fx.Node:
         return self.node("call_function", operator.add, (a, b), name=name)
@@ -164,8 +183,31 @@ class _Emitter(Visitor):
 
     def phase2(self, agg: Aggregation, phase1: fx.Node, slot: int,
                partial: fx.Node | None) -> fx.Node:
+        kwargs, name = {"phase1": phase1, "slot": slot}, f"h{agg.index}"
+        norm = self._fusable_norm(agg)
+        if norm is not None:  # the value is the sublayer's normalised input, not h
+            target = f"sublayers.{agg.index - 1}.norm.weight"
+            kwargs["norm_weight"] = (None if norm.weight is None else
+                                     self.node("get_attr", target, name=target.replace(".", "_")))
+            kwargs["norm_eps"] = float(norm.eps)
+            self.normed.add(agg.index)
+            name += "_normed"
         return self.node("call_module", _target(agg), [] if partial is None else [partial],
-                         {"phase1": phase1, "slot": slot}, name=f"h{agg.index}")
+                         kwargs, name=name)
+
+    def _fusable_norm(self, agg: Aggregation) -> nn.RMSNorm | None:
+        """The PreNorm of the sublayer `agg` feeds, when phase 2 may compute it: the backend
+        is not eager and the sublayer takes `normed=` and has an RMSNorm over the width
+        (restopo's own sublayers; not a rewired model's, nor a decoder's cached wrapper)."""
+        if not self.fuse_norms or agg.is_head:
+            return None
+        sub = self.parts.sublayers[agg.index - 1]
+        norm = getattr(sub, "norm", None)
+        if (not isinstance(norm, nn.RMSNorm) or norm.eps is None
+                or len(norm.normalized_shape) != 1
+                or "normed" not in inspect.signature(sub.forward).parameters):
+            return None
+        return norm
 
     def expand(self, agg: Aggregation, v0: fx.Node) -> fx.Node:
         return self.node("call_module", "expand_streams", (v0,), name="streams1")

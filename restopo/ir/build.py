@@ -117,6 +117,8 @@ def source_reads(kinds: tuple[str, ...], topology: Topology) -> int:
     """How many sources the aggregations of build_ir(kinds, topology) read in all (sources
     two selectors share are counted twice): the IR's size, in O(L) without building it."""
     L, count = len(kinds), 0
+    if topology.sublayer_rule.multi_stream:  # every point reads its streams X_l alone
+        return L + 1
     pos = {i: (n, j) for n, members in enumerate(topology.blocks, start=1)
            for j, i in enumerate(members, start=1)}
     for l in range(1, L + 2):

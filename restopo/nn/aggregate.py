@@ -55,10 +55,12 @@ class Attend(nn.Module):
         return None if self.key_norm is None else self.key_norm.weight
 
     def forward(self, *sources: torch.Tensor, phase1=None, slot: int = 0,
-                logits=None) -> torch.Tensor:
+                norm_weight: torch.Tensor | None = None,
+                norm_eps: float | None = None, logits=None) -> torch.Tensor:
         """`logits`: each source's logit, already made (restopo.nn.shared_sources)."""
         if phase1 is not None:
-            return self.merge(phase1, slot, sources[0] if sources else None)
+            return self.merge(phase1, slot, sources[0] if sources else None, norm_weight,
+                              norm_eps)
         q = self._query(sources)
         # A tuple, not a stack: the eager backend then saves no copy of the sources.
         return ops.depth_attention(sources, q, self.gain, EPS,
@@ -82,12 +84,20 @@ class Attend(nn.Module):
         alpha = self.depth_weights(*sources)
         return list(alpha.repeat_interleave(self.d // self.heads, dim=-1))
 
-    def merge(self, phase1, slot: int, partial: torch.Tensor | None) -> torch.Tensor:
+    def merge(self, phase1, slot: int, partial: torch.Tensor | None,
+              norm_weight: torch.Tensor | None = None,
+              norm_eps: float | None = None) -> torch.Tensor:
         """Phase 2: this member's slice of its group's phase-1 result merged with its
-        pre-update partial (None for the first sublayer of a block)."""
+        pre-update partial (None for the first sublayer of a block). With `norm_eps`, the
+        next sublayer's PreNorm (gain `norm_weight`) in the same op: returns RMSNorm(h),
+        the sublayer's normalised input, not h."""
         o1, m1, s1 = phase1
-        return ops.phase2(o1[slot], m1[slot], s1[slot], partial, self.pseudo_query, self.gain,
-                          EPS, key_norm=self.key_norm is not None, backend=self.backend)
+        args = (o1[slot], m1[slot], s1[slot], partial, self.pseudo_query, self.gain, EPS)
+        if norm_eps is None:
+            return ops.phase2(*args, key_norm=self.key_norm is not None, backend=self.backend)
+        return ops.phase2_norm(*args, norm_weight=norm_weight, norm_eps=norm_eps,
+                               key_norm=self.key_norm is not None, keep_h=False,
+                               backend=self.backend)[1]
 
     def extra_repr(self) -> str:
         return f"d={self.d}, query={self.query}, gate={self.gate}, heads={self.heads}"
@@ -116,8 +126,9 @@ class TwoPhase(nn.Module):
         o1, m1, s1 = ops.phase1(completed, queries, gains, EPS, key_norm=self.has_key_norm,
                                 heads=self.heads, backend=self.backend, logits=logits)
         # Each member takes its own slice: split once here, so autograd gathers o1's
-        # gradient in one piece rather than zero-filling all of o1 for every member.
-        return o1.unbind(0), m1, s1
+        # gradient in one piece rather than zero-filling all of o1 for every member (the
+        # fused backend's o1 is already a tuple).
+        return (o1 if isinstance(o1, tuple) else o1.unbind(0)), m1, s1
 
     def extra_repr(self) -> str:
         return f"members={len(self.members)}"

@@ -24,7 +24,8 @@ from .wiring import check_against_model, check_residual
 MODEL_REQUIRED = ("vocab", "width", "depth", "heads", "context")
 MODEL_KEYS = MODEL_REQUIRED + ("mlp", "mlp_ratio", "layer", "tie_embeddings")
 MLP_KINDS = ("swiglu", "gelu")
-PARALLEL_KEYS = ("stages", "virtual", "schedule", "microbatches", "cache")
+PARALLEL_KEYS = ("stages", "virtual", "schedule", "microbatches", "cache", "data")
+DATA_ENGINES = ("ddp", "fsdp")  # data parallel: replicated (DDP) or sharded (FSDP2)
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 TRAIN_KEYS = ("data", "steps", "batch", "lr", "schedule", "warmup", "min_lr", "weight_decay",
               "grad_clip", "accum", "eval_every", "eval_batches", "save_every", "seed",
@@ -120,11 +121,14 @@ def check_parallel(view: View, c: Checker) -> ParallelSpec | None:
     f = view.fields
     if view.bad:
         return None
-    if "stages" not in f:
+    if "stages" not in f and "data" not in f:
         c.error((view.head or view.kind).pos, "the parallel section is missing 'stages'",
-                "e.g. parallel { pipeline(stages: 2, microbatches: 4) }")
+                "e.g. parallel { pipeline(stages: 2, microbatches: 4) } or "
+                "parallel { data: fsdp }")
         return None
-    stages = c.integer(f["stages"], "stages", 1, why="the number of pipeline ranks")
+    stages = c.integer(f["stages"], "stages", 1, why="the number of pipeline ranks") \
+        if "stages" in f else 1
+    data = c.choice(f["data"], "data", DATA_ENGINES) if "data" in f else "ddp"
     virtual = c.integer(f["virtual"], "virtual", 1,
                         why="model chunks per rank") if "virtual" in f else 1
     schedule = None
@@ -147,9 +151,9 @@ def check_parallel(view: View, c: Checker) -> ParallelSpec | None:
     cache = True
     if "cache" in f:
         cache = c.boolean(f["cache"], "cache")
-    if len(c.errors) > before or None in (stages, virtual, schedule, micro, cache):
+    if len(c.errors) > before or None in (stages, virtual, schedule, micro, cache, data):
         return None
-    return ParallelSpec(stages, virtual, schedule, micro, cache,
+    return ParallelSpec(stages, virtual, schedule, micro, cache, data,
                         pos=(view.head or view.kind).pos, positions=positions(view))
 
 

@@ -132,6 +132,7 @@ class ParallelSpec:
     schedule: str = "1f1b"         # gpipe | 1f1b | interleaved_1f1b
     microbatches: int = 1
     cache: bool = True
+    data: str = "ddp"              # data parallel engine: ddp | fsdp
     pos: Pos | None = field(default=None, compare=False, repr=False)
     positions: tuple[tuple[str, Pos], ...] = field(default=(), compare=False, repr=False)
 

@@ -10,6 +10,15 @@ Layout under a run's checkpoint folder (OUT/ckpt):
     damaged/step_000090             a checkpoint that failed its checks, moved aside by
                                     `restopo train` (never deleted: it may still be read)
 
+A run whose processes each hold part of the model (pipeline stages, FSDP) saves the sharded
+layout instead (shards.py: one safetensors share per rank, index.json, state.safetensors,
+meta.json, manifest.json): `save_sharded` is called by every rank; each writes its share into
+the step's temporary folder, and after a barrier rank 0 writes the rest, renames the folder
+into place and moves `latest`, so a crash before that leaves the previous checkpoint whole.
+Everything below (verification, fallback, pruning, loading) treats both layouts alike;
+`load_checkpoint` fills a whole model from either, and `shards.Reader` reads any layout's
+tensors by name for another layout.
+
 A save writes a hidden temporary folder, fsyncs every file and the folder, renames it into
 place, then replaces `latest` (restopo.io.write_atomic). Interrupted anywhere, the previous
 `latest` still names a complete checkpoint. The new checkpoint is then read back against
@@ -36,9 +45,12 @@ from pathlib import Path
 import torch
 
 from ..io import fsync_dir, fsync_file, new_mode, write_atomic
+from .shards import INDEX, STATE, Reader, ShardError, files_in_index, is_sharded, \
+    load_named, read_state_file, shard_name, write_share, write_state
 
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
 FILES = ("model.safetensors", "optimizer.pt", "state.pt", "meta.json")
+SHARDED_FILES = (INDEX, STATE, "meta.json")  # and the shards index.json names
 MANIFEST = "manifest.json"
 DAMAGED = "damaged"
 # Leftovers of an interrupted save, prune or atomic write (removed by `clean_leftovers`).
@@ -66,12 +78,24 @@ def _canonical(obj) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
 
 
+def checkpoint_files(step_dir: str | os.PathLike) -> tuple[str, ...] | None:
+    """The files a step folder holds besides its manifest: FILES, or for the sharded layout
+    index.json, state, meta and every shard the index names (None: the index is unreadable)."""
+    step_dir = Path(step_dir)
+    if not is_sharded(step_dir):
+        return FILES
+    try:
+        return SHARDED_FILES + files_in_index(json.loads((step_dir / INDEX).read_text()))
+    except (OSError, ValueError):
+        return None
+
+
 def write_manifest(step_dir: str | os.PathLike) -> None:
     """manifest.json: size and SHA-256 of every checkpoint file, and its own hash, written
     in one canonical form (so a changed byte anywhere in it is seen too)."""
     step_dir = Path(step_dir)
     files = {name: {"bytes": (step_dir / name).stat().st_size,
-                    "sha256": _sha256(step_dir / name)} for name in FILES}
+                    "sha256": _sha256(step_dir / name)} for name in checkpoint_files(step_dir)}
     body = {"format": 1, "files": files}
     (step_dir / MANIFEST).write_bytes(
         _canonical({**body, "manifest_sha256": hashlib.sha256(_canonical(body)).hexdigest()}))
@@ -81,10 +105,11 @@ _VERIFIED: dict[str, tuple] = {}  # folder -> stat of its files when they last v
 
 
 def _signature(step_dir: Path) -> tuple | None:
+    files = checkpoint_files(step_dir)
     try:
         return tuple((s.st_size, s.st_mtime_ns, s.st_ino) for s in
-                     (os.stat(step_dir / name) for name in FILES + (MANIFEST,)))
-    except OSError:
+                     (os.stat(step_dir / name) for name in files + (MANIFEST,)))
+    except (OSError, TypeError):
         return None
 
 
@@ -94,7 +119,10 @@ def verify_checkpoint(step_dir: str | os.PathLike) -> str | None:
     manifests (no manifest.json, every file present) passes: see `has_manifest`. Files
     unchanged since they last verified in this process are not read again."""
     step_dir = Path(step_dir)
-    missing = [f for f in FILES if not (step_dir / f).is_file()]
+    files = checkpoint_files(step_dir)
+    if files is None:
+        return f"{INDEX} unreadable"
+    missing = [f for f in files if not (step_dir / f).is_file()]
     if missing:
         return f"{', '.join(missing)} missing"
     if not has_manifest(step_dir):
@@ -118,9 +146,10 @@ def _verify_manifest(step_dir: Path) -> str | None:
         if isinstance(manifest, dict) else None
     if (body is None or raw != _canonical(manifest) or body.get("format") != 1
             or manifest.get("manifest_sha256") != hashlib.sha256(_canonical(body)).hexdigest()
-            or not isinstance(body.get("files"), dict) or sorted(body["files"]) != sorted(FILES)):
+            or not isinstance(body.get("files"), dict)
+            or sorted(body["files"]) != sorted(checkpoint_files(step_dir) or ())):
         return f"{MANIFEST} does not match its own checksum"
-    for name in FILES:
+    for name in checkpoint_files(step_dir):
         want = body["files"][name]
         path = step_dir / name
         try:
@@ -190,8 +219,114 @@ def save_checkpoint(root: str | os.PathLike, step: int, model: torch.nn.Module,
     return final
 
 
+# Tests set this to STEP_FOLDER/FILE (or STEP_FOLDER/rename, STEP_FOLDER/latest) to kill the
+# process that has just written that file of that step, as a crash there would.
+CRASH_AFTER = "RESTOPO_CRASH_AFTER"
+
+
+def _crash_point(step_dir: Path, name: str) -> None:
+    if os.environ.get(CRASH_AFTER) == f"{step_dir.name}/{name}":
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def save_sharded(root: str | os.PathLike, step: int, named, optimizer, state: dict | None,
+                 meta: dict | None, *, rank: int, world: int, exchange, keep: int = 3,
+                 layout: str = "") -> Path:
+    """Save one sharded checkpoint; called by every rank of the run.
+
+    Each rank writes its share (the parameters `named` [(name, param)] it owns, whole or its
+    FSDP rows, and their AdamW state; shards.share) into the step's temporary folder.
+    `exchange(obj)` hands a JSON-able object to every rank and returns all ranks' (it is
+    also the barrier). Once every share is written, rank 0 writes state.safetensors
+    (`state`), meta.json (`meta`), index.json and manifest.json, renames the folder into
+    place and moves `latest`; it then verifies the checkpoint and prunes older ones, as
+    `save_checkpoint` does. A crash before the rename leaves `latest` on the previous
+    checkpoint. Every rank raises CheckpointError if any rank failed."""
+    from .shards import build_index, share
+
+    root = Path(root)
+    final = root / step_dir_name(step)
+    tmp = root / f".tmp-{final.name}-sharded"
+    error = None
+    if rank == 0:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)  # a crashed save of the same step
+            tmp.mkdir()
+        except OSError as e:
+            error = f"cannot make {tmp}: {e.strerror or e}"
+    _agree(exchange(error))
+    file, entries = shard_name(rank, world), {}
+    try:
+        tensors, entries = share(named, optimizer)
+        write_share(tmp / file, tensors)
+        os.chmod(tmp / file, new_mode())
+        fsync_file(tmp / file)
+    except (OSError, ShardError) as e:
+        error = f"rank {rank} could not write {file}: {_one_line(e)}"
+    _crash_point(final, file)
+    parts = exchange({"file": file, "entries": entries, "error": error})
+    _agree([p["error"] for p in parts])
+    if rank == 0:
+        try:
+            _commit_sharded(root, tmp, final, parts, state, meta, step, world, layout)
+        except (OSError, ShardError, CheckpointError) as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            error = _one_line(e)
+    _agree(exchange(error))
+    if rank == 0:
+        _prune(root, keep)
+    return final
+
+
+def _commit_sharded(root: Path, tmp: Path, final: Path, parts, state, meta, step, world,
+                    layout) -> None:
+    from .shards import build_index
+
+    index = build_index([(p["file"], p["entries"]) for p in parts], world, layout)
+    writers = {
+        STATE: lambda p: write_state(p, state),
+        "meta.json": lambda p: p.write_text(json.dumps({**meta, "step": step}, indent=1)),
+        INDEX: lambda p: p.write_text(json.dumps(index, indent=1)),
+    }
+    for name in SHARDED_FILES + (MANIFEST,):
+        if name == MANIFEST:
+            write_manifest(tmp)
+        else:
+            writers[name](tmp / name)
+        os.chmod(tmp / name, new_mode())
+        fsync_file(tmp / name)
+        _crash_point(final, name)
+    os.chmod(tmp, new_mode(folder=True))
+    fsync_dir(tmp)
+    if final.exists():  # the same step saved again (a restarted run): swap it out
+        old = root / f".old-{final.name}-{os.getpid()}"
+        os.replace(final, old)
+        shutil.rmtree(old, ignore_errors=True)
+    os.replace(tmp, final)
+    fsync_dir(root)
+    _crash_point(final, "rename")
+    write_atomic(root / "latest", final.name + "\n")
+    _crash_point(final, "latest")
+    damage = verify_checkpoint(final)
+    if damage is not None:
+        raise CheckpointError(f"checkpoint {final} did not read back intact ({damage}); the "
+                              f"older checkpoints are kept. Is the disk failing or full?")
+
+
+def _agree(errors) -> None:
+    """Raise the first rank's error on every rank (errors: what each rank reported)."""
+    errors = errors if isinstance(errors, list) else [errors]
+    first = next((e for e in errors if e), None)
+    if first:
+        raise CheckpointError(f"saving a sharded checkpoint failed: {first}")
+
+
 def _complete(path: Path) -> bool:
-    return all((path / f).is_file() for f in FILES)
+    files = checkpoint_files(path)
+    return files is not None and all((path / f).is_file() for f in files)
 
 
 def list_checkpoints(root: str | os.PathLike) -> list[Path]:
@@ -362,10 +497,17 @@ def read_state(step_dir: str | os.PathLike, step: int | None = None) -> dict:
     """state.pt, loaded without unpickling and checked: 'step' (that of meta.json), the data
     sampler's and torch's RNG states (each accepted by a scratch generator), 'elapsed'."""
     step_dir = Path(step_dir)
-    state = _load_pt(step_dir, "state.pt", "cpu")
+    name = STATE if is_sharded(step_dir) else "state.pt"
+    if name == STATE:
+        try:
+            state = read_state_file(step_dir / STATE)
+        except ShardError as e:
+            raise CheckpointError(f"cannot load checkpoint {step_dir}: {e}") from None
+    else:
+        state = _load_pt(step_dir, "state.pt", "cpu")
 
     def bad(what: str) -> CheckpointError:
-        return CheckpointError(f"cannot load checkpoint {step_dir}: state.pt {what}")
+        return CheckpointError(f"cannot load checkpoint {step_dir}: {name} {what}")
 
     if not isinstance(state, dict):
         raise bad("is not a dict")
@@ -425,11 +567,10 @@ def load_checkpoint(step_dir: str | os.PathLike, model: torch.nn.Module,
     from safetensors.torch import load_model
 
     step_dir = Path(step_dir)
-    damage = verify_checkpoint(step_dir)
-    if damage is not None:
-        raise CheckpointError(f"cannot load checkpoint {step_dir}: it is damaged: {damage}")
-    meta = read_meta(step_dir)
-    state = read_state(step_dir, meta.get("step"))
+    if is_sharded(step_dir):
+        return load_into(step_dir, model.named_parameters(), optimizer,
+                         aliases=tie_aliases(model))
+    state, meta = _checked(step_dir)
     opt_state = _load_pt(step_dir, "optimizer.pt", map_location) if optimizer else None
     if opt_state is not None and not (isinstance(opt_state, dict)
                                       and isinstance(opt_state.get("state"), dict)
@@ -453,3 +594,41 @@ def load_checkpoint(step_dir: str | os.PathLike, model: torch.nn.Module,
             text += " (was it saved from another spec?)"
         raise CheckpointError(f"cannot load checkpoint {step_dir}: {text}") from None
     return state, meta
+
+
+def _checked(step_dir: Path) -> tuple[dict, dict]:
+    """(state, meta) of a checkpoint that verifies against its manifest and schema."""
+    damage = verify_checkpoint(step_dir)
+    if damage is not None:
+        raise CheckpointError(f"cannot load checkpoint {step_dir}: it is damaged: {damage}")
+    meta = read_meta(step_dir)
+    return read_state(step_dir, meta.get("step")), meta
+
+
+def load_into(step_dir: str | os.PathLike, named, optimizer=None, *, order=None,
+              aliases=None, whole: bool = True) -> tuple[dict, dict]:
+    """Verify a checkpoint of either layout, then fill the parameters `named` [(name,
+    param)], whole or this process's FSDP rows, and their AdamW state, reading tensors by
+    name (shards.load_named). `order`: the whole model's parameter names in the optimizer's
+    order (to read a single-process optimizer.pt); `whole`: `named` is the whole model."""
+    step_dir = Path(step_dir)
+    state, meta = _checked(step_dir)
+    try:
+        reader = Reader(step_dir, order=order if optimizer is not None else None,
+                        aliases=aliases)
+        load_named(reader, named, optimizer, whole=whole)
+    except ShardError as e:
+        raise CheckpointError(f"{step_dir} does not fit this model: {e} (was it saved from "
+                              f"another spec?)") from None
+    return state, meta
+
+
+def tie_aliases(model: torch.nn.Module) -> dict[str, str]:
+    """Each tied parameter's other names -> the name named_parameters() gives it."""
+    first, out = {}, {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            out[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return out

@@ -37,7 +37,7 @@ from ..ir.walk import Visitor, walk
 from ..io import write_atomic
 from ..nn.streams import expand_streams, write_streams
 from .checkpoint import load_checkpoint, resolve_checkpoint
-from .plots import plot_depth_lines, plot_heatmap, plot_stream_coefficients
+from .plots import plot_depth_lines, plot_depth_weights, plot_stream_coefficients
 
 
 def _rms(t: torch.Tensor) -> float:
@@ -298,9 +298,8 @@ def write_figures(numbers: dict, graph, out_dir: Path, title: str) -> dict[str, 
     else:  # scalars, stream updates, mixtures: what each source contributes to h_l
         heat_title = (f"{title}: effective source weights ({', '.join(sorted(methods))}), "
                       f"mean over tokens and channels")
-    paths["depth_attention"] = plot_heatmap(matrix, out_dir / "depth_attention.png",
-                                            rows=labels, cols=cols, title=heat_title,
-                                            vmin=0.0)
+    paths["depth_attention"] = plot_depth_weights(matrix, out_dir / "depth_attention.png",
+                                                  rows=labels, cols=cols, title=heat_title)
     if numbers.get("stream_coefficients"):
         paths["streams"] = plot_stream_coefficients(
             numbers["stream_coefficients"], out_dir / "hyper_connections.png", xlabels=xlabels,

@@ -9,6 +9,7 @@ and exits non-zero, and the launcher says so in one line.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -19,6 +20,9 @@ import torch
 
 # Seconds a collective may wait for the other ranks before the job fails (env override).
 DEFAULT_TIMEOUT_S = 300
+# A worker's exit status for a mistake rank 0 has already said in one line (the launcher then
+# adds nothing).
+USAGE_EXIT = 3
 
 
 @dataclass
@@ -124,6 +128,43 @@ def mean_over_ranks(value: float, ctx: DistContext) -> float:
     return t.item() / ctx.world
 
 
+def exchange(ctx: DistContext, obj):
+    """Every rank's JSON-able `obj`, in rank order ([obj] in one process); also a barrier.
+    Sent as UTF-8 JSON bytes, so nothing is pickled."""
+    if not ctx.distributed:
+        return [obj]
+    import torch.distributed as dist
+
+    dev = ctx.device if ctx.device.type == "cuda" else torch.device("cpu")
+    data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
+    n = torch.tensor([data.numel()], device=dev)
+    sizes = [torch.zeros_like(n) for _ in range(ctx.world)]
+    dist.all_gather(sizes, n)
+    width = max(int(s.item()) for s in sizes)
+    buf = torch.zeros(width, dtype=torch.uint8, device=dev)
+    buf[:data.numel()] = data.to(dev)
+    bufs = [torch.zeros_like(buf) for _ in range(ctx.world)]
+    dist.all_gather(bufs, buf)
+    return [json.loads(b[:int(s.item())].cpu().numpy().tobytes()) for b, s in zip(bufs, sizes)]
+
+
+def collectively(ctx: DistContext, fn, errors: tuple[type[Exception], ...]):
+    """fn() on every rank; when it raises one of `errors` on any rank, every rank raises the
+    first such error (same class and message), so rank 0 can say it once and no rank waits
+    for one that gave up."""
+    failure = None
+    try:
+        result = fn()
+    except errors as e:
+        failure = [next(i for i, k in enumerate(errors) if isinstance(e, k)), str(e)]
+        result = None
+    if ctx.distributed:
+        failure = next((f for f in exchange(ctx, failure) if f), None)
+    if failure:
+        raise errors[failure[0]](failure[1])
+    return result
+
+
 def torchrun_command(argv: list[str], nproc: int, max_restarts: int = 0) -> list[str]:
     """The torchrun command line that runs `restopo <argv>` on `nproc` local processes."""
     return [sys.executable, "-m", "restopo.train.torchrun", "--standalone",
@@ -131,9 +172,11 @@ def torchrun_command(argv: list[str], nproc: int, max_restarts: int = 0) -> list
             "-m", "restopo", *argv]
 
 
-def launch(argv: list[str], nproc: int, max_restarts: int = 0, env: dict | None = None) -> int:
+def launch(argv: list[str], nproc: int, max_restarts: int = 0, env: dict | None = None,
+           checkpoints=None) -> int:
     """Run `restopo <argv>` under torchrun (with `env` added to the environment); its exit
-    code, with one clear line on failure."""
+    code, with one clear line on failure (none when rank 0 has said the mistake). The line
+    suggests --resume only when `checkpoints` (a run's ckpt/ folder) holds a checkpoint."""
     env = {**os.environ, **(env or {})}
     # torchrun sets 1 thread per worker with a warning when unset; say it ourselves instead
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
@@ -142,8 +185,14 @@ def launch(argv: list[str], nproc: int, max_restarts: int = 0, env: dict | None 
         code = subprocess.call(cmd, env=env)
     except KeyboardInterrupt:
         return 130
+    if code == USAGE_EXIT:
+        return 1
     if code != 0:
+        from .checkpoint import latest_checkpoint
+
+        found = checkpoints is not None and latest_checkpoint(checkpoints) is not None
         print(f"restopo train: error: the {nproc}-process run failed (torchrun exited with "
-              f"code {code}); a worker died or raised: its error is above. Re-run with "
-              f"--resume to continue from the last checkpoint.", file=sys.stderr)
+              f"code {code}); a worker died or raised: its error is above."
+              + (" Re-run with --resume to continue from the last checkpoint." if found
+                 else ""), file=sys.stderr)
     return code

@@ -27,11 +27,12 @@ import torch
 
 from ..io import write_atomic
 from ..spec.objects import TrainSpec
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import (CheckpointError, is_sharded, load_checkpoint, load_into,
+                         save_checkpoint, save_sharded, tie_aliases)
 from .data import BatchSampler, Corpus, DataError, fixed_batches
-from .dist import DistContext, barrier, mean_over_ranks
+from .dist import DistContext, barrier, collectively, exchange, mean_over_ranks
 from .plots import plot_losses, read_metrics
-from .stepper import DataParallelStep, Stepper, autocast, lm_loss
+from .stepper import DataParallelStep, Stepper, evaluate  # noqa: F401 (evaluate: re-export)
 
 
 class TrainingError(RuntimeError):
@@ -95,6 +96,13 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
             {"params": keep, "weight_decay": 0.0}]
 
 
+def optimizer_order(model: torch.nn.Module, weight_decay: float = 0.1) -> list[str]:
+    """The names of `model`'s parameters in the order make_optimizer numbers them (how a
+    single-process optimizer.pt is read by name in another layout)."""
+    name = {id(p): n for n, p in model.named_parameters()}
+    return [name[id(p)] for g in param_groups(model, weight_decay) for p in g["params"]]
+
+
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device):
     extra = {"fused": True} if device.type == "cuda" else {}
     return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr,
@@ -138,17 +146,16 @@ class MetricsLog:
             self.writer.close()
 
 
-@torch.no_grad()
-def evaluate(model, batches, device: torch.device, ctx: DistContext) -> float:
-    """Mean loss over the fixed validation batches (all ranks' rows)."""
-    was_training = model.training
-    model.eval()
-    total = 0.0
-    for x, y in batches:
-        with autocast(device):
-            total += lm_loss(model, x.to(device), y.to(device)).item()
-    model.train(was_training)
-    return mean_over_ranks(total / len(batches), ctx)
+def resume(step_dir, stepper: Stepper, optimizer, cfg: TrainConfig, device) -> tuple[dict, dict]:
+    """Load a checkpoint of any layout into this process's share of the model and its AdamW
+    state; (state, meta). A whole model loads a single-process checkpoint as it always did;
+    every other case reads tensors by name (restopo.train.shards)."""
+    if not stepper.sharded and not is_sharded(step_dir):
+        return load_checkpoint(step_dir, stepper.model, optimizer, map_location=device)
+    model = stepper.model
+    return load_into(step_dir, stepper.held(), optimizer,
+                     order=optimizer_order(model, cfg.weight_decay),
+                     aliases=tie_aliases(model), whole=stepper.whole)
 
 
 def train(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, out: str | os.PathLike,
@@ -158,19 +165,21 @@ def train(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, out: str | o
     """Train `model` in place; returns a summary (final loss, val loss, paths).
 
     `stepper` makes each step's gradients; by default `DataParallelStep` (one process, or
-    DDP over all of them). restopo.backends.pipeline.train.PipelinedStep trains through
-    pipeline stages instead.
+    DDP over all of them). restopo.train.layout builds the others (FSDP, pipeline stages),
+    which place the model themselves and hold only their share of it.
 
-    Only rank 0 writes (checkpoints, metrics, plot, bar). `meta` (spec text, overrides, ...)
-    is stored in every checkpoint.
+    Only rank 0 writes metrics, plot and bar, and checkpoints of a whole-model layout; in a
+    sharded layout every rank writes its share of each checkpoint. `meta` (spec text,
+    overrides, ...) is stored in every checkpoint.
     """
     from tqdm import tqdm
 
     ctx = ctx or DistContext()
     out = Path(out)
     device = ctx.device
-    raw = model.to(device)
-    stepper = stepper or DataParallelStep(raw, ctx, cfg.accum)
+    if stepper is None:
+        stepper = DataParallelStep(model.to(device), ctx, cfg.accum)
+    raw = stepper.model
     data_rank, data_world = stepper.data_rank, stepper.data_world
     per_rank = cfg.batch // data_world if cfg.batch % data_world == 0 else None
     if per_rank is None or per_rank % cfg.accum:
@@ -179,7 +188,7 @@ def train(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, out: str | o
     if ctx.is_main:
         out.mkdir(parents=True, exist_ok=True)
 
-    optimizer = make_optimizer(raw, cfg, device)
+    optimizer = make_optimizer(stepper.trained, cfg, device)
     sampler = BatchSampler(corpus.train, cfg.context, cfg.batch, seed=cfg.seed,
                            rank=data_rank, world=data_world)
     val_batches = fixed_batches(corpus.val, cfg.context, cfg.batch, cfg.eval_batches,
@@ -188,7 +197,8 @@ def train(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, out: str | o
     start, elapsed0 = 0, 0.0
     last = {"loss": None, "val_loss": None}
     if resume_from is not None:
-        state, ckpt_meta = load_checkpoint(resume_from, raw, optimizer, map_location=device)
+        state, ckpt_meta = collectively(ctx, lambda: resume(resume_from, stepper, optimizer,
+                                                            cfg, device), (CheckpointError,))
         start, elapsed0 = int(state["step"]), float(state.get("elapsed", 0.0))
         sampler.load_state_dict(state["data"])
         torch.set_rng_state(state["torch_cpu"])
@@ -200,14 +210,19 @@ def train(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, out: str | o
     tokens_per_step = cfg.batch * cfg.context
 
     def save(step: int) -> None:
-        stepper.before_save(optimizer)
+        state = {"step": step, "data": sampler.state_dict(),
+                 "torch_cpu": torch.get_rng_state(),
+                 "elapsed": elapsed0 + time.perf_counter() - t0}
+        if device.type == "cuda":
+            state["torch_cuda"] = torch.cuda.get_rng_state(device)
+        info = {**(meta or {}), **last, "config": asdict(cfg), "world": ctx.world,
+                "layout": stepper.layout}
+        if stepper.sharded:  # every rank writes its share; rank 0 commits
+            save_sharded(ckpt_root, step, stepper.saved(), optimizer, state, info,
+                         rank=ctx.rank, world=ctx.world, exchange=lambda o: exchange(ctx, o),
+                         keep=cfg.keep, layout=stepper.layout)
+            return
         if ctx.is_main:
-            state = {"step": step, "data": sampler.state_dict(),
-                     "torch_cpu": torch.get_rng_state(),
-                     "elapsed": elapsed0 + time.perf_counter() - t0}
-            if device.type == "cuda":
-                state["torch_cuda"] = torch.cuda.get_rng_state(device)
-            info = {**(meta or {}), **last, "config": asdict(cfg), "world": ctx.world}
             save_checkpoint(ckpt_root, step, raw, optimizer, state, info, keep=cfg.keep)
         barrier(ctx)  # nobody runs ahead while rank 0 writes (keeps ranks in lockstep)
 
@@ -235,8 +250,7 @@ def train(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, out: str | o
             val_loss = None
             # 0 turns evaluation (eval_every) and checkpoints (save_every) off
             if cfg.eval_every > 0 and (done % cfg.eval_every == 0 or done == cfg.steps):
-                stepper.before_eval()
-                val_loss = evaluate(raw, val_batches, device, ctx)
+                val_loss = stepper.evaluate(val_batches)
                 last["val_loss"] = val_loss
             if (cfg.log_every > 0 and done % cfg.log_every == 0) or done in (1, cfg.steps) \
                     or val_loss is not None:

@@ -87,27 +87,52 @@ def plot_depth_lines(series: dict[str, list[float]], path: str | os.PathLike, *,
     return _save(fig, path)
 
 
-def plot_heatmap(matrix, path: str | os.PathLike, *, rows: list[str], cols: list[str],
-                 title: str, vmin: float | None = None, vmax: float | None = None) -> Path:
-    """matrix[row][col] with NaN for "not a source of this aggregation" (left blank)."""
+def plot_depth_weights(matrix, path: str | os.PathLike, *, rows: list[str],
+                       cols: list[str], title: str) -> Path:
+    """matrix[row][col]: the mean weight of source `row` at aggregation point `col`, NaN where
+    the point does not read the source (left blank).
+
+    Colour is the weight relative to the mean weight of that point's sources, on a log2
+    scale centred on 1 (white: as in a plain mean or sum; red: above; blue: below), so the
+    structure stays visible at 32+ sublayers, where a softmax's weights are all near 1/n and
+    a linear 0-1 scale is one dark colour. Small maps print every weight in its cell; large
+    ones print each point's largest weight, and mark it."""
     import numpy as np
+    from matplotlib.colors import TwoSlopeNorm
 
     plt = _pyplot()
     m = np.asarray(matrix, dtype=float)
-    fig, ax = plt.subplots(figsize=(max(5, 0.45 * len(cols) + 2), max(4, 0.32 * len(rows) + 1.5)))
-    im = ax.imshow(np.ma.masked_invalid(m), aspect="auto", cmap="viridis", vmin=vmin, vmax=vmax,
-                   origin="upper")
-    if m.size <= 300:  # small maps: print each weight in its cell
-        for (r, c), value in np.ndenumerate(m):
-            if np.isfinite(value):
-                ax.text(c, r, f"{value:.2f}", ha="center", va="center", fontsize=6,
-                        color="white" if value < 0.5 * (vmax or np.nanmax(m) or 1) else "black")
-    ax.set_xticks(range(len(cols)), cols, rotation=90, fontsize=7)
-    ax.set_yticks(range(len(rows)), rows, fontsize=7)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        col_mean = np.nanmean(np.where(np.isfinite(m), m, np.nan), axis=0)
+        ratio = np.log2(np.clip(m / col_mean, 1 / 64, 64))
+    cells = np.isfinite(ratio)
+    span = max(1.0, float(np.nanmax(np.abs(ratio[cells]))) if cells.any() else 1.0)
+    fig, ax = plt.subplots(figsize=(max(5, 0.3 * len(cols) + 3), max(4, 0.26 * len(rows) + 2)))
+    im = ax.imshow(np.ma.masked_invalid(ratio), aspect="auto", cmap="RdBu_r",
+                   norm=TwoSlopeNorm(0.0, -span, span), origin="upper", interpolation="nearest")
+    small = m.size <= 300
+    for c in range(m.shape[1]):
+        column = m[:, c]
+        if not np.isfinite(column).any():
+            continue
+        top = int(np.nanargmax(column))
+        for r in (range(m.shape[0]) if small else (top,)):
+            if np.isfinite(m[r, c]):
+                ax.text(c, r, f"{m[r, c]:.2f}", ha="center", va="center",
+                        fontsize=6 if small else 4.5,
+                        color="white" if abs(ratio[r, c]) > 0.6 * span else "black")
+        if not small:
+            ax.add_patch(plt.Rectangle((c - 0.5, top - 0.5), 1, 1, fill=False, lw=0.6,
+                                       ec="black"))
+    ax.set_xticks(range(len(cols)), cols, rotation=90, fontsize=6 if len(cols) > 24 else 7)
+    ax.set_yticks(range(len(rows)), rows, fontsize=6 if len(rows) > 24 else 7)
     ax.set_xlabel("aggregation point (before sublayer l; head last)")
     ax.set_ylabel("source")
-    ax.set_title(title, fontsize=9)
-    fig.colorbar(im, ax=ax, label="weight (mean over tokens)")
+    ax.set_title(title + ("" if small else "\nboxed: each point's largest weight (value printed)"),
+                 fontsize=9)
+    bar = fig.colorbar(im, ax=ax, label="weight / the point's mean weight")
+    ticks = [t for t in range(-int(span), int(span) + 1)]
+    bar.set_ticks(ticks, labels=[f"x{2 ** t:g}" if t >= 0 else f"x1/{2 ** -t:g}" for t in ticks])
     return _save(fig, path)
 
 

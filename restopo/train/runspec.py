@@ -36,12 +36,19 @@ def data_base(spec) -> str:
     return str(Path(path).resolve().parent)
 
 
-def build_model(spec, backend: str = "auto", seed: int | None = None) -> torch.nn.Module:
-    """restopo.compile(spec) after seeding torch, so the same seed gives the same weights."""
+def build_model(spec, backend: str = "auto", seed: int | None = None, *,
+                meta: bool = False) -> torch.nn.Module:
+    """restopo.compile(spec) with each unit's weights drawn from a generator seeded by (seed,
+    unit name) (restopo.nn.init): the same seed gives the same weights in one process and in
+    any pipeline or data-parallel layout. meta=True builds every unit on the meta device
+    (restopo.nn.init.materialize makes the ones a process holds real). torch's global
+    generator is seeded too."""
     from ..api import compile as compile_spec
+    from ..nn.init import Init
 
-    torch.manual_seed(spec.train.seed if seed is None else seed)
-    return compile_spec(spec, backend=backend)
+    seed = spec.train.seed if seed is None else seed
+    torch.manual_seed(seed)
+    return compile_spec(spec, backend=backend, init=Init(seed, meta=meta))
 
 
 def run_meta(spec, base: str) -> dict:

@@ -8,6 +8,7 @@ what to do (restopo.train.dist.launch).
 """
 from __future__ import annotations
 
+import logging
 import sys
 
 
@@ -15,11 +16,33 @@ def main(argv=None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    from .dist import USAGE_EXIT
+
+    quiet = _Quiet()  # a filter acts on its own logger only: give it to each of torchrun's
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).addFilter(quiet)
     try:
         run(parse_args(argv))
-    except ChildFailedError:
+    except ChildFailedError as e:
+        # a mistake rank 0 has said (or, on another node, every local worker met): pass the
+        # status on, so the launcher adds nothing
+        codes = {rank: f.exitcode for rank, f in e.failures.items()}
+        if codes.get(0) == USAGE_EXIT or set(codes.values()) == {USAGE_EXIT}:
+            return USAGE_EXIT
         return 1
     return 0
+
+
+class _Quiet(logging.Filter):
+    """Drop the agent's log lines about workers that stopped for a mistake already said
+    (exit status USAGE_EXIT) and about the siblings it then stops."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from .dist import USAGE_EXIT
+
+        text = record.getMessage()
+        return f"exitcode: {USAGE_EXIT})" not in text and "closing signal" not in text
 
 
 if __name__ == "__main__":  # pragma: no cover - run as a process by dist.launch

@@ -1,5 +1,6 @@
-"""bench/kernels.py: its logic runs end to end on tiny shapes (--dry-run), and without a GPU
-it says so and exits 0."""
+"""bench/kernels.py: without a GPU it says so and exits 0. (Its --dry-run, every case and arm
+on tiny shapes under the interpreter, runs inside bench/gpu_check.sh's dry run:
+test_gpu_check_dry_run.py.)"""
 import importlib.util
 import os
 
@@ -22,10 +23,9 @@ def test_without_gpu_it_says_so(capsys):
     assert "needs a CUDA GPU" in capsys.readouterr().out
 
 
-def test_dry_run(capsys):
-    assert _bench().main(["--dry-run", "--widths", "96"]) == 0
-    out = capsys.readouterr().out
-    for what in ("copy bandwidth", "fused triton (single read)", "fused triton (two-phase)",
-                 "eager, S single aggregations", "fused phase2+norm, fwd+bwd",
-                 "compile(add + rms_norm), fwd"):
-        assert what in out, what
+def test_peers_that_do_not_import_say_why():
+    arms = _bench().peer_arms(1e-30)
+    assert [name for name, _, _ in arms] == ["peer fast-attnres", "peer fla-core",
+                                            "peer flash-attn-res"]
+    for name, fn, why in arms:
+        assert (fn is None) == (why is not None), name

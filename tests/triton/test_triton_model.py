@@ -1,4 +1,7 @@
-"""A compiled tiny model on backend "triton" equals the same model on backend "eager"."""
+"""A compiled tiny model on backend "triton" equals the same model on backend "eager", forward
+and backward: Full AttnRes through the single-read kernel, Block AttnRes through phase 1 and
+phase 2 fused with each sublayer's PreNorm (phase2_norm; the eager model keeps the
+sublayers' own norms)."""
 import pytest
 import torch
 
@@ -29,14 +32,16 @@ def _compile():
 def test_triton_model_equals_eager(residual, perturb, monkeypatch):
     compile_ = _compile()
     from restopo.backends.triton import runtime
-    launched = set()
-    real_kernel = runtime.kernel
+    launched, fused_norm = set(), set()
+    real_launch = runtime.launch
 
-    def counting_kernel(fn, device):
+    def counting_launch(fn, device, grid, args, **kw):
         launched.add(fn.__name__)
-        return real_kernel(fn, device)
+        if kw.get("HAS_NORM"):
+            fused_norm.add(fn.__name__)
+        return real_launch(fn, device, grid, args, **kw)
 
-    monkeypatch.setattr(runtime, "kernel", counting_kernel)
+    monkeypatch.setattr(runtime, "launch", counting_launch)
     text = SPEC.format(residual=residual)
     torch.manual_seed(0)
     eager = compile_(text, backend="eager")
@@ -56,6 +61,13 @@ def test_triton_model_equals_eager(residual, perturb, monkeypatch):
     assert {"_depth_fwd", "_depth_bwd"} <= launched, launched
     if residual.startswith("block"):
         assert {"_phase1_fwd", "_phase1_dlogits", "_phase2_fwd", "_phase2_bwd"} <= launched
+        # every two-phase member computed its sublayer's PreNorm (phase2_norm), and the
+        # sublayers skipped their own
+        assert fused_norm == {"_phase2_fwd", "_phase2_bwd"}, fused_norm
+        members = [n for n in fused.graph.nodes if n.name.endswith("_normed")]
+        assert len(members) == 6, fused.code  # sublayers 1..6 (the head reads directly)
+        assert all(n.kwargs.get("normed") for n in fused.graph.nodes
+                   if n.op == "call_module" and n.target.startswith("sublayers")), fused.code
     torch.testing.assert_close(out_t, out_e, rtol=1e-5, atol=1e-5)
     grads_e = dict(eager.named_parameters())
     for name, p in fused.named_parameters():

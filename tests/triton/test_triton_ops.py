@@ -24,38 +24,56 @@ def _opcheck(op, args):
         torch.library.opcheck(op, args)
 
 
+def _list(v):
+    """Separate leaf tensors, one per source (the form the model hands the ops)."""
+    return [leaf(x) for x in v.detach().unbind(0)]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_opcheck_depth_attention(dtype):
     v, w, g, _, _ = _inputs(dtype)
-    _opcheck(restopo_ops.depth_attention.default, (v, w, g, 1e-6, True))
-    _opcheck(restopo_ops.depth_attention.default, (v, w, None, 1e-6, False))
-    out, lse = restopo_ops.depth_attention(v, w, g, 1e-6, True)
-    _opcheck(restopo_ops.depth_attention_backward.default,
-             (torch.randn_like(out), torch.randn_like(lse), out.detach(), lse.detach(),
-              v.detach(), w.detach(), g.detach(), 1e-6, True))
+    vs = _list(v)
+    _opcheck(restopo_ops.depth_attention.default, (vs, w, g, 1e-6, True))
+    _opcheck(restopo_ops.depth_attention.default, (vs, w, None, 1e-6, False))
+    out, lse = restopo_ops.depth_attention(vs, w, g, 1e-6, True)
+    for need_du in (True, False):
+        _opcheck(restopo_ops.depth_attention_backward.default,
+                 (torch.randn_like(out), torch.randn_like(lse), lse.detach(),
+                  [x.detach() for x in vs], w.detach(), g.detach(), 1e-6, True, need_du))
+
+
+def test_opcheck_depth_attention_mixed_dtypes():
+    """An fp32 source among bf16 ones (bf16 autocast: the embedding stays fp32)."""
+    v, w, g, _, _ = _inputs()
+    vs = [leaf(x, torch.bfloat16 if i else torch.float32) for i, x in enumerate(v.unbind(0))]
+    _opcheck(restopo_ops.depth_attention.default, (vs, w, g, 1e-6, True))
 
 
 def test_opcheck_phase1():
     v, _, _, wq, gq = _inputs()
-    _opcheck(restopo_ops.phase1.default, (v, wq, gq, 1e-6, True))
-    o1, m1, s1, z = (x.detach() for x in restopo_ops.phase1(v, wq, gq, 1e-6, True))
-    _opcheck(restopo_ops.phase1_backward.default,
-             (torch.randn_like(o1), torch.randn_like(m1), torch.randn_like(s1), v.detach(),
-              wq.detach(), gq.detach(), z, m1, 1e-6, True))
+    vs = _list(v)
+    _opcheck(restopo_ops.phase1.default, (vs, wq, gq, 1e-6, True))
+    o1, m1, s1, z = restopo_ops.phase1(vs, wq, gq, 1e-6, True)
+    for need_du in (True, False):
+        _opcheck(restopo_ops.phase1_backward.default,
+                 ([torch.randn_like(o) for o in o1], torch.randn_like(m1),
+                  torch.randn_like(s1), [x.detach() for x in vs], wq.detach(), gq.detach(),
+                  z.detach(), m1.detach(), 1e-6, True, need_du))
 
 
-@pytest.mark.parametrize("partial,norm", [(True, True), (True, False), (False, True)])
-def test_opcheck_phase2(partial, norm):
+@pytest.mark.parametrize("partial,norm,with_h", [(True, True, True), (True, False, True),
+                                                 (False, True, True), (True, True, False)])
+def test_opcheck_phase2(partial, norm, with_h):
     v, w, g, wq, gq = _inputs()
     o1, m1, s1 = (leaf(x[0]) for x in E.phase1(v.detach(), wq.detach(), gq.detach()))
     p = leaf(v[1].detach()) if partial else None
     nw = leaf(g.detach().flip(0))
-    args = (o1, m1, s1, p, w, g, nw, 1e-6, 1e-5, True, norm)
+    args = (o1, m1, s1, p, w, g, nw, 1e-6, 1e-5, True, norm, with_h)
     _opcheck(restopo_ops.phase2.default, args)
     h, y = restopo_ops.phase2(*args)
+    plain = [a.detach() if isinstance(a, torch.Tensor) else a for a in args[:-1]]
     _opcheck(restopo_ops.phase2_backward.default,
-             (torch.randn_like(h), torch.randn_like(y), *(a.detach() if isinstance(a, torch.Tensor)
-                                                          else a for a in args)))
+             (torch.randn_like(h), torch.randn_like(y), *plain, True, True, True))
 
 
 def _block(v, w, g, wq, gq, outs, nw, depth_attention, phase1, phase2_norm):

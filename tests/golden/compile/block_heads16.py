@@ -405,9 +405,10 @@ class Attention(nn.Module):
         self.proj = nn.Linear(d, d, bias=False)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: KVCache | None = None) -> torch.Tensor:
+                cache: KVCache | None = None, *, normed: bool = False) -> torch.Tensor:
         B, T, d = h.shape
-        q, k, v = self.qkv(self.norm(h)).view(B, T, 3, self.heads, d // self.heads) \
+        x = h if normed else self.norm(h)
+        q, k, v = self.qkv(x).view(B, T, 3, self.heads, d // self.heads) \
             .permute(2, 0, 3, 1, 4).unbind(0)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is None:
@@ -438,8 +439,9 @@ class MLP(nn.Module):
         self.up = nn.Linear(d, 2 * hidden if kind == "swiglu" else hidden, bias=False)
         self.down = nn.Linear(hidden, d, bias=False)
 
-    def forward(self, h: torch.Tensor, *context: torch.Tensor) -> torch.Tensor:
-        x = self.up(self.norm(h))
+    def forward(self, h: torch.Tensor, *context: torch.Tensor, normed: bool = False
+                ) -> torch.Tensor:
+        x = self.up(h if normed else self.norm(h))
         if self.kind == "swiglu":
             gate, value = x.chunk(2, dim=-1)
             x = F.silu(gate) * value
@@ -488,9 +490,12 @@ class Attend(nn.Module):
     def gain(self) -> torch.Tensor | None:
         return None if self.key_norm is None else self.key_norm.weight
 
-    def forward(self, *sources: torch.Tensor, phase1=None, slot: int = 0) -> torch.Tensor:
+    def forward(self, *sources: torch.Tensor, phase1=None, slot: int = 0,
+                norm_weight: torch.Tensor | None = None,
+                norm_eps: float | None = None) -> torch.Tensor:
         if phase1 is not None:
-            return self.merge(phase1, slot, sources[0] if sources else None)
+            return self.merge(phase1, slot, sources[0] if sources else None, norm_weight,
+                              norm_eps)
         q = self._query(sources)
         # A tuple, not a stack: the eager backend then saves no copy of the sources.
         return ops.depth_attention(sources, q, self.gain, EPS,
@@ -514,12 +519,20 @@ class Attend(nn.Module):
         alpha = self.depth_weights(*sources)
         return list(alpha.repeat_interleave(self.d // self.heads, dim=-1))
 
-    def merge(self, phase1, slot: int, partial: torch.Tensor | None) -> torch.Tensor:
+    def merge(self, phase1, slot: int, partial: torch.Tensor | None,
+              norm_weight: torch.Tensor | None = None,
+              norm_eps: float | None = None) -> torch.Tensor:
         """Phase 2: this member's slice of its group's phase-1 result merged with its
-        pre-update partial (None for the first sublayer of a block)."""
+        pre-update partial (None for the first sublayer of a block). With `norm_eps`, the
+        next sublayer's PreNorm (gain `norm_weight`) in the same op: returns RMSNorm(h),
+        the sublayer's normalised input, not h."""
         o1, m1, s1 = phase1
-        return ops.phase2(o1[slot], m1[slot], s1[slot], partial, self.pseudo_query, self.gain,
-                          EPS, key_norm=self.key_norm is not None, backend=self.backend)
+        args = (o1[slot], m1[slot], s1[slot], partial, self.pseudo_query, self.gain, EPS)
+        if norm_eps is None:
+            return ops.phase2(*args, key_norm=self.key_norm is not None, backend=self.backend)
+        return ops.phase2_norm(*args, norm_weight=norm_weight, norm_eps=norm_eps,
+                               key_norm=self.key_norm is not None, keep_h=False,
+                               backend=self.backend)[1]
 
     def extra_repr(self) -> str:
         return f"d={self.d}, query={self.query}, gate={self.gate}, heads={self.heads}"

@@ -409,9 +409,10 @@ class Attention(nn.Module):
         self.proj = nn.Linear(d, d, bias=False)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: KVCache | None = None) -> torch.Tensor:
+                cache: KVCache | None = None, *, normed: bool = False) -> torch.Tensor:
         B, T, d = h.shape
-        q, k, v = self.qkv(self.norm(h)).view(B, T, 3, self.heads, d // self.heads) \
+        x = h if normed else self.norm(h)
+        q, k, v = self.qkv(x).view(B, T, 3, self.heads, d // self.heads) \
             .permute(2, 0, 3, 1, 4).unbind(0)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is None:
@@ -442,8 +443,9 @@ class MLP(nn.Module):
         self.up = nn.Linear(d, 2 * hidden if kind == "swiglu" else hidden, bias=False)
         self.down = nn.Linear(hidden, d, bias=False)
 
-    def forward(self, h: torch.Tensor, *context: torch.Tensor) -> torch.Tensor:
-        x = self.up(self.norm(h))
+    def forward(self, h: torch.Tensor, *context: torch.Tensor, normed: bool = False
+                ) -> torch.Tensor:
+        x = self.up(h if normed else self.norm(h))
         if self.kind == "swiglu":
             gate, value = x.chunk(2, dim=-1)
             x = F.silu(gate) * value

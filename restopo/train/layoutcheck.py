@@ -1,0 +1,112 @@
+"""Hold one training step of a layout against one process: losses and every gradient.
+
+Launched under torchrun, e.g.
+
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 4 -m restopo.train.layoutcheck \
+        --pipeline 2x1 --data fsdp --set residual=rezero --out rows.json
+
+Each process builds the model as `restopo train` does for the layout (restopo.train.layout:
+on the meta device, then its own share, FSDP-sharded or not) and runs one step of its rows of
+a fixed batch through the layout's Stepper (fp32, CPU). Every process also builds the whole
+model in one piece from the same seed and runs the whole batch through it. For each parameter
+a process holds (whole, or its FSDP rows) the gradient is compared with the one-process
+gradient (the same rows); rank 0 writes the loss difference, the largest gradient difference
+over all processes and how many of the model's parameters some process checked, as JSON.
+Tests (tests/test_layouts.py) call this.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+SPEC = """\
+model check {
+  vocab: 64; width: 32; depth: 2; heads: 2; context: 16
+  mlp: swiglu(2x)
+}
+residual block_attnres(blocks: 2)
+train { steps: 1; batch: 8; seed: 3 }
+"""
+
+
+def run(args) -> dict:
+    from ..spec import parse_spec
+    from .dist import exchange, setup
+    from .layout import build, check_layout, resolve
+    from .runspec import build_model
+    from .shards import local_rows, local_tensor
+    from .stepper import lm_loss
+
+    overrides = tuple(args.overrides)
+    if args.data:
+        overrides += (f"parallel.data={args.data}",)
+    spec = parse_spec(SPEC, path="<layoutcheck>", overrides=overrides)
+    ctx = setup("cpu")
+    layout = resolve(args.pipeline, spec.parallel, ctx.world)
+    check_layout(spec, layout, None)
+    model, stepper = build(spec, layout, ctx, "eager")
+    if stepper is None:
+        from .stepper import DataParallelStep
+
+        stepper = DataParallelStep(model, ctx, spec.train.accum)
+
+    ref = build_model(spec, "eager")
+    gen = torch.Generator().manual_seed(1)
+    B, T, V = spec.train.batch, spec.model.context, spec.model.vocab
+    x = torch.randint(0, V, (B, T), generator=gen)
+    y = torch.randint(0, V, (B, T), generator=gen)
+    ref_loss = lm_loss(ref, x, y)
+    ref_loss.backward()
+    rows = B // stepper.data_world
+    at = stepper.data_rank * rows
+    loss = stepper.step(x[at:at + rows], y[at:at + rows])
+
+    grad_err, checked = 0.0, []
+    for name, p in stepper.held():
+        want = ref.get_parameter(name).grad
+        got = p.grad
+        if got is None or want is None:
+            grad_err = float("inf") if (got is None) != (want is None) else grad_err
+            continue
+        r = local_rows(p)
+        want = want if r is None else want[r[0]:r[1]]
+        grad_err = max(grad_err, (local_tensor(got) - want).abs().max().item()
+                       if want.numel() else 0.0)
+        checked.append(name)
+    loss_mean = sum(exchange(ctx, loss.item())) / ctx.world
+    everyone = exchange(ctx, {"err": grad_err, "checked": checked})
+    total = [n for n, _ in ref.named_parameters()]
+    seen = set().union(*(set(e["checked"]) for e in everyone))
+    return {"layout": stepper.layout, "loss": loss_mean, "ref_loss": ref_loss.item(),
+            "loss_err": abs(loss_mean - ref_loss.item()),
+            "grad_err": max(e["err"] for e in everyone),
+            "params_checked": len(seen & set(total)), "params_total": len(total),
+            "rank": ctx.rank}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pipeline", default=None, help="PxV (default: no pipeline)")
+    ap.add_argument("--data", default="", help="ddp | fsdp (default: the spec's, ddp)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[],
+                    help="a spec override, e.g. residual=rezero (repeatable)")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    try:
+        row = run(args)
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    if row["rank"] == 0:
+        print(json.dumps(row), flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(row, f)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,65 @@
+"""bench/gpu_check.sh --dry-run: every step of the GPU check (device tests, the kernel
+benchmark with every case and arm, eager vs triton training) runs end to end on tiny shapes
+on the CPU under the interpreter and prints its one table; only the speed is left to a GPU."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
+SCRIPT = os.path.join(ROOT, "bench", "gpu_check.sh")
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    if shutil.which("bash") is None or shutil.which("timeout") is None:
+        pytest.skip("needs bash and timeout")
+    out = tmp_path_factory.mktemp("gpu_check")
+    env = dict(os.environ, PYTHON=sys.executable)
+    res = subprocess.run(["bash", SCRIPT, "--dry-run", "--out", str(out)], env=env,
+                         capture_output=True, text=True, timeout=900)
+    return res, out
+
+
+def test_every_step_runs_and_the_table_says_so(dry_run):
+    res, out = dry_run
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    table = res.stdout[res.stdout.index("GPU check of the fused path"):]
+    for step in ("tests", "kernels", "train-eager", "train-triton"):
+        assert f"step {step}" in table and "FAILED" not in table, table
+    for check in ("kernel tests on the device (vs eager)", "block d=64: fused fwd+bwd",
+                  "phase2 d=64: phase2+norm / compiled add+rms_norm, fwd+bwd",
+                  "saved for backward, full_attnres", "saved for backward, block_attnres",
+                  "restopo train, 2 steps, eager vs triton"):
+        assert check in table, check
+    assert "max |loss diff| 0.0000" in table  # fp32 on the CPU: the same losses exactly
+
+
+def test_the_benchmark_ran_every_arm(dry_run):
+    _, out = dry_run
+    rows = [json.loads(line) for line in open(out / "kernels.jsonl")]
+    arms = {(r["case"], r["variant"]) for r in rows if r.get("ms") is not None}
+    for case, variant in [("full", "fused triton (single read)"),
+                          ("full", "eager (list of sources)"),
+                          ("full", "copy of the same bytes"),
+                          ("block", "fused triton (two-phase, fused norm)"),
+                          ("block", "eager two-phase + norm"),
+                          ("block", "eager, S single aggregations + norm"),
+                          ("block", "copy of the same bytes"),
+                          ("phase2", "fused phase2+norm (y only: in-model), fwd+bwd"),
+                          ("phase2", "compile(add + rms_norm), fwd+bwd")]:
+        assert (case, variant) in arms, (case, variant)
+    assert any(r["variant"].startswith("torch.compile(eager") for r in rows)
+    peers = [r for r in rows if r["variant"].startswith("peer")]
+    assert peers and all(r.get("ms") is not None or r["note"] for r in peers)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_without_gpu_or_dry_run_it_says_so(tmp_path):
+    res = subprocess.run(["bash", SCRIPT, "--out", str(tmp_path)], capture_output=True,
+                         text=True, timeout=120, env=dict(os.environ, PYTHON=sys.executable))
+    assert res.returncode == 1 and "no CUDA device here" in res.stderr
