@@ -178,9 +178,10 @@ class _Merge(torch.autograd.Function):
         du = dz2 * r if ctx.key_norm else dz2
         d_p = g * wb.unsqueeze(-1).to(g.dtype)                    # the value's part
         d_p.addcmul_(du.unsqueeze(-1).to(g.dtype), q.unflatten(-1, (heads, -1)))  # the logit's
-        if ctx.key_norm:  # through rstd: d rstd / dp = -rstd^3 p / d
-            dr = (dz2 * u).sum(-1, keepdim=True)
-            d_p.addcmul_(ph, ((r * r) * dr * r * (-1.0 / p.shape[-1])).unsqueeze(-1).to(p.dtype))
+        if ctx.key_norm:  # through rstd: d rstd / dp = -rstd^3 p / d, and u * rstd = z2:
+            # (dz2 . u) rstd^3 = (dz2 . z2) rstd^2, finite where rstd^3 overflows (eps 1e-30)
+            dr = (dz2 * (u * r)).sum(-1, keepdim=True) * (r * r) * (-1.0 / p.shape[-1])
+            d_p.addcmul_(ph, dr.unsqueeze(-1).to(p.dtype))
         d_q = torch.einsum("...h,...hc->hc", du.to(p.dtype), ph).flatten()
         return d_o1, d_m1, d_s1, d_p.flatten(-2), d_q, None, None
 
