@@ -10,15 +10,13 @@ place (ops.gathered) rather than each handing autograd a new d-sized tensor to a
 
 `SharedSources` is built by the lowering from the IR: which readers (static-query Attend
 modules lowered directly, and two-phase groups, whose phase 1 reads the completed blocks) read
-each source. It shares only inside a scope: the lowered model opens one per forward (hooks),
-a recomputed region opens its own (so its recomputation makes exactly what its forward made),
-and nothing outlives it. A forward pre-hook hands each reader its sources' shared form and a
-`logits=` keyword; without an open scope, without autograd, under torch.compile or on a
-backend other than eager, readers make their own.
+each source. It shares only within one forward of the lowered model (hooks open and close
+that scope), and nothing outlives it. A forward pre-hook hands each reader its sources'
+shared form and a `logits=` keyword; outside the model's forward, without autograd, under
+torch.compile or on a backend other than eager, readers make their own.
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -72,35 +70,25 @@ class SharedSources:
         for r in readers:
             for s in dict.fromkeys(r.sources):
                 self.by_source.setdefault((s, _kind(r.module)), []).append(r)
-        self._scopes: list[tuple[dict, frozenset | None]] = []
+        self._records: dict | None = None  # what this forward shares so far (None: none open)
 
     def __getstate__(self):  # an open scope is one forward's, never a copy's
-        return {**self.__dict__, "_scopes": []}
-
-    @contextlib.contextmanager
-    def scope(self, modules=None):
-        """Share among the readers called inside; `modules`: only these readers take part
-        (a recomputed region: what it shares is its own)."""
-        self._scopes.append(({}, None if modules is None else frozenset(modules)))
-        try:
-            yield
-        finally:
-            self._scopes.pop()
+        return {**self.__dict__, "_records": None}
 
     def install(self, model: nn.Module) -> None:
         """Open a scope around every forward of `model` and hand each reader its share."""
         model.register_forward_pre_hook(self._open)
-        model.register_forward_hook(self._close)
+        model.register_forward_hook(self._close, always_call=True)  # also when it raises
         for module in self.readers:
             module.register_forward_pre_hook(self._inject, with_kwargs=True)
 
     def _open(self, model, args) -> None:
         if not torch.compiler.is_compiling():
-            self._scopes = [({}, None)]
+            self._records = {}
 
     def _close(self, model, args, output) -> None:
         if not torch.compiler.is_compiling():
-            self._scopes = []
+            self._records = None
 
     def _inject(self, module, args, kwargs):
         if kwargs.get("phase1") is not None or kwargs.get("logits") is not None:
@@ -115,20 +103,17 @@ class SharedSources:
         """(the sources' shared forms, their logits: [*batch, H] each for an Attend,
         [S, *batch, H] for a two-phase group) for reader `module`, or None where it makes
         its own."""
-        reader = self.readers.get(module)
-        if (reader is None or not self._scopes or torch.compiler.is_compiling()
+        reader, records = self.readers.get(module), self._records
+        if (reader is None or records is None or torch.compiler.is_compiling()
                 or not torch.is_grad_enabled() or len(sources) != len(reader.sources)
                 or ops.picked(module.backend, sources[0]) != "eager"):
-            return None
-        records, allowed = self._scopes[-1]
-        if allowed is not None and module not in allowed:
             return None
         kind = _kind(module)
         shared, logits = [], []
         for sid, v in zip(reader.sources, sources):
             record = records.get((sid, kind))
             if record is None or record[0] is not v:
-                record = records[(sid, kind)] = self._make(records, sid, kind, v, allowed)
+                record = records[(sid, kind)] = self._make(records, sid, kind, v)
             _, view, columns, starts = record
             start = starts[module]
             got = columns[start:start + reader.queries]
@@ -136,11 +121,9 @@ class SharedSources:
             logits.append(got[0] if not hasattr(module, "members") else torch.stack(got))
         return tuple(shared), logits
 
-    def _make(self, records: dict, sid: str, kind: tuple[bool, int], v: torch.Tensor,
-              allowed):
+    def _make(self, records: dict, sid: str, kind: tuple[bool, int], v: torch.Tensor):
         """(v, its gathered view, its logits' columns, each reader's first column)."""
-        readers = [r for r in self.by_source[(sid, kind)]
-                   if allowed is None or r.module in allowed]
+        readers = self.by_source[(sid, kind)]
         queries = self._queries(records, kind, readers)
         key_norm, heads = kind
         z = ops.logits_against(v, queries, self.eps, key_norm=key_norm, heads=heads)
