@@ -103,7 +103,7 @@ def depth_attention(sources: torch.Tensor, query: torch.Tensor,
         return _triton_module().depth_attention(sources, query, key_norm_weight, eps,
                                                 key_norm=key_norm, gate=gate, heads=heads)
     return _eager().depth_attention(sources, query, key_norm_weight, eps, key_norm=key_norm,
-                                    gate=gate, heads=heads, logits=logits)
+                                    gate=gate, heads=heads, **_given(logits))
 
 
 def phase1(completed: torch.Tensor, queries: torch.Tensor,
@@ -117,7 +117,12 @@ def phase1(completed: torch.Tensor, queries: torch.Tensor,
         return _triton_module().phase1(completed, queries, key_norm_weights, eps,
                                        key_norm=key_norm, heads=heads)
     return _eager().phase1(completed, queries, key_norm_weights, eps, key_norm=key_norm,
-                           heads=heads, logits=logits)
+                           heads=heads, **_given(logits))
+
+
+def _given(logits) -> dict:
+    """`logits=` only when there are some: a registered backend need not take it."""
+    return {} if logits is None else {"logits": logits}
 
 
 def gathered(source: torch.Tensor) -> torch.Tensor:

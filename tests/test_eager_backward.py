@@ -215,3 +215,17 @@ def test_model_saves_no_stacked_copy_of_the_sources(name):
     assert shapes
     stacked = [s for s in shapes if len(s) == 4 and s[1:] == (3, 5, 16) and s[0] > 1]
     assert stacked == []
+
+
+def test_a_deep_copy_shares_as_the_model_does():
+    """fx drops a GraphModule's forward hooks when it deep-copies it: the copy must still
+    share (same results to the bit) and its scope must be its own."""
+    import copy
+    model = _randomised(MODELS["full"])
+    twin = copy.deepcopy(model)
+    idx = torch.randint(0, 37, (2, 7))
+    torch.testing.assert_close(twin(idx), model(idx), rtol=0, atol=0)
+    hooks = [h.__self__ for h in twin._forward_pre_hooks.values()]
+    readers = {h.__self__ for a in twin.aggregations for h in a._forward_pre_hooks.values()}
+    assert len(hooks) == 1 and readers == set(hooks)
+    assert hooks[0] is not next(iter(model._forward_pre_hooks.values())).__self__

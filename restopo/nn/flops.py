@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from ..ir import IR, Aggregation, BlockSum, Partial
 from ..topology import STREAM_METHODS
-from .sublayers import swiglu_hidden
+from .sizes import swiglu_hidden
 
 TRAIN_PER_FORWARD = 3
 

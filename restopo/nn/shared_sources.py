@@ -77,10 +77,22 @@ class SharedSources:
 
     def install(self, model: nn.Module) -> None:
         """Open a scope around every forward of `model` and hand each reader its share."""
-        model.register_forward_pre_hook(self._open)
-        model.register_forward_hook(self._close, always_call=True)  # also when it raises
+        self._scope_hooks(model)
+        # fx.GraphModule's deepcopy drops forward hooks (its readers keep theirs) but copies
+        # `_deepcopy_hooks` along and calls each with the copy: this object's slot in the
+        # copy's list is this object's copy, which then hooks the copied model.
+        hooks = model.__dict__.setdefault("_deepcopy_hooks", [])
+        self._slot = len(hooks)
+        hooks.append(self._copied)
         for module in self.readers:
             module.register_forward_pre_hook(self._inject, with_kwargs=True)
+
+    def _scope_hooks(self, model: nn.Module) -> None:
+        model.register_forward_pre_hook(self._open)
+        model.register_forward_hook(self._close, always_call=True)  # also when it raises
+
+    def _copied(self, copy: nn.Module) -> None:
+        copy.__dict__["_deepcopy_hooks"][self._slot].__self__._scope_hooks(copy)
 
     def _open(self, model, args) -> None:
         if not torch.compiler.is_compiling():
