@@ -242,7 +242,7 @@ GOLDEN = [
     ('parallel_missing_stages', M + "residual standard\nparallel { pipeline(microbatches: 4) }\n", (),
      'spec.restopo', 3, 12,
      "the parallel section is missing 'stages'",
-     'e.g. parallel { pipeline(stages: 2, microbatches: 4) }'),
+     'e.g. parallel { pipeline(stages: 2, microbatches: 4) } or parallel { data: fsdp }'),
     ('steps_zero', M + "residual standard\ntrain { steps: 0 }\n", (),
      'spec.restopo', 3, 16,
      "'steps' must be at least 1, got 0",

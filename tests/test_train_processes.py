@@ -100,7 +100,7 @@ def test_two_processes_match_one_with_the_same_global_batch(tmp_path, env, monke
     r2 = subprocess.run(restopo("train", spec, "--out", two, "--no-progress", "--nproc", 2),
                         env=env, capture_output=True, text=True, timeout=120)
     assert r2.returncode == 0, r2.stderr
-    assert "2 process(es)" in r2.stderr
+    assert "data ddp (2 processes)" in r2.stderr
     a, b = losses(one), losses(two)
     assert len(a) == len(b) == 6
     assert b == pytest.approx(a, rel=1e-5, abs=1e-5)

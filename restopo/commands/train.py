@@ -18,6 +18,11 @@ examples:
   restopo train examples/tiny.restopo --nproc 2                      # 2 processes via torchrun
   restopo train examples/tiny.restopo --peak-tflops 1                # MFU against 1 TFLOP/s
   torchrun --nproc_per_node 2 -m restopo train examples/tiny.restopo
+  restopo train examples/tiny.restopo --nproc 2 --data fsdp          # shard params + AdamW
+  restopo train examples/tiny.restopo --nproc 4 --pipeline 2x2       # stage-local pipeline
+  restopo train examples/tiny.restopo --nproc 2 --resume --data fsdp # resume another layout
+  torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d \\
+      --rdzv-endpoint HOST:29500 --rdzv-id run1 -m restopo train examples/tiny.restopo
 
 `batch` is the global batch of one optimizer step: with --nproc N each process takes
 batch/N rows of it, so the numbers match a 1-process run. Data: `data:` in the spec's train
@@ -76,6 +81,10 @@ def register(subparsers) -> None:
                    help="pipeline parallel: P stages x V virtual stages (needs a multiple "
                         "of P processes: --nproc P, or torchrun); the spec's parallel "
                         "section gives schedule, microbatches and cache")
+    p.add_argument("--data", choices=("ddp", "fsdp"), dest="data_parallel",
+                   help="the data-parallel engine over the processes (same as --set "
+                        "parallel.data=...): ddp replicates the model, fsdp shards "
+                        "parameters, gradients and AdamW state per sublayer (FSDP2)")
     p.set_defaults(func=run)
 
 
@@ -113,6 +122,8 @@ def _overrides(args) -> tuple[str, ...]:
         extra.append(f"train.seed={args.seed}")
     if args.peak_tflops is not None:
         extra.append(f"train.peak_tflops={args.peak_tflops!r}")
+    if args.data_parallel is not None:
+        extra.append(f"parallel.data={args.data_parallel}")
     return tuple(args.overrides) + tuple(extra)
 
 
@@ -134,6 +145,8 @@ def _worker_argv(args) -> list[str]:
         argv.append("--overwrite")
     if args.pipeline:
         argv += ["--pipeline", args.pipeline]
+    if args.data_parallel:
+        argv += ["--data", args.data_parallel]
     if args.no_progress:
         argv.append("--no-progress")
     if args.threads is not None:

@@ -9,8 +9,10 @@ a unit's weights are gathered just before it runs and freed after.
 Two things stay in the root's unit or out of FSDP:
 - a tied LM head reads the embedding matrix: embedding and head then share the root's unit,
   which holds the one matrix once (two units cannot own one parameter);
-- FSDP2 cannot shard a scalar parameter (ReZero's alpha, Hyper-Connections' s_alpha...):
-  scalars stay whole in every process and their gradients are averaged here.
+- FSDP2 cannot shard a scalar parameter (ReZero's alpha, Hyper-Connections' s_alpha...),
+  and a unit's parameter that the graph reads outside the unit (a PreNorm gain fused into
+  phase 2) would not be gathered when read: both stay whole in every process and their
+  gradients are averaged here.
 The aggregation modules stay in the root's unit because a two-phase group (TwoPhase) reads
 its members' pseudo-queries without calling them.
 
@@ -33,6 +35,25 @@ def scalars(module: nn.Module) -> set[nn.Parameter]:
     return {p for p in module.parameters() if p.dim() == 0}
 
 
+def borrowed(root: nn.Module, units: list[tuple[str, nn.Module]]) -> set[str]:
+    """Names of the parameters of a unit that the lowered graph reads outside the unit's own
+    forward (a get_attr: e.g. a sublayer's PreNorm gain handed to phase 2 to fuse the norm,
+    restopo.fx.lower). FSDP gathers a unit's weights only around its forward, so these stay
+    whole, like the scalars."""
+    graph = getattr(root, "graph", None)
+    if graph is None:
+        return set()
+    read = {n.target for n in graph.nodes if n.op == "get_attr"}
+    return {t for t in read for name, _ in units if t.startswith(name + ".")}
+
+
+def kept_whole(module: nn.Module, names: set[str], prefix: str = "") -> set[nn.Parameter]:
+    """The parameters of `module` that no FSDP unit shards: scalars, and those in `names`
+    (full names; `prefix`: the module's own)."""
+    return scalars(module) | {p for n, p in module.named_parameters(prefix=prefix)
+                              if n in names}
+
+
 def tied(model: nn.Module) -> bool:
     head = getattr(getattr(model, "head", None), "lm_head", None)
     embed = getattr(model, "embed", None)
@@ -49,11 +70,12 @@ def shard_units(root: nn.Module, mesh, units: list[tuple[str, nn.Module]], *,
     from torch.distributed.fsdp import fully_shard
 
     full = root if full is None else full
+    whole = borrowed(root, units)
     for name, module in units:
         if init is not None:
             materialize(full, init, [name], device)
-        fully_shard(module, mesh=mesh)
-    fully_shard(root, mesh=mesh, ignored_params=scalars(root))
+        fully_shard(module, mesh=mesh, ignored_params=kept_whole(module, whole, name) or None)
+    fully_shard(root, mesh=mesh, ignored_params=kept_whole(root, whole))
 
 
 def model_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -120,11 +142,15 @@ class FSDPStep:
         else:
             model.to(ctx.device)
             init = None
-        shard_units(model, self.mesh, model_units(model), init=init, device=ctx.device)
+        units = model_units(model)
+        shard_units(model, self.mesh, units, init=init, device=ctx.device)
         if init is not None:  # both names of a tied matrix: the one shard
             retie(model, init, list(init.factories))
         self.model = self.trained = model
-        self.whole_params = [p for p in model.parameters() if p.dim() == 0]  # in step
+        # whole in every process: their gradients are averaged in step
+        self.unsharded = kept_whole(model, borrowed(model, units))
+        # in the model's order, the same in every process: they are all-reduced one by one
+        self.whole_params = [p for p in model.parameters() if p in self.unsharded]
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         loss_sum = torch.zeros((), device=self.ctx.device)
@@ -140,7 +166,7 @@ class FSDPStep:
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         params = [p for p in self.model.parameters() if p.grad is not None]
-        counted = [p.grad for p in params if p.dim() or self.ctx.is_main]
+        counted = [p.grad for p in params if p not in self.unsharded or self.ctx.is_main]
         return clip_total_norm(counted, params, max_norm)
 
     def evaluate(self, batches) -> float:
@@ -150,4 +176,4 @@ class FSDPStep:
         return list(self.model.named_parameters())
 
     def saved(self):
-        return [(n, p) for n, p in self.held() if p.dim() or self.ctx.is_main]
+        return [(n, p) for n, p in self.held() if p not in self.unsharded or self.ctx.is_main]

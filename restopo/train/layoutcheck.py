@@ -46,7 +46,7 @@ def run(args) -> dict:
     ctx = setup("cpu")
     layout = resolve(args.pipeline, spec.parallel, ctx.world)
     check_layout(spec, layout, None)
-    model, stepper = build(spec, layout, ctx, "eager")
+    model, stepper = build(spec, layout, ctx, args.backend)
     if stepper is None:
         from .stepper import DataParallelStep
 
@@ -92,6 +92,9 @@ def main(argv=None) -> int:
     ap.add_argument("--data", default="", help="ddp | fsdp (default: the spec's, ddp)")
     ap.add_argument("--set", dest="overrides", action="append", default=[],
                     help="a spec override, e.g. residual=rezero (repeatable)")
+    ap.add_argument("--backend", default="eager",
+                    help="the layout's lowering (auto: the PreNorm fused into phase 2, as "
+                         "`restopo train` lowers); the reference is always eager")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
