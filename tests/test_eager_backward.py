@@ -229,3 +229,17 @@ def test_a_deep_copy_shares_as_the_model_does():
     readers = {h.__self__ for a in twin.aggregations for h in a._forward_pre_hooks.values()}
     assert len(hooks) == 1 and readers == set(hooks)
     assert hooks[0] is not next(iter(model._forward_pre_hooks.values())).__self__
+
+
+def test_a_backward_that_skips_the_source_leaves_nothing_behind():
+    """A first backward that wants only alpha's gradient runs the weighted sums but not the
+    gathered view's node: what they added must not reach a later backward's source gradient."""
+    v, w = _rand(2, 3, 4), _rand(2, 3, 4)
+    a = _rand(2, 2, 3, 2)
+    g = weighted.gathered(v)
+    loss = (weighted.weighted_sum(a, (g, w)) * 1.5).sin().sum()
+    torch.autograd.grad(loss, [a], retain_graph=True)
+    got = torch.autograd.grad(loss, [v, w, a])
+    want = torch.autograd.grad((_loop_sum(a, (v, w)) * 1.5).sin().sum(), [v, w, a])
+    for x, y in zip(got, want):
+        torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-12)
