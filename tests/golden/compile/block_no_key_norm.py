@@ -44,16 +44,25 @@ def _weighted__acc(v: torch.Tensor) -> torch.dtype:
 
 
 class _Sink:
-    """Where the weighted sums that read one source add up its gradient."""
+    """Where the weighted sums that read one source add up its gradient, within one
+    backward pass: a pass that does not need the source never runs the view's node, so
+    what it added is dropped by the next pass rather than handed on."""
 
     grad: torch.Tensor | None = None
+    task: int = -1  # the backward pass (autograd graph task) `grad` belongs to
 
     def add(self, g: torch.Tensor, a: torch.Tensor) -> None:
         """grad += g * a, with g [*batch, H, c] and a per head [*batch, H, 1]."""
-        if self.grad is None:
-            self.grad = (g * a).flatten(-2)
+        task = torch._C._current_graph_task_id()
+        if self.grad is None or self.task != task:
+            self.grad, self.task = (g * a).flatten(-2), task
         else:
             self.grad.unflatten(-1, g.shape[-2:]).addcmul_(g, a)
+
+    def take(self) -> torch.Tensor | None:
+        """This pass's sum (None if nothing was added in it); the sink is emptied."""
+        got, self.grad = self.grad, None
+        return got if self.task == torch._C._current_graph_task_id() else None
 
 
 class _Gather(torch.autograd.Function):
@@ -69,7 +78,7 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
-        got, ctx.sink.grad = ctx.sink.grad, None
+        got = ctx.sink.take()
         if got is None or grad is None:
             return (grad if got is None else got), None
         return got.add_(grad), None
