@@ -64,7 +64,7 @@ def test_shell_lines_name_real_commands_options_and_files(monkeypatch):
     parser = build_parser()
     seen = 0
     for block in blocks("sh"):
-        for line in block.splitlines():
+        for line in block.replace("\\\n", " ").splitlines():  # continuations joined
             for command in line.split("&&"):
                 argv = shlex.split(command.split("#")[0])
                 if argv[:1] == ["restopo"]:

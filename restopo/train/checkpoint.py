@@ -199,14 +199,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, model: torch.nn.Module,
             fsync_file(tmp / name)
             if _write_file is not None:
                 _write_file(name, tmp / name)
-        os.chmod(tmp, new_mode(folder=True))  # mkdtemp made it 0700
-        fsync_dir(tmp)
-        if final.exists():  # the same step saved again (a restarted run): swap it out
-            old = root / f".old-{final.name}-{os.getpid()}"
-            os.replace(final, old)
-            shutil.rmtree(old, ignore_errors=True)
-        os.replace(tmp, final)
-        fsync_dir(root)
+        _move_into_place(tmp, final, root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -281,6 +274,19 @@ def save_sharded(root: str | os.PathLike, step: int, named, optimizer, state: di
     return final
 
 
+def _move_into_place(tmp: Path, final: Path, root: Path) -> None:
+    """Rename the written folder `tmp` to `final` in one step, durably (a same-step
+    folder from a restarted run is swapped out first)."""
+    os.chmod(tmp, new_mode(folder=True))  # mkdtemp made it 0700
+    fsync_dir(tmp)
+    if final.exists():
+        old = root / f".old-{final.name}-{os.getpid()}"
+        os.replace(final, old)
+        shutil.rmtree(old, ignore_errors=True)
+    os.replace(tmp, final)
+    fsync_dir(root)
+
+
 def _commit_sharded(root: Path, tmp: Path, final: Path, parts, state, meta, step, world,
                     layout) -> None:
     from .shards import build_index
@@ -299,14 +305,7 @@ def _commit_sharded(root: Path, tmp: Path, final: Path, parts, state, meta, step
         os.chmod(tmp / name, new_mode())
         fsync_file(tmp / name)
         _crash_point(final, name)
-    os.chmod(tmp, new_mode(folder=True))
-    fsync_dir(tmp)
-    if final.exists():  # the same step saved again (a restarted run): swap it out
-        old = root / f".old-{final.name}-{os.getpid()}"
-        os.replace(final, old)
-        shutil.rmtree(old, ignore_errors=True)
-    os.replace(tmp, final)
-    fsync_dir(root)
+    _move_into_place(tmp, final, root)
     _crash_point(final, "rename")
     write_atomic(root / "latest", final.name + "\n")
     _crash_point(final, "latest")
