@@ -13,7 +13,10 @@ modules lowered directly, and two-phase groups, whose phase 1 reads the complete
 each source. It shares only within one forward of the lowered model (hooks open and close
 that scope), and nothing outlives it. A forward pre-hook hands each reader its sources'
 shared form and a `logits=` keyword; outside the model's forward, without autograd, under
-torch.compile or on a backend other than eager, readers make their own.
+torch.compile or on a backend other than eager, readers make their own. (So a region that
+torch.utils.checkpoint recomputes must not hold readers: its recomputation, in backward,
+would make its own logits; sublayers alone are fine. Issue 11's recompute is to open a
+scope of its own for that.)
 """
 from __future__ import annotations
 
