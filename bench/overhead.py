@@ -6,7 +6,9 @@ dimensions, in eager mode and under torch.compile, this measures
   step  the wall time of one forward + backward (loss = mean logsumexp of the logits): the
         fastest of the timed rounds (other processes on the machine only ever add time;
         the median is printed beside it), the topologies taking turns in every round so
-        drift hits them alike;
+        drift hits them alike; and the ratio to standard within each round: its median and
+        its spread over the rounds (quartiles, and min-max), which load moves far less
+        than the absolute times;
   saved the bytes of activations autograd keeps for backward at the end of the forward pass
         (unique storages seen by torch.autograd.graph.saved_tensors_hooks). On CPU there is
         no allocator peak counter; this is the memory that grows with depth and batch, i.e.
@@ -17,8 +19,9 @@ and prints each as a ratio to the standard residual.
     python bench/overhead.py                 # width 512, depth 12, context 256, batch 4
     python bench/overhead.py --quick         # a CI-size smoke run
     python bench/overhead.py --width 256 --depth 6 --no-compile
-    python bench/overhead.py --width 64 --depth 16 --context 128 --batch 16 --heads 4 \
-        --no-compile                         # the size of examples/*.restopo
+    python bench/overhead.py --examples --no-compile   # the size of examples/*.restopo:
+                                             # width 64, depth 16, context 128, batch 16,
+                                             # heads 4, one thread
 """
 from __future__ import annotations
 
@@ -55,8 +58,14 @@ def parse_args(argv=None):
     p.add_argument("--compile-only", action="store_true", help="torch.compile mode only")
     p.add_argument("--quick", action="store_true",
                    help="tiny smoke run: width 64, depth 4, context 64, batch 2, 2 rounds")
+    p.add_argument("--examples", action="store_true",
+                   help="the size of examples/*.restopo: width 64, depth 16, context 128, "
+                        "batch 16, heads 4, one thread (unless --threads)")
     args = p.parse_args(argv)
     args.warmup = max(1, args.warmup)
+    if args.examples:
+        args.width, args.depth, args.context, args.batch, args.heads = 64, 16, 128, 16, 4
+        args.threads = args.threads or 1
     if args.quick:
         args.width, args.depth, args.context, args.batch = 64, 4, 64, 2
         args.heads, args.blocks, args.iters, args.warmup = 4, 2, 2, 2
@@ -127,8 +136,17 @@ def measure(args, mode: str, models: dict) -> dict:
             if r >= args.warmup:
                 times[name].append(time.perf_counter() - t0)
         print(f"  {mode}: round {r + 1}/{args.warmup + args.iters}", file=sys.stderr)
+    base = times["standard"]
     return {name: dict(step=min(times[name]), median=statistics.median(times[name]),
+                       ratios=[t / b for t, b in zip(times[name], base)],
                        saved=saved[name]) for name in fns}
+
+
+def spread(ratios: list[float]) -> str:
+    """The median of the per-round ratios, their quartiles and their range."""
+    q = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
+    return (f"{statistics.median(ratios):6.3f} [{q[0]:.3f}-{q[2]:.3f}] "
+            f"({min(ratios):.3f}-{max(ratios):.3f})")
 
 
 def main(argv=None) -> int:
@@ -146,13 +164,15 @@ def main(argv=None) -> int:
         return 2
     results = {mode: measure(args, mode, models) for mode in modes}
     print(f"\n{'mode':8} {'topology':10} {'step ms':>9} {'x std':>6} {'median ms':>10} "
-          f"{'x std':>6} {'saved MiB':>10} {'x std':>6}")
+          f"{'x std':>6} {'saved MiB':>10} {'x std':>6}   per-round x std: median "
+          f"[quartiles] (range), {args.iters} rounds")
     for mode, res in results.items():
         base = res["standard"]
         for name, r in res.items():
             print(f"{mode:8} {name:10} {1e3 * r['step']:9.1f} {r['step'] / base['step']:6.3f} "
                   f"{1e3 * r['median']:10.1f} {r['median'] / base['median']:6.3f} "
-                  f"{r['saved'] / 2**20:10.1f} {r['saved'] / base['saved']:6.3f}")
+                  f"{r['saved'] / 2**20:10.1f} {r['saved'] / base['saved']:6.3f}   "
+                  f"{spread(r['ratios'])}")
     return 0
 
 

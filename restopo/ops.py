@@ -64,6 +64,11 @@ def require_backend(backend: str, device=None) -> None:
             raise RuntimeError(f"backend 'triton' cannot run: {why}")
 
 
+def picked(backend: str, tensor: torch.Tensor) -> str:
+    """The backend (eager or triton) a call with `backend=` on `tensor` runs on."""
+    return _pick(backend, tensor)
+
+
 def _pick(backend: str, tensor: torch.Tensor) -> str:
     """The backend one call runs on."""
     if backend == "eager":
@@ -84,11 +89,13 @@ def _first(sources) -> torch.Tensor:
 def depth_attention(sources: torch.Tensor, query: torch.Tensor,
                     key_norm_weight: torch.Tensor | None = None, eps: float = 1e-6, *,
                     key_norm: bool = True, gate: str = "softmax", heads: int = 1,
-                    backend: str = "eager") -> torch.Tensor:
+                    backend: str = "eager", logits=None) -> torch.Tensor:
     """h = sum_i alpha_i v_i, alpha = softmax_i(query . RMSNorm(v_i)) (or sigmoid); [*batch, d].
 
     `sources` is [n, *batch, d], or a sequence of n [*batch, d] tensors: then no backend
-    keeps a stacked copy for backward."""
+    keeps a stacked copy for backward. `logits`: each source's logit [*batch, heads],
+    already made (restopo.nn.shared_sources); the eager backend uses them with a sequence of
+    sources, the fused kernels make their own."""
     if isinstance(sources, torch.Tensor) and sources.dim() < 2:
         raise ValueError(f"sources must be [n, *batch, d]; got shape {tuple(sources.shape)}")
     # Per-token (input-dependent) queries have no fused kernel: they run eagerly.
@@ -96,20 +103,39 @@ def depth_attention(sources: torch.Tensor, query: torch.Tensor,
         return _triton_module().depth_attention(sources, query, key_norm_weight, eps,
                                                 key_norm=key_norm, gate=gate, heads=heads)
     return _eager().depth_attention(sources, query, key_norm_weight, eps, key_norm=key_norm,
-                                    gate=gate, heads=heads)
+                                    gate=gate, heads=heads, **_given(logits))
 
 
 def phase1(completed: torch.Tensor, queries: torch.Tensor,
            key_norm_weights: torch.Tensor | None = None, eps: float = 1e-6, *,
-           key_norm: bool = True, heads: int = 1, backend: str = "eager"):
+           key_norm: bool = True, heads: int = 1, backend: str = "eager", logits=None):
     """Phase 1 for one block: (o1 [S, *batch, d], m1 [S, *batch, heads], s1 [S, *batch, heads]).
     `completed` is [n, *batch, d] or a sequence of n [*batch, d] tensors. The fused backend
-    returns o1 as a tuple of S tensors (o1[s] is the same either way)."""
+    returns o1 as a tuple of S tensors (o1[s] is the same either way). `logits`: each
+    block's [S, *batch, heads] against the queries, already made (as in depth_attention)."""
     if _pick(backend, _first(completed)) == "triton":
         return _triton_module().phase1(completed, queries, key_norm_weights, eps,
                                        key_norm=key_norm, heads=heads)
     return _eager().phase1(completed, queries, key_norm_weights, eps, key_norm=key_norm,
-                           heads=heads)
+                           heads=heads, **_given(logits))
+
+
+def _given(logits) -> dict:
+    """`logits=` only when there are some: a registered backend need not take it."""
+    return {} if logits is None else {"logits": logits}
+
+
+def gathered(source: torch.Tensor) -> torch.Tensor:
+    """A view of `source` whose gradient from the eager backend's weighted sums is added up
+    in place, once for all its readers (for restopo.nn.shared_sources)."""
+    return _eager().gathered(source)
+
+
+def logits_against(source: torch.Tensor, gained_queries: torch.Tensor, eps: float = 1e-6, *,
+                   key_norm: bool = True, heads: int = 1) -> torch.Tensor:
+    """[R, *batch, heads]: the depth-attention logits of one source [*batch, d] against R
+    static queries [R, d] with their key-norm gains folded in (eager: one matmul)."""
+    return _eager().logits_against(source, gained_queries, eps, key_norm=key_norm, heads=heads)
 
 
 def phase2(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor, partial: torch.Tensor | None,

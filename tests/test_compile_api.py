@@ -100,7 +100,12 @@ def test_cli_model_py_round_trip(tmp_path):
             a.pseudo_query.normal_()
     built.load_state_dict(ref.state_dict())
     idx = torch.randint(0, 61, (2, 6))
-    torch.testing.assert_close(built(idx), ref(idx), rtol=0, atol=0)
+    with torch.no_grad():  # the same ops, so the same bits
+        torch.testing.assert_close(built(idx), ref(idx), rtol=0, atol=0)
+    # With autograd the model shares each source's logits among its readers (one matmul,
+    # restopo.nn.shared_sources) where the file's model makes each reader's own: the same
+    # mathematics, rounded differently in float32.
+    torch.testing.assert_close(built(idx), ref(idx), rtol=1e-5, atol=1e-6)
     assert len(built.aggregations) == 5
 
 

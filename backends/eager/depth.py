@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from . import stacked, unstacked
+from . import stacked, unstacked, weighted  # noqa: F401  (weighted: for the standalone writer)
 
 
 def keys(sources: torch.Tensor, eps: float, key_norm: bool = True) -> torch.Tensor:
@@ -62,17 +62,22 @@ def _expand(weights: torch.Tensor, d: int) -> torch.Tensor:
 
 def depth_attention(sources: torch.Tensor | Sequence[torch.Tensor], query: torch.Tensor,
                     key_norm_weight: torch.Tensor | None = None, eps: float = 1e-6, *,
-                    key_norm: bool = True, gate: str = "softmax", heads: int = 1) -> torch.Tensor:
+                    key_norm: bool = True, gate: str = "softmax", heads: int = 1,
+                    logits: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
     """h = sum_i alpha_i v_i with alpha = softmax_i(w . RMSNorm(v_i)) (or sigmoid).
 
     `sources` may also be a sequence of [*batch, d] tensors: then no stacked copy is kept
-    for backward (see unstacked.py); the result is the same."""
+    for backward (see unstacked.py); the result is the same. `logits`: with a sequence,
+    each source's logit [*batch, heads] against this query, if already made (see
+    restopo.nn.shared_sources); they must be what this call would compute."""
     if not isinstance(sources, torch.Tensor):
         _check_heads(sources[0].shape[-1], heads)
-        form = stacked if stacked.without_grad(query, key_norm_weight, *sources) else unstacked
-        return form.depth_attention(sources, query,
-                                         gained(query, key_norm_weight, key_norm), eps,
-                                         key_norm=key_norm, gate=gate, heads=heads)
+        gq = gained(query, key_norm_weight, key_norm)
+        if stacked.without_grad(query, key_norm_weight, *sources):
+            return stacked.depth_attention(sources, query, gq, eps, key_norm=key_norm,
+                                           gate=gate, heads=heads)
+        return unstacked.depth_attention(sources, query, gq, eps, key_norm=key_norm, gate=gate,
+                                         heads=heads, logits=logits)
     alpha = depth_weights(sources, query, key_norm_weight, eps, key_norm=key_norm, gate=gate,
                           heads=heads)
     return (_expand(alpha, sources.shape[-1]) * sources).sum(0)
@@ -80,13 +85,15 @@ def depth_attention(sources: torch.Tensor | Sequence[torch.Tensor], query: torch
 
 def phase1(completed: torch.Tensor | Sequence[torch.Tensor], queries: torch.Tensor,
            key_norm_weights: torch.Tensor | None = None, eps: float = 1e-6, *,
-           key_norm: bool = True, heads: int = 1):
+           key_norm: bool = True, heads: int = 1,
+           logits: Sequence[torch.Tensor] | None = None):
     """Phase 1 of the two-phase computation for one block.
 
     completed: [n, *batch, d], the completed blocks [b_0 .. b_{n-1}]; queries: [S, d], the
     block's pseudo-queries; key_norm_weights: [S, d] (one gain per aggregation) or None.
     Returns (o1 [S, *batch, d], m1 [S, *batch, heads], s1 [S, *batch, heads]): per query the
     un-normalised output sum_i e^(z_i - m1) v_i, the max logit m1 and the sum s1 of e^(z_i - m1).
+    `logits`: each block's logits [S, *batch, heads] against the queries, if already made.
     """
     # One implementation for both forms: a stacked tensor is read as its n views. (A fused
     # einsum over the stack was tried: its bf16 backward under torch.compile trips a
@@ -94,9 +101,10 @@ def phase1(completed: torch.Tensor | Sequence[torch.Tensor], queries: torch.Tens
     # Without autograd, one stacked pass (stacked.py): far fewer ops, e.g. when decoding.
     sources = completed.unbind(0) if isinstance(completed, torch.Tensor) else completed
     _check_heads(sources[0].shape[-1], heads)
-    form = stacked if stacked.without_grad(queries, key_norm_weights, *sources) else unstacked
-    return form.phase1(sources, gained(queries, key_norm_weights, key_norm), eps,
-                       key_norm=key_norm, heads=heads)
+    gq = gained(queries, key_norm_weights, key_norm)
+    if stacked.without_grad(queries, key_norm_weights, *sources):
+        return stacked.phase1(sources, gq, eps, key_norm=key_norm, heads=heads)
+    return unstacked.phase1(sources, gq, eps, key_norm=key_norm, heads=heads, logits=logits)
 
 
 def phase2(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor, partial: torch.Tensor | None,
@@ -108,22 +116,18 @@ def phase2(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor, partial: torch.
     if stacked.without_grad(o1, partial, query, key_norm_weight):
         return stacked.phase2(o1, m1, s1, partial, gained(query, key_norm_weight, key_norm),
                               eps, key_norm=key_norm)
-    heads = m1.shape[-1]
-    o = o1.unflatten(-1, (heads, -1))
-    # Per-token coefficients times the raw tensors: autograd then keeps only o1 and the
-    # partial (alive anyway) and per-token scalars, no new [*batch, d] tensor.
-    if partial is None:
-        return (o * (1 / s1).unsqueeze(-1).to(o.dtype)).flatten(-2)
-    q = gained(query, key_norm_weight, key_norm).unflatten(-1, (heads, -1))
-    z2 = unstacked.source_logits(partial, q, eps, key_norm)               # [*batch, H]
-    m = torch.maximum(m1, z2)
-    a, b = torch.exp(m1 - m), torch.exp(z2 - m)
-    den = a * s1 + b
-    p = partial.unflatten(-1, (heads, -1))
-    return (o * (a / den).unsqueeze(-1).to(o.dtype)
-            + p * (b / den).unsqueeze(-1).to(p.dtype)).flatten(-2)
+    return unstacked.phase2(o1, m1, s1, partial, gained(query, key_norm_weight, key_norm), eps,
+                            key_norm=key_norm)
 
 
 def _check_heads(d: int, heads: int) -> None:
     if heads < 1 or d % heads:
         raise ValueError(f"depth heads must divide the width: width {d}, heads {heads}")
+
+
+def logits_against(source: torch.Tensor, gained_queries: torch.Tensor, eps: float = 1e-6, *,
+                   key_norm: bool = True, heads: int = 1) -> torch.Tensor:
+    """[R, *batch, heads]: one source's logits against R static queries [R, d] (gains folded
+    in), in at least fp32; one pass over the source for all of them."""
+    _check_heads(source.shape[-1], heads)
+    return unstacked.logits_against(source, gained_queries, eps, key_norm, heads)

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .unstacked import _acc
+from .weighted import _acc
 
 
 def _rstd(v: torch.Tensor, eps: float) -> torch.Tensor:

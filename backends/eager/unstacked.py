@@ -8,9 +8,11 @@ weights, reciprocal RMS). The key RMSNorm is factored the same way: the logit is
 `(v . g*w) * rsqrt(mean(v^2) + eps)`, which equals `w . RMSNorm_g(v)` without
 materialising the normalised keys.
 
-Same mathematics as `depth.py` (tested against hand-written loops and the stacked form);
-the eager backend uses it for depth attention when the caller hands sources as a sequence
-(the lowered models do), and for phase 1 always.
+Each aggregation is its logits (one matmul per source against every static query that
+reads it, `logits_against`; or given, computed once per source for all its readers by
+restopo.nn.shared_sources), a softmax over sources, and a weighted sum (weighted.py, with a
+hand-written backward). Same mathematics as `depth.py` (tested against hand-written loops
+and the stacked form); the eager backend uses it whenever gradients are wanted.
 """
 from __future__ import annotations
 
@@ -18,21 +20,39 @@ from collections.abc import Sequence
 
 import torch
 
+from .weighted import _acc, weighted_sum
 
-def _acc(v: torch.Tensor) -> torch.dtype:
-    """The accumulation dtype for v: at least fp32 (as F.rms_norm computes)."""
-    return torch.promote_types(v.dtype, torch.float32)
+
+class _Rstd(torch.autograd.Function):
+    """1 / RMS(v) over channels with a one-pass backward: d rstd / dv = -rstd^3 v / d."""
+
+    @staticmethod
+    def forward(ctx, v, eps):
+        r = _rstd_value(v, eps)
+        ctx.save_for_backward(v, r)
+        return r
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        v, r = ctx.saved_tensors
+        # rstd^2 * v stays finite for an all-zero row (rstd^3 alone overflows at eps 1e-30)
+        scale = (grad * r * (-1.0 / v.shape[-1])).to(v.dtype)
+        return v * (r * r).to(v.dtype) * scale, None
 
 
 def _rstd(v: torch.Tensor, eps: float) -> torch.Tensor:
     """[*batch, 1]: 1 / RMS(v) over channels, in at least fp32."""
-    ms = torch.linalg.vector_norm(v, 2, dim=-1, keepdim=True, dtype=_acc(v)) ** 2
-    return torch.rsqrt(ms / v.shape[-1] + eps)
+    if torch.compiler.is_compiling():  # autograd's ops: inductor fuses them with the logits
+        return _rstd_value(v, eps)
+    return _Rstd.apply(v, eps)
 
 
 def source_logits(v: torch.Tensor, q: torch.Tensor, eps: float, key_norm: bool) -> torch.Tensor:
     """[*batch, H]: the logits of one source v [*batch, d] against the heads-split query q,
     [H, c] (static) or [*batch, H, c] (per token)."""
+    if q.dim() == 2 and not torch.compiler.is_compiling():
+        return logits_against(v, q.flatten()[None], eps, key_norm, q.shape[0])[0]
     # A product and a sum rather than a matmul: under torch.compile it fuses with the RMS
     # into one pass over v (a matmul-vector is an extern kernel that reads v again). Logits
     # are at least float32 whatever v's dtype: 1/RMS of a (near-)zero row is huge (restopo.nn.norm's
@@ -43,36 +63,130 @@ def source_logits(v: torch.Tensor, q: torch.Tensor, eps: float, key_norm: bool) 
     return z
 
 
+def query_matrix(gained_queries: torch.Tensor, heads: int) -> torch.Tensor:
+    """[d, R*H]: R queries [R, d] as columns, each head's slice in its own column (zeros
+    elsewhere), so `v @ query_matrix` is every query's per-head logit of v in one matmul."""
+    R, d = gained_queries.shape
+    if heads == 1:
+        return gained_queries.t()
+    q = gained_queries.view(R, heads, d // heads)
+    eye = torch.eye(heads, dtype=q.dtype, device=q.device)
+    return torch.einsum("rhc,hk->hcrk", q, eye).reshape(d, R * heads)
+
+
+def logits_against(v: torch.Tensor, gained_queries: torch.Tensor, eps: float, key_norm: bool,
+                   heads: int) -> torch.Tensor:
+    """[R, *batch, H]: the logits of one source v [*batch, d] against R static queries
+    [R, d] (key-norm gains folded in), in at least fp32: one pass over v for all of them.
+    Query-major, so each query's logits are one contiguous piece (cheap to split and to
+    gather back in backward)."""
+    R = gained_queries.shape[0]
+    acc = _acc(v)
+    if torch.compiler.is_compiling():  # see source_logits: a product and a sum fuse
+        q = gained_queries.unflatten(-1, (heads, -1)).view(R, *[1] * (v.dim() - 1), heads, -1)
+        z = (v.unflatten(-1, (heads, -1)) * q).sum(-1, dtype=acc)
+    else:  # [R*H, tokens] = W^T v^T: one matmul, its output already query-major
+        w = query_matrix(gained_queries, heads).to(v.dtype)
+        z = (w.t() @ v.reshape(-1, v.shape[-1]).t()).to(acc)
+        z = z.view(R, heads, *v.shape[:-1]).movedim(1, -1)
+    if key_norm:
+        z = z * _rstd(v, eps)
+    return z
+
+
 def depth_attention(sources: Sequence[torch.Tensor], query: torch.Tensor,
                     gained_query: torch.Tensor, eps: float, *, key_norm: bool, gate: str,
-                    heads: int) -> torch.Tensor:
-    """h = sum_i alpha_i v_i; `gained_query` is the query with the key-norm gain folded in."""
-    q = gained_query.unflatten(-1, (heads, -1))
-    z = torch.stack([source_logits(v, q, eps, key_norm) for v in sources])  # [n, *batch, H]
+                    heads: int, logits: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+    """h = sum_i alpha_i v_i; `gained_query` is the query with the key-norm gain folded in.
+    `logits`: each source's logit [*batch, H] if already made (shared by its readers)."""
+    if logits is None:
+        q = gained_query.unflatten(-1, (heads, -1))
+        logits = [source_logits(v, q, eps, key_norm) for v in sources]
+    z = torch.stack(tuple(logits))                                         # [n, *batch, H]
     alpha = torch.softmax(z, dim=0) if gate == "softmax" else torch.sigmoid(z)
-    out = None
-    for a, v in zip(alpha, sources):
-        term = v.unflatten(-1, (heads, -1)) * a.unsqueeze(-1).to(v.dtype)
-        out = term if out is None else out + term
-    return out.flatten(-2)
+    return weighted_sum(alpha, sources)
 
 
 def phase1(completed: Sequence[torch.Tensor], gained_queries: torch.Tensor, eps: float, *,
-           key_norm: bool, heads: int):
-    """Phase 1 over a list of completed blocks; (o1 [S,*b,d], m1 [S,*b,H], s1 [S,*b,H])."""
-    q = gained_queries.unflatten(-1, (heads, -1))  # [S, H, c]
-    zs = []
-    for v in completed:
-        z = (v.unflatten(-1, (heads, -1)).unsqueeze(0)
-             * q.view(q.shape[0], *([1] * (v.dim() - 1)), *q.shape[1:])).sum(-1, dtype=_acc(v))
-        if key_norm:
-            z = z * _rstd(v, eps)  # float32, as in source_logits
-        zs.append(z)
-    z = torch.stack(zs, dim=1)                     # [S, n, *batch, H]
-    m1 = z.amax(1)
-    e = torch.exp(z - m1.unsqueeze(1))
-    o1 = None
-    for i, v in enumerate(completed):
-        term = v.unflatten(-1, (heads, -1)) * e[:, i].unsqueeze(-1).to(v.dtype)
-        o1 = term if o1 is None else o1 + term
-    return o1.flatten(-2), m1, e.sum(1)
+           key_norm: bool, heads: int, logits: Sequence[torch.Tensor] | None = None):
+    """Phase 1 over a list of completed blocks; (o1 [S,*b,d], m1 [S,*b,H], s1 [S,*b,H]).
+    `logits`: each block's logits [S, *batch, H] against the S queries, if already made."""
+    if logits is None:
+        logits = [logits_against(v, gained_queries, eps, key_norm, heads) for v in completed]
+    z = torch.stack(tuple(logits))                 # [n, S, *batch, H]
+    m1 = z.amax(0)
+    e = torch.exp(z - m1)
+    return weighted_sum(e, completed, outputs=gained_queries.shape[0]), m1, e.sum(0)
+
+
+def phase2(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor, partial: torch.Tensor | None,
+           gained_query: torch.Tensor, eps: float, *, key_norm: bool) -> torch.Tensor:
+    """Phase 2: the pre-update partial merged into phase 1's result by online softmax; the
+    weights of o1 and the partial are per-token scalars, so autograd keeps only o1 and the
+    partial (alive anyway) and those scalars."""
+    if partial is None:
+        return weighted_sum((1 / s1)[None], (o1,))
+    if torch.compiler.is_compiling() or o1.shape != partial.shape:
+        heads = m1.shape[-1]
+        z2 = source_logits(partial, gained_query.unflatten(-1, (heads, -1)), eps, key_norm)
+        m = torch.maximum(m1, z2)
+        a, b = torch.exp(m1 - m), torch.exp(z2 - m)
+        den = a * s1 + b
+        return weighted_sum(torch.stack((a / den, b / den)), (o1, partial))
+    return _Merge.apply(o1, m1, s1, partial, gained_query, eps, key_norm)
+
+
+class _Merge(torch.autograd.Function):
+    """Phase 2 with a first partial, h = (a o1 + b p) / (a s1 + b), a = e^(m1 - m),
+    b = e^(z2 - m), z2 = q . p * rstd(p), in one node: autograd's ops take some twenty small
+    per-token ops and nodes each way per sublayer; the backward here is written out (h does
+    not depend on the shift m, so m needs no gradient)."""
+
+    @staticmethod
+    def forward(ctx, o1, m1, s1, p, q, eps, key_norm):
+        heads = m1.shape[-1]
+        acc = _acc(p)
+        u = (p.reshape(-1, p.shape[-1]) @ query_matrix(q[None], heads).to(p.dtype)).to(acc)
+        u = u.view(m1.shape)                                      # q . p per head
+        r = _rstd_value(p, eps) if key_norm else None
+        z2 = u * r if key_norm else u
+        m = torch.maximum(m1, z2)
+        a, b = torch.exp(m1 - m), torch.exp(z2 - m)
+        den = a * s1 + b
+        wa, wb = a / den, b / den
+        out = o1.unflatten(-1, (heads, -1)) * wa.unsqueeze(-1).to(o1.dtype)
+        out.addcmul_(p.unflatten(-1, (heads, -1)), wb.unsqueeze(-1).to(p.dtype))
+        ctx.save_for_backward(o1, s1, p, q, wa, wb, u, r)
+        ctx.key_norm = key_norm
+        return out.flatten(-2)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        o1, s1, p, q, wa, wb, u, r = ctx.saved_tensors
+        heads, acc = wa.shape[-1], wa.dtype
+        g = grad.unflatten(-1, (heads, -1))
+        oh, ph = o1.unflatten(-1, (heads, -1)), p.unflatten(-1, (heads, -1))
+        product = torch.empty_like(g)
+        go = torch.mul(g, oh, out=product).sum(-1, dtype=acc)    # g . o1 per head
+        gp = torch.mul(g, ph, out=product).sum(-1, dtype=acc)    # g . p
+        gh = wa * go + wb * gp                                    # g . h
+        d_o1 = (g * wa.unsqueeze(-1).to(g.dtype)).flatten(-2)
+        d_m1 = wa * (go - s1 * gh)
+        d_s1 = -wa * gh
+        dz2 = wb * (gp - gh)
+        du = dz2 * r if ctx.key_norm else dz2
+        d_p = g * wb.unsqueeze(-1).to(g.dtype)                    # the value's part
+        d_p.addcmul_(du.unsqueeze(-1).to(g.dtype), q.unflatten(-1, (heads, -1)))  # the logit's
+        if ctx.key_norm:  # through rstd: d rstd / dp = -rstd^3 p / d, and u * rstd = z2:
+            # (dz2 . u) rstd^3 = (dz2 . z2) rstd^2, finite where rstd^3 overflows (eps 1e-30)
+            dr = (dz2 * (u * r)).sum(-1, keepdim=True) * (r * r) * (-1.0 / p.shape[-1])
+            d_p.addcmul_(ph, dr.unsqueeze(-1).to(p.dtype))
+        d_q = torch.einsum("...h,...hc->hc", du.to(p.dtype), ph).flatten()
+        return d_o1, d_m1, d_s1, d_p.flatten(-2), d_q, None, None
+
+
+def _rstd_value(v: torch.Tensor, eps: float) -> torch.Tensor:
+    """1 / RMS(v), [*batch, 1], without autograd (for a hand-written backward)."""
+    ms = torch.linalg.vector_norm(v, 2, dim=-1, keepdim=True, dtype=_acc(v)) ** 2
+    return torch.rsqrt(ms / v.shape[-1] + eps)

@@ -23,6 +23,8 @@ examples:
 The text table lists every aggregation point in execution order: the sublayer it feeds
 (attn, mlp, or the head), its method and its ordered sources (embedding, blockN, partial,
 sublayerN). JSON has the keys sublayers, blocks, live_values_per_token, added_parameters,
+flops_per_token (forward FLOPs per token of the sublayers, the head and the aggregations,
+their sum `forward`, and `train` for a training step: 3x forward),
 residual_io (memory I/O per token per sublayer in units of d, unfused, as the paper's Table
 1: peak_d, reads_d, writes_d, scalars, mean_d, head_d, formula) and aggregations [index,
 before, method, sources, ...].
@@ -60,9 +62,18 @@ def build_report(spec, args=None) -> dict:
                        "heads": m.heads, "mlp": m.mlp, "mlp_ratio": m.mlp_ratio,
                        "context": m.context, "layer": list(m.layer),
                        "tie_embeddings": m.tie_embeddings}
+    report["flops_per_token"] = _flops(g, m)
     if args is not None and getattr(args, "pipeline", None):  # -- pipeline view --
         report["pipeline"] = get_backend("pipeline").inspect_section(spec, g, args.pipeline)
     return report
+
+
+def _flops(g, model) -> dict:
+    """Forward FLOPs per token by part (restopo.nn.flops), their sum, and a training step's."""
+    from ..nn.flops import flops_per_token
+    f = flops_per_token(g, model)
+    return {"sublayers": f.sublayers, "head": f.head, "aggregations": f.aggregations,
+            "forward": f.forward, "train": f.train}
 
 
 def run(args) -> int:
@@ -148,6 +159,11 @@ def format_text(report: dict) -> str:
              f"  live values per token  {report['live_values_per_token']}"]
     if report.get("added_parameters") is not None:
         lines.append(f"  added parameters       {report['added_parameters']:,}")
+    if report.get("flops_per_token"):
+        f = report["flops_per_token"]
+        lines.append(f"  FLOPs per token        {f['forward']:,.0f} forward "
+                     f"({f['aggregations'] / f['forward']:.1%} in the aggregations), "
+                     f"{f['train']:,.0f} per training step")
     if report.get("residual_io"):
         lines.extend(_io_lines(report["residual_io"]))
     groups = report.get("two_phase_groups") or []
@@ -158,7 +174,8 @@ def format_text(report: dict) -> str:
     lines.append("")
     lines.extend(_aggregation_table(report))
     known = {"spec", "topology", "sublayers", "blocks", "block_sizes", "live_values_per_token",
-             "added_parameters", "two_phase_groups", "aggregations", "model", "residual_io"}
+             "added_parameters", "two_phase_groups", "aggregations", "model", "residual_io",
+             "flops_per_token"}
     for key, value in report.items():
         if key in known:
             continue

@@ -89,13 +89,14 @@ def _source(obj) -> str:
 
 
 def _kernels() -> str:
-    """The eager backend (depth.py and the two forms it picks between, unstacked.py and
-    stacked.py) as top-level code: each form's functions get its prefix (`_stacked_phase1`)
-    and are gathered in a namespace of the module's name, which depth.py's code calls."""
+    """The eager backend (depth.py, the two forms it picks between, unstacked.py and
+    stacked.py, and the weighted sum they share, weighted.py) as top-level code: each
+    module's functions get its prefix (`_stacked_phase1`) and are gathered in a namespace of
+    the module's name, which depth.py's code calls."""
     eager = get_backend("eager")
     depth = inspect.getmodule(eager.depth_attention)
     code, names = [], {}
-    for module in (depth.unstacked, depth.stacked):  # stacked imports from unstacked
+    for module in (depth.weighted, depth.unstacked, depth.stacked):  # each imports the earlier
         short = module.__name__.rpartition(".")[2]
         own = {n: f"_{short}_{n}" for n, f in inspect.getmembers(module, inspect.isfunction)
                if f.__module__ == module.__name__}

@@ -16,6 +16,7 @@ examples:
   restopo train examples/tiny.restopo --out runs/quick --resume     # continue from latest
   restopo train --resume --out runs/quick --steps 400                # spec from the checkpoint
   restopo train examples/tiny.restopo --nproc 2                      # 2 processes via torchrun
+  restopo train examples/tiny.restopo --peak-tflops 1                # MFU against 1 TFLOP/s
   torchrun --nproc_per_node 2 -m restopo train examples/tiny.restopo
   restopo train examples/tiny.restopo --nproc 2 --data fsdp          # shard params + AdamW
   restopo train examples/tiny.restopo --nproc 4 --pipeline 2x2       # stage-local pipeline
@@ -26,7 +27,8 @@ examples:
 `batch` is the global batch of one optimizer step: with --nproc N each process takes
 batch/N rows of it, so the numbers match a 1-process run. Data: `data:` in the spec's train
 section (builtin:stdlib, a text file or folder, or a nanoGPT-style uint16 .bin).
-Writes OUT/metrics.jsonl, OUT/loss.png and OUT/ckpt/step_NNNNNN/ (safetensors weights, and
+Writes OUT/metrics.jsonl (loss, val_loss, lr, tokens_per_s, and mfu when the device's peak
+is known: --peak-tflops, or a known CUDA GPU's dense bf16 peak), OUT/loss.png and OUT/ckpt/step_NNNNNN/ (safetensors weights, and
 a manifest of checksums). --resume continues from the newest checkpoint that verifies; a
 damaged one is named and moved to OUT/ckpt/damaged/. One run at a time per OUT (a second is
 refused, naming the first). A text-folder corpus is bounded: set RESTOPO_DATA_MAX_FILES or
@@ -52,6 +54,10 @@ def register(subparsers) -> None:
     p.add_argument("--out", metavar="DIR", help="run folder (default: runs/<spec name>)")
     p.add_argument("--steps", type=int, metavar="N", help="same as --set train.steps=N")
     p.add_argument("--seed", type=int, metavar="N", help="same as --set train.seed=N")
+    p.add_argument("--peak-tflops", type=float, metavar="T",
+                   help="one device's peak TFLOP/s for the MFU figure, e.g. 989 (same as "
+                        "--set train.peak_tflops=T; default: known CUDA GPUs' dense bf16 "
+                        "peak, none on the CPU)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--backend", choices=("auto", "eager", "triton"), default="auto",
                    help="aggregation kernels (default: triton on CUDA when available)")
@@ -114,6 +120,8 @@ def _overrides(args) -> tuple[str, ...]:
         extra.append(f"train.steps={args.steps}")
     if args.seed is not None:
         extra.append(f"train.seed={args.seed}")
+    if args.peak_tflops is not None:
+        extra.append(f"train.peak_tflops={args.peak_tflops!r}")
     if args.data_parallel is not None:
         extra.append(f"parallel.data={args.data_parallel}")
     return tuple(args.overrides) + tuple(extra)
@@ -126,7 +134,8 @@ def _worker_argv(args) -> list[str]:
         argv.append(args.spec)
     for o in args.overrides:
         argv += ["--set", o]
-    for flag, value in (("--out", args.out), ("--steps", args.steps), ("--seed", args.seed)):
+    for flag, value in (("--out", args.out), ("--steps", args.steps), ("--seed", args.seed),
+                        ("--peak-tflops", args.peak_tflops)):
         if value is not None:
             argv += [flag, str(value)]
     argv += ["--device", args.device, "--backend", args.backend]
@@ -346,7 +355,9 @@ def _layout(args, spec, world: int):
 def _train(args, out: Path) -> int:
     from ..train import dist, layout, runspec
     from ..train.data import DataError
+    from ..nn.flops import flops_per_token
     from ..train.loop import TrainConfig, train
+    from ..train.throughput import Throughput
 
     if args.nproc is not None and args.nproc != int(os.environ["WORLD_SIZE"]):
         return _fail("--nproc was given inside a torchrun job; run either torchrun or --nproc")
@@ -380,7 +391,10 @@ def _train(args, out: Path) -> int:
             summary = train(model, corpus, cfg, out, ctx,
                             meta=runspec.run_meta(spec, runspec.data_base(spec)),
                             resume_from=step_dir, progress=not args.no_progress,
-                            stepper=stepper)
+                            stepper=stepper,
+                            throughput=Throughput.of(flops_per_token(spec.ir(), spec.model).train,
+                                                     ctx.device, ctx.world,
+                                                     spec.train.peak_tflops))
         except DataError as e:
             raise spec.error(*e.where, str(e)) from None
     finally:

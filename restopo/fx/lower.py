@@ -37,8 +37,9 @@ from torch import fx, nn
 from .. import ops
 from ..ir import IR, Aggregation, PhaseGroup, Sublayer, two_phase_plan
 from ..ir.walk import Visitor, walk
-from ..nn.aggregate import Attend, TwoPhase, make_aggregation
+from ..nn.aggregate import EPS, Attend, TwoPhase, make_aggregation
 from ..nn.parts import Parts
+from ..nn.shared_sources import Reader, SharedSources
 from ..nn.streams import StreamExpand, StreamWrite
 
 SUBMODULES = ("embed", "context", "sublayers", "aggregations", "phases", "expand_streams",
@@ -94,7 +95,22 @@ def lower(g: IR, parts: Parts, backend: str = "auto", two_phase: bool = True,
     gm.restopo_ir = g
     gm.restopo_context_names = emitter.context_names
     gm.backend = backend
+    _share_logits(gm, g, plan)
     return gm
+
+
+def _share_logits(gm: fx.GraphModule, g: IR, plan) -> None:
+    """Let the static-query readers of each source share its logits and gradient buffer
+    (restopo.nn.shared_sources): the Attend modules called on their sources, and the
+    two-phase groups' phase 1."""
+    members = {m for grp in plan for m in grp.members}
+    readers = [Reader(gm.aggregations[a.index - 1], tuple(a.sources), 1)
+               for a in g.aggregations()
+               if a.method == "attend" and a.query == "static" and a.id not in members]
+    readers += [Reader(gm.phases[k], tuple(grp.completed), len(grp.members))
+                for k, grp in enumerate(plan)]
+    if readers:
+        SharedSources(readers, EPS).install(gm)
 
 
 def _order_as_called(gm: fx.GraphModule, graph: fx.Graph) -> None:

@@ -56,7 +56,8 @@ class Attend(nn.Module):
 
     def forward(self, *sources: torch.Tensor, phase1=None, slot: int = 0,
                 norm_weight: torch.Tensor | None = None,
-                norm_eps: float | None = None) -> torch.Tensor:
+                norm_eps: float | None = None, logits=None) -> torch.Tensor:
+        """`logits`: each source's logit, already made (restopo.nn.shared_sources)."""
         if phase1 is not None:
             return self.merge(phase1, slot, sources[0] if sources else None, norm_weight,
                               norm_eps)
@@ -64,7 +65,7 @@ class Attend(nn.Module):
         # A tuple, not a stack: the eager backend then saves no copy of the sources.
         return ops.depth_attention(sources, q, self.gain, EPS,
                                    key_norm=self.key_norm is not None, gate=self.gate,
-                                   heads=self.heads, backend=self.backend)
+                                   heads=self.heads, backend=self.backend, logits=logits)
 
     def _query(self, sources) -> torch.Tensor:
         q = self.pseudo_query
@@ -119,11 +120,15 @@ class TwoPhase(nn.Module):
         self.has_key_norm = members[0].key_norm is not None
         self.backend = backend
 
-    def forward(self, *completed: torch.Tensor):
+    def forward(self, *completed: torch.Tensor, logits=None):
         queries = torch.stack([m.pseudo_query for m in self.members])
         gains = torch.stack([m.gain for m in self.members]) if self.has_key_norm else None
-        return ops.phase1(completed, queries, gains, EPS,
-                          key_norm=self.has_key_norm, heads=self.heads, backend=self.backend)
+        o1, m1, s1 = ops.phase1(completed, queries, gains, EPS, key_norm=self.has_key_norm,
+                                heads=self.heads, backend=self.backend, logits=logits)
+        # Each member takes its own slice: split once here, so autograd gathers o1's
+        # gradient in one piece rather than zero-filling all of o1 for every member (the
+        # fused backend's o1 is already a tuple).
+        return (o1 if isinstance(o1, tuple) else o1.unbind(0)), m1, s1
 
     def extra_repr(self) -> str:
         return f"members={len(self.members)}"

@@ -7,11 +7,12 @@ aggregation point from the IR, so topologies compare by what they add.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from ..ir import IR, BlockSum, Partial
+from ..ir import IR, Aggregation, BlockSum, Partial
 from ..topology import STREAM_METHODS
-from .sublayers import swiglu_hidden
+from .sizes import swiglu_hidden
 
 TRAIN_PER_FORWARD = 3
 
@@ -50,7 +51,9 @@ def aggregation_flops(g: IR, d: int) -> float:
     total = 0.0
     for a in g.aggregations():
         n = len(a.sources)
-        if a.method == "attend":
+        if a.multi_stream:
+            total += stream_flops(a, d)
+        elif a.method == "attend":
             total += n * 6 * d + (2 * d * d if a.query == "input_dependent" else 0)
         elif a.method == "scalars":
             total += 2 * n * d
@@ -67,6 +70,21 @@ def aggregation_flops(g: IR, d: int) -> float:
                 n = v.index if isinstance(v, BlockSum) else v.block
                 longest[n] = max(longest.get(n, 0), len(v.members))
     return total + sum(k - 1 for k in longest.values()) * d
+
+
+def stream_flops(a: Aggregation, d: int) -> float:
+    """A multi-stream point (restopo.nn.streams), n streams: the read sum_i pre_i X_i, the
+    write R X + post (x) v, and the coefficients' matrices (DHC's [d, n+2] per stream,
+    mHC's [n d, 2n + n^2] and mHC-lite's [n d, 2n + n!]); the head sums the streams. Norms
+    and Sinkhorn's n x n iterations are linear in d or free of it, left out."""
+    n = a.streams
+    if a.is_head:
+        return (n - 1) * d
+    total = 2 * n * d + 2 * n * n * d + 2 * n * d  # read; R X; post (x) v added
+    if a.method == "hyper_connections":
+        return total + (2 * n * d * (n + 2) if a.dynamic else 0)
+    k = n * n if a.method == "mhc" else math.factorial(n)
+    return total + 2 * n * d * (2 * n + k)
 
 
 def flops_per_token(g: IR, model) -> Flops:

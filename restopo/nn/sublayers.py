@@ -6,13 +6,12 @@ computed: the lowering does that where the aggregation before it can compute the
 the same pass (phase 2 of Block AttnRes on the fused backend), and the sublayer skips it."""
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .norm import NORM_EPS
+from .sizes import swiglu_hidden  # noqa: F401  (also for the standalone writer)
 
 
 class Rotary(nn.Module):
@@ -108,12 +107,6 @@ class Attention(nn.Module):
             k, v, mask = cache.update(k, v)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.proj(y.transpose(1, 2).reshape(B, T, d))
-
-
-def swiglu_hidden(d: int, ratio: float) -> int:
-    """SwiGLU has three matrices, so its hidden size is 2/3 of ratio*d (the same parameter
-    count as a two-matrix MLP of ratio*d), rounded up to a multiple of 8."""
-    return 8 * math.ceil(2 * ratio * d / 3 / 8)
 
 
 class MLP(nn.Module):

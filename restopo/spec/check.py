@@ -29,7 +29,7 @@ DATA_ENGINES = ("ddp", "fsdp")  # data parallel: replicated (DDP) or sharded (FS
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 TRAIN_KEYS = ("data", "steps", "batch", "lr", "schedule", "warmup", "min_lr", "weight_decay",
               "grad_clip", "accum", "eval_every", "eval_batches", "save_every", "seed",
-              "log_every", "keep")
+              "log_every", "keep", "peak_tflops")
 LR_SCHEDULES = ("cosine", "constant")
 
 
@@ -180,6 +180,9 @@ def check_train(view: View, c: Checker) -> TrainSpec | None:
         got["weight_decay"] = c.real(f["weight_decay"], "weight_decay", 0)
     if "grad_clip" in f:
         got["grad_clip"] = c.real(f["grad_clip"], "grad_clip", 0, why="0 turns clipping off")
+    if "peak_tflops" in f:  # TFLOP/s: a spec's numbers stay below 2^31
+        got["peak_tflops"] = c.real(f["peak_tflops"], "peak_tflops", 0, above=True,
+                                    why="one device's peak TFLOP/s for MFU, e.g. 989")
     if "schedule" in f:
         got["schedule"] = c.choice(f["schedule"], "schedule", LR_SCHEDULES)
     if "data" in f:

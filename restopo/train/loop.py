@@ -33,6 +33,7 @@ from .data import BatchSampler, Corpus, DataError, fixed_batches
 from .dist import DistContext, barrier, collectively, exchange, mean_over_ranks
 from .plots import plot_losses, read_metrics
 from .stepper import DataParallelStep, Stepper, evaluate  # noqa: F401 (evaluate: re-export)
+from .throughput import Throughput
 
 
 class TrainingError(RuntimeError):
@@ -161,7 +162,7 @@ def resume(step_dir, stepper: Stepper, optimizer, cfg: TrainConfig, device) -> t
 def train(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, out: str | os.PathLike,
           ctx: DistContext | None = None, *, meta: dict | None = None,
           resume_from: str | os.PathLike | None = None, progress: bool = True,
-          stepper: Stepper | None = None) -> dict:
+          stepper: Stepper | None = None, throughput: Throughput | None = None) -> dict:
     """Train `model` in place; returns a summary (final loss, val loss, paths).
 
     `stepper` makes each step's gradients; by default `DataParallelStep` (one process, or
@@ -170,7 +171,8 @@ def train(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, out: str | o
 
     Only rank 0 writes metrics, plot and bar, and checkpoints of a whole-model layout; in a
     sharded layout every rank writes its share of each checkpoint. `meta` (spec text,
-    overrides, ...) is stored in every checkpoint.
+    overrides, ...) is stored in every checkpoint. `throughput`: what makes MFU of tokens/s
+    (metrics.jsonl and the bar say it when it has a peak).
     """
     from tqdm import tqdm
 
@@ -260,14 +262,18 @@ def train(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, out: str | o
                                         f"train.lr (now {cfg.lr:g}) or train.grad_clip")
                 now = time.perf_counter()
                 rate = steps_since_log * tokens_per_step / max(now - t_log, 1e-9)
+                mfu = throughput.mfu(rate) if throughput is not None else None
                 t_log, steps_since_log = now, 0
                 last["loss"] = loss_value
                 log.write({"step": done, "loss": loss_value, "val_loss": val_loss, "lr": lr,
-                           "tokens_per_s": rate, "elapsed": elapsed0 + now - t0})
+                           "tokens_per_s": rate, "elapsed": elapsed0 + now - t0,
+                           **({"mfu": mfu} if mfu is not None else {})})
                 bar.set_postfix_str(f"loss {loss_value:.3f}"
                                     + (f" val {last['val_loss']:.3f}" if last["val_loss"]
                                        is not None else "")
-                                    + f" {rate:,.0f} tok/s", refresh=False)
+                                    + f" {rate:,.0f} tok/s"
+                                    + (f" MFU {mfu:.1%}" if mfu is not None else ""),
+                                    refresh=False)
             if cfg.save_every > 0 and (done % cfg.save_every == 0 or done == cfg.steps):
                 save(done)
     finally:

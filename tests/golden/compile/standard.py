@@ -38,25 +38,212 @@ EPS = NORM_EPS
 
 
 # ---- depth-attention kernels (restopo's eager backend)
-def _unstacked__acc(v: torch.Tensor) -> torch.dtype:
-    """The accumulation dtype for v: at least fp32 (as F.rms_norm computes)."""
+def _weighted__acc(v: torch.Tensor) -> torch.dtype:
+    """The accumulation dtype for v: at least fp32."""
     return torch.promote_types(v.dtype, torch.float32)
+
+
+class _Sink:
+    """Where the weighted sums that read one source add up its gradient, within one
+    backward pass: a pass that does not need the source never runs the view's node, so
+    what it added is dropped by the next pass rather than handed on."""
+
+    grad: torch.Tensor | None = None
+    task: int = -1  # the backward pass (autograd graph task) `grad` belongs to
+
+    def add(self, g: torch.Tensor, a: torch.Tensor) -> None:
+        """grad += g * a, with g [*batch, H, c] and a per head [*batch, H, 1]."""
+        task = torch._C._current_graph_task_id()
+        if self.grad is None or self.task != task:
+            self.grad, self.task = (g * a).flatten(-2), task
+        else:
+            self.grad.unflatten(-1, g.shape[-2:]).addcmul_(g, a)
+
+    def take(self) -> torch.Tensor | None:
+        """This pass's sum (None if nothing was added in it); the sink is emptied."""
+        got, self.grad = self.grad, None
+        return got if self.task == torch._C._current_graph_task_id() else None
+
+
+class _Gather(torch.autograd.Function):
+    """Identity forward; backward hands on what the readers added to the sink (plus any
+    gradient that reached this view by other ops), then empties the sink."""
+
+    @staticmethod
+    def forward(ctx, v, sink):
+        ctx.set_materialize_grads(False)
+        ctx.sink = sink
+        return v.view_as(v)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        got = ctx.sink.take()
+        if got is None or grad is None:
+            return (grad if got is None else got), None
+        return got.add_(grad), None
+
+
+def _weighted_gathered(v: torch.Tensor) -> torch.Tensor:
+    """A view of source v for its readers' weighted sums: each adds its part of v's gradient
+    into one buffer in place (a multiply-add), which this view's backward hands on once,
+    after the last of them, instead of each reader returning a new d-sized tensor for
+    autograd to add up."""
+    if torch.compiler.is_compiling() or not v.requires_grad:
+        return v
+    sink = _Sink()
+    out = _Gather.apply(v, sink)
+    out.restopo_sink = sink
+    return out
+
+
+def _weighted_weighted_sum(alpha: torch.Tensor, sources: Sequence[torch.Tensor],
+                 outputs: int | None = None) -> torch.Tensor:
+    """sum_i alpha_i v_i, each head's weight over its channel slice.
+
+    alpha: [n, *batch, H] for one output ([*batch, d] returned), or [n, S, *batch, H] with
+    `outputs=S` for S outputs ([S, *batch, d]); sources: n tensors [*batch, d], d = H * c."""
+    if torch.compiler.is_compiling() or len({tuple(v.shape) for v in sources}) != 1:
+        return _weighted__plain(alpha, sources, outputs)
+    return WeightedSum.apply(alpha, outputs, *sources)
+
+
+def _weighted__plain(alpha, sources, outputs):
+    """The same sum in autograd's ops (for tracing, and sources that broadcast)."""
+    heads = alpha.shape[-1]
+    out = None
+    for a_i, v in zip(alpha, sources):                           # a_i: [(S,) *batch, H]
+        term = v.unflatten(-1, (heads, -1)) * a_i.unsqueeze(-1).to(v.dtype)
+        out = term if out is None else out + term
+    return out.flatten(-2)
+
+
+class WeightedSum(torch.autograd.Function):
+    """out_s = sum_i alpha_{i,s} v_i; see the module docstring."""
+
+    @staticmethod
+    def forward(ctx, alpha, outputs, *sources):
+        v0 = sources[0]
+        heads = alpha.shape[-1]
+        a = alpha.to(v0.dtype).unsqueeze(-1)                      # [n, (S,) *batch, H, 1]
+        if outputs is None:
+            a = a.unsqueeze(1)
+        vh = [v.unflatten(-1, (heads, -1)) for v in sources]      # [*batch, H, c]
+        out = torch.empty((a.shape[1], *vh[0].shape), dtype=v0.dtype, device=v0.device)
+        for o, a_s in zip(out, a.unbind(1)):                      # each output in place
+            torch.mul(vh[0], a_s[0], out=o)
+            for v, a_i in zip(vh[1:], a_s[1:]):
+                o.addcmul_(v, a_i)
+        ctx.save_for_backward(alpha, *sources)
+        ctx.outputs = outputs
+        ctx.sinks = [getattr(v, "restopo_sink", None) for v in sources]
+        out = out.flatten(-2)
+        return out[0] if outputs is None else out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        alpha, *sources = ctx.saved_tensors
+        heads = alpha.shape[-1]
+        g = grad.unflatten(-1, (heads, -1))                       # [(S,) *batch, H, c]
+        a = alpha.to(grad.dtype).unsqueeze(-1)
+        if ctx.outputs is None:
+            g, a = g.unsqueeze(0), a.unsqueeze(1)                 # a: [n, S, *batch, H, 1]
+        gs = g.unbind(0)
+        d_alpha = product = None
+        if ctx.needs_input_grad[0]:  # alpha's gradient: each output's gradient . v_i
+            d_alpha = torch.empty(a.shape[:-1], dtype=_weighted__acc(grad), device=grad.device)
+            product = torch.empty_like(gs[0])                     # reused scratch
+        d_sources = []
+        for i, (v, sink) in enumerate(zip(sources, ctx.sinks)):
+            vh = v.unflatten(-1, (heads, -1))
+            dv = None
+            for s, (g_s, a_is) in enumerate(zip(gs, a[i])):
+                if product is not None:
+                    torch.sum(torch.mul(g_s, vh, out=product), -1, dtype=d_alpha.dtype,
+                              out=d_alpha[i, s])
+                if sink is not None:  # a _weighted_gathered source: added in place (see _weighted_gathered)
+                    sink.add(g_s, a_is)
+                elif ctx.needs_input_grad[2 + i]:
+                    if dv is None:
+                        dv = g_s * a_is
+                    else:
+                        dv.addcmul_(g_s, a_is)
+            d_sources.append(None if dv is None else dv.flatten(-2))
+        if d_alpha is not None:
+            d_alpha = (d_alpha[:, 0] if ctx.outputs is None else d_alpha).to(alpha.dtype)
+        return (d_alpha, None, *d_sources)
+
+
+weighted = SimpleNamespace(_acc=_weighted__acc, _plain=_weighted__plain, gathered=_weighted_gathered, weighted_sum=_weighted_weighted_sum)
+
+
+class _Rstd(torch.autograd.Function):
+    """1 / RMS(v) over channels with a one-pass backward: d rstd / dv = -rstd^3 v / d."""
+
+    @staticmethod
+    def forward(ctx, v, eps):
+        r = _unstacked__rstd_value(v, eps)
+        ctx.save_for_backward(v, r)
+        return r
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        v, r = ctx.saved_tensors
+        # rstd^2 * v stays finite for an all-zero row (rstd^3 alone overflows at eps 1e-30)
+        scale = (grad * r * (-1.0 / v.shape[-1])).to(v.dtype)
+        return v * (r * r).to(v.dtype) * scale, None
 
 
 def _unstacked__rstd(v: torch.Tensor, eps: float) -> torch.Tensor:
     """[*batch, 1]: 1 / RMS(v) over channels, in at least fp32."""
-    ms = torch.linalg.vector_norm(v, 2, dim=-1, keepdim=True, dtype=_unstacked__acc(v)) ** 2
-    return torch.rsqrt(ms / v.shape[-1] + eps)
+    if torch.compiler.is_compiling():  # autograd's ops: inductor fuses them with the logits
+        return _unstacked__rstd_value(v, eps)
+    return _Rstd.apply(v, eps)
 
 
 def _unstacked_source_logits(v: torch.Tensor, q: torch.Tensor, eps: float, key_norm: bool) -> torch.Tensor:
     """[*batch, H]: the logits of one source v [*batch, d] against the heads-split query q,
     [H, c] (static) or [*batch, H, c] (per token)."""
+    if q.dim() == 2 and not torch.compiler.is_compiling():
+        return _unstacked_logits_against(v, q.flatten()[None], eps, key_norm, q.shape[0])[0]
     # A product and a sum rather than a matmul: under torch.compile it fuses with the RMS
     # into one pass over v (a matmul-vector is an extern kernel that reads v again). Logits
     # are at least float32 whatever v's dtype: 1/RMS of a (near-)zero row is huge (restopo.nn.norm's
     # epsilon is tiny) and would overflow to inf in fp16, giving 0 * inf = NaN.
-    z = (v.unflatten(-1, (q.shape[-2], -1)) * q).sum(-1, dtype=_unstacked__acc(v))
+    z = (v.unflatten(-1, (q.shape[-2], -1)) * q).sum(-1, dtype=_weighted__acc(v))
+    if key_norm:
+        z = z * _unstacked__rstd(v, eps)
+    return z
+
+
+def _unstacked_query_matrix(gained_queries: torch.Tensor, heads: int) -> torch.Tensor:
+    """[d, R*H]: R queries [R, d] as columns, each head's slice in its own column (zeros
+    elsewhere), so `v @ _unstacked_query_matrix` is every query's per-head logit of v in one matmul."""
+    R, d = gained_queries.shape
+    if heads == 1:
+        return gained_queries.t()
+    q = gained_queries.view(R, heads, d // heads)
+    eye = torch.eye(heads, dtype=q.dtype, device=q.device)
+    return torch.einsum("rhc,hk->hcrk", q, eye).reshape(d, R * heads)
+
+
+def _unstacked_logits_against(v: torch.Tensor, gained_queries: torch.Tensor, eps: float, key_norm: bool,
+                   heads: int) -> torch.Tensor:
+    """[R, *batch, H]: the logits of one source v [*batch, d] against R static queries
+    [R, d] (key-norm gains folded in), in at least fp32: one pass over v for all of them.
+    Query-major, so each query's logits are one contiguous piece (cheap to split and to
+    gather back in backward)."""
+    R = gained_queries.shape[0]
+    acc = _weighted__acc(v)
+    if torch.compiler.is_compiling():  # see _unstacked_source_logits: a product and a sum fuse
+        q = gained_queries.unflatten(-1, (heads, -1)).view(R, *[1] * (v.dim() - 1), heads, -1)
+        z = (v.unflatten(-1, (heads, -1)) * q).sum(-1, dtype=acc)
+    else:  # [R*H, tokens] = W^T v^T: one matmul, its output already query-major
+        w = _unstacked_query_matrix(gained_queries, heads).to(v.dtype)
+        z = (w.t() @ v.reshape(-1, v.shape[-1]).t()).to(acc)
+        z = z.view(R, heads, *v.shape[:-1]).movedim(1, -1)
     if key_norm:
         z = z * _unstacked__rstd(v, eps)
     return z
@@ -64,46 +251,109 @@ def _unstacked_source_logits(v: torch.Tensor, q: torch.Tensor, eps: float, key_n
 
 def _unstacked_depth_attention(sources: Sequence[torch.Tensor], query: torch.Tensor,
                     gained_query: torch.Tensor, eps: float, *, key_norm: bool, gate: str,
-                    heads: int) -> torch.Tensor:
-    """h = sum_i alpha_i v_i; `gained_query` is the query with the key-norm gain folded in."""
-    q = gained_query.unflatten(-1, (heads, -1))
-    z = torch.stack([_unstacked_source_logits(v, q, eps, key_norm) for v in sources])  # [n, *batch, H]
+                    heads: int, logits: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+    """h = sum_i alpha_i v_i; `gained_query` is the query with the key-norm gain folded in.
+    `logits`: each source's logit [*batch, H] if already made (shared by its readers)."""
+    if logits is None:
+        q = gained_query.unflatten(-1, (heads, -1))
+        logits = [_unstacked_source_logits(v, q, eps, key_norm) for v in sources]
+    z = torch.stack(tuple(logits))                                         # [n, *batch, H]
     alpha = torch.softmax(z, dim=0) if gate == "softmax" else torch.sigmoid(z)
-    out = None
-    for a, v in zip(alpha, sources):
-        term = v.unflatten(-1, (heads, -1)) * a.unsqueeze(-1).to(v.dtype)
-        out = term if out is None else out + term
-    return out.flatten(-2)
+    return _weighted_weighted_sum(alpha, sources)
 
 
 def _unstacked_phase1(completed: Sequence[torch.Tensor], gained_queries: torch.Tensor, eps: float, *,
-           key_norm: bool, heads: int):
-    """Phase 1 over a list of completed blocks; (o1 [S,*b,d], m1 [S,*b,H], s1 [S,*b,H])."""
-    q = gained_queries.unflatten(-1, (heads, -1))  # [S, H, c]
-    zs = []
-    for v in completed:
-        z = (v.unflatten(-1, (heads, -1)).unsqueeze(0)
-             * q.view(q.shape[0], *([1] * (v.dim() - 1)), *q.shape[1:])).sum(-1, dtype=_unstacked__acc(v))
-        if key_norm:
-            z = z * _unstacked__rstd(v, eps)  # float32, as in _unstacked_source_logits
-        zs.append(z)
-    z = torch.stack(zs, dim=1)                     # [S, n, *batch, H]
-    m1 = z.amax(1)
-    e = torch.exp(z - m1.unsqueeze(1))
-    o1 = None
-    for i, v in enumerate(completed):
-        term = v.unflatten(-1, (heads, -1)) * e[:, i].unsqueeze(-1).to(v.dtype)
-        o1 = term if o1 is None else o1 + term
-    return o1.flatten(-2), m1, e.sum(1)
+           key_norm: bool, heads: int, logits: Sequence[torch.Tensor] | None = None):
+    """Phase 1 over a list of completed blocks; (o1 [S,*b,d], m1 [S,*b,H], s1 [S,*b,H]).
+    `logits`: each block's logits [S, *batch, H] against the S queries, if already made."""
+    if logits is None:
+        logits = [_unstacked_logits_against(v, gained_queries, eps, key_norm, heads) for v in completed]
+    z = torch.stack(tuple(logits))                 # [n, S, *batch, H]
+    m1 = z.amax(0)
+    e = torch.exp(z - m1)
+    return _weighted_weighted_sum(e, completed, outputs=gained_queries.shape[0]), m1, e.sum(0)
 
 
-unstacked = SimpleNamespace(_acc=_unstacked__acc, _rstd=_unstacked__rstd, depth_attention=_unstacked_depth_attention, phase1=_unstacked_phase1, source_logits=_unstacked_source_logits)
+def _unstacked_phase2(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor, partial: torch.Tensor | None,
+           gained_query: torch.Tensor, eps: float, *, key_norm: bool) -> torch.Tensor:
+    """Phase 2: the pre-update partial merged into phase 1's result by online softmax; the
+    weights of o1 and the partial are per-token scalars, so autograd keeps only o1 and the
+    partial (alive anyway) and those scalars."""
+    if partial is None:
+        return _weighted_weighted_sum((1 / s1)[None], (o1,))
+    if torch.compiler.is_compiling() or o1.shape != partial.shape:
+        heads = m1.shape[-1]
+        z2 = _unstacked_source_logits(partial, gained_query.unflatten(-1, (heads, -1)), eps, key_norm)
+        m = torch.maximum(m1, z2)
+        a, b = torch.exp(m1 - m), torch.exp(z2 - m)
+        den = a * s1 + b
+        return _weighted_weighted_sum(torch.stack((a / den, b / den)), (o1, partial))
+    return _Merge.apply(o1, m1, s1, partial, gained_query, eps, key_norm)
+
+
+class _Merge(torch.autograd.Function):
+    """Phase 2 with a first partial, h = (a o1 + b p) / (a s1 + b), a = e^(m1 - m),
+    b = e^(z2 - m), z2 = q . p * rstd(p), in one node: autograd's ops take some twenty small
+    per-token ops and nodes each way per sublayer; the backward here is written out (h does
+    not depend on the shift m, so m needs no gradient)."""
+
+    @staticmethod
+    def forward(ctx, o1, m1, s1, p, q, eps, key_norm):
+        heads = m1.shape[-1]
+        acc = _weighted__acc(p)
+        u = (p.reshape(-1, p.shape[-1]) @ _unstacked_query_matrix(q[None], heads).to(p.dtype)).to(acc)
+        u = u.view(m1.shape)                                      # q . p per head
+        r = _unstacked__rstd_value(p, eps) if key_norm else None
+        z2 = u * r if key_norm else u
+        m = torch.maximum(m1, z2)
+        a, b = torch.exp(m1 - m), torch.exp(z2 - m)
+        den = a * s1 + b
+        wa, wb = a / den, b / den
+        out = o1.unflatten(-1, (heads, -1)) * wa.unsqueeze(-1).to(o1.dtype)
+        out.addcmul_(p.unflatten(-1, (heads, -1)), wb.unsqueeze(-1).to(p.dtype))
+        ctx.save_for_backward(o1, s1, p, q, wa, wb, u, r)
+        ctx.key_norm = key_norm
+        return out.flatten(-2)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        o1, s1, p, q, wa, wb, u, r = ctx.saved_tensors
+        heads, acc = wa.shape[-1], wa.dtype
+        g = grad.unflatten(-1, (heads, -1))
+        oh, ph = o1.unflatten(-1, (heads, -1)), p.unflatten(-1, (heads, -1))
+        product = torch.empty_like(g)
+        go = torch.mul(g, oh, out=product).sum(-1, dtype=acc)    # g . o1 per head
+        gp = torch.mul(g, ph, out=product).sum(-1, dtype=acc)    # g . p
+        gh = wa * go + wb * gp                                    # g . h
+        d_o1 = (g * wa.unsqueeze(-1).to(g.dtype)).flatten(-2)
+        d_m1 = wa * (go - s1 * gh)
+        d_s1 = -wa * gh
+        dz2 = wb * (gp - gh)
+        du = dz2 * r if ctx.key_norm else dz2
+        d_p = g * wb.unsqueeze(-1).to(g.dtype)                    # the value's part
+        d_p.addcmul_(du.unsqueeze(-1).to(g.dtype), q.unflatten(-1, (heads, -1)))  # the logit's
+        if ctx.key_norm:  # through rstd: d rstd / dp = -rstd^3 p / d, and u * rstd = z2:
+            # (dz2 . u) rstd^3 = (dz2 . z2) rstd^2, finite where rstd^3 overflows (eps 1e-30)
+            dr = (dz2 * (u * r)).sum(-1, keepdim=True) * (r * r) * (-1.0 / p.shape[-1])
+            d_p.addcmul_(ph, dr.unsqueeze(-1).to(p.dtype))
+        d_q = torch.einsum("...h,...hc->hc", du.to(p.dtype), ph).flatten()
+        return d_o1, d_m1, d_s1, d_p.flatten(-2), d_q, None, None
+
+
+def _unstacked__rstd_value(v: torch.Tensor, eps: float) -> torch.Tensor:
+    """1 / RMS(v), [*batch, 1], without autograd (for a hand-written backward)."""
+    ms = torch.linalg.vector_norm(v, 2, dim=-1, keepdim=True, dtype=_weighted__acc(v)) ** 2
+    return torch.rsqrt(ms / v.shape[-1] + eps)
+
+
+unstacked = SimpleNamespace(_rstd=_unstacked__rstd, _rstd_value=_unstacked__rstd_value, depth_attention=_unstacked_depth_attention, logits_against=_unstacked_logits_against, phase1=_unstacked_phase1, phase2=_unstacked_phase2, query_matrix=_unstacked_query_matrix, source_logits=_unstacked_source_logits)
 
 
 def _stacked__rstd(v: torch.Tensor, eps: float) -> torch.Tensor:
     """[*batch, 1]: 1 / RMS(v) over channels, in at least fp32 (a mean of squares: for the
     tiny tensors of a decoding step, several times cheaper than vector_norm)."""
-    v = v.to(_unstacked__acc(v))
+    v = v.to(_weighted__acc(v))
     return torch.rsqrt((v * v).mean(-1, keepdim=True) + eps)
 
 
@@ -132,7 +382,7 @@ def _stacked_depth_attention(sources, query: torch.Tensor, gained_query: torch.T
     """h = sum_i alpha_i v_i over the stacked sources; `gained_query` is [d] or [*batch, d]
     with the key-norm gain folded in."""
     v = _stacked__stack(sources)                                     # [n, *batch, d]
-    acc = _unstacked__acc(v)
+    acc = _weighted__acc(v)
     vh = _stacked__by_head(v, heads)                                 # [*batch, H, n, c]
     q = gained_query.unflatten(-1, (heads, -1)).unsqueeze(-1).to(acc)  # [(*batch,) H, c, 1]
     z = vh.to(acc) @ q                                      # [*batch, H, n, 1]
@@ -146,7 +396,7 @@ def _stacked_phase1(completed, gained_queries: torch.Tensor, eps: float, *, key_
            heads: int):
     """Phase 1 over the stacked completed blocks: (o1 [S,*b,d], m1 [S,*b,H], s1 [S,*b,H])."""
     v = _stacked__stack(completed)                                   # [n, *batch, d]
-    acc = _unstacked__acc(v)
+    acc = _weighted__acc(v)
     vh = _stacked__by_head(v, heads)                                 # [*batch, H, n, c]
     q = gained_queries.unflatten(-1, (heads, -1)).permute(1, 2, 0).to(acc)  # [H, c, S]
     z = vh.to(acc) @ q                                      # [*batch, H, n, S]
@@ -167,12 +417,12 @@ def _stacked_phase2(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor, partia
     if heads == 1:  # [*batch, 1] weights broadcast over d as they are
         if partial is None:
             return o1 / s1.to(o1.dtype)
-        z2 = (partial @ gained_query.to(partial.dtype)).unsqueeze(-1).to(_unstacked__acc(partial))
+        z2 = (partial @ gained_query.to(partial.dtype)).unsqueeze(-1).to(_weighted__acc(partial))
     else:
         if partial is None:
             return (o1.unflatten(-1, (heads, -1)) / s1.unsqueeze(-1).to(o1.dtype)).flatten(-2)
         q = gained_query.unflatten(-1, (heads, -1))
-        z2 = (partial.unflatten(-1, (heads, -1)) * q).sum(-1, dtype=_unstacked__acc(partial))
+        z2 = (partial.unflatten(-1, (heads, -1)) * q).sum(-1, dtype=_weighted__acc(partial))
     if key_norm:
         z2 = z2 * _stacked__rstd(partial, eps)
     m = torch.maximum(m1, z2)
@@ -235,17 +485,22 @@ def _expand(weights: torch.Tensor, d: int) -> torch.Tensor:
 
 def depth_attention(sources: torch.Tensor | Sequence[torch.Tensor], query: torch.Tensor,
                     key_norm_weight: torch.Tensor | None = None, eps: float = 1e-6, *,
-                    key_norm: bool = True, gate: str = "softmax", heads: int = 1) -> torch.Tensor:
+                    key_norm: bool = True, gate: str = "softmax", heads: int = 1,
+                    logits: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
     """h = sum_i alpha_i v_i with alpha = softmax_i(w . RMSNorm(v_i)) (or sigmoid).
 
     `sources` may also be a sequence of [*batch, d] tensors: then no stacked copy is kept
-    for backward (see unstacked.py); the result is the same."""
+    for backward (see unstacked.py); the result is the same. `logits`: with a sequence,
+    each source's logit [*batch, heads] against this query, if already made (see
+    restopo.nn.shared_sources); they must be what this call would compute."""
     if not isinstance(sources, torch.Tensor):
         _check_heads(sources[0].shape[-1], heads)
-        form = stacked if stacked.without_grad(query, key_norm_weight, *sources) else unstacked
-        return form.depth_attention(sources, query,
-                                         gained(query, key_norm_weight, key_norm), eps,
-                                         key_norm=key_norm, gate=gate, heads=heads)
+        gq = gained(query, key_norm_weight, key_norm)
+        if stacked.without_grad(query, key_norm_weight, *sources):
+            return stacked.depth_attention(sources, query, gq, eps, key_norm=key_norm,
+                                           gate=gate, heads=heads)
+        return unstacked.depth_attention(sources, query, gq, eps, key_norm=key_norm, gate=gate,
+                                         heads=heads, logits=logits)
     alpha = depth_weights(sources, query, key_norm_weight, eps, key_norm=key_norm, gate=gate,
                           heads=heads)
     return (_expand(alpha, sources.shape[-1]) * sources).sum(0)
@@ -253,13 +508,15 @@ def depth_attention(sources: torch.Tensor | Sequence[torch.Tensor], query: torch
 
 def phase1(completed: torch.Tensor | Sequence[torch.Tensor], queries: torch.Tensor,
            key_norm_weights: torch.Tensor | None = None, eps: float = 1e-6, *,
-           key_norm: bool = True, heads: int = 1):
+           key_norm: bool = True, heads: int = 1,
+           logits: Sequence[torch.Tensor] | None = None):
     """Phase 1 of the two-phase computation for one block.
 
     completed: [n, *batch, d], the completed blocks [b_0 .. b_{n-1}]; queries: [S, d], the
     block's pseudo-queries; key_norm_weights: [S, d] (one gain per aggregation) or None.
     Returns (o1 [S, *batch, d], m1 [S, *batch, heads], s1 [S, *batch, heads]): per query the
     un-normalised output sum_i e^(z_i - m1) v_i, the max logit m1 and the sum s1 of e^(z_i - m1).
+    `logits`: each block's logits [S, *batch, heads] against the queries, if already made.
     """
     # One implementation for both forms: a stacked tensor is read as its n views. (A fused
     # einsum over the stack was tried: its bf16 backward under torch.compile trips a
@@ -267,9 +524,10 @@ def phase1(completed: torch.Tensor | Sequence[torch.Tensor], queries: torch.Tens
     # Without autograd, one stacked pass (stacked.py): far fewer ops, e.g. when decoding.
     sources = completed.unbind(0) if isinstance(completed, torch.Tensor) else completed
     _check_heads(sources[0].shape[-1], heads)
-    form = stacked if stacked.without_grad(queries, key_norm_weights, *sources) else unstacked
-    return form.phase1(sources, gained(queries, key_norm_weights, key_norm), eps,
-                       key_norm=key_norm, heads=heads)
+    gq = gained(queries, key_norm_weights, key_norm)
+    if stacked.without_grad(queries, key_norm_weights, *sources):
+        return stacked.phase1(sources, gq, eps, key_norm=key_norm, heads=heads)
+    return unstacked.phase1(sources, gq, eps, key_norm=key_norm, heads=heads, logits=logits)
 
 
 def phase2(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor, partial: torch.Tensor | None,
@@ -281,25 +539,21 @@ def phase2(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor, partial: torch.
     if stacked.without_grad(o1, partial, query, key_norm_weight):
         return stacked.phase2(o1, m1, s1, partial, gained(query, key_norm_weight, key_norm),
                               eps, key_norm=key_norm)
-    heads = m1.shape[-1]
-    o = o1.unflatten(-1, (heads, -1))
-    # Per-token coefficients times the raw tensors: autograd then keeps only o1 and the
-    # partial (alive anyway) and per-token scalars, no new [*batch, d] tensor.
-    if partial is None:
-        return (o * (1 / s1).unsqueeze(-1).to(o.dtype)).flatten(-2)
-    q = gained(query, key_norm_weight, key_norm).unflatten(-1, (heads, -1))
-    z2 = unstacked.source_logits(partial, q, eps, key_norm)               # [*batch, H]
-    m = torch.maximum(m1, z2)
-    a, b = torch.exp(m1 - m), torch.exp(z2 - m)
-    den = a * s1 + b
-    p = partial.unflatten(-1, (heads, -1))
-    return (o * (a / den).unsqueeze(-1).to(o.dtype)
-            + p * (b / den).unsqueeze(-1).to(p.dtype)).flatten(-2)
+    return unstacked.phase2(o1, m1, s1, partial, gained(query, key_norm_weight, key_norm), eps,
+                            key_norm=key_norm)
 
 
 def _check_heads(d: int, heads: int) -> None:
     if heads < 1 or d % heads:
         raise ValueError(f"depth heads must divide the width: width {d}, heads {heads}")
+
+
+def logits_against(source: torch.Tensor, gained_queries: torch.Tensor, eps: float = 1e-6, *,
+                   key_norm: bool = True, heads: int = 1) -> torch.Tensor:
+    """[R, *batch, heads]: one source's logits against R static queries [R, d] (gains folded
+    in), in at least fp32; one pass over the source for all of them."""
+    _check_heads(source.shape[-1], heads)
+    return unstacked.logits_against(source, gained_queries, eps, key_norm, heads)
 
 
 class ops:

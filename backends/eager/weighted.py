@@ -1,0 +1,155 @@
+"""out_s = sum_i alpha_{i,s} v_i over a list of sources, with a hand-written backward.
+
+Every depth aggregation ends in such a sum: depth attention (one output), phase 1 (one per
+query of the block) and phase 2 (o1 and the partial). Written with autograd's own ops each
+term is a multiply and an add forward and, backward, a multiply that writes a d-sized
+product per (source, output) only to reduce it to alpha's gradient. Here the forward is one
+fused multiply-add per term (addcmul_), and the backward per term one dot product (alpha's
+gradient) and one multiply-add into the source's gradient. Autograd saves the sources
+(other nodes' outputs, alive anyway) and alpha (per-token scalars): nothing d-sized of its
+own, as the list path promises (tests/test_ops_eager.py measures it).
+
+Under torch.compile the plain form is traced instead: inductor fuses it into one loop.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def _acc(v: torch.Tensor) -> torch.dtype:
+    """The accumulation dtype for v: at least fp32."""
+    return torch.promote_types(v.dtype, torch.float32)
+
+
+class _Sink:
+    """Where the weighted sums that read one source add up its gradient, within one
+    backward pass: a pass that does not need the source never runs the view's node, so
+    what it added is dropped by the next pass rather than handed on."""
+
+    grad: torch.Tensor | None = None
+    task: int = -1  # the backward pass (autograd graph task) `grad` belongs to
+
+    def add(self, g: torch.Tensor, a: torch.Tensor) -> None:
+        """grad += g * a, with g [*batch, H, c] and a per head [*batch, H, 1]."""
+        task = torch._C._current_graph_task_id()
+        if self.grad is None or self.task != task:
+            self.grad, self.task = (g * a).flatten(-2), task
+        else:
+            self.grad.unflatten(-1, g.shape[-2:]).addcmul_(g, a)
+
+    def take(self) -> torch.Tensor | None:
+        """This pass's sum (None if nothing was added in it); the sink is emptied."""
+        got, self.grad = self.grad, None
+        return got if self.task == torch._C._current_graph_task_id() else None
+
+
+class _Gather(torch.autograd.Function):
+    """Identity forward; backward hands on what the readers added to the sink (plus any
+    gradient that reached this view by other ops), then empties the sink."""
+
+    @staticmethod
+    def forward(ctx, v, sink):
+        ctx.set_materialize_grads(False)
+        ctx.sink = sink
+        return v.view_as(v)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        got = ctx.sink.take()
+        if got is None or grad is None:
+            return (grad if got is None else got), None
+        return got.add_(grad), None
+
+
+def gathered(v: torch.Tensor) -> torch.Tensor:
+    """A view of source v for its readers' weighted sums: each adds its part of v's gradient
+    into one buffer in place (a multiply-add), which this view's backward hands on once,
+    after the last of them, instead of each reader returning a new d-sized tensor for
+    autograd to add up."""
+    if torch.compiler.is_compiling() or not v.requires_grad:
+        return v
+    sink = _Sink()
+    out = _Gather.apply(v, sink)
+    out.restopo_sink = sink
+    return out
+
+
+def weighted_sum(alpha: torch.Tensor, sources: Sequence[torch.Tensor],
+                 outputs: int | None = None) -> torch.Tensor:
+    """sum_i alpha_i v_i, each head's weight over its channel slice.
+
+    alpha: [n, *batch, H] for one output ([*batch, d] returned), or [n, S, *batch, H] with
+    `outputs=S` for S outputs ([S, *batch, d]); sources: n tensors [*batch, d], d = H * c."""
+    if torch.compiler.is_compiling() or len({tuple(v.shape) for v in sources}) != 1:
+        return _plain(alpha, sources, outputs)
+    return WeightedSum.apply(alpha, outputs, *sources)
+
+
+def _plain(alpha, sources, outputs):
+    """The same sum in autograd's ops (for tracing, and sources that broadcast)."""
+    heads = alpha.shape[-1]
+    out = None
+    for a_i, v in zip(alpha, sources):                           # a_i: [(S,) *batch, H]
+        term = v.unflatten(-1, (heads, -1)) * a_i.unsqueeze(-1).to(v.dtype)
+        out = term if out is None else out + term
+    return out.flatten(-2)
+
+
+class WeightedSum(torch.autograd.Function):
+    """out_s = sum_i alpha_{i,s} v_i; see the module docstring."""
+
+    @staticmethod
+    def forward(ctx, alpha, outputs, *sources):
+        v0 = sources[0]
+        heads = alpha.shape[-1]
+        a = alpha.to(v0.dtype).unsqueeze(-1)                      # [n, (S,) *batch, H, 1]
+        if outputs is None:
+            a = a.unsqueeze(1)
+        vh = [v.unflatten(-1, (heads, -1)) for v in sources]      # [*batch, H, c]
+        out = torch.empty((a.shape[1], *vh[0].shape), dtype=v0.dtype, device=v0.device)
+        for o, a_s in zip(out, a.unbind(1)):                      # each output in place
+            torch.mul(vh[0], a_s[0], out=o)
+            for v, a_i in zip(vh[1:], a_s[1:]):
+                o.addcmul_(v, a_i)
+        ctx.save_for_backward(alpha, *sources)
+        ctx.outputs = outputs
+        ctx.sinks = [getattr(v, "restopo_sink", None) for v in sources]
+        out = out.flatten(-2)
+        return out[0] if outputs is None else out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        alpha, *sources = ctx.saved_tensors
+        heads = alpha.shape[-1]
+        g = grad.unflatten(-1, (heads, -1))                       # [(S,) *batch, H, c]
+        a = alpha.to(grad.dtype).unsqueeze(-1)
+        if ctx.outputs is None:
+            g, a = g.unsqueeze(0), a.unsqueeze(1)                 # a: [n, S, *batch, H, 1]
+        gs = g.unbind(0)
+        d_alpha = product = None
+        if ctx.needs_input_grad[0]:  # alpha's gradient: each output's gradient . v_i
+            d_alpha = torch.empty(a.shape[:-1], dtype=_acc(grad), device=grad.device)
+            product = torch.empty_like(gs[0])                     # reused scratch
+        d_sources = []
+        for i, (v, sink) in enumerate(zip(sources, ctx.sinks)):
+            vh = v.unflatten(-1, (heads, -1))
+            dv = None
+            for s, (g_s, a_is) in enumerate(zip(gs, a[i])):
+                if product is not None:
+                    torch.sum(torch.mul(g_s, vh, out=product), -1, dtype=d_alpha.dtype,
+                              out=d_alpha[i, s])
+                if sink is not None:  # a gathered source: added in place (see gathered)
+                    sink.add(g_s, a_is)
+                elif ctx.needs_input_grad[2 + i]:
+                    if dv is None:
+                        dv = g_s * a_is
+                    else:
+                        dv.addcmul_(g_s, a_is)
+            d_sources.append(None if dv is None else dv.flatten(-2))
+        if d_alpha is not None:
+            d_alpha = (d_alpha[:, 0] if ctx.outputs is None else d_alpha).to(alpha.dtype)
+        return (d_alpha, None, *d_sources)

@@ -1,0 +1,159 @@
+"""What the readers of one source share: its logits, and (eager) one gradient buffer.
+
+In Full AttnRes every source v_i is read by every later aggregation point. Made inside each
+reader, its logit w_l . RMSNorm_l(v_i) costs a pass over v_i per reader, forward and backward,
+and recomputes v_i's RMS every time. With static queries they are one matmul:
+z_i = (v_i @ [g_l * w_l]_l) * rstd_i (ops.logits_against), made at the first read of v_i; each
+later reader takes its column, and autograd sums the readers' gradients once, in one unbind.
+The readers' weighted sums likewise add their parts of v_i's gradient into one buffer in
+place (ops.gathered) rather than each handing autograd a new d-sized tensor to add up.
+
+`SharedSources` is built by the lowering from the IR: which readers (static-query Attend
+modules lowered directly, and two-phase groups, whose phase 1 reads the completed blocks) read
+each source. It shares only within one forward of the lowered model (hooks open and close
+that scope), and nothing outlives it. A forward pre-hook hands each reader its sources'
+shared form and a `logits=` keyword; outside the model's forward, without autograd, under
+torch.compile or on a backend other than eager, readers make their own. (So a region that
+torch.utils.checkpoint recomputes must not hold readers: its recomputation, in backward,
+would make its own logits; sublayers alone are fine. Issue 11's recompute is to open a
+scope of its own for that.)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .. import ops
+
+
+@dataclass(frozen=True)
+class Reader:
+    """One reader: its module (an Attend or a TwoPhase), the IR ids of the sources whose
+    logits it takes, in the order it is called with them, and its number of queries."""
+
+    module: nn.Module
+    sources: tuple[str, ...]
+    queries: int
+
+
+def _members(module: nn.Module) -> tuple:
+    return getattr(module, "members", (module,))
+
+
+def gained_queries(module: nn.Module) -> torch.Tensor:
+    """[R, d]: a reader's queries with their key-norm gains folded in."""
+    return torch.stack([m.pseudo_query if m.gain is None else m.pseudo_query * m.gain
+                        for m in _members(module)])
+
+
+def _kind(module: nn.Module) -> tuple[bool, int]:
+    """What a reader's logits depend on besides its queries: key norm or not, and heads."""
+    first = _members(module)[0]
+    return first.key_norm is not None, first.heads
+
+
+class SharedSources:
+    """The readers of each source, and (inside a scope) what they share so far."""
+
+    def __init__(self, readers: list[Reader], eps: float):
+        self.eps = eps
+        self.readers = {r.module: r for r in readers}
+        # per kind: its readers in order, and each one's first row in their stacked queries
+        self.order: dict[tuple, list[Reader]] = {}
+        for r in readers:
+            self.order.setdefault(_kind(r.module), []).append(r)
+        self.row = {}
+        for group in self.order.values():
+            at = 0
+            for r in group:
+                self.row[r.module], at = at, at + r.queries
+        self.by_source: dict[tuple, list[Reader]] = {}
+        for r in readers:
+            for s in dict.fromkeys(r.sources):
+                self.by_source.setdefault((s, _kind(r.module)), []).append(r)
+        self._records: dict | None = None  # what this forward shares so far (None: none open)
+
+    def __getstate__(self):  # an open scope is one forward's, never a copy's
+        return {**self.__dict__, "_records": None}
+
+    def install(self, model: nn.Module) -> None:
+        """Open a scope around every forward of `model` and hand each reader its share."""
+        self._scope_hooks(model)
+        # fx.GraphModule's deepcopy drops forward hooks (its readers keep theirs) but copies
+        # `_deepcopy_hooks` along and calls each with the copy: this object's slot in the
+        # copy's list is this object's copy, which then hooks the copied model.
+        hooks = model.__dict__.setdefault("_deepcopy_hooks", [])
+        self._slot = len(hooks)
+        hooks.append(self._copied)
+        for module in self.readers:
+            module.register_forward_pre_hook(self._inject, with_kwargs=True)
+
+    def _scope_hooks(self, model: nn.Module) -> None:
+        model.register_forward_pre_hook(self._open)
+        model.register_forward_hook(self._close, always_call=True)  # also when it raises
+
+    def _copied(self, copy: nn.Module) -> None:
+        copy.__dict__["_deepcopy_hooks"][self._slot].__self__._scope_hooks(copy)
+
+    def _open(self, model, args) -> None:
+        if not torch.compiler.is_compiling():
+            self._records = {}
+
+    def _close(self, model, args, output) -> None:
+        if not torch.compiler.is_compiling():
+            self._records = None
+
+    def _inject(self, module, args, kwargs):
+        if kwargs.get("phase1") is not None or kwargs.get("logits") is not None:
+            return None  # an Attend's phase 2, or logits already given
+        shared = self.shared(module, args)
+        if shared is None:
+            return None
+        sources, logits = shared
+        return sources, {**kwargs, "logits": logits}
+
+    def shared(self, module: nn.Module, sources):
+        """(the sources' shared forms, their logits: [*batch, H] each for an Attend,
+        [S, *batch, H] for a two-phase group) for reader `module`, or None where it makes
+        its own."""
+        reader, records = self.readers.get(module), self._records
+        if (reader is None or records is None or torch.compiler.is_compiling()
+                or not torch.is_grad_enabled() or len(sources) != len(reader.sources)
+                or ops.picked(module.backend, sources[0]) != "eager"):
+            return None
+        kind = _kind(module)
+        shared, logits = [], []
+        for sid, v in zip(reader.sources, sources):
+            record = records.get((sid, kind))
+            if record is None or record[0] is not v:
+                record = records[(sid, kind)] = self._make(records, sid, kind, v)
+            _, view, columns, starts = record
+            start = starts[module]
+            got = columns[start:start + reader.queries]
+            shared.append(view)
+            logits.append(got[0] if not hasattr(module, "members") else torch.stack(got))
+        return tuple(shared), logits
+
+    def _make(self, records: dict, sid: str, kind: tuple[bool, int], v: torch.Tensor):
+        """(v, its gathered view, its logits' columns, each reader's first column)."""
+        readers = self.by_source[(sid, kind)]
+        queries = self._queries(records, kind, readers)
+        key_norm, heads = kind
+        z = ops.logits_against(v, queries, self.eps, key_norm=key_norm, heads=heads)
+        starts, at = {}, 0
+        for r in readers:
+            starts[r.module], at = at, at + r.queries
+        return v, ops.gathered(v), z.unbind(0), starts
+
+    def _queries(self, records: dict, kind, readers: list[Reader]) -> torch.Tensor:
+        """The stacked queries of `readers`: rows of every reader's, stacked once a scope."""
+        every = records.get(("queries", kind))
+        if every is None:
+            every = records[("queries", kind)] = torch.cat(
+                [gained_queries(r.module) for r in self.order[kind]])
+        rows = [self.row[r.module] + k for r in readers for k in range(r.queries)]
+        if rows == list(range(rows[0], rows[0] + len(rows))):
+            return every[rows[0]:rows[0] + len(rows)]
+        return every[torch.tensor(rows, device=every.device)]

@@ -1,0 +1,102 @@
+"""Throughput figures: FLOPs per token of multi-stream points against torch's FLOP counter,
+`restopo inspect`'s flops_per_token, and MFU in metrics.jsonl (restopo.train.throughput)."""
+import json
+import math
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from restopo.cli import main
+from restopo.ir import Aggregation
+from restopo.nn.flops import flops_per_token, stream_flops
+from restopo.nn.streams import make_stream_module, write_streams
+from restopo.spec import load_spec
+from restopo.train import throughput
+
+
+def _counted(method: str, n: int, d: int, dynamic: bool) -> float:
+    """Matmul FLOPs per token torch counts for one point: its module and the stream write."""
+    module = make_stream_module(method, n, d, 3, False, dynamic=dynamic)
+    x, v = torch.randn(2, 5, n, d), torch.randn(2, 5, d)
+    with FlopCounterMode(display=False) as counter:
+        h, post, res = module(x)
+        write_streams(x, v, post, res)
+    return counter.get_total_flops() / 10
+
+
+@pytest.mark.parametrize("method,n,dynamic", [("hyper_connections", 4, False),
+                                              ("hyper_connections", 4, True), ("mhc", 4, False),
+                                              ("mhc_lite", 3, False)])
+def test_stream_point_flops_match_torchs_counter(method, n, dynamic):
+    """What the counter sees (matmuls) plus the write's post (x) v and its add (2 n d, by
+    hand) is the formula, up to terms free of d (Sinkhorn, mHC-lite's n! x n x n mix)."""
+    def ours(d):
+        a = Aggregation(index=3, before="attn", method=method, sources=("streams3",),
+                        block=1, j=0, streams=n, dynamic=dynamic)
+        return stream_flops(a, d)
+
+    rest = [ours(d) - _counted(method, n, d, dynamic) - 2 * n * d for d in (16, 32)]
+    assert rest[0] == rest[1]  # every term that grows with d agrees
+    assert abs(rest[0]) <= 2 * math.factorial(n) * n * n  # the counted mix of mHC-lite
+
+
+def test_stream_head_sums_the_streams():
+    a = Aggregation(index=5, before="head", method="mhc", sources=("streams5",), block=2, j=0,
+                    streams=4)
+    assert stream_flops(a, 64) == 3 * 64
+
+
+@pytest.mark.parametrize("example", ["full_attnres", "mhc"])
+def test_inspect_reports_flops_per_token(example, capsys):
+    path = f"examples/{example}.restopo"
+    assert main(["inspect", path, "--format", "json"]) == 0
+    got = json.loads(capsys.readouterr().out)["flops_per_token"]
+    spec = load_spec(path)
+    f = flops_per_token(spec.ir(), spec.model)
+    assert got == {"sublayers": f.sublayers, "head": f.head, "aggregations": f.aggregations,
+                   "forward": f.forward, "train": f.train}
+    assert got["aggregations"] > 0 and got["train"] == 3 * got["forward"]
+    assert main(["inspect", path]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if "FLOPs per token" in ln)
+    assert f"{f.forward:,.0f} forward" in line and f"{f.train:,.0f} per training step" in line
+
+
+def _train(tmp_path, *extra):
+    out = tmp_path / "run"
+    argv = ["train", "examples/tiny.restopo", "--out", str(out), "--no-progress", "--steps", "3",
+            "--set", "train.batch=2", "--set", "train.eval_every=0", "--set",
+            "train.save_every=0", "--set", "train.log_every=1", *extra]
+    assert main(argv) == 0
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_mfu_in_metrics_with_a_given_peak(tmp_path):
+    records = _train(tmp_path, "--peak-tflops", "0.05")
+    spec = load_spec("examples/tiny.restopo")
+    per_token = flops_per_token(spec.ir(), spec.model).train
+    assert len(records) == 3
+    for r in records:
+        assert r["mfu"] == pytest.approx(r["tokens_per_s"] * per_token / 0.05e12, rel=1e-12)
+
+
+def test_no_mfu_on_the_cpu_without_a_peak(tmp_path):
+    assert all("mfu" not in r and r["tokens_per_s"] > 0 for r in _train(tmp_path))
+
+
+def test_a_bad_peak_is_said_where_it_was_written(tmp_path, capsys):
+    assert main(["train", "examples/tiny.restopo", "--out", str(tmp_path / "r"),
+                 "--peak-tflops", "0"]) != 0
+    err = capsys.readouterr().err
+    assert err.startswith("<--set 1>:1:25: error: 'peak_tflops' must be greater than 0")
+    assert "Traceback" not in err
+
+
+def test_default_peak_by_device_name(monkeypatch):
+    assert throughput.default_peak(torch.device("cpu")) is None
+    for name, peak in [("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12),
+                       ("NVIDIA L40", 181e12), ("NVIDIA L4", 121e12), ("Some GPU", None)]:
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, n=name: n)
+        assert throughput.default_peak(torch.device("cuda", 0)) == peak
+    t = throughput.Throughput.of(6.0, torch.device("cpu"), devices=4, peak_tflops=2.0)
+    assert t.peak == 8e12 and t.mfu(1e12) == pytest.approx(0.75)
