@@ -2,6 +2,8 @@
 and backward: Full AttnRes through the single-read kernel, Block AttnRes through phase 1 and
 phase 2 fused with each sublayer's PreNorm (phase2_norm; the eager model keeps the
 sublayers' own norms)."""
+import copy
+
 import pytest
 import torch
 
@@ -51,6 +53,7 @@ def test_triton_model_equals_eager(residual, perturb, monkeypatch):
             for p in eager.parameters():
                 p.add_(0.3 * torch.randn_like(p))
     fused.load_state_dict(eager.state_dict())
+    truth = copy.deepcopy(eager).double()
     idx = torch.randint(0, 61, (2, 7))
     with T.tiles(rows=4, chunk=16):
         out_t = fused(idx)
@@ -68,7 +71,14 @@ def test_triton_model_equals_eager(residual, perturb, monkeypatch):
         assert len(members) == 6, fused.code  # sublayers 1..6 (the head reads directly)
         assert all(n.kwargs.get("normed") for n in fused.graph.nodes
                    if n.op == "call_module" and n.target.startswith("sublayers")), fused.code
-    torch.testing.assert_close(out_t, out_e, rtol=1e-5, atol=1e-5)
+    # Both fp32 paths against the float64 model: the fused one is as exact as eager's own
+    # rounding allows (a fixed 1e-5 between the two failed on perturbed weights whose
+    # logits reach ~14, where each path is ~1e-5 from the truth).
+    want = truth(idx)
+    err_t = (out_t.double() - want).abs().max().item()
+    err_e = (out_e.double() - want).abs().max().item()
+    assert err_t <= 2 * err_e + 1e-6, (err_t, err_e)
+    torch.testing.assert_close(out_t, out_e, rtol=1e-5, atol=4 * max(err_e, 1e-6))
     grads_e = dict(eager.named_parameters())
     for name, p in fused.named_parameters():
         ge = grads_e[name].grad
