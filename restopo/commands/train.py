@@ -28,11 +28,13 @@ examples:
 batch/N rows of it, so the numbers match a 1-process run. Data: `data:` in the spec's train
 section (builtin:stdlib, a text file or folder, or a nanoGPT-style uint16 .bin).
 Writes OUT/metrics.jsonl (loss, val_loss, lr, tokens_per_s, and mfu when the device's peak
-is known: --peak-tflops, or a known CUDA GPU's dense bf16 peak), OUT/loss.png and OUT/ckpt/step_NNNNNN/ (safetensors weights, and
-a manifest of checksums). --resume continues from the newest checkpoint that verifies; a
-damaged one is named and moved to OUT/ckpt/damaged/. One run at a time per OUT (a second is
-refused, naming the first). A text-folder corpus is bounded: set RESTOPO_DATA_MAX_FILES or
-RESTOPO_DATA_MAX_BYTES to raise the bounds.
+is known: --peak-tflops, or a known CUDA GPU's dense bf16 peak), OUT/loss.png and
+OUT/ckpt/step_NNNNNN/ (safetensors weights, and a manifest of checksums; with FSDP or a
+pipeline, one share per process and an index.json). --resume continues from the newest
+checkpoint that verifies, whatever layout wrote it; a damaged one is named and moved to
+OUT/ckpt/damaged/. One run at a time per OUT (a second is refused, naming the first). A
+text-folder corpus is bounded: set RESTOPO_DATA_MAX_FILES or RESTOPO_DATA_MAX_BYTES to raise
+the bounds.
 """
 
 
