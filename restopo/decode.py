@@ -12,6 +12,12 @@ batched over the block's sublayers) included, whatever topology the IR describes
 
     out = restopo.generate(model, idx, max_new_tokens=64, temperature=0)   # greedy
     out = model.generate(idx, 64, temperature=0.8, top_k=40, seed=1)        # the same
+
+Past the model's context the window slides: when the cache is full, the decoder starts
+again from the last context/2 tokens (prefilled at positions 0..), so every token is
+conditioned on between context/2 and context tokens before it; a prompt longer than the
+context keeps its last `context` tokens. (Re-reading the whole window at every token, as an
+uncached loop that crops would, costs a full forward per token.)
 """
 from __future__ import annotations
 
@@ -183,16 +189,35 @@ def stream(model: nn.Module, idx: torch.Tensor, max_new_tokens: int,
                          f"{tuple(idx.shape)}")
     if max_new_tokens == 0:
         return
-    decoder = Decoder(model, idx.shape[0], idx.shape[1] + max_new_tokens, compile=compile)
+    context = context_length(model)
+    decoder = Decoder(model, idx.shape[0], min(idx.shape[1] + max_new_tokens, context),
+                      compile=compile)
     generator = None
     if seed is not None:
         generator = torch.Generator(device=idx.device).manual_seed(seed)
-    logits = decoder(idx)  # the prompt, through the model's forward graph
+    window = idx[:, -context:]  # the tokens the cache holds (or will, after a slide)
+    logits = decoder(window)  # the prompt, through the model's forward graph
     for n in range(max_new_tokens):
         token = sample(logits, temperature, top_k, top_p, generator)
         yield token
         if n + 1 < max_new_tokens:
-            logits = decoder(token[:, None])
+            window = torch.cat([window, token[:, None]], dim=1)
+            if decoder.pos < decoder.length:
+                logits = decoder(token[:, None])
+            else:  # the cache is full: slide the window (see the module's docstring)
+                window = window[:, -slide_keep(context):]
+                decoder.reset()
+                logits = decoder(window)
+
+
+def slide_keep(context: int) -> int:
+    """Tokens kept when the window slides past the context."""
+    return max(1, context // 2)
+
+
+def context_length(model: nn.Module) -> int:
+    """The longest sequence the model's rotary positions cover."""
+    return parts_of(lowered(model)).context.context
 
 
 def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int,

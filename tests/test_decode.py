@@ -113,11 +113,30 @@ def test_top_k_and_top_p_keep_the_right_tokens():
     assert draws == {0, 1, 2}
 
 
+@pytest.mark.parametrize("topology", ["standard", "block_attnres(blocks: 2)"])
+@pytest.mark.parametrize("prompt", [5, 30])
+def test_generating_past_the_context_slides_the_window(topology, prompt):
+    """Past context 24 the cache restarts from the last 12 tokens: a hand-written uncached
+    loop with that rule gives the same tokens (a prompt of 30 keeps its last 24)."""
+    model = model_for(topology)
+    idx = tokens(T=prompt)
+    got = model.generate(idx, 40, temperature=0)
+    window, want = idx[:, -24:], []
+    with torch.no_grad():
+        for _ in range(40):
+            token = model(window)[:, -1].argmax(-1, keepdim=True)
+            want.append(token)
+            window = torch.cat([window, token], dim=1)
+            if window.shape[1] > 24:
+                window = window[:, -12:]
+    assert torch.equal(got, torch.cat([idx, *want], dim=1))
+
+
 def test_bad_arguments_say_what_to_do():
     model = model_for("standard", dtype=torch.float32)
     idx = tokens()
-    with pytest.raises(ValueError, match="longer than the model's context 24"):
-        model.generate(idx, 20)
+    with pytest.raises(ValueError, match="up to 24 tokens"):
+        Decoder(model, 2, 24)(torch.cat([idx] * 5, dim=1))
     with pytest.raises(ValueError, match="temperature"):
         model.generate(idx, 2, temperature=-1)
     with pytest.raises(ValueError, match="top_p"):

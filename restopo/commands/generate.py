@@ -31,7 +31,8 @@ def register(subparsers) -> None:
     p.add_argument("--prompt-ids", metavar="IDS",
                    help="the prompt as token ids, e.g. '5 17 3' (for a vocab other than bytes)")
     p.add_argument("--max-new-tokens", type=int, default=200, metavar="N",
-                   help="tokens to generate (default 200; prompt + N must fit the context)")
+                   help="tokens to generate (default 200; past the model's context the "
+                        "window slides, keeping the last context/2 tokens)")
     p.add_argument("--temperature", type=float, default=0.8, metavar="T",
                    help="sampling temperature; 0 is greedy (default 0.8)")
     p.add_argument("--top-k", type=int, default=None, metavar="K",
