@@ -216,8 +216,11 @@ def slide_keep(context: int) -> int:
 
 
 def context_length(model: nn.Module) -> int:
-    """The longest sequence the model's rotary positions cover."""
-    return parts_of(lowered(model)).context.context
+    """The longest sequence the model's rotary positions cover (a model cached decoding
+    does not know is refused here, before anything else reads its parts)."""
+    parts = parts_of(lowered(model))
+    require_own_sublayers(parts)
+    return parts.context.context
 
 
 def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int,

@@ -144,8 +144,11 @@ def test_bad_arguments_say_what_to_do():
     assert torch.equal(model.generate(idx, 0), idx)
     from models.nanogpt import GPT, GPTConfig
     gpt = GPT(GPTConfig(block_size=16, vocab_size=32, n_layer=2, n_head=2, n_embd=16))
+    rewired = restopo.rewire(gpt, "residual full_attnres\n")
     with pytest.raises(ValueError, match="rewired Hugging Face"):
-        Decoder(restopo.rewire(gpt, "residual full_attnres\n"), 1, 4)
+        Decoder(rewired, 1, 4)
+    with pytest.raises(ValueError, match="rewired Hugging Face"):  # before the window
+        restopo.generate(rewired, torch.zeros(1, 3, dtype=torch.long), 4)
 
 
 @pytest.mark.long
