@@ -62,11 +62,13 @@ def tied(model: nn.Module) -> bool:
 
 
 def shard_units(root: nn.Module, mesh, units: list[tuple[str, nn.Module]], *,
-                init: Init | None = None, full: nn.Module | None = None, device=None) -> None:
+                init: Init | None = None, full: nn.Module | None = None,
+                device=None) -> set[nn.Parameter]:
     """fully_shard each module of `units` [(unit name, module)], in order, then `root` (all
     it holds besides; scalars ignored). With `init`, each unit of `full` (the meta-built
     whole model; `root` by default) is made real just before it is sharded, so a process
-    holds its shards plus at most one whole unit at a time."""
+    holds its shards plus at most one whole unit at a time. Returns the parameters kept
+    whole in every process (their gradients are the caller's to average)."""
     from torch.distributed.fsdp import fully_shard
 
     full = root if full is None else full
@@ -75,7 +77,9 @@ def shard_units(root: nn.Module, mesh, units: list[tuple[str, nn.Module]], *,
         if init is not None:
             materialize(full, init, [name], device)
         fully_shard(module, mesh=mesh, ignored_params=kept_whole(module, whole, name) or None)
-    fully_shard(root, mesh=mesh, ignored_params=kept_whole(root, whole))
+    unsharded = kept_whole(root, whole)
+    fully_shard(root, mesh=mesh, ignored_params=unsharded)
+    return unsharded
 
 
 def model_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -142,13 +146,12 @@ class FSDPStep:
         else:
             model.to(ctx.device)
             init = None
-        units = model_units(model)
-        shard_units(model, self.mesh, units, init=init, device=ctx.device)
+        # whole in every process: their gradients are averaged in step
+        self.unsharded = shard_units(model, self.mesh, model_units(model), init=init,
+                                     device=ctx.device)
         if init is not None:  # both names of a tied matrix: the one shard
             retie(model, init, list(init.factories))
         self.model = self.trained = model
-        # whole in every process: their gradients are averaged in step
-        self.unsharded = kept_whole(model, borrowed(model, units))
         # in the model's order, the same in every process: they are all-reduced one by one
         self.whole_params = [p for p in model.parameters() if p in self.unsharded]
 
