@@ -1,3 +1,6 @@
 from .cli import main
+from .worker import leave
 
-raise SystemExit(main())
+code = main()
+leave(code)  # a torchrun worker exits here, past torch's teardown
+raise SystemExit(code)

@@ -27,7 +27,7 @@ import networkx as nx
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "restopo"
-LAYERS = ("grammars", "io", "codegen", "registry", "topology", "ir", "draw", "spec", "ops", "nn",
+LAYERS = ("grammars", "worker", "io", "codegen", "registry", "topology", "ir", "draw", "spec", "ops", "nn",
           "fx", "backends", "decode", "api", "train", "saved", "experiments", "cli", "commands",
           "__main__")
 PLUGINS = ("backends",)

@@ -18,6 +18,8 @@ from datetime import timedelta
 
 import torch
 
+from ..worker import under_torchrun
+
 # Seconds a collective may wait for the other ranks before the job fails (env override).
 DEFAULT_TIMEOUT_S = 300
 # A worker's exit status for a mistake rank 0 has already said in one line (the launcher then
@@ -53,10 +55,6 @@ def cpu_threads(n: int | None):
         yield
     finally:
         torch.set_num_threads(before)
-
-
-def under_torchrun() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def restart_count() -> int:

@@ -112,4 +112,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from ..worker import leave
+
+    code = main()
+    leave(code)  # a torchrun worker exits here, past torch's teardown
+    raise SystemExit(code)

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 import restopo.backends.triton as T
 from restopo.backends.eager import depth as E
-from triton_testing import TOL, assert_rel, grads, leaf, make_sources, ref_leaf
+from triton_testing import TOL, assert_grads, assert_rel, grads, leaf, make_sources, ref_leaf
 
 BATCH = (2, 5)
 
@@ -51,8 +51,8 @@ def check_phase1(n, S, d, dtype, *, batch=BATCH, key_norm=True, tile=None, v64=N
     with T.tiles(*tile):
         ga = grads(got, ins, [c.to(got[i].dtype) for i, c in enumerate(cots)])
     gb = grads(want, refs, cots)
-    for name, a, b in zip(("completed", "queries", "gains"), ga, gb):
-        assert_rel(a, b, tol * (4 if dtype == torch.float32 else 2), f"d{name}")
+    assert_grads(ga, gb, tol * (4 if dtype == torch.float32 else 2),
+                 ("dcompleted", "dqueries", "dgains"), dtype)
 
 
 @pytest.mark.parametrize("d", [64, 96, 200, 1024])

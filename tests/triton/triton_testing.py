@@ -10,13 +10,48 @@ def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     return ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
 
 
-def assert_rel(got, ref, tol, what=""):
+def assert_rel(got, ref, tol, what="", floor=0.0):
+    """max |got - ref| <= tol * max |ref| + floor (floor: see `assert_grads`)."""
     if got is None and ref is None:  # an input that plays no part (e.g. the gain, key_norm off)
         return
     assert got is not None and ref is not None, f"{what}: {got} vs {ref}"
     assert got.shape == ref.shape, (what, got.shape, ref.shape)
     err = rel_err(got, ref)
+    if floor:
+        diff = (got.double() - ref.double()).abs().max().item()
+        allowed = tol * ref.double().abs().max().item() + floor
+        assert diff <= allowed, (f"{what}: max error {diff:.3g} > {allowed:.3g} "
+                                 f"(relative {err:.3g}, tol {tol:.3g}, roundoff floor {floor:.3g})")
+        return
     assert err <= tol, f"{what}: relative error {err:.3g} > {tol:.3g}"
+
+
+# a kernel that sums in another order than the reference may differ by this many ulps of the
+# largest term its gradient sums; see `assert_grads`
+ROUNDOFF_ULPS = 64
+
+
+def assert_grads(got, want, tol, names, dtype, terms=0.0):
+    """Each gradient within tol of its own largest entry, or within roundoff of the largest
+    term the gradients are summed from (`terms`, at least the largest gradient), whichever
+    is larger. A gradient that cancels to nearly zero keeps only the digits the cancellation
+    leaves, in the float64 reference as in the kernel: with a saturated softmax the query's
+    gradient is sum_i alpha_i (s_i - s_bar) k_i with s_bar ~= s_1 (seen: 5.4120e-11 against
+    5.4091e-11, from terms ~40), so relative to itself it cannot be checked to 1e-10. A wrong
+    gradient of that size (zero, say) is still far above the floor."""
+    scale = max([terms] + [b.double().abs().max().item() for b in want if b is not None])
+    floor = ROUNDOFF_ULPS * torch.finfo(dtype).eps * scale
+    for name, a, b in zip(names, got, want):
+        assert_rel(a, b, tol, name, floor=floor)
+
+
+def attention_terms(v, cot, key_norm, eps=1e-6):
+    """The largest term of depth attention's query gradient, |cot . v_i| * |k_i|: the scale
+    its roundoff is measured against (`assert_grads`)."""
+    from restopo.backends.eager.depth import keys
+    v, cot = v.double(), cot.double()
+    s = (cot.unsqueeze(0) * v).sum(-1).abs().max()
+    return (s * keys(v, eps, key_norm).abs().max()).item()
 
 
 def leaf(x, dtype=None):
