@@ -13,6 +13,5 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 from hypothesis import settings  # noqa: E402
 
 settings.register_profile("repeatable", derandomize=True, print_blob=True)
-settings.register_profile("explore", derandomize=False, print_blob=True, max_examples=300,
-                          deadline=None)
+settings.register_profile("explore", derandomize=False, print_blob=True, deadline=None)
 settings.load_profile("repeatable")
