@@ -13,19 +13,35 @@ modules lowered directly, and two-phase groups, whose phase 1 reads the complete
 each source. It shares only within one forward of the lowered model (hooks open and close
 that scope), and nothing outlives it. A forward pre-hook hands each reader its sources'
 shared form and a `logits=` keyword; outside the model's forward, without autograd, under
-torch.compile or on a backend other than eager, readers make their own. (So a region that
-torch.utils.checkpoint recomputes must not hold readers: its recomputation, in backward,
-would make its own logits; sublayers alone are fine. Issue 11's recompute is to open a
-scope of its own for that.)
+torch.compile or on a backend other than eager, readers make their own. So does every
+reader called inside `own_logits()`: a region that torch.utils.checkpoint recomputes
+(restopo.fx.recompute) holds readers, and its recomputation, in backward, runs outside any
+scope; its forward must then make the same ops, each reader its own logits from the sources
+the region was given.
 """
 from __future__ import annotations
 
+import contextlib
+import threading
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from .. import ops
+
+
+_private = threading.local()  # .depth: how many own_logits() scopes are open in this thread
+
+
+@contextlib.contextmanager
+def own_logits():
+    """Readers called inside make their own logits (nothing shared in or out)."""
+    _private.depth = getattr(_private, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _private.depth -= 1
 
 
 @dataclass(frozen=True)
@@ -120,7 +136,8 @@ class SharedSources:
         its own."""
         reader, records = self.readers.get(module), self._records
         if (reader is None or records is None or torch.compiler.is_compiling()
-                or not torch.is_grad_enabled() or len(sources) != len(reader.sources)
+                or not torch.is_grad_enabled() or getattr(_private, "depth", 0)
+                or len(sources) != len(reader.sources)
                 or ops.picked(module.backend, sources[0]) != "eager"):
             return None
         kind = _kind(module)
