@@ -21,9 +21,10 @@ each region runs again in backward (torch.utils.checkpoint, non-reentrant).
             (restopo.nn.shared_sources.own_logits): its recomputation runs in backward,
             where nothing is shared, and must repeat the forward's ops.
 
-The lowered fx model only: a pipeline chunk runs its own walk, so block is refused there
-(restopo.train.layout), as is block under FSDP, whose units would be gathered inside a
-region's recomputation.
+Block regions live in the lowered fx graph only: a pipeline chunk runs its own walk, so
+block is refused there (restopo.train.layout). Under FSDP2 a region holds several units:
+its recomputation gathers each unit's weights again (FSDP's forward hooks run inside it),
+a second all-gather per unit in backward, exact (tests/test_layouts.py).
 """
 from __future__ import annotations
 
@@ -100,6 +101,12 @@ def _regions(gm: fx.GraphModule) -> None:
         step = n.meta.get(STEP)
         if step is not None and 1 <= step <= L:
             members.setdefault(region[step - 1], []).append(n)
+    for nodes in members.values():
+        # a parameter read (a PreNorm gain fused into phase 2) stays in the model's graph, an
+        # input of the region: it is read live there (FSDP keeps it whole: train.fsdp.borrowed)
+        for n in [n for n in nodes if n.op == "get_attr"]:
+            nodes.remove(n)
+            nodes[0].prepend(n)
     gm.regions = nn.ModuleList()
     for k, nodes in members.items():
         _extract(gm, nodes, k)

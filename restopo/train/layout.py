@@ -87,12 +87,10 @@ def check_layout(spec, layout: Layout, flag: str | None = "--nproc") -> None:
                 f"this run has {world} ("
                 + (f"use {flag} {p.stages}" if flag else f"run {p.stages} processes")
                 + (f" or {2 * p.stages}" if world > p.stages else "") + ")")
-    if train.recompute == "block" and (p is not None or (layout.data == "fsdp" and world > 1)):
+    if train.recompute == "block" and p is not None:
         raise LayoutError(
-            "train.recompute=block recomputes regions of the whole lowered model, which "
-            + ("a pipeline stage does not run" if p is not None else
-               "FSDP would gather inside a region's recomputation")
-            + "; use train.recompute=sublayer with this layout")
+            "train.recompute=block recomputes regions of the whole lowered model, which a "
+            "pipeline stage does not run; use train.recompute=sublayer with --pipeline")
     replicas = world // layout.stages
     if batch % replicas:
         what = "FSDP processes" if layout.data == "fsdp" else "data-parallel replicas"
