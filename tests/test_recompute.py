@@ -126,24 +126,25 @@ def test_held_bytes_counts_what_backward_keeps():
     assert held_bytes(lambda: (x * 2).sum())[0] == 4
 
 
-def test_full_attnres_keeps_each_source_once():
-    """Full AttnRes, block mode: every region reads all earlier outputs, and each is kept
-    once: the bytes kept grow by about one d-sized value per sublayer, not one per read."""
-    k = T.sublayer_kinds
+@pytest.mark.parametrize("name,mode", [("full", "block"), ("full", "sublayer"),
+                                       ("denseformer", "block"), ("denseformer", "sublayer")])
+def test_every_source_is_kept_once(name, mode):
+    """Full-width wiring: every point reads all earlier outputs, and each is kept once: the
+    bytes kept grow by a few d-sized values per sublayer, the same at every depth (a copy per
+    read, as DenseFormer's stacked sum kept before, grows with depth: O(L^2))."""
+    make = {"full": T.full_attnres, "denseformer": T.denseformer}[name]
     idx = torch.randint(0, VOCAB, (4, 16))
     held = []
     for depth in (2, 4, 8):
-        m = model(T.full_attnres(k(depth)), "block", dtype=torch.float32, depth=depth)
+        m = model(make(T.sublayer_kinds(depth)), mode, dtype=torch.float32, depth=depth)
         got, loss = held_bytes(lambda: m(idx).logsumexp(-1).mean())
         held.append(got)
     value = 4 * 16 * 32 * 4  # one [B, T, d] float32 tensor
-    # depth 2 -> 4 adds 4 sublayers, 4 -> 8 adds 8: each adds its output and less than one
-    # more value's worth (its norms, logits), the same at every depth (a copy per read
-    # would add more per sublayer the deeper the model)
+    # depth 2 -> 4 adds 4 sublayers, 4 -> 8 adds 8
     per_sublayer = [(held[1] - held[0]) / 4, (held[2] - held[1]) / 8]
-    print(f"Full AttnRes, block: held bytes at depth 2, 4, 8: {held}; per added sublayer "
+    print(f"{name}, {mode}: held bytes at depth 2, 4, 8: {held}; per added sublayer "
           f"{per_sublayer} (one value: {value})")
-    assert all(value <= p < 2 * value for p in per_sublayer), (held, per_sublayer)
+    assert all(value <= p < 3 * value for p in per_sublayer), (held, per_sublayer)
     assert per_sublayer[1] < 1.25 * per_sublayer[0]
 
 
@@ -229,3 +230,22 @@ def test_cli_flag_is_the_override():
     args = build_parser().parse_args(["train", TINY, "--recompute", "sublayer"])
     assert _overrides(args) == ("train.recompute=sublayer",)
     assert "--recompute" in _worker_argv(args)  # torchrun workers get it too
+
+
+def test_recompute_bench_quick(capsys):
+    """bench/recompute.py runs (CI-size smoke) and prints a row per topology and mode."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "recompute.py"
+    spec = importlib.util.spec_from_file_location("recompute_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--quick", "--iters", "1", "--only", "standard,full"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()
+            if line.split()[:1] in (["standard"], ["full"])]
+    assert [r[:2] for r in rows] == [[t, m] for t in ("standard", "full")
+                                     for m in ("none", "sublayer", "block")]
+    for r in rows:
+        held_ratio = float(r[3])
+        assert held_ratio == 1.0 if r[1] == "none" else held_ratio < 1.0
