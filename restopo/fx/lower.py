@@ -111,7 +111,8 @@ def _share_logits(gm: fx.GraphModule, g: IR, plan) -> None:
     readers += [Reader(gm.phases[k], tuple(grp.completed), len(grp.members))
                 for k, grp in enumerate(plan)]
     if readers:
-        SharedSources(readers, EPS).install(gm)
+        gm.restopo_shared = SharedSources(readers, EPS)  # also for recompute's regions
+        gm.restopo_shared.install(gm)
 
 
 def _order_as_called(gm: fx.GraphModule, graph: fx.Graph) -> None:

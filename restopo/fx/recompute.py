@@ -17,9 +17,11 @@ each region runs again in backward (torch.utils.checkpoint, non-reentrant).
             and checkpoints are the same in every mode) on the values it reads from outside:
             a standard stream's region keeps h_l alone, a Full AttnRes region the sources it
             reads, which are the same tensors in every region (each kept once).
-            AttnRes readers inside a region make their own logits
-            (restopo.nn.shared_sources.own_logits): its recomputation runs in backward,
-            where nothing is shared, and must repeat the forward's ops.
+            AttnRes readers keep sharing their sources' logits
+            (restopo.nn.shared_sources): those of a source from outside the region are made
+            outside it, once per forward as without recompute, and handed to the region's
+            forward and to its recomputation alike; those of a source made inside are made
+            inside, for its own readers, and made again when it is recomputed.
 
 Block regions live in the lowered fx graph only: a pipeline chunk runs its own walk, so
 block is refused there (restopo.train.layout). Under FSDP2 a region holds several units:
@@ -34,7 +36,6 @@ import torch
 from torch import fx, nn
 from torch.utils.checkpoint import checkpoint
 
-from ..nn.shared_sources import own_logits
 from ..topology import layer_starts
 from .lower import STEP, lowered
 
@@ -81,15 +82,25 @@ def layer_of(kinds: tuple[str, ...]) -> list[int]:
 class Region(nn.Module):
     """One block region: runs its part of the lowered graph under non-reentrant checkpoint.
     The part is a GraphModule over the model's own modules, kept out of this module's
-    children so that nothing is registered twice."""
+    children so that nothing is registered twice; `shared` is the model's SharedSources
+    (None: no readers), whose region scope the part runs in, forward and recomputed."""
 
-    def __init__(self, part: fx.GraphModule):
+    def __init__(self, part: fx.GraphModule, shared=None, uses=()):
         super().__init__()
         self.__dict__["part"] = part
+        self.__dict__["shared"] = shared
+        self.__dict__["readers"] = tuple(part.modules())
+        self.uses = tuple(uses)  # (reader, position among its sources, index of the input)
 
     def forward(self, *inputs):
-        with own_logits():
+        if self.shared is None:
             return checkpoint(self.part, *inputs, use_reentrant=False)
+        outside = self.shared.outside([(m, i, inputs[k]) for m, i, k in self.uses])
+        return checkpoint(self._run, outside, *inputs, use_reentrant=False)
+
+    def _run(self, outside: dict, *inputs):
+        with self.shared.region(self.readers, outside):
+            return self.part(*inputs)
 
 
 def _regions(gm: fx.GraphModule) -> None:
@@ -125,7 +136,14 @@ def _extract(gm: fx.GraphModule, nodes: list[fx.Node], k: int) -> None:
     for n in nodes:
         env[n] = sub.node_copy(n, env.__getitem__)
     sub.output(tuple(env[n] for n in outputs))
-    gm.regions.append(Region(fx.GraphModule(gm, sub, class_name="RecomputeRegion")))
+    part = fx.GraphModule(gm, sub, class_name="RecomputeRegion")
+    shared = getattr(gm, "restopo_shared", None)
+    readers = shared.readers if shared is not None else {}
+    at = {a: k for k, a in enumerate(inputs)}
+    uses = [(gm.get_submodule(n.target), i, at[a]) for n in nodes if n.op == "call_module"
+            and gm.get_submodule(n.target) in readers
+            for i, a in enumerate(n.args) if a in at]
+    gm.regions.append(Region(part, shared, uses))
     with gm.graph.inserting_before(nodes[0]):
         call = gm.graph.call_module(f"regions.{k}", tuple(inputs))
         got = [gm.graph.call_function(operator.getitem, (call, i)) for i in range(len(outputs))]
