@@ -6,14 +6,7 @@ import torch
 import restopo.backends.triton as T
 from restopo.api import compile as compile_spec
 from restopo.fx import recompute
-
-SPEC = """
-model tiny {{
-  vocab: 61; width: 40; depth: 2; heads: 2; context: 16
-  mlp: swiglu(2x)
-}}
-residual {residual}
-"""
+from test_triton_model import SPEC
 
 
 @pytest.mark.parametrize("mode", ["sublayer", "block"])
