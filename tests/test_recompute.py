@@ -148,15 +148,17 @@ def test_held_bytes_counts_what_backward_keeps():
 def test_every_source_is_kept_once(name, mode):
     """Full-width wiring: every point reads all earlier outputs, and each is kept once: the
     bytes kept grow by a few d-sized values per sublayer, the same at every depth (a copy per
-    read, as DenseFormer's stacked sum kept before, grows with depth: O(L^2))."""
+    read, as DenseFormer's stacked sum kept before, grows with depth: O(L^2)). Width 128, so
+    that AttnRes's own per-(point, source) logits, [B, T] each, stay small beside a value."""
     make = {"full": T.full_attnres, "denseformer": T.denseformer}[name]
     idx = torch.randint(0, VOCAB, (4, 16))
     held = []
     for depth in (2, 4, 8):
-        m = model(make(T.sublayer_kinds(depth)), mode, dtype=torch.float32, depth=depth)
+        m = model(make(T.sublayer_kinds(depth)), mode, dtype=torch.float32, depth=depth,
+                  width=128)
         got, loss = held_bytes(lambda: m(idx).logsumexp(-1).mean())
         held.append(got)
-    value = 4 * 16 * 32 * 4  # one [B, T, d] float32 tensor
+    value = 4 * 16 * 128 * 4  # one [B, T, d] float32 tensor
     # depth 2 -> 4 adds 4 sublayers, 4 -> 8 adds 8
     per_sublayer = [(held[1] - held[0]) / 4, (held[2] - held[1]) / 8]
     print(f"{name}, {mode}: held bytes at depth 2, 4, 8: {held}; per added sublayer "
