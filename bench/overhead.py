@@ -117,7 +117,7 @@ def saved_bytes(fn, idx) -> int:
     return sum(storages.values())
 
 
-def measure(args, mode: str, models: dict) -> dict:
+def measure(args, mode: str, models: dict, base: str = "standard") -> dict:
     fns = {name: (torch.compile(m) if mode == "compile" else m) for name, m in models.items()}
     idx = torch.randint(0, args.vocab, (args.batch, args.context), device=args.device)
     times = {name: [] for name in fns}
@@ -136,7 +136,7 @@ def measure(args, mode: str, models: dict) -> dict:
             if r >= args.warmup:
                 times[name].append(time.perf_counter() - t0)
         print(f"  {mode}: round {r + 1}/{args.warmup + args.iters}", file=sys.stderr)
-    base = times["standard"]
+    base = times[base]
     return {name: dict(step=min(times[name]), median=statistics.median(times[name]),
                        ratios=[t / b for t, b in zip(times[name], base)],
                        saved=saved[name]) for name in fns}
@@ -149,15 +149,19 @@ def spread(ratios: list[float]) -> str:
             f"({min(ratios):.3f}-{max(ratios):.3f})")
 
 
+def setting(args) -> str:
+    return (f"width {args.width}, depth {args.depth} ({2 * args.depth} sublayers), context "
+            f"{args.context}, batch {args.batch}, heads {args.heads}, vocab {args.vocab}, "
+            f"device {args.device}, aggregation backend {args.backend}, "
+            f"threads {torch.get_num_threads()}, torch {torch.__version__}")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     models = {name: make(args, topo) for name, topo in topologies(args).items()}
-    print(f"width {args.width}, depth {args.depth} ({2 * args.depth} sublayers), context "
-          f"{args.context}, batch {args.batch}, heads {args.heads}, vocab {args.vocab}, "
-          f"device {args.device}, aggregation backend {args.backend}, "
-          f"threads {torch.get_num_threads()}, torch {torch.__version__}")
+    print(setting(args))
     modes = ([] if args.compile_only else ["eager"]) + ([] if args.no_compile else ["compile"])
     if not modes:
         print("--no-compile and --compile-only leave nothing to measure", file=sys.stderr)

@@ -86,6 +86,14 @@ CASES = {
     "fsdp 2, rezero, untied, accum 2": (2, ["--data", "fsdp", "--set", "residual=rezero",
                                             "--set", "model.tie_embeddings=false", "--set",
                                             "train.accum=2"]),
+    # activation recompute (issue 11): regions run again in backward in every layout
+    "ddp 2, recompute block, full attnres": (2, ["--set", "train.recompute=block", "--set",
+                                                 "residual=full_attnres"]),
+    "fsdp 2, recompute sublayer": (2, ["--data", "fsdp", "--set", "train.recompute=sublayer"]),
+    "fsdp 2, recompute block, prenorm fused": (2, ["--data", "fsdp", "--backend", "auto",
+                                                   "--set", "train.recompute=block"]),
+    "pipeline 2x1 x fsdp 2, recompute sublayer": (4, ["--pipeline", "2x1", "--data", "fsdp",
+                                                      "--set", "train.recompute=sublayer"]),
 }
 
 
@@ -103,6 +111,7 @@ def test_layout_step_equals_one_process(case, tmp_path):
     assert row["loss_err"] <= 1e-5
     assert row["grad_err"] <= 1e-5
     assert row["params_checked"] == row["params_total"]
+    assert (row["recomputed"] > 0) == ("recompute" in case)
 
 
 # -- resume across layouts ------------------------------------------------------------------------
@@ -187,6 +196,8 @@ def _one_line(proc, *words):
     (["--pipeline", "2x1", "--nproc", "3"], ["multiple of 2 processes", "--nproc 2"]),
     (["--set", "parallel.data=fsdp", "--nproc", "3"],
      ["train.batch (16)", "3 FSDP processes", "e.g. 18"]),
+    (["--pipeline", "2x1", "--nproc", "2", "--recompute", "block"],
+     ["train.recompute=block", "train.recompute=sublayer with --pipeline"]),
 ])
 def test_bad_layout_is_one_line_before_any_process(args, words, tmp_path):
     proc = restopo("train", TINY, "--steps", 2, "--no-progress", "--out", tmp_path / "r",

@@ -20,6 +20,7 @@ examples:
   torchrun --nproc_per_node 2 -m restopo train examples/tiny.restopo
   restopo train examples/tiny.restopo --nproc 2 --data fsdp          # shard params + AdamW
   restopo train examples/tiny.restopo --nproc 4 --pipeline 2x2       # stage-local pipeline
+  restopo train examples/tiny.restopo --recompute block   # less activation memory, slower
   restopo train examples/tiny.restopo --nproc 2 --resume --data fsdp # resume another layout
   torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d \\
       --rdzv-endpoint HOST:29500 --rdzv-id run1 -m restopo train examples/tiny.restopo
@@ -60,6 +61,9 @@ def register(subparsers) -> None:
                    help="one device's peak TFLOP/s for the MFU figure, e.g. 989 (same as "
                         "--set train.peak_tflops=T; default: known CUDA GPUs' dense bf16 "
                         "peak, none on the CPU)")
+    p.add_argument("--recompute", choices=("none", "sublayer", "block"),
+                   help="activation recompute: keep less for backward, run it again there "
+                        "(same as --set train.recompute=MODE; default none)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--backend", choices=("auto", "eager", "triton"), default="auto",
                    help="aggregation kernels (default: triton on CUDA when available)")
@@ -126,6 +130,8 @@ def _overrides(args) -> tuple[str, ...]:
         extra.append(f"train.peak_tflops={args.peak_tflops!r}")
     if args.data_parallel is not None:
         extra.append(f"parallel.data={args.data_parallel}")
+    if args.recompute is not None:
+        extra.append(f"train.recompute={args.recompute}")
     return tuple(args.overrides) + tuple(extra)
 
 
@@ -137,7 +143,7 @@ def _worker_argv(args) -> list[str]:
     for o in args.overrides:
         argv += ["--set", o]
     for flag, value in (("--out", args.out), ("--steps", args.steps), ("--seed", args.seed),
-                        ("--peak-tflops", args.peak_tflops)):
+                        ("--peak-tflops", args.peak_tflops), ("--recompute", args.recompute)):
         if value is not None:
             argv += [flag, str(value)]
     argv += ["--device", args.device, "--backend", args.backend]

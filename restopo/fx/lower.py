@@ -42,6 +42,7 @@ from ..nn.parts import Parts
 from ..nn.shared_sources import Reader, SharedSources
 from ..nn.streams import StreamExpand, StreamWrite
 
+STEP = "restopo_step"  # node.meta key: the walk's step that made the node (_Emitter._step)
 SUBMODULES = ("embed", "context", "sublayers", "aggregations", "phases", "expand_streams",
               "write_streams", "head")
 
@@ -110,7 +111,8 @@ def _share_logits(gm: fx.GraphModule, g: IR, plan) -> None:
     readers += [Reader(gm.phases[k], tuple(grp.completed), len(grp.members))
                 for k, grp in enumerate(plan)]
     if readers:
-        SharedSources(readers, EPS).install(gm)
+        gm.restopo_shared = SharedSources(readers, EPS)  # also for recompute's regions
+        gm.restopo_shared.install(gm)
 
 
 def _order_as_called(gm: fx.GraphModule, graph: fx.Graph) -> None:
@@ -141,9 +143,21 @@ class _Emitter(Visitor):
         self.graph = fx.Graph()
         self.context: list[fx.Node] = []
         self.context_names: tuple[str, ...] | None = None
+        self.pending: list[fx.Node] = []  # made since the last _step
 
     def node(self, op: str, target, args=(), kwargs=None, name: str | None = None) -> fx.Node:
-        return self.graph.create_node(op, target, tuple(args), kwargs or {}, name=name)
+        n = self.graph.create_node(op, target, tuple(args), kwargs or {}, name=name)
+        self.pending.append(n)
+        return n
+
+    def _step(self, i: int) -> None:
+        """Tag the nodes made since the last tag as part of the walk's step for sublayer i
+        (0: embedding, L + 1: head), in node.meta[STEP]: the regions of recompute
+        (restopo.fx.recompute) are runs of steps. A step holds h_i's nodes, sublayer i and
+        what the walk computes right after it (its stream write, a stream-fed h_{i+1})."""
+        for n in self.pending:
+            n.meta[STEP] = i
+        self.pending = []
 
     def emit(self, g: IR, plan) -> fx.Graph:
         self.g = g
@@ -161,12 +175,15 @@ class _Emitter(Visitor):
             ctx = self.node("call_module", "context", (idx, embedding), name="context")
             self.context = [self.node("call_function", operator.getitem, (ctx, i), name=n)
                             for i, n in enumerate(names)]
+        self._step(0)
         return embedding
 
     def sublayer(self, node: Sublayer, h: fx.Node) -> fx.Node:
         kwargs = {"normed": True} if node.index in self.normed else None
-        return self.node("call_module", f"sublayers.{node.index - 1}", (h, *self.context),
-                         kwargs, name=node.id)
+        v = self.node("call_module", f"sublayers.{node.index - 1}", (h, *self.context),
+                      kwargs, name=node.id)
+        self._step(node.index)
+        return v
 
     def add(self, a: fx.Node, b: fx.Node, name: str) -> fx.Node:
         return self.node("call_function", operator.add, (a, b), name=name)
@@ -218,11 +235,19 @@ class _Emitter(Visitor):
         return h, mix
 
     def write(self, agg: Aggregation, x: fx.Node, v: fx.Node, mix: fx.Node) -> fx.Node:
-        return self.node("call_module", "write_streams", (x, v, mix),
-                         name=f"streams{agg.index + 1}")
+        out = self.node("call_module", "write_streams", (x, v, mix),
+                        name=f"streams{agg.index + 1}")
+        self._step(agg.index)
+        return out
+
+    def aggregated(self, agg: Aggregation, inputs, h, stream: bool) -> None:
+        if stream and agg.index > 1:  # a stream-fed h_l is made right after sublayer l - 1
+            self._step(agg.index - 1)
 
     def head(self, h: fx.Node) -> fx.Node:
-        return self.node("call_module", "head", (h,), name="logits")
+        logits = self.node("call_module", "head", (h,), name="logits")
+        self._step(self.g.n_sublayers + 1)
+        return logits
 
 
 def _target(agg: Aggregation) -> str:

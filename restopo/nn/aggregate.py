@@ -174,8 +174,14 @@ class Scalars(nn.Module):
         return self.weights
 
     def forward(self, *sources: torch.Tensor) -> torch.Tensor:
+        # A sum of products, not (w * stack(sources)).sum(0): autograd then keeps the sources
+        # themselves, each one tensor whatever the number of points that read it, instead of
+        # a stacked copy per aggregation point (O(L^2) values in Full-width wiring).
         w = self.alpha().view(-1, *([1] * sources[0].dim()))
-        return (w * torch.stack(sources)).sum(0)
+        out = w[0] * sources[0]
+        for w_i, v in zip(w[1:], sources[1:]):
+            out = out + w_i * v
+        return out
 
     def input_weights(self, *sources: torch.Tensor) -> list[torch.Tensor]:
         return list(self.alpha())

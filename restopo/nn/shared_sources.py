@@ -13,13 +13,19 @@ modules lowered directly, and two-phase groups, whose phase 1 reads the complete
 each source. It shares only within one forward of the lowered model (hooks open and close
 that scope), and nothing outlives it. A forward pre-hook hands each reader its sources'
 shared form and a `logits=` keyword; outside the model's forward, without autograd, under
-torch.compile or on a backend other than eager, readers make their own. (So a region that
-torch.utils.checkpoint recomputes must not hold readers: its recomputation, in backward,
-would make its own logits; sublayers alone are fine. Issue 11's recompute is to open a
-scope of its own for that.)
+torch.compile or on a backend other than eager, readers make their own.
+
+A region that torch.utils.checkpoint recomputes (restopo.fx.recompute) must make the same
+ops in its forward and in its recomputation, in backward, where the model's scope is closed.
+So the logits of the sources it takes from outside are made outside it (`outside`: in the
+model's scope, once per forward against all their readers, as without recompute), and the
+region runs inside `region(modules, outside)`, a scope of its own that starts from just
+those records, in its forward and again in its recomputation; the sources it makes itself
+are shared among its own readers only.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -74,9 +80,45 @@ class SharedSources:
             for s in dict.fromkeys(r.sources):
                 self.by_source.setdefault((s, _kind(r.module)), []).append(r)
         self._records: dict | None = None  # what this forward shares so far (None: none open)
+        self._within: frozenset | None = None  # a region's readers, inside region()
+        self._given: frozenset = frozenset()  # the keys of the records it was given
 
     def __getstate__(self):  # an open scope is one forward's, never a copy's
-        return {**self.__dict__, "_records": None}
+        return {**self.__dict__, "_records": None, "_within": None, "_given": frozenset()}
+
+    def outside(self, uses) -> dict:
+        """The records of the sources a region's readers take from outside it, made now in
+        the model's scope if not yet: `uses` [(reader module, position among its sources,
+        value)]. Empty where nothing is shared (no scope, no autograd, compiling)."""
+        records = self._records
+        if records is None or torch.compiler.is_compiling() or not torch.is_grad_enabled():
+            return {}
+        got = {}
+        for module, i, v in uses:
+            if ops.picked(module.backend, v) != "eager":
+                continue
+            kind = _kind(module)
+            key = (self.readers[module].sources[i], kind)
+            record = records.get(key)
+            if record is None or record[0] is not v:
+                record = records[key] = self._make(records, key[0], kind, v)
+            got[key] = record
+        got.update((k, q) for k, q in records.items() if k[0] == "queries")
+        return got
+
+    @contextlib.contextmanager
+    def region(self, modules, outside: dict):
+        """A scope for the readers among `modules` (a recomputed region's) that starts from
+        the records `outside` made for it."""
+        outer = self._records, self._within, self._given
+        self._records, self._within = dict(outside), frozenset(modules)
+        # the region's inputs are these records' sources, though not always the same
+        # tensor objects in its recomputation (checkpoint saves and unpacks them)
+        self._given = frozenset(outside)
+        try:
+            yield
+        finally:
+            self._records, self._within, self._given = outer
 
     def install(self, model: nn.Module) -> None:
         """Open a scope around every forward of `model` and hand each reader its share."""
@@ -121,13 +163,14 @@ class SharedSources:
         reader, records = self.readers.get(module), self._records
         if (reader is None or records is None or torch.compiler.is_compiling()
                 or not torch.is_grad_enabled() or len(sources) != len(reader.sources)
+                or (self._within is not None and module not in self._within)
                 or ops.picked(module.backend, sources[0]) != "eager"):
             return None
         kind = _kind(module)
         shared, logits = [], []
         for sid, v in zip(reader.sources, sources):
             record = records.get((sid, kind))
-            if record is None or record[0] is not v:
+            if record is None or (record[0] is not v and (sid, kind) not in self._given):
                 record = records[(sid, kind)] = self._make(records, sid, kind, v)
             _, view, columns, starts = record
             start = starts[module]
@@ -138,7 +181,8 @@ class SharedSources:
 
     def _make(self, records: dict, sid: str, kind: tuple[bool, int], v: torch.Tensor):
         """(v, its gathered view, its logits' columns, each reader's first column)."""
-        readers = self.by_source[(sid, kind)]
+        readers = [r for r in self.by_source[(sid, kind)]
+                   if self._within is None or r.module in self._within]
         queries = self._queries(records, kind, readers)
         key_norm, heads = kind
         z = ops.logits_against(v, queries, self.eps, key_norm=key_norm, heads=heads)

@@ -29,8 +29,9 @@ DATA_ENGINES = ("ddp", "fsdp")  # data parallel: replicated (DDP) or sharded (FS
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 TRAIN_KEYS = ("data", "steps", "batch", "lr", "schedule", "warmup", "min_lr", "weight_decay",
               "grad_clip", "accum", "eval_every", "eval_batches", "save_every", "seed",
-              "log_every", "keep", "peak_tflops")
+              "log_every", "keep", "peak_tflops", "recompute")
 LR_SCHEDULES = ("cosine", "constant")
+RECOMPUTE = ("none", "sublayer", "block")  # activation recompute (restopo.fx.recompute)
 
 
 # -- sections -> spec objects -------------------------------------------------------------
@@ -185,6 +186,8 @@ def check_train(view: View, c: Checker) -> TrainSpec | None:
                                     why="one device's peak TFLOP/s for MFU, e.g. 989")
     if "schedule" in f:
         got["schedule"] = c.choice(f["schedule"], "schedule", LR_SCHEDULES)
+    if "recompute" in f:
+        got["recompute"] = c.choice(f["recompute"], "recompute", RECOMPUTE)
     if "data" in f:
         got["data"] = _data(f["data"], c)
     steps = got.get("steps", TrainSpec.steps)

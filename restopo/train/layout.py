@@ -87,6 +87,10 @@ def check_layout(spec, layout: Layout, flag: str | None = "--nproc") -> None:
                 f"this run has {world} ("
                 + (f"use {flag} {p.stages}" if flag else f"run {p.stages} processes")
                 + (f" or {2 * p.stages}" if world > p.stages else "") + ")")
+    if train.recompute == "block" and p is not None:
+        raise LayoutError(
+            "train.recompute=block recomputes regions of the whole lowered model, which a "
+            "pipeline stage does not run; use train.recompute=sublayer with --pipeline")
     replicas = world // layout.stages
     if batch % replicas:
         what = "FSDP processes" if layout.data == "fsdp" else "data-parallel replicas"
@@ -115,11 +119,13 @@ def _multiple(n: int, k: int) -> int:
 def build(spec, layout: Layout, ctx, backend: str = "auto"):
     """(model, stepper) for `layout` in this process; the stepper is None for the loop's
     default (one process or DDP over whole models)."""
+    from ..fx.recompute import apply as recompute
     from .runspec import build_model
 
+    # recompute first: DDP, FSDP and the pipeline's chunks wrap the modules it set up
     if layout.pipeline is None and (layout.data == "ddp" or layout.world == 1):
-        return build_model(spec, backend), None
-    model = build_model(spec, backend, meta=True)
+        return recompute(build_model(spec, backend), spec.train.recompute), None
+    model = recompute(build_model(spec, backend, meta=True), spec.train.recompute)
     if layout.pipeline is None:
         from .fsdp import FSDPStep
 

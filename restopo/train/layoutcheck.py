@@ -11,7 +11,8 @@ a fixed batch through the layout's Stepper (fp32, CPU). Every process also build
 model in one piece from the same seed and runs the whole batch through it. For each parameter
 a process holds (whole, or its FSDP rows) the gradient is compared with the one-process
 gradient (the same rows); rank 0 writes the loss difference, the largest gradient difference
-over all processes and how many of the model's parameters some process checked, as JSON.
+over all processes, how many of the model's parameters some process checked and how many
+sublayer forwards ran again in backward (train.recompute), as JSON.
 Tests (tests/test_layouts.py) call this.
 """
 from __future__ import annotations
@@ -61,6 +62,10 @@ def run(args) -> dict:
     ref_loss.backward()
     rows = B // stepper.data_world
     at = stepper.data_rank * rows
+    recomputed = []  # sublayer forwards run again in backward (train.recompute)
+    for m in model.sublayers:
+        m.register_forward_pre_hook(
+            lambda *_: recomputed.append(1) if torch._C._current_graph_task_id() >= 0 else None)
     loss = stepper.step(x[at:at + rows], y[at:at + rows])
 
     grad_err, checked = 0.0, []
@@ -76,13 +81,15 @@ def run(args) -> dict:
                        if want.numel() else 0.0)
         checked.append(name)
     loss_mean = sum(exchange(ctx, loss.item())) / ctx.world
-    everyone = exchange(ctx, {"err": grad_err, "checked": checked})
+    everyone = exchange(ctx, {"err": grad_err, "checked": checked,
+                              "recomputed": len(recomputed)})
     total = [n for n, _ in ref.named_parameters()]
     seen = set().union(*(set(e["checked"]) for e in everyone))
     return {"layout": stepper.layout, "loss": loss_mean, "ref_loss": ref_loss.item(),
             "loss_err": abs(loss_mean - ref_loss.item()),
             "grad_err": max(e["err"] for e in everyone),
             "params_checked": len(seen & set(total)), "params_total": len(total),
+            "recomputed": sum(e["recomputed"] for e in everyone),
             "rank": ctx.rank}
 
 
