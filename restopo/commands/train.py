@@ -17,6 +17,7 @@ examples:
   restopo train --resume --out runs/quick --steps 400                # spec from the checkpoint
   restopo train examples/tiny.restopo --nproc 2                      # 2 processes via torchrun
   restopo train examples/tiny.restopo --peak-tflops 1                # MFU against 1 TFLOP/s
+  restopo train examples/tiny.restopo --compile                      # torch.compile per region
   torchrun --nproc_per_node 2 -m restopo train examples/tiny.restopo
   restopo train examples/tiny.restopo --nproc 2 --data fsdp          # shard params + AdamW
   restopo train examples/tiny.restopo --nproc 4 --pipeline 2x2       # stage-local pipeline
@@ -60,6 +61,9 @@ def register(subparsers) -> None:
                    help="one device's peak TFLOP/s for the MFU figure, e.g. 989 (same as "
                         "--set train.peak_tflops=T; default: known CUDA GPUs' dense bf16 "
                         "peak, none on the CPU)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile each sublayer, aggregation point and phase 1 in place "
+                        "(same as --set train.compile=true); the first step compiles")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--backend", choices=("auto", "eager", "triton"), default="auto",
                    help="aggregation kernels (default: triton on CUDA when available)")
@@ -126,6 +130,8 @@ def _overrides(args) -> tuple[str, ...]:
         extra.append(f"train.peak_tflops={args.peak_tflops!r}")
     if args.data_parallel is not None:
         extra.append(f"parallel.data={args.data_parallel}")
+    if args.compile:
+        extra.append("train.compile=true")
     return tuple(args.overrides) + tuple(extra)
 
 
@@ -145,6 +151,8 @@ def _worker_argv(args) -> list[str]:
         argv.append("--resume")
     if args.overwrite:
         argv.append("--overwrite")
+    if args.compile:
+        argv.append("--compile")
     if args.pipeline:
         argv += ["--pipeline", args.pipeline]
     if args.data_parallel:
@@ -382,6 +390,11 @@ def _train(args, out: Path) -> int:
             model, stepper = layout.build(spec, chosen, ctx, args.backend)
         except RuntimeError as e:  # a backend that cannot run here says why
             raise _Stop(str(e)) from None
+        compiled = 0
+        if spec.train.compile:
+            from ..train.compile import compile_regions
+
+            compiled = compile_regions(model, stepper)
         cfg = TrainConfig.from_spec(spec.train, spec.model.context)
         if ctx.is_main:
             n_params = sum(p.numel() for p in model.parameters())
@@ -396,7 +409,8 @@ def _train(args, out: Path) -> int:
                             stepper=stepper,
                             throughput=Throughput.of(flops_per_token(spec.ir(), spec.model).train,
                                                      ctx.device, ctx.world,
-                                                     spec.train.peak_tflops))
+                                                     spec.train.peak_tflops),
+                            compiled=compiled)
         except DataError as e:
             raise spec.error(*e.where, str(e)) from None
     finally:
