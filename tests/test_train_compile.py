@@ -169,3 +169,47 @@ def test_the_flag_reaches_the_spec_and_the_workers():
     assert parse_spec(text, "m.restopo").train.compile is True
     assert parse_spec(text.replace("true", "false"), "m.restopo").train.compile is False
     assert parse_spec(text, "m.restopo", ("train.compile=false",)).train.compile is False
+
+
+CLI_SPEC = """\
+model t { vocab: 256; width: 32; depth: 2; heads: 2; context: 16 }
+residual block_attnres(blocks: 2)
+train { data: builtin:stdlib; steps: 4; batch: 4; warmup: 1; eval_every: 2; eval_batches: 1
+        save_every: 2; log_every: 1; compile: true }
+"""
+
+
+@pytest.fixture
+def cli_spec(tmp_path, monkeypatch, tmp_path_factory):
+    monkeypatch.setenv("RESTOPO_CACHE", str(tmp_path_factory.mktemp("restopo-cache")))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    path = tmp_path / "t.restopo"
+    path.write_text(CLI_SPEC)
+    return path
+
+
+def test_cli_compiles_and_says_the_compile_time(cli_spec, tmp_path, capsys, aot_eager):
+    from restopo.cli import main
+
+    assert main(["train", str(cli_spec), "--out", str(tmp_path / "run"), "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("compiled 13 regions in ") == 1  # 4 sublayers, 5 aggregations, 2 phases
+
+
+def test_compile_that_cannot_run_is_one_line(cli_spec, tmp_path, capsys, monkeypatch):
+    """No C++ compiler for inductor on the CPU: said before any work, naming the option."""
+    import restopo.train.compile as regional
+    from restopo.cli import main
+
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+
+    def missing():
+        raise RuntimeError("no C++ compiler found")
+
+    monkeypatch.setattr(regional, "_cpp_compiler", missing)
+    out = tmp_path / "run"
+    assert main(["train", str(cli_spec), "--out", str(out), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert "--compile" in err and "C++ compiler" in err and "train.compile: false" in err
+    assert not (out / "ckpt").exists()

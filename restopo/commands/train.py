@@ -167,6 +167,7 @@ def _worker_argv(args) -> list[str]:
 def run(args) -> int:
     from ..registry import get_backend
     from ..train.checkpoint import CheckpointError
+    from ..train.compile import CompileError
     from ..train.data import DataError
     from ..train.dist import cpu_threads
     from ..train.layout import LayoutError
@@ -181,7 +182,7 @@ def run(args) -> int:
         with cpu_threads(args.threads):
             return _run(args)
     except (DataError, CheckpointError, TrainingError, PlanError, LayoutError, RunLocked,
-            _Stop) as e:
+            CompileError, _Stop) as e:
         return _fail(str(e))
     except SpecError as e:
         if not under_torchrun():
@@ -381,6 +382,10 @@ def _train(args, out: Path) -> int:
     except RuntimeError as e:
         return _fail(str(e))
     try:
+        if spec.train.compile:
+            from ..train.compile import check_compile
+
+            check_compile(ctx.device)
         if not ctx.is_main:
             dist.barrier(ctx)  # rank 0 prepares the cached corpus first
         corpus = runspec.open_data(spec, progress=ctx.is_main and not args.no_progress)

@@ -47,6 +47,43 @@ BACKEND_ENV = "RESTOPO_COMPILE_BACKEND"
 PER_REGION = 4
 
 
+class CompileError(ValueError):
+    """torch.compile cannot run here (said in one line naming the option)."""
+
+
+def check_compile(device) -> None:
+    """Raise CompileError when torch.compile cannot compile for `device` here: before any
+    work, rather than a traceback from inside the first step."""
+    from torch._dynamo.eval_frame import check_if_dynamo_supported
+
+    drop = "drop --compile (or set train.compile: false)"
+    try:
+        check_if_dynamo_supported()
+    except RuntimeError as e:
+        raise CompileError(f"--compile: torch.compile cannot run here ({e}); {drop}") from None
+    if (os.environ.get(BACKEND_ENV) or "inductor") != "inductor":
+        return
+    if device.type == "cpu":
+        try:
+            _cpp_compiler()
+        except Exception as e:
+            raise CompileError(f"--compile: torch.compile (inductor) needs a C++ compiler on "
+                               f"the CPU and found none ({e}); install g++, or "
+                               f"{drop}") from None
+    elif device.type == "cuda":
+        from torch.utils._triton import has_triton
+
+        if not has_triton():
+            raise CompileError(f"--compile: torch.compile (inductor) needs triton on CUDA; "
+                               f"pip install triton, or {drop}")
+
+
+def _cpp_compiler() -> str:
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
+    return get_cpp_compiler()
+
+
 def regions(*roots: nn.Module) -> list[nn.Module]:
     """The region modules of lowered models or pipeline chunks, each once."""
     found: dict[int, nn.Module] = {}
