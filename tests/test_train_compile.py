@@ -213,3 +213,56 @@ def test_compile_that_cannot_run_is_one_line(cli_spec, tmp_path, capsys, monkeyp
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert "--compile" in err and "C++ compiler" in err and "train.compile: false" in err
     assert not (out / "ckpt").exists()
+
+
+# -- inductor (long: minutes of C++ builds on a loaded 2-core machine) -------------------------
+@pytest.mark.long
+@pytest.mark.parametrize("kind", ["standard", "block", "full"])
+def test_inductor_training_gives_the_eager_losses(kind, tmp_path, corpus, monkeypatch):
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    train(tiny_model(kind), corpus, cfg(), tmp_path / "eager", progress=False)
+    model, n = compiled(kind)
+    train(model, corpus, cfg(), tmp_path / "compiled", progress=False, compiled=n)
+    for a, b in zip(losses(tmp_path / "eager"), losses(tmp_path / "compiled"), strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=2e-5, abs=0)
+
+
+LAYOUT_SPEC = CLI_SPEC.replace("steps: 4", "steps: 6; schedule: constant") \
+    .replace("eval_every: 2", "eval_every: 3").replace("save_every: 2", "save_every: 3") \
+    .replace("; compile: true", "")
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("layout", [[], ["--nproc", "2"], ["--nproc", "2", "--data", "fsdp"],
+                                    ["--nproc", "2", "--pipeline", "2x1"]],
+                         ids=["1", "ddp", "fsdp", "pipeline"])
+def test_inductor_layouts_match_eager_and_resume_exactly(layout, tmp_path, tmp_path_factory):
+    """Each layout compiled: the eager layout's losses (fp32), and 3 steps then a resume to 6
+    equal 6 uninterrupted compiled steps bitwise (a constant schedule, so that --steps
+    changes nothing else)."""
+    import os
+    import subprocess
+    import sys
+
+    spec = tmp_path / "t.restopo"
+    spec.write_text(LAYOUT_SPEC)
+    env = dict(os.environ, OMP_NUM_THREADS="1", RESTOPO_DIST_TIMEOUT="600",
+               RESTOPO_CACHE=str(tmp_path_factory.mktemp("cache")))
+    env.pop(BACKEND_ENV, None)
+
+    def run(out, *extra):
+        proc = subprocess.run([sys.executable, "-m", "restopo", "train", str(spec), "--out",
+                               str(tmp_path / out), "--no-progress", *layout, *extra],
+                              env=env, capture_output=True, text=True, timeout=1500)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        return proc.stderr
+
+    run("eager")
+    assert "compiled " in run("compiled", "--compile")
+    run("part", "--compile", "--steps", "3")
+    run("part", "--compile", "--resume", "--steps", "6")
+    eager, full, part = (losses(tmp_path / o) for o in ("eager", "compiled", "part"))
+    for a, b in zip(eager, full, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=2e-5, abs=0)
+    assert [(r["step"], r["loss"], r["val_loss"]) for r in part] == \
+        [(r["step"], r["loss"], r["val_loss"]) for r in full]

@@ -42,8 +42,8 @@ MANY = ("sublayers", "aggregations", "phases")
 # tests use aot_eager: the same dynamo regions and autograd graphs, without inductor's C++
 # builds, which take minutes on a loaded 2-core machine; the long tests run inductor).
 BACKEND_ENV = "RESTOPO_COMPILE_BACKEND"
-# Variants per region beyond its one call site: grad mode (training, evaluation) times the
-# shapes (a training microbatch, an evaluation batch).
+# Graphs one region can need: grad mode (training, evaluation) times shapes (a training
+# microbatch, an evaluation batch).
 PER_REGION = 4
 
 
@@ -107,10 +107,7 @@ def compile_regions(model: nn.Module, stepper=None) -> int:
     if isinstance(trained, nn.ModuleList):  # pipeline chunks: their own phase-1 modules
         roots += list(trained)
     found = regions(*roots)
-    # Load the aggregation backends now: loading one reads entry points, which dynamo
-    # cannot trace (a graph break inside the first aggregation that would stay there).
-    for name in ("eager", *({"triton"} & {getattr(m, "backend", None) for m in found})):
-        get_backend(name)
+    _load_backends({getattr(m, "backend", None) for m in found})
     per_code = Counter(type(m).forward.__code__ for m in found)
     needed = PER_REGION * max(per_code.values(), default=1)
     config = torch._dynamo.config
@@ -121,6 +118,20 @@ def compile_regions(model: nn.Module, stepper=None) -> int:
     for m in found:
         m.compile(backend=backend)
     return len(found)
+
+
+def _load_backends(chosen: set) -> None:
+    """Load the aggregation backends the regions will call, before any is traced: loading
+    one reads entry points, which dynamo cannot trace (a graph break inside the first
+    aggregation, and the backend's autograd Functions run by dynamo frame by frame)."""
+    get_backend("eager")
+    if "triton" in chosen:
+        get_backend("triton")
+    elif "auto" in chosen and torch.cuda.is_available():  # auto picks triton on CUDA
+        try:
+            get_backend("triton")
+        except ImportError:  # then auto runs eagerly
+            pass
 
 
 def compiled_line(n_regions: int, seconds: float) -> str:
