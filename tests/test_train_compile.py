@@ -7,7 +7,6 @@ from eager under compile, `torch.compiler.is_compiling()`), without inductor's C
 which take minutes on a loaded 2-core machine. The `long` tests run inductor.
 """
 import argparse
-import json
 
 import pytest
 import torch
@@ -16,8 +15,10 @@ from restopo.api import build_model
 from restopo.spec.objects import ModelSpec
 from restopo.topology import block_attnres, full_attnres, standard
 from restopo.train.compile import BACKEND_ENV, compile_regions, regions
-from restopo.train.data import open_corpus
-from restopo.train.loop import TrainConfig, train
+from restopo.train.loop import train
+from test_train_loop import Stop, _stopping, corpus, one_thread  # noqa: F401  (fixtures)
+from test_train_loop import cfg as loop_cfg
+from test_train_loop import records as losses
 
 TINY = ModelSpec(vocab=256, width=32, depth=2, heads=2, context=16)
 TOPOLOGIES = {"standard": standard, "block": lambda k: block_attnres(k, blocks=2),
@@ -29,33 +30,14 @@ def tiny_model(kind: str, seed: int = 0):
     return build_model(TINY, TOPOLOGIES[kind](TINY.kinds), backend="eager")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture
 def aot_eager(monkeypatch):
     monkeypatch.setenv(BACKEND_ENV, "aot_eager")
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return open_corpus("builtin:stdlib", cache_dir=tmp_path_factory.mktemp("cache"),
-                       progress=False)
-
-
 def cfg(**kw):
-    base = dict(steps=20, batch=4, context=16, lr=3e-3, warmup=2, eval_every=0,
-                eval_batches=1, save_every=0, log_every=1, seed=0)
-    return TrainConfig(**{**base, **kw})
-
-
-def losses(out):
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return loop_cfg(**{**dict(steps=20, batch=4, context=16, warmup=2, eval_every=0,
+                              eval_batches=1, save_every=0), **kw})
 
 
 def compiled(kind, seed=0):
@@ -88,25 +70,6 @@ def test_compiled_training_gives_the_eager_losses(kind, tmp_path, corpus, aot_ea
     # carry it on; measured differences are ~1e-6 of a loss of ~5.5.
     for a, b in zip(want, got):
         assert b["loss"] == pytest.approx(a["loss"], rel=2e-5, abs=0)
-
-
-class Stop(Exception):
-    pass
-
-
-def _stopping(model, after_calls):
-    """The model raises on its `after_calls`-th forward in training mode (a crash)."""
-    calls, forward = {"n": 0}, model.forward
-
-    def wrapped(idx):
-        if model.training:
-            calls["n"] += 1
-            if calls["n"] > after_calls:
-                raise Stop
-        return forward(idx)
-
-    model.forward = wrapped
-    return model
 
 
 def test_resume_of_a_compiled_run_is_bitwise(tmp_path, corpus, aot_eager):
