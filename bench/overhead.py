@@ -28,9 +28,6 @@ and prints each as a ratio to the standard residual.
     python bench/overhead.py --examples --compile-time  # first step (compilation included)
                                              # of the Block model: whole-model against
                                              # regional, each in a fresh process and cache
-
-Compiled modes load the aggregation backends first (an eager round does that too): loading
-one inside a compiled frame was a graph break there.
 """
 from __future__ import annotations
 
@@ -142,9 +139,6 @@ def compiled(mode: str, model):
     model with its regions compiled in place (main gives this mode models of its own)."""
     if mode == "eager":
         return model, model
-    from restopo.registry import get_backend
-
-    get_backend("eager")  # loaded outside any compiled frame (see the module docstring)
     if mode == "compile":
         return torch.compile(model), model
     from restopo.train.compile import compile_regions

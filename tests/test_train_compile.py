@@ -229,3 +229,20 @@ def test_inductor_layouts_match_eager_and_resume_exactly(layout, tmp_path, tmp_p
         assert b["loss"] == pytest.approx(a["loss"], rel=2e-5, abs=0)
     assert [(r["step"], r["loss"], r["val_loss"]) for r in part] == \
         [(r["step"], r["loss"], r["val_loss"]) for r in full]
+
+
+def test_a_lowered_model_compiles_whole_without_graph_breaks(monkeypatch):
+    """Lowering loads the aggregation backend: looked up first inside a compiled frame, its
+    entry point was a graph break (and the backend's autograd Functions then ran frame by
+    frame) in whichever compiled model called an aggregation op first."""
+    from torch._dynamo.utils import counters
+
+    from restopo import registry
+
+    monkeypatch.setattr(registry, "_backends", {})  # as in a fresh process
+    torch._dynamo.reset()
+    counters.clear()
+    model = tiny_model("block")
+    torch.compile(model, backend="eager")(torch.randint(0, 256, (2, 16))).mean().backward()
+    assert not counters["graph_break"]
+    assert counters["stats"]["unique_graphs"] == 1

@@ -32,7 +32,6 @@ import torch
 from torch import nn
 
 from ..fx.lower import lowered
-from ..registry import get_backend
 
 # Containers of regions in a lowered model (restopo.fx.lower) and in a pipeline chunk
 # (backends/pipeline/stage.py ChunkModule), which use the same names.
@@ -107,7 +106,6 @@ def compile_regions(model: nn.Module, stepper=None) -> int:
     if isinstance(trained, nn.ModuleList):  # pipeline chunks: their own phase-1 modules
         roots += list(trained)
     found = regions(*roots)
-    _load_backends({getattr(m, "backend", None) for m in found})
     per_code = Counter(type(m).forward.__code__ for m in found)
     needed = PER_REGION * max(per_code.values(), default=1)
     config = torch._dynamo.config
@@ -118,20 +116,6 @@ def compile_regions(model: nn.Module, stepper=None) -> int:
     for m in found:
         m.compile(backend=backend)
     return len(found)
-
-
-def _load_backends(chosen: set) -> None:
-    """Load the aggregation backends the regions will call, before any is traced: loading
-    one reads entry points, which dynamo cannot trace (a graph break inside the first
-    aggregation, and the backend's autograd Functions run by dynamo frame by frame)."""
-    get_backend("eager")
-    if "triton" in chosen:
-        get_backend("triton")
-    elif "auto" in chosen and torch.cuda.is_available():  # auto picks triton on CUDA
-        try:
-            get_backend("triton")
-        except ImportError:  # then auto runs eagerly
-            pass
 
 
 def compiled_line(n_regions: int, seconds: float) -> str:
