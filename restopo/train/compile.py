@@ -22,6 +22,11 @@ variants as data would not remove them (a sum over 5 sources is another graph th
 and stacking the sources would cost a copy of them; so the limit is raised to what these
 regions can need at most: every region of the class in both grad modes, and shapes of
 training and evaluation (`recompile_limit`, set here once for the process).
+
+Inside a compiled region the readers of a source make their own logits (the eager sharing of
+restopo.nn.shared_sources switches itself off under compile): each Full AttnRes aggregation
+point passes over every earlier source for its logits, fused with the weighted sum. That is
+what regional Full still pays against the eager model's one logit pass per source.
 """
 from __future__ import annotations
 
