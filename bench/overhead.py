@@ -2,7 +2,9 @@
 
 For each topology (standard, Full AttnRes, Block AttnRes with N blocks, mHC with n streams)
 on the same model
-dimensions, in eager mode and under torch.compile, this measures
+dimensions, in eager mode, under torch.compile of the whole model, and (--regional) with
+each region compiled as `restopo train --compile` compiles it (restopo.train.compile), this
+measures
   step  the wall time of one forward + backward (loss = mean logsumexp of the logits): the
         fastest of the timed rounds (other processes on the machine only ever add time;
         the median is printed beside it), the topologies taking turns in every round so
@@ -22,12 +24,20 @@ and prints each as a ratio to the standard residual.
     python bench/overhead.py --examples --no-compile   # the size of examples/*.restopo:
                                              # width 64, depth 16, context 128, batch 16,
                                              # heads 4, one thread
+    python bench/overhead.py --examples --regional --streams 0   # + regional compile
+    python bench/overhead.py --examples --compile-time  # first step (compilation included)
+                                             # of the Block model: whole-model against
+                                             # regional, each in a fresh process and cache
 """
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from types import SimpleNamespace
 
@@ -56,6 +66,13 @@ def parse_args(argv=None):
                    help="aggregation ops (triton needs CUDA)")
     p.add_argument("--no-compile", action="store_true", help="eager mode only")
     p.add_argument("--compile-only", action="store_true", help="torch.compile mode only")
+    p.add_argument("--regional", action="store_true",
+                   help="also each region compiled in place (restopo.train.compile)")
+    p.add_argument("--compile-time", action="store_true",
+                   help="only the first step of the Block model, whole-model against "
+                        "regional compilation (fresh process and inductor cache each)")
+    p.add_argument("--rounds", type=int, default=2, help="--compile-time: rounds of both")
+    p.add_argument("--first-step", choices=("compile", "regional"), help=argparse.SUPPRESS)
     p.add_argument("--quick", action="store_true",
                    help="tiny smoke run: width 64, depth 4, context 64, batch 2, 2 rounds")
     p.add_argument("--examples", action="store_true",
@@ -117,8 +134,23 @@ def saved_bytes(fn, idx) -> int:
     return sum(storages.values())
 
 
+def compiled(mode: str, model):
+    """(what a step calls in `mode`, the model): the model, torch.compile of it, or the
+    model with its regions compiled in place (main gives this mode models of its own)."""
+    if mode == "eager":
+        return model, model
+    if mode == "compile":
+        return torch.compile(model), model
+    from restopo.train.compile import compile_regions
+
+    compile_regions(model)
+    return model, model
+
+
 def measure(args, mode: str, models: dict, base: str = "standard") -> dict:
-    fns = {name: (torch.compile(m) if mode == "compile" else m) for name, m in models.items()}
+    both = {name: compiled(mode, m) for name, m in models.items()}
+    fns = {name: fn for name, (fn, _) in both.items()}
+    models = {name: m for name, (_, m) in both.items()}
     idx = torch.randint(0, args.vocab, (args.batch, args.context), device=args.device)
     times = {name: [] for name in fns}
     saved = {}
@@ -156,17 +188,72 @@ def setting(args) -> str:
             f"threads {torch.get_num_threads()}, torch {torch.__version__}")
 
 
+def first_step(args) -> dict:
+    """Seconds of the first step (compilation included) and of the next two, in this
+    process, for the Block model compiled as `args.first_step` says."""
+    kinds = T.sublayer_kinds(args.depth)
+    model = make(args, T.block_attnres(kinds, blocks=min(args.blocks, args.depth)))
+    fn, model = compiled(args.first_step, model)
+    idx = torch.randint(0, args.vocab, (args.batch, args.context), device=args.device)
+    times = []
+    for _ in range(3):
+        for p in model.parameters():
+            p.grad = None
+        t0 = time.perf_counter()
+        step(fn, idx)
+        sync(args.device)
+        times.append(time.perf_counter() - t0)
+    return {"first": times[0], "steady": min(times[1:])}
+
+
+def compile_times(args, argv) -> int:
+    """Whole-model against regional: each first step in a fresh process with an empty
+    inductor cache (a warm cache would hide the compilation), alternating, `rounds` times."""
+    got = {"compile": [], "regional": []}
+    for r in range(args.rounds):
+        for mode in got:
+            with tempfile.TemporaryDirectory() as cache:
+                env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
+                out = subprocess.run([sys.executable, __file__, *argv, "--first-step", mode],
+                                     env=env, capture_output=True, text=True, check=True)
+            got[mode].append(json.loads(out.stdout.strip().splitlines()[-1]))
+            print(f"  round {r + 1}/{args.rounds}: {mode} first step "
+                  f"{got[mode][-1]['first']:.1f} s", file=sys.stderr)
+    print(f"Block AttnRes ({min(args.blocks, args.depth)} blocks), width {args.width}, depth "
+          f"{args.depth}, context {args.context}, batch {args.batch}, threads "
+          f"{args.threads or torch.get_num_threads()}: first step (compilation included), "
+          f"median of {args.rounds} fresh processes each [range]")
+    for mode, rows in got.items():
+        first = [r["first"] for r in rows]
+        steady = statistics.median(r["steady"] for r in rows)
+        print(f"  {'whole-model' if mode == 'compile' else 'regional':12} "
+              f"{statistics.median(first):7.1f} s [{min(first):.1f}-{max(first):.1f}]   "
+              f"then {1e3 * steady:.0f} ms a step")
+    return 0
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.first_step:
+        print(json.dumps(first_step(args)))
+        return 0
+    if args.compile_time:
+        return compile_times(args, argv)
     models = {name: make(args, topo) for name, topo in topologies(args).items()}
     print(setting(args))
     modes = ([] if args.compile_only else ["eager"]) + ([] if args.no_compile else ["compile"])
+    modes += ["regional"] if args.regional else []
     if not modes:
         print("--no-compile and --compile-only leave nothing to measure", file=sys.stderr)
         return 2
-    results = {mode: measure(args, mode, models) for mode in modes}
+    # regional compilation changes the modules in place: that mode gets its own (make seeds
+    # the weights, so they are the same)
+    results = {mode: measure(args, mode, models if mode != "regional" else
+                             {name: make(args, topo) for name, topo in topologies(args).items()})
+               for mode in modes}
     print(f"\n{'mode':8} {'topology':10} {'step ms':>9} {'x std':>6} {'median ms':>10} "
           f"{'x std':>6} {'saved MiB':>10} {'x std':>6}   per-round x std: median "
           f"[quartiles] (range), {args.iters} rounds")

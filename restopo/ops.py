@@ -55,6 +55,18 @@ def _eager():
     return get_backend("eager")
 
 
+def load_backends(backend: str) -> None:
+    """Load now the backends calls with `backend=` will reach: the first lookup of one reads
+    entry points, which torch.compile cannot trace (a graph break in the first aggregation
+    of a compiled model, and its backend's autograd Functions then run frame by frame)."""
+    _eager()
+    if backend == "triton" or (backend == "auto" and torch.cuda.is_available()):
+        try:
+            _triton_module()
+        except ImportError:  # auto then runs eagerly; triton says why when it is called
+            pass
+
+
 def require_backend(backend: str, device=None) -> None:
     """Raise a RuntimeError naming why when `backend` cannot run here (on `device`)."""
     check_backend(backend)

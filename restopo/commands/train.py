@@ -17,6 +17,7 @@ examples:
   restopo train --resume --out runs/quick --steps 400                # spec from the checkpoint
   restopo train examples/tiny.restopo --nproc 2                      # 2 processes via torchrun
   restopo train examples/tiny.restopo --peak-tflops 1                # MFU against 1 TFLOP/s
+  restopo train examples/tiny.restopo --compile                      # torch.compile per region
   torchrun --nproc_per_node 2 -m restopo train examples/tiny.restopo
   restopo train examples/tiny.restopo --nproc 2 --data fsdp          # shard params + AdamW
   restopo train examples/tiny.restopo --nproc 4 --pipeline 2x2       # stage-local pipeline
@@ -64,6 +65,9 @@ def register(subparsers) -> None:
     p.add_argument("--recompute", choices=("none", "sublayer", "block"),
                    help="activation recompute: keep less for backward, run it again there "
                         "(same as --set train.recompute=MODE; default none)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile each sublayer, aggregation point and phase 1 in place "
+                        "(same as --set train.compile=true); the first step compiles")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--backend", choices=("auto", "eager", "triton"), default="auto",
                    help="aggregation kernels (default: triton on CUDA when available)")
@@ -132,6 +136,8 @@ def _overrides(args) -> tuple[str, ...]:
         extra.append(f"parallel.data={args.data_parallel}")
     if args.recompute is not None:
         extra.append(f"train.recompute={args.recompute}")
+    if args.compile:
+        extra.append("train.compile=true")
     return tuple(args.overrides) + tuple(extra)
 
 
@@ -151,6 +157,8 @@ def _worker_argv(args) -> list[str]:
         argv.append("--resume")
     if args.overwrite:
         argv.append("--overwrite")
+    if args.compile:
+        argv.append("--compile")
     if args.pipeline:
         argv += ["--pipeline", args.pipeline]
     if args.data_parallel:
@@ -165,6 +173,7 @@ def _worker_argv(args) -> list[str]:
 def run(args) -> int:
     from ..registry import get_backend
     from ..train.checkpoint import CheckpointError
+    from ..train.compile import CompileError
     from ..train.data import DataError
     from ..train.dist import cpu_threads
     from ..train.layout import LayoutError
@@ -179,7 +188,7 @@ def run(args) -> int:
         with cpu_threads(args.threads):
             return _run(args)
     except (DataError, CheckpointError, TrainingError, PlanError, LayoutError, RunLocked,
-            _Stop) as e:
+            CompileError, _Stop) as e:
         return _fail(str(e))
     except SpecError as e:
         if not under_torchrun():
@@ -379,6 +388,10 @@ def _train(args, out: Path) -> int:
     except RuntimeError as e:
         return _fail(str(e))
     try:
+        if spec.train.compile:
+            from ..train.compile import check_compile
+
+            check_compile(ctx.device)
         if not ctx.is_main:
             dist.barrier(ctx)  # rank 0 prepares the cached corpus first
         corpus = runspec.open_data(spec, progress=ctx.is_main and not args.no_progress)
@@ -388,6 +401,11 @@ def _train(args, out: Path) -> int:
             model, stepper = layout.build(spec, chosen, ctx, args.backend)
         except RuntimeError as e:  # a backend that cannot run here says why
             raise _Stop(str(e)) from None
+        compiled = 0
+        if spec.train.compile:
+            from ..train.compile import compile_regions
+
+            compiled = compile_regions(model, stepper)
         cfg = TrainConfig.from_spec(spec.train, spec.model.context)
         if ctx.is_main:
             n_params = sum(p.numel() for p in model.parameters())
@@ -402,7 +420,8 @@ def _train(args, out: Path) -> int:
                             stepper=stepper,
                             throughput=Throughput.of(flops_per_token(spec.ir(), spec.model).train,
                                                      ctx.device, ctx.world,
-                                                     spec.train.peak_tflops))
+                                                     spec.train.peak_tflops),
+                            compiled=compiled)
         except DataError as e:
             raise spec.error(*e.where, str(e)) from None
     finally:

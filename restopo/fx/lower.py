@@ -59,6 +59,7 @@ def lower(g: IR, parts: Parts, backend: str = "auto", two_phase: bool = True,
     ops.check_backend(backend)
     if backend == "triton":
         ops.require_backend("triton")
+    ops.load_backends(backend)
     kinds = g.kinds
     if kinds != parts.kinds:
         raise ValueError(f"the topology was built for sublayers {kinds} but the model has "

@@ -148,6 +148,10 @@ class SharedSources:
             self._records = None
 
     def _inject(self, module, args, kwargs):
+        # First: a compiled region (restopo.train.compile) traces this hook, and any lookup
+        # below would make dynamo guard on this reader's identity, one recompile per reader.
+        if torch.compiler.is_compiling():
+            return None
         if kwargs.get("phase1") is not None or kwargs.get("logits") is not None:
             return None  # an Attend's phase 2, or logits already given
         shared = self.shared(module, args)

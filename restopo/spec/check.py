@@ -29,7 +29,7 @@ DATA_ENGINES = ("ddp", "fsdp")  # data parallel: replicated (DDP) or sharded (FS
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 TRAIN_KEYS = ("data", "steps", "batch", "lr", "schedule", "warmup", "min_lr", "weight_decay",
               "grad_clip", "accum", "eval_every", "eval_batches", "save_every", "seed",
-              "log_every", "keep", "peak_tflops", "recompute")
+              "log_every", "keep", "peak_tflops", "recompute", "compile")
 LR_SCHEDULES = ("cosine", "constant")
 RECOMPUTE = ("none", "sublayer", "block")  # activation recompute (restopo.fx.recompute)
 
@@ -184,6 +184,8 @@ def check_train(view: View, c: Checker) -> TrainSpec | None:
     if "peak_tflops" in f:  # TFLOP/s: a spec's numbers stay below 2^31
         got["peak_tflops"] = c.real(f["peak_tflops"], "peak_tflops", 0, above=True,
                                     why="one device's peak TFLOP/s for MFU, e.g. 989")
+    if "compile" in f:
+        got["compile"] = c.boolean(f["compile"], "compile")
     if "schedule" in f:
         got["schedule"] = c.choice(f["schedule"], "schedule", LR_SCHEDULES)
     if "recompute" in f:

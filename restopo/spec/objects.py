@@ -116,6 +116,7 @@ class TrainSpec:
     keep: int = 3                  # checkpoints kept on disk (the newest)
     peak_tflops: float | None = None  # one device's peak TFLOP/s for MFU (None: its default)
     recompute: str = "none"        # none | sublayer | block (restopo.fx.recompute)
+    compile: bool = False          # torch.compile each region (restopo.train.compile)
     pos: Pos | None = field(default=None, compare=False, repr=False)
     positions: tuple[tuple[str, Pos], ...] = field(default=(), compare=False, repr=False)
 

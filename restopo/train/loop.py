@@ -162,7 +162,8 @@ def resume(step_dir, stepper: Stepper, optimizer, cfg: TrainConfig, device) -> t
 def train(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, out: str | os.PathLike,
           ctx: DistContext | None = None, *, meta: dict | None = None,
           resume_from: str | os.PathLike | None = None, progress: bool = True,
-          stepper: Stepper | None = None, throughput: Throughput | None = None) -> dict:
+          stepper: Stepper | None = None, throughput: Throughput | None = None,
+          compiled: int = 0) -> dict:
     """Train `model` in place; returns a summary (final loss, val loss, paths).
 
     `stepper` makes each step's gradients; by default `DataParallelStep` (one process, or
@@ -172,7 +173,8 @@ def train(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, out: str | o
     Only rank 0 writes metrics, plot and bar, and checkpoints of a whole-model layout; in a
     sharded layout every rank writes its share of each checkpoint. `meta` (spec text,
     overrides, ...) is stored in every checkpoint. `throughput`: what makes MFU of tokens/s
-    (metrics.jsonl and the bar say it when it has a peak).
+    (metrics.jsonl and the bar say it when it has a peak). `compiled`: the number of regions
+    compiled (restopo.train.compile); rank 0 says after the first step how long it took.
     """
     from tqdm import tqdm
 
@@ -248,6 +250,10 @@ def train(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, out: str | o
             done = step + 1
             steps_since_log += 1
             bar.update(1)
+            if compiled and step == start and ctx.is_main:
+                from .compile import compiled_line
+
+                bar.write(compiled_line(compiled, time.perf_counter() - t0), file=sys.stderr)
 
             val_loss = None
             # 0 turns evaluation (eval_every) and checkpoints (save_every) off

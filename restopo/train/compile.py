@@ -1,0 +1,129 @@
+"""Regional compilation (`train.compile`, `restopo train --compile`): torch.compile each
+region of the lowered model in place, as torchtitan compiles per block.
+
+The regions are the modules the lowered graph calls (restopo.fx.lower): `embed`, each of
+`sublayers` (attention or MLP, with its PreNorm), each of `aggregations` (one per
+aggregation point), each of `phases` (phase 1 of a two-phase group) and `head`; `context`
+(slices of the rotary tables) gains nothing and stays eager, as do the graph's own adds.
+`nn.Module.compile()` compiles a module's call in place, so parameter names (state_dict,
+checkpoints, FSDP units) are unchanged, and every caller of the module runs the compiled
+code: the lowered graph, a pipeline chunk (restopo.nn.run) and evaluation alike.
+
+Dynamo keeps compiled code per Python code object, so regions of one class share it: with
+inline_inbuilt_nn_modules (torch's default) parameters are graph inputs, and the 32
+sublayers of a depth-16 model compile to two graphs (attention, MLP) and run them 16 times
+each. What still specialises is what makes the code differ: the number of sources of an
+aggregation point (a tuple's length), the `slot=` of a phase-2 member (it indexes phase 1's
+tuple of outputs, a Python int by nature), grad mode (evaluation runs under no_grad) and the
+shapes. Each such variant is one more entry in the cache of that one code object (e.g.
+Attend.forward), whose default limit (8) a Full AttnRes model passes at its ninth
+aggregation point; past the limit dynamo would quietly run the rest eagerly. Passing the
+variants as data would not remove them (a sum over 5 sources is another graph than over 6)
+and stacking the sources would cost a copy of them; so the limit is raised to what these
+regions can need at most: every region of the class in both grad modes, and shapes of
+training and evaluation (`recompile_limit`, set here once for the process).
+
+Inside a compiled region the readers of a source make their own logits (the eager sharing of
+restopo.nn.shared_sources switches itself off under compile): each Full AttnRes aggregation
+point passes over every earlier source for its logits, fused with the weighted sum. That is
+what regional Full still pays against the eager model's one logit pass per source.
+"""
+from __future__ import annotations
+
+import os
+from collections import Counter
+
+import torch
+from torch import nn
+
+from ..fx.lower import lowered
+
+# Containers of regions in a lowered model (restopo.fx.lower) and in a pipeline chunk
+# (backends/pipeline/stage.py ChunkModule), which use the same names.
+SINGLE = ("embed", "head")
+MANY = ("sublayers", "aggregations", "phases")
+# torch.compile's backend: inductor, unless RESTOPO_COMPILE_BACKEND names another (the fast
+# tests use aot_eager: the same dynamo regions and autograd graphs, without inductor's C++
+# builds, which take minutes on a loaded 2-core machine; the long tests run inductor).
+BACKEND_ENV = "RESTOPO_COMPILE_BACKEND"
+# Graphs one region can need: grad mode (training, evaluation) times shapes (a training
+# microbatch, an evaluation batch).
+PER_REGION = 4
+
+
+class CompileError(ValueError):
+    """torch.compile cannot run here (said in one line naming the option)."""
+
+
+def check_compile(device) -> None:
+    """Raise CompileError when torch.compile cannot compile for `device` here: before any
+    work, rather than a traceback from inside the first step."""
+    from torch._dynamo.eval_frame import check_if_dynamo_supported
+
+    drop = "drop --compile (or set train.compile: false)"
+    try:
+        check_if_dynamo_supported()
+    except RuntimeError as e:
+        raise CompileError(f"--compile: torch.compile cannot run here ({e}); {drop}") from None
+    if (os.environ.get(BACKEND_ENV) or "inductor") != "inductor":
+        return
+    if device.type == "cpu":
+        try:
+            _cpp_compiler()
+        except Exception as e:
+            raise CompileError(f"--compile: torch.compile (inductor) needs a C++ compiler on "
+                               f"the CPU and found none ({e}); install g++, or "
+                               f"{drop}") from None
+    elif device.type == "cuda":
+        from torch.utils._triton import has_triton
+
+        if not has_triton():
+            raise CompileError(f"--compile: torch.compile (inductor) needs triton on CUDA; "
+                               f"pip install triton, or {drop}")
+
+
+def _cpp_compiler() -> str:
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
+    return get_cpp_compiler()
+
+
+def regions(*roots: nn.Module) -> list[nn.Module]:
+    """The region modules of lowered models or pipeline chunks, each once."""
+    found: dict[int, nn.Module] = {}
+    for root in roots:
+        for name in SINGLE:
+            m = getattr(root, name, None)
+            if isinstance(m, nn.Module):
+                found.setdefault(id(m), m)
+        for name in MANY:
+            many = getattr(root, name, None) or ()
+            for m in (many.values() if isinstance(many, nn.ModuleDict) else many):
+                found.setdefault(id(m), m)
+    return list(found.values())
+
+
+def compile_regions(model: nn.Module, stepper=None) -> int:
+    """Compile every region of `model` (and of the pipeline chunks a stepper runs) in place;
+    the number of regions. Compilation itself happens at each region's first call."""
+    roots = [lowered(model)]
+    trained = getattr(stepper, "trained", None)
+    if isinstance(trained, nn.ModuleList):  # pipeline chunks: their own phase-1 modules
+        roots += list(trained)
+    found = regions(*roots)
+    per_code = Counter(type(m).forward.__code__ for m in found)
+    needed = PER_REGION * max(per_code.values(), default=1)
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, needed)
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit,
+                                             PER_REGION * len(found))
+    backend = os.environ.get(BACKEND_ENV) or "inductor"
+    for m in found:
+        m.compile(backend=backend)
+    return len(found)
+
+
+def compiled_line(n_regions: int, seconds: float) -> str:
+    """What rank 0 says after the first step of a compiled run."""
+    return (f"compiled {n_regions} regions in {seconds:.1f} s (the first step, compilation "
+            f"included; evaluation compiles its no-grad variants at its first batch)")

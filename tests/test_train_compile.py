@@ -1,0 +1,275 @@
+"""Regional compilation (train.compile, restopo.train.compile): compiled training gives the
+eager losses, resumes exactly, reaches torchrun's workers, and compiles each region once.
+
+The fast tests compile with torch's aot_eager backend (RESTOPO_COMPILE_BACKEND): the same
+dynamo regions, guards and traced autograd graphs as inductor (the code paths that differ
+from eager under compile, `torch.compiler.is_compiling()`), without inductor's C++ builds,
+which take minutes on a loaded 2-core machine. The `long` tests run inductor.
+"""
+import argparse
+
+import pytest
+import torch
+
+from restopo.api import build_model
+from restopo.spec.objects import ModelSpec
+from restopo.topology import block_attnres, full_attnres, standard
+from restopo.train.compile import BACKEND_ENV, compile_regions, regions
+from restopo.train.loop import train
+from test_train_loop import Stop, _stopping, corpus, one_thread  # noqa: F401  (fixtures)
+from test_train_loop import cfg as loop_cfg
+from test_train_loop import records as losses
+
+TINY = ModelSpec(vocab=256, width=32, depth=2, heads=2, context=16)
+TOPOLOGIES = {"standard": standard, "block": lambda k: block_attnres(k, blocks=2),
+              "full": full_attnres}
+
+
+def tiny_model(kind: str, seed: int = 0):
+    torch.manual_seed(seed)
+    return build_model(TINY, TOPOLOGIES[kind](TINY.kinds), backend="eager")
+
+
+@pytest.fixture
+def aot_eager(monkeypatch):
+    monkeypatch.setenv(BACKEND_ENV, "aot_eager")
+
+
+def cfg(**kw):
+    return loop_cfg(**{**dict(steps=20, batch=4, context=16, warmup=2, eval_every=0,
+                              eval_batches=1, save_every=0), **kw})
+
+
+def compiled(kind, seed=0):
+    model = tiny_model(kind, seed)
+    return model, compile_regions(model)
+
+
+def test_regions_are_the_called_modules_each_once():
+    model = tiny_model("block")
+    found = regions(model, model)  # twice the same root: still each module once
+    expected = [model.embed, model.head, *model.sublayers, *model.aggregations, *model.phases]
+    assert {id(m) for m in found} == {id(m) for m in expected}
+    assert len(found) == len(expected)
+    names = [n for n, _ in model.named_parameters()]
+    compile_regions(model)
+    assert [n for n, _ in model.named_parameters()] == names  # in place: names unchanged
+    assert all(m._compiled_call_impl is not None for m in expected)
+    assert model.context._compiled_call_impl is None
+
+
+@pytest.mark.parametrize("kind", ["standard", "block"])
+def test_compiled_training_gives_the_eager_losses(kind, tmp_path, corpus, aot_eager):
+    train(tiny_model(kind), corpus, cfg(), tmp_path / "eager", progress=False)
+    model, n = compiled(kind)
+    train(model, corpus, cfg(), tmp_path / "compiled", progress=False, compiled=n)
+    want, got = losses(tmp_path / "eager"), losses(tmp_path / "compiled")
+    assert len(got) == len(want) == 20
+    # The compiled regions trace autograd's own ops where eager runs hand-written
+    # backwards (restopo/backends/eager): float32 roundoff differs, and 20 AdamW steps
+    # carry it on; measured differences are ~1e-6 of a loss of ~5.5.
+    for a, b in zip(want, got):
+        assert b["loss"] == pytest.approx(a["loss"], rel=2e-5, abs=0)
+
+
+def test_resume_of_a_compiled_run_is_bitwise(tmp_path, corpus, aot_eager):
+    """Train 10, save, resume to 20 == 20 uninterrupted, bitwise: the same compiled code
+    runs the same float ops in the same order on the CPU, and the checkpoint holds every
+    state the steps read (weights, AdamW moments, data position, RNG)."""
+    c = cfg(save_every=10, eval_every=5)  # evaluation: the no-grad variants too
+    model, n = compiled("block")
+    train(model, corpus, c, tmp_path / "full", progress=False, compiled=n)
+    part = tmp_path / "part"
+    model, n = compiled("block")
+    with pytest.raises(Stop):  # dies in step 11; the last checkpoint is step 10
+        train(_stopping(model, 10), corpus, c, part, progress=False, compiled=n)
+    model, n = compiled("block", seed=123)  # other weights: all must come from the checkpoint
+    train(model, corpus, c, part, progress=False, compiled=n,
+          resume_from=part / "ckpt" / "step_000010")
+    want, got = losses(tmp_path / "full"), losses(part)
+    assert [r["step"] for r in got] == list(range(1, 21))
+    for a, b in zip(want[10:], got[10:]):
+        assert (b["loss"], b["val_loss"]) == (a["loss"], a["val_loss"])
+
+
+def test_full_attnres_compiles_every_aggregation_point(monkeypatch):
+    """Full AttnRes's aggregation points differ in their number of sources: one graph each
+    in the cache of Attend.forward's one code object, more than dynamo's default limit of 8;
+    past it the rest would run eagerly without a word. compile_regions raises the limit for
+    them; the sublayers of one kind share one graph."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from restopo.nn.aggregate import Attend
+    from restopo.nn.sublayers import MLP, Attention
+
+    monkeypatch.setenv(BACKEND_ENV, "eager")  # dynamo's regions and guards only
+    torch._dynamo.reset()
+    spec = ModelSpec(vocab=256, width=32, depth=5, heads=2, context=16)  # 11 aggregations
+    torch.manual_seed(0)
+    model = build_model(spec, full_attnres(spec.kinds), backend="eager")
+    compile_regions(model)
+    model(torch.randint(0, 256, (2, 16))).mean().backward()
+    entries = {f: len(_debug_get_cache_entry_list(f.__code__))
+               for f in (Attend.forward, Attention.forward, MLP.forward)}
+    assert entries == {Attend.forward: 11, Attention.forward: 1, MLP.forward: 1}
+
+
+def test_the_flag_reaches_the_spec_and_the_workers():
+    from restopo.commands.train import _overrides, _worker_argv
+    from restopo.spec import parse_spec
+
+    p = argparse.ArgumentParser()
+    sub = p.add_subparsers()
+    from restopo.commands import train as command
+
+    command.register(sub)
+    args = p.parse_args(["train", "x.restopo", "--compile", "--nproc", "2"])
+    assert "--compile" in _worker_argv(args)
+    assert "train.compile=true" in _overrides(args)
+    assert "--compile" not in _worker_argv(p.parse_args(["train", "x.restopo"]))
+    text = "model m { vocab: 256; width: 32; depth: 2; heads: 2; context: 16 }\n" \
+           "residual standard\ntrain { compile: true }\n"
+    assert parse_spec(text, "m.restopo").train.compile is True
+    assert parse_spec(text.replace("true", "false"), "m.restopo").train.compile is False
+    assert parse_spec(text, "m.restopo", ("train.compile=false",)).train.compile is False
+
+
+CLI_SPEC = """\
+model t { vocab: 256; width: 32; depth: 2; heads: 2; context: 16 }
+residual block_attnres(blocks: 2)
+train { data: builtin:stdlib; steps: 4; batch: 4; warmup: 1; eval_every: 2; eval_batches: 1
+        save_every: 2; log_every: 1; compile: true }
+"""
+
+
+@pytest.fixture
+def cli_spec(tmp_path, monkeypatch, tmp_path_factory):
+    monkeypatch.setenv("RESTOPO_CACHE", str(tmp_path_factory.mktemp("restopo-cache")))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    path = tmp_path / "t.restopo"
+    path.write_text(CLI_SPEC)
+    return path
+
+
+def test_cli_compiles_and_says_the_compile_time(cli_spec, tmp_path, capsys, aot_eager):
+    from restopo.cli import main
+
+    assert main(["train", str(cli_spec), "--out", str(tmp_path / "run"), "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("compiled 13 regions in ") == 1  # 4 sublayers, 5 aggregations, 2 phases
+
+
+def test_compile_that_cannot_run_is_one_line(cli_spec, tmp_path, capsys, monkeypatch):
+    """No C++ compiler for inductor on the CPU: said before any work, naming the option."""
+    import restopo.train.compile as regional
+    from restopo.cli import main
+
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+
+    def missing():
+        raise RuntimeError("no C++ compiler found")
+
+    monkeypatch.setattr(regional, "_cpp_compiler", missing)
+    out = tmp_path / "run"
+    assert main(["train", str(cli_spec), "--out", str(out), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert "--compile" in err and "C++ compiler" in err and "train.compile: false" in err
+    assert not (out / "ckpt").exists()
+
+
+# -- inductor (long: minutes of C++ builds on a loaded 2-core machine) -------------------------
+@pytest.mark.long
+@pytest.mark.parametrize("kind", ["standard", "block", "full"])
+def test_inductor_training_gives_the_eager_losses(kind, tmp_path, corpus, monkeypatch):
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    train(tiny_model(kind), corpus, cfg(), tmp_path / "eager", progress=False)
+    model, n = compiled(kind)
+    train(model, corpus, cfg(), tmp_path / "compiled", progress=False, compiled=n)
+    for a, b in zip(losses(tmp_path / "eager"), losses(tmp_path / "compiled"), strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=2e-5, abs=0)
+
+
+LAYOUT_SPEC = CLI_SPEC.replace("steps: 4", "steps: 6; schedule: constant") \
+    .replace("eval_every: 2", "eval_every: 3").replace("save_every: 2", "save_every: 3") \
+    .replace("; compile: true", "")
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("layout", [[], ["--nproc", "2"], ["--nproc", "2", "--data", "fsdp"],
+                                    ["--nproc", "2", "--pipeline", "2x1"]],
+                         ids=["1", "ddp", "fsdp", "pipeline"])
+def test_inductor_layouts_match_eager_and_resume_exactly(layout, tmp_path, tmp_path_factory):
+    """Each layout compiled: the eager layout's losses (fp32), and 3 steps then a resume to 6
+    equal 6 uninterrupted compiled steps bitwise (a constant schedule, so that --steps
+    changes nothing else)."""
+    import os
+    import subprocess
+    import sys
+
+    spec = tmp_path / "t.restopo"
+    # FSDP: no evaluation, whose run at the save step breaks exact resume without compile
+    # too (test_fsdp_resume_after_evaluation_at_the_save_step)
+    spec.write_text(LAYOUT_SPEC.replace("eval_every: 3", "eval_every: 0") if "fsdp" in layout
+                    else LAYOUT_SPEC)
+    env = dict(os.environ, OMP_NUM_THREADS="1", RESTOPO_DIST_TIMEOUT="600",
+               RESTOPO_CACHE=str(tmp_path_factory.mktemp("cache")))
+    env.pop(BACKEND_ENV, None)
+
+    def run(out, *extra):
+        proc = subprocess.run([sys.executable, "-m", "restopo", "train", str(spec), "--out",
+                               str(tmp_path / out), "--no-progress", *layout, *extra],
+                              env=env, capture_output=True, text=True, timeout=1500)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        return proc.stderr
+
+    run("eager")
+    assert "compiled " in run("compiled", "--compile")
+    run("part", "--compile", "--steps", "3")
+    run("part", "--compile", "--resume", "--steps", "6")
+    eager, full, part = (losses(tmp_path / o) for o in ("eager", "compiled", "part"))
+    for a, b in zip(eager, full, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=2e-5, abs=0)
+    assert [(r["step"], r["loss"], r["val_loss"]) for r in part] == \
+        [(r["step"], r["loss"], r["val_loss"]) for r in full]
+
+
+def test_a_lowered_model_compiles_whole_without_graph_breaks(monkeypatch):
+    """Lowering loads the aggregation backend: looked up first inside a compiled frame, its
+    entry point was a graph break (and the backend's autograd Functions then ran frame by
+    frame) in whichever compiled model called an aggregation op first."""
+    from torch._dynamo.utils import counters
+
+    from restopo import registry
+
+    monkeypatch.setattr(registry, "_backends", {})  # as in a fresh process
+    torch._dynamo.reset()
+    counters.clear()
+    model = tiny_model("block")
+    torch.compile(model, backend="eager")(torch.randint(0, 256, (2, 16))).mean().backward()
+    assert not counters["graph_break"]
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+@pytest.mark.long
+@pytest.mark.xfail(strict=True, reason="FSDP, eager: an evaluation at the save step makes the "
+                   "resumed run's second step differ (found here, not fixed in this branch)")
+def test_fsdp_resume_after_evaluation_at_the_save_step(tmp_path, tmp_path_factory):
+    """No compile: FSDP 2, 3 steps (evaluated and saved at step 3), resumed to 6, equals 6
+    uninterrupted steps. Measured: step 4 equal, step 5 4.735983 against 4.765119 (which
+    one process and the uninterrupted FSDP run give); with eval_every 0 it is exact."""
+    import os
+    import subprocess
+    import sys
+
+    spec = tmp_path / "t.restopo"
+    spec.write_text(LAYOUT_SPEC)
+    env = dict(os.environ, OMP_NUM_THREADS="1", RESTOPO_DIST_TIMEOUT="600",
+               RESTOPO_CACHE=str(tmp_path_factory.mktemp("cache")))
+    for out, extra in (("full", ()), ("part", ("--steps", "3")),
+                       ("part", ("--steps", "6", "--resume"))):
+        subprocess.run([sys.executable, "-m", "restopo", "train", str(spec), "--out",
+                        str(tmp_path / out), "--no-progress", "--nproc", "2", "--data", "fsdp",
+                        *extra], env=env, capture_output=True, text=True, timeout=600, check=True)
+    assert [r["loss"] for r in losses(tmp_path / "part")] == \
+        [r["loss"] for r in losses(tmp_path / "full")]
