@@ -76,6 +76,28 @@ def test_bad_override_names_the_flag(spec, capsys, tmp_path):
     assert "--set model.widht=64" in err and "width" in err  # did you mean
 
 
+@pytest.mark.parametrize("argv, said", [
+    (["--steps", "20", "--set", "train.steps=10"], "--steps 20 and --set train.steps=10"),
+    (["--seed", "1", "--set", "train.seed=2"], "--seed 1 and --set train.seed=2"),
+    (["--data", "fsdp", "--set", "parallel.data=ddp"], "--data fsdp and --set parallel.data=ddp"),
+    (["--compile", "--set", "train.compile=false"], "--compile and --set train.compile=false"),
+])
+def test_a_flag_and_a_set_that_disagree_are_refused(spec, capsys, tmp_path, argv, said):
+    """The flag used to win silently: `--steps 20 --set train.steps=10` trained 20 steps."""
+    out = tmp_path / "o"
+    err = _error(capsys, ["train", str(spec), *argv, "--out", str(out)])
+    assert said in err and "disagree" in err
+    assert not out.exists()
+
+
+def test_a_flag_and_a_set_that_agree_run(spec, tmp_path):
+    out = tmp_path / "o"
+    assert main(["train", str(spec), "--steps", "2", "--set", "train.steps=2", "--set",
+                 "train.peak_tflops=5", "--peak-tflops", "5.0", "--out", str(out),
+                 "--no-progress"]) == 0
+    assert [json.loads(line)["step"] for line in open(out / "metrics.jsonl")] == [1, 2]
+
+
 def test_bad_data_path_points_at_the_value(spec, capsys, tmp_path):
     err = _error(capsys, ["train", str(spec), "--set", 'train.data="nowhere.txt"',
                           "--out", str(tmp_path / "o")])

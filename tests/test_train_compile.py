@@ -208,10 +208,7 @@ def test_inductor_layouts_match_eager_and_resume_exactly(layout, tmp_path, tmp_p
     import sys
 
     spec = tmp_path / "t.restopo"
-    # FSDP: no evaluation, whose run at the save step breaks exact resume without compile
-    # too (test_fsdp_resume_after_evaluation_at_the_save_step)
-    spec.write_text(LAYOUT_SPEC.replace("eval_every: 3", "eval_every: 0") if "fsdp" in layout
-                    else LAYOUT_SPEC)
+    spec.write_text(LAYOUT_SPEC)
     env = dict(os.environ, OMP_NUM_THREADS="1", RESTOPO_DIST_TIMEOUT="600",
                RESTOPO_CACHE=str(tmp_path_factory.mktemp("cache")))
     env.pop(BACKEND_ENV, None)
@@ -249,27 +246,3 @@ def test_a_lowered_model_compiles_whole_without_graph_breaks(monkeypatch):
     torch.compile(model, backend="eager")(torch.randint(0, 256, (2, 16))).mean().backward()
     assert not counters["graph_break"]
     assert counters["stats"]["unique_graphs"] == 1
-
-
-@pytest.mark.long
-@pytest.mark.xfail(strict=True, reason="FSDP, eager: an evaluation at the save step makes the "
-                   "resumed run's second step differ (found here, not fixed in this branch)")
-def test_fsdp_resume_after_evaluation_at_the_save_step(tmp_path, tmp_path_factory):
-    """No compile: FSDP 2, 3 steps (evaluated and saved at step 3), resumed to 6, equals 6
-    uninterrupted steps. Measured: step 4 equal, step 5 4.735983 against 4.765119 (which
-    one process and the uninterrupted FSDP run give); with eval_every 0 it is exact."""
-    import os
-    import subprocess
-    import sys
-
-    spec = tmp_path / "t.restopo"
-    spec.write_text(LAYOUT_SPEC)
-    env = dict(os.environ, OMP_NUM_THREADS="1", RESTOPO_DIST_TIMEOUT="600",
-               RESTOPO_CACHE=str(tmp_path_factory.mktemp("cache")))
-    for out, extra in (("full", ()), ("part", ("--steps", "3")),
-                       ("part", ("--steps", "6", "--resume"))):
-        subprocess.run([sys.executable, "-m", "restopo", "train", str(spec), "--out",
-                        str(tmp_path / out), "--no-progress", "--nproc", "2", "--data", "fsdp",
-                        *extra], env=env, capture_output=True, text=True, timeout=600, check=True)
-    assert [r["loss"] for r in losses(tmp_path / "part")] == \
-        [r["loss"] for r in losses(tmp_path / "full")]

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from .plan import PlanError, make_plan, model_costs, parse_pv
 from .runtime import SCHEDULES, Groups, Pipeline
 from .stage import chunk_units
+from restopo.nn.init import reshard_units
 
 
 @dataclass(frozen=True)
@@ -181,6 +182,7 @@ class PipelinedStep:
         for x, y in batches:
             total += self.pipe.evaluate(x, y).item()
         self.model.train(was)
+        reshard_units(self.trained)  # FSDP keeps a chunk's root unit whole after a forward
         t = torch.tensor([total / len(batches)], dtype=torch.float64, device=self.comm_device)
         dist.all_reduce(t)
         return t.item() / dist.get_world_size()

@@ -125,20 +125,34 @@ def _usage_exit() -> int:
 
 
 def _overrides(args) -> tuple[str, ...]:
+    """The --set overrides, then those the flags stand for. A flag and a --set of the same
+    key that disagree are refused: the flag would win silently (a run asked for
+    `--steps 20 --set train.steps=10` trained 20 steps)."""
+    flags = (("--steps", args.steps, "train.steps"), ("--seed", args.seed, "train.seed"),
+             ("--peak-tflops", args.peak_tflops, "train.peak_tflops"),
+             ("--data", args.data_parallel, "parallel.data"),
+             ("--recompute", args.recompute, "train.recompute"),
+             ("--compile", "true" if args.compile else None, "train.compile"))
+    given = {}
+    for o in args.overrides:
+        key, _, value = o.partition("=")
+        given[key.strip()] = value.strip()
     extra = []
-    if args.steps is not None:
-        extra.append(f"train.steps={args.steps}")
-    if args.seed is not None:
-        extra.append(f"train.seed={args.seed}")
-    if args.peak_tflops is not None:
-        extra.append(f"train.peak_tflops={args.peak_tflops!r}")
-    if args.data_parallel is not None:
-        extra.append(f"parallel.data={args.data_parallel}")
-    if args.recompute is not None:
-        extra.append(f"train.recompute={args.recompute}")
-    if args.compile:
-        extra.append("train.compile=true")
+    for flag, value, key in flags:
+        if value is None:
+            continue
+        if key in given and not _same(given[key], str(value)):
+            shown = flag if flag == "--compile" else f"{flag} {value}"
+            raise _Stop(f"{shown} and --set {key}={given[key]} disagree; give one of them")
+        extra.append(f"{key}={value!r}" if isinstance(value, float) else f"{key}={value}")
     return tuple(args.overrides) + tuple(extra)
+
+
+def _same(a: str, b: str) -> bool:
+    try:
+        return float(a) == float(b)
+    except ValueError:
+        return a.lower() == b.lower()
 
 
 def _worker_argv(args) -> list[str]:

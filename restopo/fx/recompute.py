@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import operator
 
-import torch
 from torch import fx, nn
 from torch.utils.checkpoint import checkpoint
 

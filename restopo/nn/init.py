@@ -109,3 +109,17 @@ def _transplant(module: nn.Module, real: nn.Module) -> None:
         for k in list(m._buffers):
             if m._buffers[k] is not None:
                 m._buffers[k] = src._buffers[k]
+
+
+def reshard_units(module: nn.Module) -> None:
+    """Free the gathered weights of every FSDP2 unit in `module`, keeping each process's
+    shards. A forward with no backward after it (an evaluation) leaves the root unit's weights
+    gathered: FSDP2 keeps the root whole after its forward, for the backward it expects.
+    Left so, the memory is not divided until the next step, and `named_parameters()` gives
+    the whole tensors instead of this process's shards (a checkpoint saved then held every
+    whole tensor once per process, and resumed wrongly)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..nn.init import Init, materialize, retie
+from ..nn.init import Init, materialize, reshard_units, retie
 from .dist import DistContext
 from .stepper import autocast, evaluate, lm_loss
 
@@ -173,7 +173,9 @@ class FSDPStep:
         return clip_total_norm(counted, params, max_norm)
 
     def evaluate(self, batches) -> float:
-        return evaluate(self.model, batches, self.ctx.device, self.ctx)
+        loss = evaluate(self.model, batches, self.ctx.device, self.ctx)
+        reshard_units(self.model)
+        return loss
 
     def held(self):
         return list(self.model.named_parameters())

@@ -41,9 +41,11 @@ def run_lock(out: str | os.PathLike):
     except ImportError:  # not POSIX: no lock (restopo is tested on Linux and macOS)
         yield
         return
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     # 0o666: the user's umask decides, as for every file a run writes
     fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)
+    locked = False
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -53,11 +55,25 @@ def run_lock(out: str | os.PathLike):
         info = {"pid": os.getpid(), "host": socket.gethostname(),
                 "started": time.strftime("%Y-%m-%d %H:%M:%S"),
                 "command": " ".join(["restopo", *sys.argv[1:]])[:500]}
+        locked = True
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(info).encode(), 0)
         yield
     finally:
+        if locked and created:  # a run that stopped before writing leaves no folder behind
+            _remove_if_only_lock(out, path)
         os.close(fd)  # releases the lock
+
+
+def _remove_if_only_lock(out: Path, lock: Path) -> None:
+    """Remove the folder a run made when the lock is all it holds (done while holding the
+    lock, so no other run is inside)."""
+    try:
+        if [p.name for p in out.iterdir()] == [lock.name]:
+            lock.unlink()
+            out.rmdir()
+    except OSError:  # something appeared meanwhile, or the folder is not ours to remove
+        pass
 
 
 def hand_down(out: str | os.PathLike) -> dict:
