@@ -72,6 +72,21 @@ def test_compiled_training_gives_the_eager_losses(kind, tmp_path, corpus, aot_ea
         assert b["loss"] == pytest.approx(a["loss"], rel=2e-5, abs=0)
 
 
+@pytest.mark.parametrize("mode", ["sublayer", "block"])
+def test_compiled_regions_inside_recomputed_ones_give_the_eager_losses(mode, tmp_path, corpus,
+                                                                        aot_eager):
+    """train.compile with train.recompute: compiled regions run again in backward."""
+    from restopo.fx.recompute import apply as recompute
+
+    c = cfg(steps=6)
+    train(tiny_model("block"), corpus, c, tmp_path / "eager", progress=False)
+    model = recompute(tiny_model("block"), mode)
+    train(model, corpus, c, tmp_path / "both", progress=False,
+          compiled=compile_regions(model))
+    for a, b in zip(losses(tmp_path / "eager"), losses(tmp_path / "both"), strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=2e-5, abs=0)
+
+
 def test_resume_of_a_compiled_run_is_bitwise(tmp_path, corpus, aot_eager):
     """Train 10, save, resume to 20 == 20 uninterrupted, bitwise: the same compiled code
     runs the same float ops in the same order on the CPU, and the checkpoint holds every
