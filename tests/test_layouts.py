@@ -119,28 +119,10 @@ def test_layout_step_equals_one_process(case, tmp_path):
 def test_resume_across_layouts(tmp_path):
     """10 steps as pipeline 2x2 (a sharded checkpoint at step 10), then 10 more as FSDP 2
     and, from a copy, as one process: every loss equals an uninterrupted one-process run."""
-    import shutil
-
-    # a constant schedule: a run of 10 steps then 20 follows the lr of one run of 20
-    run = ["--set", "train.save_every=10", "--set", "train.schedule=constant", *SMALL]
-    single, piped = tmp_path / "single", tmp_path / "piped"
-    restopo("train", TINY, *run, "--steps", 20, "--out", single)
-    restopo("train", TINY, *run, "--steps", 10, "--out", piped, "--pipeline", "2x2",
-            "--nproc", 2)
-    step10 = piped / "ckpt" / "step_000010"
-    assert (step10 / "index.json").is_file()
-    assert sorted(losses(piped)) == list(range(1, 11))  # it stopped at 10: resumes follow
-    alone = tmp_path / "alone"
-    shutil.copytree(piped, alone)
-    restopo("train", TINY, *run, "--steps", 20, "--out", piped, "--resume", "--data", "fsdp",
-            "--nproc", 2)
-    restopo("train", TINY, *run, "--steps", 20, "--out", alone, "--resume")
-    want = losses(single)
-    for out in (piped, alone):
-        got = losses(out)
-        assert sorted(got) == list(range(1, 21))
-        for step in range(1, 21):
-            assert got[step] == pytest.approx(want[step], abs=1e-5), (out.name, step)
+    stopped = resumes_exactly(tmp_path, ["--set", "train.save_every=10", *SMALL], 10, 20,
+                              first=["--pipeline", "2x2", "--nproc", 2],
+                              then=["--data", "fsdp", "--nproc", 2])
+    assert (stopped / "ckpt" / "step_000010" / "index.json").is_file()
 
 
 @pytest.mark.slow
@@ -149,26 +131,33 @@ def test_fsdp_resumes_exactly_after_an_evaluation_at_the_save_step(tmp_path):
     as one process) to 6: every loss equals an uninterrupted one-process run. (FSDP2 keeps
     the root unit whole after a forward with no backward; the saved shards were then whole
     tensors and the resumed run drifted from step 5: 4.735983 against 4.765119.)"""
+    resumes_exactly(tmp_path, [*SMALL, "--set", "train.save_every=3", "--set",
+                               "train.eval_every=3"], 3, 6,
+                    first=["--data", "fsdp", "--nproc", 2], then=["--data", "fsdp", "--nproc", 2])
+
+
+def resumes_exactly(tmp_path, run, stop: int, total: int, first, then):
+    """`stop` steps laid out as `first`, then resumed to `total` as `then` and, from a copy,
+    as one process: every loss equals an uninterrupted one-process run of `total` steps (a
+    constant schedule, so that the first part's lr is the whole run's). Returns the folder
+    of the first part as it was when it stopped (the copy, after its own resume)."""
     import shutil
 
-    run = [*SMALL, "--set", "train.save_every=3", "--set", "train.eval_every=3", "--set",
-           "train.schedule=constant"]
-    single, sharded = tmp_path / "single", tmp_path / "sharded"
-    restopo("train", TINY, *run, "--steps", 6, "--out", single)
-    restopo("train", TINY, *run, "--steps", 3, "--out", sharded, "--data", "fsdp",
-            "--nproc", 2)
-    assert sorted(losses(sharded)) == [1, 2, 3]
-    alone = tmp_path / "alone"
-    shutil.copytree(sharded, alone)
-    restopo("train", TINY, *run, "--steps", 6, "--out", sharded, "--resume", "--data", "fsdp",
-            "--nproc", 2)
-    restopo("train", TINY, *run, "--steps", 6, "--out", alone, "--resume")
+    run = [*run, "--set", "train.schedule=constant"]
+    single, split, alone = tmp_path / "single", tmp_path / "split", tmp_path / "alone"
+    restopo("train", TINY, *run, "--steps", total, "--out", single)
+    restopo("train", TINY, *run, "--steps", stop, "--out", split, *first)
+    assert sorted(losses(split)) == list(range(1, stop + 1))  # it stopped: resumes follow
+    shutil.copytree(split, alone)
+    restopo("train", TINY, *run, "--steps", total, "--out", split, "--resume", *then)
+    restopo("train", TINY, *run, "--steps", total, "--out", alone, "--resume")
     want = losses(single)
-    for out in (sharded, alone):
+    for out in (split, alone):
         got = losses(out)
-        assert sorted(got) == list(range(1, 7))
-        for step in range(1, 7):
+        assert sorted(got) == list(range(1, total + 1))
+        for step in range(1, total + 1):
             assert got[step] == pytest.approx(want[step], abs=1e-5), (out.name, step)
+    return alone
 
 
 # -- two nodes --------------------------------------------------------------------------------------
