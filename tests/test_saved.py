@@ -136,6 +136,41 @@ def test_generate_command_streams_what_generate_returns(run):
     assert r.stdout.decode("utf-8") == bytes(new.tolist()).decode("utf-8", "replace") + "\n"
 
 
+def test_generate_command_writes_each_character_as_it_comes(run, monkeypatch):
+    """Streaming: when the model makes a token, every character of the tokens before it is
+    already flushed to the terminal."""
+    import codecs
+    import io
+
+    import restopo.decode as decode
+
+    class Terminal(io.StringIO):
+        flushed = ""  # what a reader of the pipe has seen
+
+        def flush(self):
+            self.flushed = self.getvalue()
+
+    out, seen, real = Terminal(), [], decode.stream
+
+    def watched(*args, **kw):
+        for token in real(*args, **kw):
+            seen.append((int(token[0]), out.flushed))
+            yield token
+
+    folder, _ = run
+    monkeypatch.setattr(decode, "stream", watched)
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.chdir(folder)
+    assert main(["generate", "run", "--prompt", "def f(", "--max-new-tokens", "12",
+                 "--temperature", "0"]) == 0
+    assert len(seen) == 12
+    decoder, said = codecs.getincrementaldecoder("utf-8")(errors="replace"), ""
+    for token, flushed in seen:
+        assert flushed == said
+        said += decoder.decode(bytes([token]))
+    assert out.flushed == said + decoder.decode(b"", final=True) + "\n"
+
+
 def test_eval_matches_a_hand_loop(run, capsys):
     folder, _ = run
     assert main(["eval", str(folder / "run"), "--data", str(folder / "corpus.txt"),
