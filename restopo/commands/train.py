@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from ..cli import int_range
+from ..spec.objects import RECOMPUTE
 
 EXAMPLES = """\
 examples:
@@ -62,7 +63,7 @@ def register(subparsers) -> None:
                    help="one device's peak TFLOP/s for the MFU figure, e.g. 989 (same as "
                         "--set train.peak_tflops=T; default: known CUDA GPUs' dense bf16 "
                         "peak, none on the CPU)")
-    p.add_argument("--recompute", choices=("none", "sublayer", "block"),
+    p.add_argument("--recompute", choices=RECOMPUTE,
                    help="activation recompute: keep less for backward, run it again there "
                         "(same as --set train.recompute=MODE; default none)")
     p.add_argument("--compile", action="store_true",

@@ -35,10 +35,11 @@ import operator
 from torch import fx, nn
 from torch.utils.checkpoint import checkpoint
 
+from ..spec.objects import RECOMPUTE
 from ..topology import layer_starts
 from .lower import STEP, lowered
 
-MODES = ("none", "sublayer", "block")
+MODES = RECOMPUTE
 
 
 def apply(model: nn.Module, mode: str) -> nn.Module:

@@ -16,7 +16,7 @@ from .fields import (EXAMPLES, MAX_DEPTH, Checker, Field, View, alts, divisors, 
                      positions)
 from .nodes import Call, Key, ListValue, Name, Pos, Qualified, SpecFile, String, describe
 from .limits import check_model_limits, check_source_reads, check_train_limits
-from .objects import ModelSpec, ParallelSpec, Spec, SourceText, TrainSpec
+from .objects import RECOMPUTE, ModelSpec, ParallelSpec, Spec, SourceText, TrainSpec
 from .overrides import apply_overrides
 from .sections import BUILTIN_DATA, views_of
 from .wiring import check_against_model, check_residual
@@ -31,7 +31,6 @@ TRAIN_KEYS = ("data", "steps", "batch", "lr", "schedule", "warmup", "min_lr", "w
               "grad_clip", "accum", "eval_every", "eval_batches", "save_every", "seed",
               "log_every", "keep", "peak_tflops", "recompute", "compile")
 LR_SCHEDULES = ("cosine", "constant")
-RECOMPUTE = ("none", "sublayer", "block")  # activation recompute (restopo.fx.recompute)
 
 
 # -- sections -> spec objects -------------------------------------------------------------

@@ -96,6 +96,10 @@ class ResidualSpec:
         return _where(self.positions, key) or self.pos
 
 
+# train.recompute's modes (restopo.fx.recompute says what each recomputes)
+RECOMPUTE = ("none", "sublayer", "block")
+
+
 @dataclass(frozen=True)
 class TrainSpec:
     data: str = "builtin:stdlib"   # builtin:NAME or a path
