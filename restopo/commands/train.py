@@ -125,23 +125,35 @@ def _usage_exit() -> int:
     return USAGE_EXIT
 
 
+# Flags that stand for a spec key: (flag, attribute of args, key). `_overrides` turns them
+# into --set values, `_worker_argv` hands them on to torchrun's workers.
+SPEC_FLAGS = (("--steps", "steps", "train.steps"), ("--seed", "seed", "train.seed"),
+              ("--peak-tflops", "peak_tflops", "train.peak_tflops"),
+              ("--data", "data_parallel", "parallel.data"),
+              ("--recompute", "recompute", "train.recompute"),
+              ("--compile", "compile", "train.compile"))
+
+
+def _flag_values(args):
+    """(flag, value, key) of each SPEC_FLAGS flag given (--compile's value: "true")."""
+    for flag, attr, key in SPEC_FLAGS:
+        value = getattr(args, attr)
+        if value is True:
+            yield flag, "true", key
+        elif value is not None and value is not False:
+            yield flag, value, key
+
+
 def _overrides(args) -> tuple[str, ...]:
     """The --set overrides, then those the flags stand for. A flag and a --set of the same
     key that disagree are refused: the flag would win silently (a run asked for
     `--steps 20 --set train.steps=10` trained 20 steps)."""
-    flags = (("--steps", args.steps, "train.steps"), ("--seed", args.seed, "train.seed"),
-             ("--peak-tflops", args.peak_tflops, "train.peak_tflops"),
-             ("--data", args.data_parallel, "parallel.data"),
-             ("--recompute", args.recompute, "train.recompute"),
-             ("--compile", "true" if args.compile else None, "train.compile"))
     given = {}
     for o in args.overrides:
         key, _, value = o.partition("=")
         given[key.strip()] = value.strip()
     extra = []
-    for flag, value, key in flags:
-        if value is None:
-            continue
+    for flag, value, key in _flag_values(args):
         if key in given and not _same(given[key], str(value)):
             shown = flag if flag == "--compile" else f"{flag} {value}"
             raise _Stop(f"{shown} and --set {key}={given[key]} disagree; give one of them")
@@ -163,21 +175,17 @@ def _worker_argv(args) -> list[str]:
         argv.append(args.spec)
     for o in args.overrides:
         argv += ["--set", o]
-    for flag, value in (("--out", args.out), ("--steps", args.steps), ("--seed", args.seed),
-                        ("--peak-tflops", args.peak_tflops), ("--recompute", args.recompute)):
-        if value is not None:
-            argv += [flag, str(value)]
+    for flag, value, _ in _flag_values(args):
+        argv += [flag] if flag == "--compile" else [flag, str(value)]
+    if args.out is not None:
+        argv += ["--out", args.out]
     argv += ["--device", args.device, "--backend", args.backend]
     if args.resume:
         argv.append("--resume")
     if args.overwrite:
         argv.append("--overwrite")
-    if args.compile:
-        argv.append("--compile")
     if args.pipeline:
         argv += ["--pipeline", args.pipeline]
-    if args.data_parallel:
-        argv += ["--data", args.data_parallel]
     if args.no_progress:
         argv.append("--no-progress")
     if args.threads is not None:
