@@ -97,12 +97,8 @@ class SharedSources:
         for module, i, v in uses:
             if ops.picked(module.backend, v) != "eager":
                 continue
-            kind = _kind(module)
-            key = (self.readers[module].sources[i], kind)
-            record = records.get(key)
-            if record is None or record[0] is not v:
-                record = records[key] = self._make(records, key[0], kind, v)
-            got[key] = record
+            key = (self.readers[module].sources[i], _kind(module))
+            got[key] = self._record(records, key, v)
         got.update((k, q) for k, q in records.items() if k[0] == "queries")
         return got
 
@@ -173,15 +169,20 @@ class SharedSources:
         kind = _kind(module)
         shared, logits = [], []
         for sid, v in zip(reader.sources, sources):
-            record = records.get((sid, kind))
-            if record is None or (record[0] is not v and (sid, kind) not in self._given):
-                record = records[(sid, kind)] = self._make(records, sid, kind, v)
-            _, view, columns, starts = record
+            _, view, columns, starts = self._record(records, (sid, kind), v)
             start = starts[module]
             got = columns[start:start + reader.queries]
             shared.append(view)
             logits.append(got[0] if not hasattr(module, "members") else torch.stack(got))
         return tuple(shared), logits
+
+    def _record(self, records: dict, key: tuple, v: torch.Tensor):
+        """The record of source `key` = (id, kind) holding value `v`, made if this scope has
+        none for `v` yet (a region's given records stand for their sources, see region)."""
+        record = records.get(key)
+        if record is None or (record[0] is not v and key not in self._given):
+            record = records[key] = self._make(records, key[0], key[1], v)
+        return record
 
     def _make(self, records: dict, sid: str, kind: tuple[bool, int], v: torch.Tensor):
         """(v, its gathered view, its logits' columns, each reader's first column)."""
