@@ -1,16 +1,20 @@
-"""Writing files atomically: a reader, or a crash, sees the old file or the new one, never
-part of one.
+"""Writing files and folders atomically: a reader, or a crash, sees the old file (folder) or
+the new one, never part of one. Everything restopo writes atomically goes through here.
 
 The new content goes to a temporary file beside the target (the same filesystem, so the
 rename is atomic), is fsynced, gets the mode a newly created file would (0o666 & ~umask;
 mkstemp makes it 0600) and is renamed over the target; the folder is then fsynced so the
-rename survives a power cut. Any failure removes the temporary file. Stdlib only.
+rename survives a power cut. Any failure removes the temporary file. A folder (a
+checkpoint, a prepared corpus) is written the same way: a temporary folder beside the
+target, its files fsynced, then one rename (`atomic_folder`, `replace_folder`). Stdlib only.
 """
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Callable, Iterator
 
 
@@ -50,6 +54,64 @@ def atomic_path(path: str | os.PathLike) -> Iterator[str]:
             os.unlink(tmp)
         raise
     fsync_dir(folder)
+
+
+@contextmanager
+def atomic_folder(path: str | os.PathLike, *, keep_existing: bool = False) -> Iterator[Path]:
+    """A temporary folder beside `path` that becomes `path` when the block ends without
+    error: every file written in it is fsynced, then the folder is put in place by
+    `replace_folder`. With keep_existing, a folder already at `path` by then (another
+    process made it meanwhile) is kept and this one dropped. Any failure removes the
+    temporary folder and leaves `path` as it was."""
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    tmp = _mkdtemp_beside(path, folder)
+    try:
+        yield Path(tmp)
+        for dirpath, _, files in os.walk(tmp):
+            for name in files:
+                fsync_file(os.path.join(dirpath, name))
+        replace_folder(tmp, path, keep_existing=keep_existing)
+    finally:
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def replace_folder(tmp: str | os.PathLike, path: str | os.PathLike, *,
+                   keep_existing: bool = False) -> bool:
+    """Make the written folder `tmp` (beside `path`, on its filesystem; its files already
+    fsynced) `path` in one rename, durably: it gets the mode a new folder would (mkdtemp
+    makes 0700) and is fsynced; a folder already at `path` is renamed aside and removed
+    first (keep_existing: kept, and `tmp` left for the caller to remove; returns False);
+    the parent folder is fsynced after the rename. Returns True when `tmp` became `path`."""
+    tmp, path = os.fspath(tmp), os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    os.chmod(tmp, new_mode(folder=True))
+    fsync_dir(tmp)
+    if os.path.exists(path):
+        if keep_existing:
+            return False
+        old = os.path.join(folder, f".old-{os.path.basename(path)}-{os.getpid()}")
+        os.replace(path, old)
+        shutil.rmtree(old, ignore_errors=True)
+    try:
+        os.replace(tmp, path)
+    except OSError:
+        # a non-empty folder appeared at `path` since the check: another process won
+        if keep_existing and os.path.isdir(path):
+            return False
+        raise
+    fsync_dir(folder)
+    return True
+
+
+def _mkdtemp_beside(path: str, folder: str) -> str:
+    try:
+        return tempfile.mkdtemp(prefix=f".{os.path.basename(path)}-", dir=folder)
+    except OSError as e:  # name the folder the user gave, not the temporary one
+        what = ("the folder to make it in does not exist"
+                if isinstance(e, FileNotFoundError) else e.strerror or str(e))
+        raise type(e)(e.errno, what, path) from None
 
 
 def _new_file_mode() -> int:

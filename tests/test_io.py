@@ -1,9 +1,14 @@
-"""restopo.io: the one atomic writer (text, bytes, a library writing to a path or a file)."""
+"""restopo.io: the one atomic writer (text, bytes, a library writing to a path or a file,
+a folder)."""
+import ast
 import os
+from pathlib import Path
 
 import pytest
 
-from restopo.io import atomic_path, write_atomic
+from restopo.io import atomic_folder, atomic_path, replace_folder, write_atomic
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_text_bytes_and_callback(tmp_path):
@@ -49,3 +54,83 @@ def test_a_failed_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path):
         raise RuntimeError
     assert [p.name for p in tmp_path.iterdir()] == ["f.txt"]
     assert (tmp_path / "f.txt").read_text() == "old"
+
+
+def test_a_folder_appears_whole_with_the_umask_mode(tmp_path):
+    target = tmp_path / "corpus"
+    old = os.umask(0o027)
+    try:
+        with atomic_folder(target) as tmp:
+            assert tmp.parent == tmp_path and tmp.name.startswith(".corpus-")
+            (tmp / "a.u8").write_bytes(b"abc")
+            (tmp / "sub").mkdir()
+            (tmp / "sub" / "b.json").write_text("{}")
+            assert not target.exists()  # nothing at the target until the block ends
+    finally:
+        os.umask(old)
+    assert (target / "a.u8").read_bytes() == b"abc" and (target / "sub" / "b.json").exists()
+    assert target.stat().st_mode & 0o777 == 0o750  # not mkdtemp's 0700
+    assert [p.name for p in tmp_path.iterdir()] == ["corpus"]
+
+
+def test_a_folder_replaces_the_old_one_or_keeps_it(tmp_path):
+    target = tmp_path / "f"
+    target.mkdir()
+    (target / "old").write_text("old")
+    with atomic_folder(target) as tmp:
+        (tmp / "new").write_text("new")
+    assert [p.name for p in target.iterdir()] == ["new"]
+    with atomic_folder(target, keep_existing=True) as tmp:  # another process made it first
+        (tmp / "mine").write_text("mine")
+    assert [p.name for p in target.iterdir()] == ["new"]
+    assert [p.name for p in tmp_path.iterdir()] == ["f"]  # nothing aside, no temporary
+    spare = tmp_path / ".spare"
+    spare.mkdir()
+    assert replace_folder(spare, target, keep_existing=True) is False and spare.exists()
+    assert replace_folder(spare, target) is True and not spare.exists()
+
+
+def test_a_failed_folder_keeps_the_old_one_and_leaves_no_temporary(tmp_path):
+    target = tmp_path / "f"
+    target.mkdir()
+    (target / "old").write_text("old")
+    with pytest.raises(RuntimeError, match="disk full"), atomic_folder(target) as tmp:
+        (tmp / "half").write_text("half")
+        raise RuntimeError("disk full")
+    assert [p.name for p in tmp_path.iterdir()] == ["f"]
+    assert [p.name for p in target.iterdir()] == ["old"]
+    with pytest.raises(FileNotFoundError, match="does not exist.*nowhere"):
+        with atomic_folder(tmp_path / "nowhere" / "f"):
+            pass
+
+
+def _renames(path: Path):
+    """(function, call) for every rename in a module: os.replace/rename/renames,
+    shutil.move, and a path's .replace/.rename (one argument, no keywords: str.replace takes
+    two, dataclasses.replace keywords)."""
+    tree = ast.parse(path.read_text())
+    for fn in ast.walk(tree):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for node in ast.walk(fn):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+                continue
+            owner, attr = ast.unparse(node.func.value), node.func.attr
+            if (owner == "os" and attr in ("replace", "rename", "renames")) or \
+                    (owner == "shutil" and attr == "move") or \
+                    (attr in ("replace", "rename") and len(node.args) == 1 and not node.keywords):
+                yield fn.name, ast.unparse(node)
+
+
+def test_nothing_else_renames_a_written_file_into_place():
+    """One atomic writer: outside restopo/io.py no module renames what it wrote into place
+    (a temporary file or folder of its own would be a second, unreviewed writer). The other
+    renames move a finished checkpoint aside: pruning and quarantine of a damaged one."""
+    found = set()
+    for folder in ("restopo", "backends"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for function, _ in _renames(path):
+                found.add((path.relative_to(ROOT).as_posix(), function))
+    assert found == {("restopo/io.py", "atomic_path"), ("restopo/io.py", "replace_folder"),
+                     ("restopo/train/checkpoint.py", "_prune"),
+                     ("restopo/train/checkpoint.py", "quarantine")}, sorted(found)

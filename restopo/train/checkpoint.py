@@ -19,11 +19,11 @@ Everything below (verification, fallback, pruning, loading) treats both layouts 
 `load_checkpoint` fills a whole model from either, and `shards.Reader` reads any layout's
 tensors by name for another layout.
 
-A save writes a hidden temporary folder, fsyncs every file and the folder, renames it into
-place, then replaces `latest` (restopo.io.write_atomic). Interrupted anywhere, the previous
-`latest` still names a complete checkpoint. The new checkpoint is then read back against
-its manifest, and only once it verifies are older ones pruned (renamed aside first, so a
-kill mid-delete leaves nothing that looks like a checkpoint).
+A save writes a hidden temporary folder, fsyncs every file, renames the folder into place
+(restopo.io.replace_folder), then replaces `latest` (restopo.io.write_atomic). Interrupted
+anywhere, the previous `latest` still names a complete checkpoint. The new checkpoint is
+then read back against its manifest, and only once it verifies are older ones pruned
+(renamed aside first, so a kill mid-delete leaves nothing that looks like a checkpoint).
 
 Loading verifies the manifest (every byte of every file), then checks what state.pt and
 meta.json hold against the schema the loop writes, before anything is used: a flipped bit,
@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from ..io import fsync_dir, fsync_file, new_mode, write_atomic
+from ..io import fsync_file, new_mode, replace_folder, write_atomic
 from .shards import INDEX, STATE, Reader, ShardError, files_in_index, is_sharded, \
     load_named, read_state_file, shard_name, write_share, write_state
 
@@ -199,7 +199,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, model: torch.nn.Module,
             fsync_file(tmp / name)
             if _write_file is not None:
                 _write_file(name, tmp / name)
-        _move_into_place(tmp, final, root)
+        replace_folder(tmp, final)  # a same-step folder from a restarted run is swapped out
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -274,19 +274,6 @@ def save_sharded(root: str | os.PathLike, step: int, named, optimizer, state: di
     return final
 
 
-def _move_into_place(tmp: Path, final: Path, root: Path) -> None:
-    """Rename the written folder `tmp` to `final` in one step, durably (a same-step
-    folder from a restarted run is swapped out first)."""
-    os.chmod(tmp, new_mode(folder=True))  # mkdtemp made it 0700
-    fsync_dir(tmp)
-    if final.exists():
-        old = root / f".old-{final.name}-{os.getpid()}"
-        os.replace(final, old)
-        shutil.rmtree(old, ignore_errors=True)
-    os.replace(tmp, final)
-    fsync_dir(root)
-
-
 def _commit_sharded(root: Path, tmp: Path, final: Path, parts, state, meta, step, world,
                     layout) -> None:
     from .shards import build_index
@@ -305,7 +292,7 @@ def _commit_sharded(root: Path, tmp: Path, final: Path, parts, state, meta, step
         os.chmod(tmp / name, new_mode())
         fsync_file(tmp / name)
         _crash_point(final, name)
-    _move_into_place(tmp, final, root)
+    replace_folder(tmp, final)  # a same-step folder from a restarted run is swapped out
     _crash_point(final, "rename")
     write_atomic(root / "latest", final.name + "\n")
     _crash_point(final, "latest")

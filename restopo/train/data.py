@@ -21,12 +21,13 @@ import os
 import stat
 import sys
 import sysconfig
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from ..io import atomic_folder
 
 BUILTIN_STDLIB = "builtin:stdlib"
 BYTE_VOCAB = 256
@@ -166,13 +167,12 @@ def stdlib_corpus(cache_dir=None, *, progress: bool = True, root: str | None = N
 
 def _prepare_stdlib(root: str, files, folder: Path, progress: bool) -> None:
     """Concatenate the files into train/val byte files; the folder appears whole or not at all
-    (built in a temporary folder, then renamed: two ranks preparing at once both succeed,
-    the first rename wins and the other's identical copy is dropped)."""
+    (restopo.io.atomic_folder: two ranks preparing at once both succeed, the first rename
+    wins and the other's identical copy is dropped)."""
     from tqdm import tqdm
 
     folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
-    try:
+    with atomic_folder(folder, keep_existing=True) as tmp:
         sizes = {"train": 0, "val": 0}
         with open(tmp / "train.u8", "wb") as ftrain, open(tmp / "val.u8", "wb") as fval:
             bar = tqdm(files, desc="preparing builtin:stdlib", unit="file",
@@ -185,24 +185,7 @@ def _prepare_stdlib(root: str, files, folder: Path, progress: bool) -> None:
                 split = "val" if is_val_file(rel) else "train"
                 (fval if split == "val" else ftrain).write(data)
                 sizes[split] += len(data)
-            for f in (ftrain, fval):
-                f.flush()
-                os.fsync(f.fileno())
         (tmp / "meta.json").write_text(json.dumps({"root": root, "files": len(files), **sizes}))
-        try:
-            os.replace(tmp, folder)
-        except OSError:
-            if not (folder / "meta.json").is_file():
-                raise
-    finally:
-        if tmp.exists():
-            _rmtree(tmp)
-
-
-def _rmtree(path: Path) -> None:
-    import shutil
-
-    shutil.rmtree(path, ignore_errors=True)
 
 
 # --- text -------------------------------------------------------------------------------
