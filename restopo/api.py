@@ -15,12 +15,26 @@ from .nn.model import build_parts, model_kinds
 from .spec import as_spec
 
 
-def build_model(model, topology, backend: str = "auto", two_phase: bool = True) -> fx.GraphModule:
+def build_model(model, topology, backend: str = "auto", two_phase: bool = True, *,
+                init: Init | None = None) -> fx.GraphModule:
     """restopo's reference transformer for a model spec, wired by `topology` (no spec file
-    needed: tests and tools build models from a topology constructor directly)."""
-    parts = build_parts(model)
+    needed: tests and tools build models from a topology constructor directly). `init` as
+    in `compile`: Init(seed) gives the weights `restopo train` starts from."""
     g = build_ir(model_kinds(model), topology, model.width)
-    return lower(g, parts, backend=backend, two_phase=two_phase)
+    return _lower_with(g, model, backend, init, two_phase)
+
+
+def _lower_with(g, model, backend: str, init: Init | None, two_phase: bool = True):
+    """The IR `g` lowered over fresh parts of `model`, each unit drawn by `init` if given."""
+    if init is None:
+        return lower(g, build_parts(model), backend=backend, two_phase=two_phase)
+    parts, d = build_parts(model, init), model.width
+    aggregations = nn.ModuleList(
+        init.unit(f"aggregations.{i}", lambda a=a: make_aggregation(a, d, backend))
+        for i, a in enumerate(g.aggregations()))
+    out = lower(g, parts, backend=backend, two_phase=two_phase, aggregations=aggregations)
+    out.restopo_init = init
+    return out
 
 
 def compile(spec_or_path, backend: str = "auto", overrides=(), *,  # noqa: A001
@@ -43,16 +57,7 @@ def compile(spec_or_path, backend: str = "auto", overrides=(), *,  # noqa: A001
     if spec.model is None:
         raise ValueError(f"{spec.path}: the spec has no model section, so there is nothing to "
                          "compile; add a model block (or use restopo.rewire on a model you have)")
-    g = spec.ir()
-    if init is None:
-        model = lower(g, build_parts(spec.model), backend=backend)
-    else:
-        parts, d = build_parts(spec.model, init), spec.model.width
-        aggregations = nn.ModuleList(
-            init.unit(f"aggregations.{i}", lambda a=a: make_aggregation(a, d, backend))
-            for i, a in enumerate(g.aggregations()))
-        model = lower(g, parts, backend=backend, aggregations=aggregations)
-        model.restopo_init = init
+    model = _lower_with(spec.ir(), spec.model, backend, init)
     model.spec_text = spec.text
     model.restopo_overrides = tuple(getattr(spec, "overrides", ()) or ())
     model.restopo_spec = spec

@@ -103,11 +103,15 @@ def test_the_old_epsilon_breaks_it(monkeypatch):
     assert step0_difference(other, standard, _idx()) > 0.1
 
 
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_epsilon_in_half_precision(dtype):
+def test_epsilon_in_half_precision(dtype, grad):
     """An all-zero row normalises to zeros (no 0/0, no inf) and a tiny row to unit RMS, in
-    every norm path: F.rms_norm (sublayers, head) and depth attention's key norm."""
-    from restopo.ops import depth_attention
+    every norm path: F.rms_norm (sublayers, head) and depth attention's key norm, in both
+    eager forms (the stacked one without autograd, the unstacked one that training runs),
+    single and two-phase. In bf16 the backward is finite too; in pure fp16 it is not at an
+    exactly zero row (the gradient there is 1/sqrt(eps): restopo.nn.norm says so)."""
+    from restopo.ops import depth_attention, phase1, phase2
 
     x = torch.zeros(3, 16, dtype=dtype)
     x[1] = 1e-3
@@ -115,7 +119,41 @@ def test_epsilon_in_half_precision(dtype):
     y = F.rms_norm(x, (16,), None, NORM_EPS)
     assert torch.isfinite(y).all() and (y[0] == 0).all()
     assert y[1].float().pow(2).mean().item() == pytest.approx(1.0, rel=1e-2)
-    sources = [x, x.flip(0), torch.ones_like(x)]
-    q = torch.randn(16, dtype=dtype)
-    h = depth_attention(sources, q, torch.ones(16, dtype=dtype), NORM_EPS, backend="eager")
-    assert torch.isfinite(h).all()
+    sources = [s.clone().requires_grad_(grad) for s in (x, x.flip(0), torch.ones_like(x))]
+    q = torch.randn(16, dtype=dtype, generator=torch.Generator().manual_seed(0))
+    queries = torch.stack([q, -q]).requires_grad_(grad)
+    partial = torch.zeros(3, 16, dtype=dtype, requires_grad=grad)
+    gain = torch.ones(16, dtype=dtype)
+    h = depth_attention(sources, queries[0], gain, NORM_EPS, backend="eager")
+    o1, m1, s1 = phase1(sources, queries, None, NORM_EPS, backend="eager")
+    h2 = phase2(o1[1], m1[1], s1[1], partial, queries[1], None, NORM_EPS, backend="eager")
+    assert torch.isfinite(h).all() and torch.isfinite(h2).all()
+    assert h.requires_grad == grad  # the form training runs was the one tested
+    if grad and dtype == torch.bfloat16:
+        (h.float().sum() + h2.float().sum()).backward()
+        for t in (*sources, queries, partial):
+            assert torch.isfinite(t.grad).all()
+
+
+SPEC = """model m {{ vocab: 64; width: 32; depth: 2; heads: 2; context: 8 }}
+residual {residual}
+train {{ data: builtin:stdlib; seed: 3 }}
+"""
+
+
+@pytest.mark.parametrize("residual", ["block_attnres(blocks: 2)", "mhc(streams: 2)",
+                                      "full_attnres(query: input_dependent)"])
+def test_diagnose_measures_the_runs_own_step0(residual):
+    """restopo diagnose's step-0 line (init_check.step0_report) builds the topology's model
+    exactly as `restopo train` with the run's seed does (restopo.nn.init.Init), so it
+    measures the run's own step 0 and sees a change to the training initialisation."""
+    from restopo.spec import as_spec
+    from restopo.train.runspec import build_model
+
+    spec = as_spec(SPEC.format(residual=residual))
+    want = build_model(spec, backend="eager").state_dict()
+    other, _ = step0_models(spec.model, spec.topology, torch.float32, seed=spec.train.seed)
+    got = other.state_dict()
+    assert list(got) == list(want)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k

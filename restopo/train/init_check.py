@@ -15,6 +15,7 @@ import torch
 from .. import topology as T
 from ..api import build_model
 from ..ir import IR, BlockSum, Partial, Sublayer
+from ..nn.init import Init
 
 # Tolerances on max |logits - standard logits| / max |standard logits| at step 0.
 STANDARD_AT_INIT_TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
@@ -51,11 +52,15 @@ def starts_as_standard(g: IR) -> bool:
 
 def step0_models(model, topology: T.Topology, dtype=torch.float32, seed: int = 0):
     """(the topology's fresh model, the standard-residual model) with the same embedding,
-    sublayers and head; both eager, in `dtype`. `model` is a ModelSpec."""
+    sublayers and head; both eager, in `dtype`. `model` is a ModelSpec. Both are initialised
+    as `restopo train` with this seed initialises (restopo.nn.init.Init(seed): each unit
+    from a generator seeded by (seed, unit name)), so the topology's model is the run's own
+    step 0."""
     torch.manual_seed(seed)
-    standard = build_model(model, T.standard(tuple(model.kinds)), backend="eager")
+    standard = build_model(model, T.standard(tuple(model.kinds)), backend="eager",
+                           init=Init(seed))
     torch.manual_seed(seed)
-    other = build_model(model, topology, backend="eager")
+    other = build_model(model, topology, backend="eager", init=Init(seed))
     missing, unexpected = other.load_state_dict(standard.state_dict(), strict=False)
     assert not unexpected and all(k.startswith("aggregations.") for k in missing)
     return other.to(dtype), standard.to(dtype)
