@@ -206,6 +206,28 @@ def test_compare_errors_are_one_line(tmp_path, capsys):
     assert "neither a run folder nor a folder of runs" in capsys.readouterr().err
 
 
+@pytest.mark.slow
+def test_submitit_local_executor_runs_the_sweep(tmp_path):
+    """--executor submitit-local: each run is a submitit job on this machine (the path a
+    Slurm sweep takes), through the same restopo train; a rerun skips the finished runs."""
+    pytest.importorskip("submitit")
+    specs = _specs(tmp_path)
+    out = tmp_path / "sweep"
+    args = [*specs, "--seeds", "1", "--out", str(out), "--baseline", "std",
+            "--executor", "submitit-local"]
+    done = _sweep(*args)
+    assert done.returncode == 0, done.stderr
+    assert any((out / ".submitit").iterdir())  # submitit's own job folders
+    for name in ("std-s0", "blk-s0"):
+        assert json.loads((out / name / "run.json").read_text())["status"] == "done"
+        assert len((out / name / "metrics.jsonl").read_text().splitlines()) >= 5
+    with open(out / "results.csv") as f:
+        assert {r["arm"] for r in csv.DictReader(f)} == {"std", "blk"}
+    again = _sweep(*args)
+    assert again.returncode == 0, again.stderr
+    assert "std-s0: already done" in again.stderr and "blk-s0: already done" in again.stderr
+
+
 def _md_table(text: str, header: str) -> list[list[str]]:
     lines = text.splitlines()
     start = lines.index(header) + 2
