@@ -31,6 +31,10 @@ def rewired(model, topology):
         for a in restopo.aggregations(r):
             if hasattr(a, "pseudo_query"):
                 a.pseudo_query.normal_(generator=torch.Generator().manual_seed(2))
+            elif hasattr(a, "n"):  # multi-stream coefficients away from their PreNorm start
+                for p in a.parameters():
+                    p.add_(2.0 * torch.randn(p.shape, generator=torch.Generator().manual_seed(2),
+                                             dtype=p.dtype))
     return r
 
 
@@ -47,6 +51,8 @@ def hand_greedy(r, idx, mask, n):
     (llama, "block_attnres(blocks: 2)"),
     (llama, "full_attnres"),
     (gpt2, "block_attnres(blocks: 2)"),
+    (llama, "mhc(streams: 4)"),                   # the n-stream state through HF's cache
+    (llama, "hyper_connections(streams: 2, dynamic: true)"),
 ])
 def test_cached_generate_equals_uncached(make, topology):
     m = make()
