@@ -45,6 +45,8 @@ MULTI_STREAM_METHODS = ("hyper_connections", "mhc", "mhc_lite")
 MAX_STREAMS = 16         # papers use 1..8; the parameters grow as n^3 d (mHC)
 MAX_LITE_STREAMS = 6     # mhc_lite's H^res mixes n! permutation matrices: 720 at n = 6
 DEFAULT_SINKHORN = 20    # mHC's t_max [mHC Eq.9]
+MAX_SINKHORN = 1000      # 50x mHC's: every forward runs all the iterations of every
+                         # sublayer, and the backward keeps two [tokens, n, n] tensors each
 
 QUERY_KINDS = ("static", "input_dependent")
 GATES = ("softmax", "sigmoid")                  # attend
@@ -131,9 +133,9 @@ def check_streams(method: str, streams: int, sinkhorn: int | None = None) -> Non
         raise ValueError(f"mhc_lite mixes all n! permutation matrices, {math.factorial(streams):,} "
                          f"per sublayer at streams: {streams}; it allows at most "
                          f"{MAX_LITE_STREAMS} streams")
-    if sinkhorn is not None and sinkhorn < 1:
-        raise ValueError(f"sinkhorn counts Sinkhorn-Knopp iterations and must be at least 1; "
-                         f"got {sinkhorn}")
+    if sinkhorn is not None and not 1 <= sinkhorn <= MAX_SINKHORN:
+        raise ValueError(f"sinkhorn counts Sinkhorn-Knopp iterations and must be between 1 "
+                         f"and {MAX_SINKHORN}; got {sinkhorn}")
 
 
 @dataclass(frozen=True)

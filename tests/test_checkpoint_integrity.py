@@ -140,6 +140,9 @@ def test_pruning_renames_before_deleting_and_leftovers_are_swept(tmp_path):
     assert names == ["damaged", "latest", "step_000001", "step_000002"], names
     assert (tmp_path / "damaged" / "step_000000" / "optimizer.pt").exists()  # kept aside
     assert len(done) == 5
+    # the reason is the folder's own, read before it is moved (it named every file missing)
+    assert "moved step_000000 to damaged/step_000000 (incomplete: model.safetensors, state.pt, " \
+        "meta.json missing)" in done, done
 
 
 def test_a_checkpoint_saved_before_manifests_still_loads(tmp_path):
@@ -163,3 +166,52 @@ def test_resolve_passes_over_damaged_and_names_an_explicit_one(tmp_path):
     assert "step_000002 is damaged (state.pt does not match" in heard[0]
     with pytest.raises(CheckpointError, match="step_000002 is damaged"):
         ck.resolve_checkpoint(bad)
+
+
+def _save_sharded(root, step, m, opt):
+    """A sharded checkpoint (the FSDP and pipeline layouts' form) written by one rank."""
+    state = {"step": step, "torch_cpu": torch.get_rng_state(),
+             "data": {"generator": torch.Generator().manual_seed(step).get_state()}}
+    return ck.save_sharded(root, step, list(m.named_parameters()), opt, state,
+                           {"spec_text": "x"}, rank=0, world=1, exchange=lambda o: [o],
+                           layout="fsdp")
+
+
+def test_a_flipped_byte_in_a_sharded_checkpoint_is_found_and_passed_over(tmp_path):
+    """The layouts that write shards (added after the manifest) keep its promise: every
+    file they write is in the manifest, any changed byte is found before anything is
+    loaded, and resume passes over the damaged checkpoint for the one before."""
+    m, opt = _trained()
+    _save_sharded(tmp_path, 1, m, opt)
+    step = _save_sharded(tmp_path, 2, m, opt)
+    assert ck.is_sharded(step)
+    names = ck.checkpoint_files(step) + (ck.MANIFEST,)
+    assert sorted(names) == sorted(p.name for p in step.iterdir())  # nothing unlisted
+    assert any(n.startswith("shard-") for n in names)
+    order = [n for n, _ in m.named_parameters()]
+    for name in names:
+        size = (step / name).stat().st_size
+        for offset in sorted({0, size // 2, size - 1}):
+            assert ck.check_checkpoint(step) is None
+            _flip(step / name, offset)
+            why = ck.verify_checkpoint(step)
+            assert why is not None, (name, offset)
+            fresh = Tied()
+            before = {k: v.clone() for k, v in fresh.state_dict().items()}
+            with pytest.raises(CheckpointError):
+                ck.load_into(step, list(fresh.named_parameters()),
+                             torch.optim.AdamW(fresh.parameters()), order=order)
+            assert all(torch.equal(before[k], v) for k, v in fresh.state_dict().items())
+            found, skipped = ck.find_resumable(tmp_path)
+            assert found.name == "step_000001", (name, offset)
+            if why == f"{ck.INDEX} unreadable":  # no list of files: not even complete; train
+                assert step not in ck.list_checkpoints(tmp_path)  # sweeps it aside (below)
+            else:
+                assert [(p, w) for p, w in skipped] == [(step, why)], (name, offset)
+            _flip(step / name, offset)  # put it back
+    shard = next(step / n for n in names if n.startswith("shard-"))
+    shard.write_bytes(shard.read_bytes()[:-1])  # truncated
+    assert "bytes, the manifest says" in ck.verify_checkpoint(step)
+    (step / ck.INDEX).write_text("{")  # what train's start says of an unreadable index
+    assert ck.clean_leftovers(tmp_path) == [
+        f"moved step_000002 to damaged/step_000002 (incomplete: {ck.INDEX} unreadable)"]

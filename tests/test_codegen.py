@@ -11,12 +11,19 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hostile import time_limit
 from restopo.cli import main
 from restopo.codegen import literal, text_literal
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = (ROOT / "examples" / "tiny.restopo").read_text()
 ATTACK = 'import os; open("PWNED", "w").write("x")'
+
+
+@pytest.fixture(autouse=True)
+def _each_under_a_time_limit():  # as every test of issue 16: a hang is a failure, not a stall
+    with time_limit(600):
+        yield
 
 
 @settings(max_examples=300, deadline=None)

@@ -118,6 +118,9 @@ def test_many_errors_are_reported_in_one_pass_and_capped(tmp_path, capsys):
     ("model.context=1000000", "'context' is at most 131,072"),
     ("model.width=1000000", "parameters, more than"),
     ("model.depth=4097", "must be at most 4096"),
+    # a bound added with multi-stream residuals: every forward runs all the iterations and
+    # the backward keeps two tensors per iteration (1e9 was accepted and never finished a step)
+    ("residual=mhc(streams: 4, sinkhorn: 1000000000)", "'sinkhorn' must be at most 1000"),
 ])
 def test_check_refuses_what_train_cannot_run(override, words, capsys):
     with time_limit(60):

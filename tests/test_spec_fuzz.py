@@ -15,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from hostile import time_limit
 from restopo.spec import SpecError, parse_spec
 from restopo.spec.errors import SpecErrors
 
@@ -25,6 +26,12 @@ TOKEN = re.compile(r"\s+|#[^\n]*|[A-Za-z_][A-Za-z0-9_]*|-?[0-9][0-9_.]*(?:[eE][+
 NUMBER = re.compile(r"-?[0-9]")
 JUNK = list("{}()[]:;,=#\"'@.\\/-+*\t\n\x00é€") + [
     "0", "9x", "1e", "__", "before", "window(", "1e999", "1" + "0" * 60, "-" + "9" * 5000]
+
+
+@pytest.fixture(autouse=True)
+def _each_under_a_time_limit():  # the mutation tests run in this process: bound them too
+    with time_limit(600):
+        yield
 
 
 def tokens(text: str) -> list[str]:

@@ -8,6 +8,8 @@ from restopo import topology as T
 from restopo.spec import SpecError, parse_spec
 
 M = "model { vocab: 256; width: 64; depth: 4; heads: 4; context: 64 }\n"
+SINKHORN_HINT = ("Sinkhorn-Knopp iterations per sublayer (mHC uses 20); at most 1,000: every "
+                 "forward runs them all, and the backward recomputes and keeps them")
 
 # (spec text after the model, overrides, line, column, message, hint)
 ERRORS = [
@@ -19,7 +21,9 @@ ERRORS = [
      "'streams' must be at most 16, got 17",
      "the number of residual streams, each of width d (the papers use 1 to 8)"),
     ("residual mhc(streams: 4, sinkhorn: 0)\n", (), 2, 36, "'sinkhorn' must be at least 1, got 0",
-     "Sinkhorn-Knopp iterations per sublayer (mHC uses 20)"),
+     SINKHORN_HINT),
+    ("residual mhc(streams: 4, sinkhorn: 1001)\n", (), 2, 36,
+     "'sinkhorn' must be at most 1000, got 1001", SINKHORN_HINT),
     ("residual mhc_lite(streams: 7)\n", (), 2, 28,
      "mhc_lite mixes all n! permutation matrices: streams: 7 would need 5,040 of them per "
      "sublayer",
@@ -91,7 +95,8 @@ def test_overrides_reach_the_options():
 def test_topology_constructors_refuse_what_the_checker_refuses():
     kinds = T.sublayer_kinds(2)
     for bad in (lambda: T.mhc(kinds, 0), lambda: T.mhc_lite(kinds, 7),
-                lambda: T.mhc(kinds, 4, sinkhorn=0), lambda: T.Rule("attend", (), streams=2)):
+                lambda: T.mhc(kinds, 4, sinkhorn=0),
+                lambda: T.mhc(kinds, 4, sinkhorn=1001), lambda: T.Rule("attend", (), streams=2)):
         with pytest.raises(ValueError):
             bad()
 

@@ -157,6 +157,12 @@ def test_a_dead_rank_fails_the_job_with_a_clear_message(tmp_path, env):
     code, _, stderr, _ = _run_and_kill_rank1(tmp_path, env, 2000)
     assert code != 0
     assert "the 2-process run failed" in stderr and "--resume" in stderr
+    # torchrun's own ChildFailedError traceback and table stay out (issue 16, #7: the
+    # failure path of a worker that did not exit with a said mistake), and restopo's line
+    # is the last one
+    assert "ChildFailedError" not in stderr and "Root Cause" not in stderr, stderr[-3000:]
+    assert stderr.rstrip().splitlines()[-1].startswith(
+        "restopo train: error: the 2-process run failed"), stderr[-3000:]
 
 
 def test_max_restarts_resumes_from_the_last_checkpoint(tmp_path, env):

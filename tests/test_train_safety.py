@@ -272,6 +272,9 @@ def test_diagnose_on_nan_weights_is_one_line(spec, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_a_failed_nproc_run_shows_no_torchrun_traceback(spec, tmp_path):
+    """A layout mistake under --nproc is now said before torchrun starts (so no worker
+    runs here); a worker that fails under torchrun is held to the same in test_layouts
+    (a said mistake, on every rank) and test_train_processes (a rank killed mid-run)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", RESTOPO_DIST_TIMEOUT="60")
     done = subprocess.run([sys.executable, "-m", "restopo", "train", str(spec), "--out",
                            str(tmp_path / "r"), "--nproc", "2", "--pipeline", "3x1",

@@ -12,6 +12,9 @@ IR has billions of edges) at the line that wrote them, in one pass over the dept
     context          131,072         the rotary tables and attention's scores grow with it
     parameters       17,179,869,184  every process builds the whole model in fp32 (64 GiB)
                                      before a pipeline stage keeps its share
+    sinkhorn         1,000           mHC's iterations per sublayer (topology.MAX_SINKHORN,
+                                     checked with the topology): every forward runs them
+                                     all, and the backward keeps two tensors per iteration
 """
 from __future__ import annotations
 

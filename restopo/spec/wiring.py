@@ -138,8 +138,10 @@ def _stream_options(fields: dict[str, Field], method: str, pos, c: Checker,
     if "dynamic" in fields:
         out["dynamic"] = c.boolean(fields["dynamic"], "dynamic")
     if "sinkhorn" in fields:
-        out["sinkhorn"] = c.integer(fields["sinkhorn"], "sinkhorn", 1, why=(
-            "Sinkhorn-Knopp iterations per sublayer (mHC uses 20)"))
+        out["sinkhorn"] = c.integer(fields["sinkhorn"], "sinkhorn", 1, T.MAX_SINKHORN, why=(
+            f"Sinkhorn-Knopp iterations per sublayer (mHC uses {T.DEFAULT_SINKHORN}); at most "
+            f"{T.MAX_SINKHORN:,}: every forward runs them all, and the backward recomputes and "
+            "keeps them"))
     return None if None in out.values() else out
 
 

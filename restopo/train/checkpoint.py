@@ -354,8 +354,9 @@ def clean_leftovers(root: str | os.PathLike) -> list[str]:
                 p.unlink(missing_ok=True)
             done.append(f"removed {p.name}")
         elif STEP_DIR.match(p.name) and p.is_dir() and not _complete(p):
+            why = verify_checkpoint(p) or "files missing"  # before the move: its own files
             done.append(f"moved {p.name} to {quarantine(p).relative_to(root)} "
-                        f"(incomplete: {verify_checkpoint(p) or 'files missing'})")
+                        f"(incomplete: {why})")
     return done
 
 
