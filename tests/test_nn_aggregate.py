@@ -124,3 +124,52 @@ def test_depth_weights_sum_to_one_and_reproduce_output():
     torch.testing.assert_close(w.sum(0), torch.ones(3, 2, dtype=torch.float64))
     out = sum(w[i].repeat_interleave(D // 2, -1) * xs[i] for i in range(5))
     torch.testing.assert_close(out, m(*xs))
+
+
+def _no_grad_and_autograd(model, idx):
+    """(logits without autograd, which may reuse folded queries; logits with it, which
+    never do)."""
+    with torch.no_grad():
+        fast = model(idx)
+    return fast, model(idx).detach()
+
+
+@pytest.mark.parametrize("topology", ["full_attnres", "block_attnres"])
+def test_no_grad_forward_follows_every_change_of_the_queries_and_gains(topology):
+    """Without autograd an Attend or a two-phase group keeps its gain-folded queries
+    (aggregate.derived) while they are unchanged: an optimizer step, load_state_dict, an
+    in-place edit or a dtype change must each be seen by the next forward."""
+    from types import SimpleNamespace
+
+    from restopo import topology as T
+    from restopo.api import build_model
+    kinds = T.sublayer_kinds(3)
+    topo = (T.full_attnres(kinds) if topology == "full_attnres"
+            else T.block_attnres(kinds, blocks=2))
+    cfg = SimpleNamespace(vocab=32, width=16, depth=3, heads=2, mlp="swiglu", mlp_ratio=2,
+                          context=8)
+    torch.manual_seed(0)
+    model = build_model(cfg, topo, backend="eager")
+    idx = torch.randint(0, 32, (2, 8))
+    queries = [p for n, p in model.named_parameters() if "aggregations" in n]
+    assert queries, "the model has aggregation parameters"
+
+    fast, slow = _no_grad_and_autograd(model, idx)
+    torch.testing.assert_close(fast, slow)
+    opt = torch.optim.SGD(queries, lr=1.0)  # an optimizer step: in place
+    (model(idx).square().mean() + sum(p.square().sum() for p in queries)).backward()
+    opt.step()
+    fast2, slow2 = _no_grad_and_autograd(model, idx)
+    torch.testing.assert_close(fast2, slow2)
+    assert not torch.allclose(fast2, fast)  # the step changed the output
+
+    state = {k: v + 0.5 for k, v in model.state_dict().items() if "aggregations" in k}
+    model.load_state_dict(state, strict=False)
+    fast3, slow3 = _no_grad_and_autograd(model, idx)
+    torch.testing.assert_close(fast3, slow3)
+    assert not torch.allclose(fast3, fast2)
+
+    model.double()  # new storage and dtype: the kept float32 form must not be served
+    fast4, slow4 = _no_grad_and_autograd(model, idx)
+    assert fast4.dtype == torch.float64
+    torch.testing.assert_close(fast4, slow4)

@@ -28,6 +28,22 @@ from .streams import make_stream_module
 EPS = NORM_EPS
 
 
+def derived(owner: nn.Module, params: tuple[torch.Tensor, ...], make):
+    """make(), kept on `owner` while `params` are unchanged, for calls autograd does not
+    record (decoding, evaluation). There, remaking a pseudo-query's gained form at every
+    aggregation point of every step is pure dispatch cost. The key is each parameter's
+    storage, dtype, device and version (bumped by every in-place update: an optimizer step,
+    load_state_dict), so a changed parameter is never served a stale value."""
+    if torch.compiler.is_compiling() or (
+            torch.is_grad_enabled() and any(p.requires_grad for p in params)):
+        return make()
+    key = tuple((p.data_ptr(), p.dtype, p.device, p._version) for p in params)
+    kept = owner.__dict__.get("_derived")
+    if kept is None or kept[0] != key:
+        kept = owner.__dict__["_derived"] = (key, make())
+    return kept[1]
+
+
 class Attend(nn.Module):
     """AttnRes depth attention: h = sum_i alpha_i v_i, alpha from pseudo_query . RMSNorm(v_i).
 
@@ -61,9 +77,10 @@ class Attend(nn.Module):
         if phase1 is not None:
             return self.merge(phase1, slot, sources[0] if sources else None, norm_weight,
                               norm_eps)
-        q = self._query(sources)
+        q, gain = self._static() if self.query_proj is None else (self._query(sources),
+                                                                   self.gain)
         # A tuple, not a stack: the eager backend then saves no copy of the sources.
-        return ops.depth_attention(sources, q, self.gain, EPS,
+        return ops.depth_attention(sources, q, gain, EPS,
                                    key_norm=self.key_norm is not None, gate=self.gate,
                                    heads=self.heads, backend=self.backend, logits=logits)
 
@@ -72,6 +89,14 @@ class Attend(nn.Module):
         if self.query_proj is not None:
             q = q + self.query_proj(F.rms_norm(sources[-1], (self.d,), eps=EPS))
         return q
+
+    def _static(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the pseudo-query, the key-norm gain); without autograd, the gain folded into
+        the query once while both are unchanged (the backends fold it per call otherwise)."""
+        q, gain = self.pseudo_query, self.gain
+        if gain is None or torch.is_grad_enabled():
+            return q, gain
+        return derived(self, (q, gain), lambda: self.pseudo_query * self.gain), None
 
     def depth_weights(self, *sources: torch.Tensor) -> torch.Tensor:
         """alpha [n, *batch, heads]: the weight of each source (for diagnostics); the
@@ -92,7 +117,8 @@ class Attend(nn.Module):
         next sublayer's PreNorm (gain `norm_weight`) in the same op: returns RMSNorm(h),
         the sublayer's normalised input, not h."""
         o1, m1, s1 = phase1
-        args = (o1[slot], m1[slot], s1[slot], partial, self.pseudo_query, self.gain, EPS)
+        q, gain = self._static()
+        args = (o1[slot], m1[slot], s1[slot], partial, q, gain, EPS)
         if norm_eps is None:
             return ops.phase2(*args, key_norm=self.key_norm is not None, backend=self.backend)
         return ops.phase2_norm(*args, norm_weight=norm_weight, norm_eps=norm_eps,
@@ -121,14 +147,25 @@ class TwoPhase(nn.Module):
         self.backend = backend
 
     def forward(self, *completed: torch.Tensor, logits=None):
-        queries = torch.stack([m.pseudo_query for m in self.members])
-        gains = torch.stack([m.gain for m in self.members]) if self.has_key_norm else None
+        queries, gains = self._queries()
         o1, m1, s1 = ops.phase1(completed, queries, gains, EPS, key_norm=self.has_key_norm,
                                 heads=self.heads, backend=self.backend, logits=logits)
-        # Each member takes its own slice: split once here, so autograd gathers o1's
-        # gradient in one piece rather than zero-filling all of o1 for every member (the
-        # fused backend's o1 is already a tuple).
-        return (o1 if isinstance(o1, tuple) else o1.unbind(0)), m1, s1
+        # Each member takes its own slice: split once here, so autograd gathers each
+        # output's gradient in one piece rather than zero-filling all of it for every
+        # member (the fused backend's o1 is already a tuple).
+        return (o1 if isinstance(o1, tuple) else o1.unbind(0)), m1.unbind(0), s1.unbind(0)
+
+    def _queries(self):
+        """(the members' pseudo-queries [S, d], their key-norm gains [S, d] or None);
+        without autograd, the gains folded into the queries once while they are unchanged."""
+        members = self.members
+        if self.has_key_norm and not torch.is_grad_enabled():
+            params = tuple(p for m in members for p in (m.pseudo_query, m.gain))
+            return derived(self, params, lambda: torch.stack(
+                [m.pseudo_query * m.gain for m in members])), None
+        queries = torch.stack([m.pseudo_query for m in members])
+        gains = torch.stack([m.gain for m in members]) if self.has_key_norm else None
+        return queries, gains
 
     def extra_repr(self) -> str:
         return f"members={len(self.members)}"

@@ -39,9 +39,13 @@ EPS = NORM_EPS
 
 
 # ---- depth-attention kernels (restopo's eager backend)
+_HALF = (torch.float16, torch.bfloat16)
+
+
 def _weighted__acc(v: torch.Tensor) -> torch.dtype:
-    """The accumulation dtype for v: at least fp32."""
-    return torch.promote_types(v.dtype, torch.float32)
+    """The accumulation dtype for v: at least fp32. A Python test, not promote_types: that
+    is a dispatched op, paid at every aggregation point of a decoding step."""
+    return torch.float32 if v.dtype in _HALF else v.dtype
 
 
 class _Sink:
@@ -352,10 +356,16 @@ unstacked = SimpleNamespace(_rstd=_unstacked__rstd, _rstd_value=_unstacked__rstd
 
 
 def _stacked__rstd(v: torch.Tensor, eps: float) -> torch.Tensor:
-    """[*batch, 1]: 1 / RMS(v) over channels, in at least fp32 (a mean of squares: for the
-    tiny tensors of a decoding step, several times cheaper than vector_norm)."""
-    v = v.to(_weighted__acc(v))
-    return torch.rsqrt((v * v).mean(-1, keepdim=True) + eps)
+    """[*batch, 1]: 1 / RMS(v) over channels, in at least fp32. A norm and three in-place
+    ops: for the tiny tensors of a decoding step, a mean of squares costs several times
+    more (each op's dispatch, not its arithmetic, is the cost there)."""
+    n = torch.linalg.vector_norm(v, dim=-1, keepdim=True, dtype=_weighted__acc(v))
+    return n.square_().mul_(1.0 / v.shape[-1]).add_(eps).rsqrt_()
+
+
+def _stacked__as(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """v in `dtype`, without dispatching a no-op conversion when it already is."""
+    return v if v.dtype == dtype else v.to(dtype)
 
 
 def _stacked_without_grad(*tensors: torch.Tensor | None) -> bool:
@@ -364,79 +374,100 @@ def _stacked_without_grad(*tensors: torch.Tensor | None) -> bool:
         t is not None and t.requires_grad for t in tensors)
 
 
-def _stacked__stack(sources: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
-    return sources if isinstance(sources, torch.Tensor) else torch.stack(tuple(sources))
+def _stacked__beside(sources) -> tuple[torch.Tensor, torch.Size]:
+    """(the sources stacked next to the channels, [M, n, d] with M the batch's tokens; the
+    batch shape). Every token's sources are then one matrix: its logits one matmul, its
+    weighted sum one batched matmul."""
+    v = (sources.movedim(0, -2) if isinstance(sources, torch.Tensor)
+         else torch.stack(tuple(sources), -2))              # [*b, n, d]
+    return v.reshape(-1, *v.shape[-2:]), v.shape[:-2]
 
 
-def _stacked__by_head(v: torch.Tensor, heads: int) -> torch.Tensor:
-    """[n, *batch, d] -> [*batch, heads, n, c]: each head's sources as a matrix."""
-    return v.unflatten(-1, (heads, -1)).movedim(0, -2)
+def _stacked__by_head(v3: torch.Tensor, heads: int) -> torch.Tensor:
+    """[M, n, d] -> [M*H, n, c]: each head's sources as a matrix (a view for one head)."""
+    if heads == 1:
+        return v3
+    return v3.unflatten(-1, (heads, -1)).transpose(1, 2).flatten(0, 1)
 
 
-def _stacked__key_scale(v: torch.Tensor, eps: float) -> torch.Tensor:
-    """1 / RMS of each source, [n, *batch, d] -> [*batch, 1, n, 1] (broadcasts over heads)."""
-    return _stacked__rstd(v, eps).movedim(0, -2).unsqueeze(-3)
+def _stacked__scaled(z: torch.Tensor, v3: torch.Tensor, eps: float, heads: int) -> torch.Tensor:
+    """Logits z [M*H, n, k] of keys RMSNorm(v) from raw v [M, n, d]: times 1 / RMS(v_i)."""
+    r = _stacked__rstd(v3, eps)                                      # [M, n, 1]
+    return z.mul_(r if heads == 1 else r.repeat_interleave(heads, 0))
 
 
 def _stacked_depth_attention(sources, query: torch.Tensor, gained_query: torch.Tensor, eps: float, *,
                     key_norm: bool, gate: str, heads: int) -> torch.Tensor:
     """h = sum_i alpha_i v_i over the stacked sources; `gained_query` is [d] or [*batch, d]
     with the key-norm gain folded in."""
-    v = _stacked__stack(sources)                                     # [n, *batch, d]
-    acc = _weighted__acc(v)
-    vh = _stacked__by_head(v, heads)                                 # [*batch, H, n, c]
-    q = gained_query.unflatten(-1, (heads, -1)).unsqueeze(-1).to(acc)  # [(*batch,) H, c, 1]
-    z = vh.to(acc) @ q                                      # [*batch, H, n, 1]
-    if key_norm:
-        z = z * _stacked__key_scale(v, eps)
-    alpha = torch.softmax(z, dim=-2) if gate == "softmax" else torch.sigmoid(z)
-    return (alpha.transpose(-1, -2).to(v.dtype) @ vh).squeeze(-2).flatten(-2)
+    v3, batch = _stacked__beside(sources)                            # [M, n, d]
+    d, acc = v3.shape[-1], _weighted__acc(v3)
+    vh = _stacked__by_head(v3, heads)                                # [M*H, n, c]
+    q = _stacked__as(gained_query, acc)
+    if q.dim() > 1:  # a query per token
+        z = torch.bmm(_stacked__as(vh, acc), q.reshape(vh.shape[0], -1, 1))
+    elif heads == 1:  # one static query: one matrix-vector product
+        z = (_stacked__as(vh, acc) @ q).unsqueeze(-1)
+    else:
+        z = (_stacked__as(vh, acc).unflatten(0, (-1, heads)) @ q.view(heads, -1, 1)).flatten(0, 1)
+    if key_norm:                                            # z: [M*H, n, 1]
+        z = _stacked__scaled(z, v3, eps, heads)
+    alpha = torch.softmax(z, dim=1) if gate == "softmax" else torch.sigmoid(z)
+    return torch.bmm(_stacked__as(alpha, v3.dtype).mT, vh).view(*batch, d)
 
 
 def _stacked_phase1(completed, gained_queries: torch.Tensor, eps: float, *, key_norm: bool,
            heads: int):
     """Phase 1 over the stacked completed blocks: (o1 [S,*b,d], m1 [S,*b,H], s1 [S,*b,H])."""
-    v = _stacked__stack(completed)                                   # [n, *batch, d]
-    acc = _weighted__acc(v)
-    vh = _stacked__by_head(v, heads)                                 # [*batch, H, n, c]
-    q = gained_queries.unflatten(-1, (heads, -1)).permute(1, 2, 0).to(acc)  # [H, c, S]
-    z = vh.to(acc) @ q                                      # [*batch, H, n, S]
+    v3, batch = _stacked__beside(completed)                          # [M, n, d]
+    (S, d), acc = gained_queries.shape, _weighted__acc(v3)
+    vh = _stacked__by_head(v3, heads)                                # [M*H, n, c]
+    q = _stacked__as(gained_queries.view(S, heads, -1).permute(1, 2, 0), acc)  # [H, c, S]
+    if heads == 1:
+        z = _stacked__as(vh, acc) @ q[0]                             # [M, n, S]: one mm
+    else:
+        z = (_stacked__as(vh, acc).unflatten(0, (-1, heads)) @ q).flatten(0, 1)  # [M*H, n, S]
     if key_norm:
-        z = z * _stacked__key_scale(v, eps)
-    m1 = z.amax(-2, keepdim=True)                           # [*batch, H, 1, S]
-    e = torch.exp(z - m1)
-    o1 = e.transpose(-1, -2).to(v.dtype) @ vh               # [*batch, H, S, c]
-    return (o1.movedim(-2, 0).flatten(-2), m1.squeeze(-2).movedim(-1, 0),
-            e.sum(-2).movedim(-1, 0))
+        z = _stacked__scaled(z, v3, eps, heads)
+    m = z.amax(1, keepdim=True)                             # [M*H, 1, S]
+    e = z.sub_(m).exp_()
+    o1 = torch.bmm(_stacked__as(e, v3.dtype).mT, vh)                 # [M*H, S, c]
+    s1 = e.sum(1)                                           # [M*H, S]
+
+    def by_query(x):  # [M*H, S, ...] -> [S, *b, H, ...]
+        x = x.unflatten(0, (-1, heads))
+        return x.permute(2, 0, 1, *range(3, x.dim())).unflatten(1, batch)
+
+    return by_query(o1).flatten(-2), by_query(m.squeeze(1)), by_query(s1)
 
 
 def _stacked_phase2(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor, partial: torch.Tensor | None,
            gained_query: torch.Tensor, eps: float, *, key_norm: bool) -> torch.Tensor:
     """Phase 2 (the partial merged into phase 1's result by online softmax) in as few ops
-    as the maths allows: the per-token weights of o1 and the partial, then one sum."""
+    as the maths allows. With two terms the softmax is a sigmoid: the partial's weight is
+    w = sigmoid(z2 - (m1 + log s1)), phase 1's log-sum-exp against the partial's logit, and
+    h = (1 - w) * o1 / s1 + w * partial, one lerp."""
     heads = m1.shape[-1]
+    dtype = o1.dtype
     if heads == 1:  # [*batch, 1] weights broadcast over d as they are
         if partial is None:
-            return o1 / s1.to(o1.dtype)
-        z2 = (partial @ gained_query.to(partial.dtype)).unsqueeze(-1).to(_weighted__acc(partial))
+            return o1 / _stacked__as(s1, dtype)
+        z2 = _stacked__as((partial @ _stacked__as(gained_query, partial.dtype)).unsqueeze(-1), _weighted__acc(partial))
     else:
         if partial is None:
-            return (o1.unflatten(-1, (heads, -1)) / s1.unsqueeze(-1).to(o1.dtype)).flatten(-2)
+            return (o1.unflatten(-1, (heads, -1)) / _stacked__as(s1, dtype).unsqueeze(-1)).flatten(-2)
         q = gained_query.unflatten(-1, (heads, -1))
         z2 = (partial.unflatten(-1, (heads, -1)) * q).sum(-1, dtype=_weighted__acc(partial))
     if key_norm:
         z2 = z2 * _stacked__rstd(partial, eps)
-    m = torch.maximum(m1, z2)
-    a, b = torch.exp(m1 - m), torch.exp(z2 - m)
-    den = a * s1 + b
-    a, b = (a / den).to(o1.dtype), (b / den).to(partial.dtype)
+    w = _stacked__as(torch.sigmoid_(z2.sub(m1).sub_(s1.log())), dtype)
     if heads == 1:
-        return o1 * a + partial * b
-    return (o1.unflatten(-1, (heads, -1)) * a.unsqueeze(-1)
-            + partial.unflatten(-1, (heads, -1)) * b.unsqueeze(-1)).flatten(-2)
+        return torch.lerp(o1 / _stacked__as(s1, dtype), partial, w)
+    return torch.lerp(o1.unflatten(-1, (heads, -1)) / _stacked__as(s1, dtype).unsqueeze(-1),
+                      partial.unflatten(-1, (heads, -1)), w.unsqueeze(-1)).flatten(-2)
 
 
-stacked = SimpleNamespace(_by_head=_stacked__by_head, _key_scale=_stacked__key_scale, _rstd=_stacked__rstd, _stack=_stacked__stack, depth_attention=_stacked_depth_attention, phase1=_stacked_phase1, phase2=_stacked_phase2, without_grad=_stacked_without_grad)
+stacked = SimpleNamespace(_as=_stacked__as, _beside=_stacked__beside, _by_head=_stacked__by_head, _rstd=_stacked__rstd, _scaled=_stacked__scaled, depth_attention=_stacked_depth_attention, phase1=_stacked_phase1, phase2=_stacked_phase2, without_grad=_stacked_without_grad)
 
 
 def keys(sources: torch.Tensor, eps: float, key_norm: bool = True) -> torch.Tensor:
@@ -718,6 +749,22 @@ class Head(nn.Module):
 
 # ---- aggregation modules (restopo.nn.aggregate)
 
+def derived(owner: nn.Module, params: tuple[torch.Tensor, ...], make):
+    """make(), kept on `owner` while `params` are unchanged, for calls autograd does not
+    record (decoding, evaluation). There, remaking a pseudo-query's gained form at every
+    aggregation point of every step is pure dispatch cost. The key is each parameter's
+    storage, dtype, device and version (bumped by every in-place update: an optimizer step,
+    load_state_dict), so a changed parameter is never served a stale value."""
+    if torch.compiler.is_compiling() or (
+            torch.is_grad_enabled() and any(p.requires_grad for p in params)):
+        return make()
+    key = tuple((p.data_ptr(), p.dtype, p.device, p._version) for p in params)
+    kept = owner.__dict__.get("_derived")
+    if kept is None or kept[0] != key:
+        kept = owner.__dict__["_derived"] = (key, make())
+    return kept[1]
+
+
 class Attend(nn.Module):
     """AttnRes depth attention: h = sum_i alpha_i v_i, alpha from pseudo_query . RMSNorm(v_i).
 
@@ -751,9 +798,10 @@ class Attend(nn.Module):
         if phase1 is not None:
             return self.merge(phase1, slot, sources[0] if sources else None, norm_weight,
                               norm_eps)
-        q = self._query(sources)
+        q, gain = self._static() if self.query_proj is None else (self._query(sources),
+                                                                   self.gain)
         # A tuple, not a stack: the eager backend then saves no copy of the sources.
-        return ops.depth_attention(sources, q, self.gain, EPS,
+        return ops.depth_attention(sources, q, gain, EPS,
                                    key_norm=self.key_norm is not None, gate=self.gate,
                                    heads=self.heads, backend=self.backend, logits=logits)
 
@@ -762,6 +810,14 @@ class Attend(nn.Module):
         if self.query_proj is not None:
             q = q + self.query_proj(F.rms_norm(sources[-1], (self.d,), eps=EPS))
         return q
+
+    def _static(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the pseudo-query, the key-norm gain); without autograd, the gain folded into
+        the query once while both are unchanged (the backends fold it per call otherwise)."""
+        q, gain = self.pseudo_query, self.gain
+        if gain is None or torch.is_grad_enabled():
+            return q, gain
+        return derived(self, (q, gain), lambda: self.pseudo_query * self.gain), None
 
     def depth_weights(self, *sources: torch.Tensor) -> torch.Tensor:
         """alpha [n, *batch, heads]: the weight of each source (for diagnostics); the
@@ -782,7 +838,8 @@ class Attend(nn.Module):
         next sublayer's PreNorm (gain `norm_weight`) in the same op: returns RMSNorm(h),
         the sublayer's normalised input, not h."""
         o1, m1, s1 = phase1
-        args = (o1[slot], m1[slot], s1[slot], partial, self.pseudo_query, self.gain, EPS)
+        q, gain = self._static()
+        args = (o1[slot], m1[slot], s1[slot], partial, q, gain, EPS)
         if norm_eps is None:
             return ops.phase2(*args, key_norm=self.key_norm is not None, backend=self.backend)
         return ops.phase2_norm(*args, norm_weight=norm_weight, norm_eps=norm_eps,
@@ -811,14 +868,25 @@ class TwoPhase(nn.Module):
         self.backend = backend
 
     def forward(self, *completed: torch.Tensor, logits=None):
-        queries = torch.stack([m.pseudo_query for m in self.members])
-        gains = torch.stack([m.gain for m in self.members]) if self.has_key_norm else None
+        queries, gains = self._queries()
         o1, m1, s1 = ops.phase1(completed, queries, gains, EPS, key_norm=self.has_key_norm,
                                 heads=self.heads, backend=self.backend, logits=logits)
-        # Each member takes its own slice: split once here, so autograd gathers o1's
-        # gradient in one piece rather than zero-filling all of o1 for every member (the
-        # fused backend's o1 is already a tuple).
-        return (o1 if isinstance(o1, tuple) else o1.unbind(0)), m1, s1
+        # Each member takes its own slice: split once here, so autograd gathers each
+        # output's gradient in one piece rather than zero-filling all of it for every
+        # member (the fused backend's o1 is already a tuple).
+        return (o1 if isinstance(o1, tuple) else o1.unbind(0)), m1.unbind(0), s1.unbind(0)
+
+    def _queries(self):
+        """(the members' pseudo-queries [S, d], their key-norm gains [S, d] or None);
+        without autograd, the gains folded into the queries once while they are unchanged."""
+        members = self.members
+        if self.has_key_norm and not torch.is_grad_enabled():
+            params = tuple(p for m in members for p in (m.pseudo_query, m.gain))
+            return derived(self, params, lambda: torch.stack(
+                [m.pseudo_query * m.gain for m in members])), None
+        queries = torch.stack([m.pseudo_query for m in members])
+        gains = torch.stack([m.gain for m in members]) if self.has_key_norm else None
+        return queries, gains
 
     def extra_repr(self) -> str:
         return f"members={len(self.members)}"

@@ -38,9 +38,13 @@ EPS = NORM_EPS
 
 
 # ---- depth-attention kernels (restopo's eager backend)
+_HALF = (torch.float16, torch.bfloat16)
+
+
 def _weighted__acc(v: torch.Tensor) -> torch.dtype:
-    """The accumulation dtype for v: at least fp32."""
-    return torch.promote_types(v.dtype, torch.float32)
+    """The accumulation dtype for v: at least fp32. A Python test, not promote_types: that
+    is a dispatched op, paid at every aggregation point of a decoding step."""
+    return torch.float32 if v.dtype in _HALF else v.dtype
 
 
 class _Sink:
@@ -351,10 +355,16 @@ unstacked = SimpleNamespace(_rstd=_unstacked__rstd, _rstd_value=_unstacked__rstd
 
 
 def _stacked__rstd(v: torch.Tensor, eps: float) -> torch.Tensor:
-    """[*batch, 1]: 1 / RMS(v) over channels, in at least fp32 (a mean of squares: for the
-    tiny tensors of a decoding step, several times cheaper than vector_norm)."""
-    v = v.to(_weighted__acc(v))
-    return torch.rsqrt((v * v).mean(-1, keepdim=True) + eps)
+    """[*batch, 1]: 1 / RMS(v) over channels, in at least fp32. A norm and three in-place
+    ops: for the tiny tensors of a decoding step, a mean of squares costs several times
+    more (each op's dispatch, not its arithmetic, is the cost there)."""
+    n = torch.linalg.vector_norm(v, dim=-1, keepdim=True, dtype=_weighted__acc(v))
+    return n.square_().mul_(1.0 / v.shape[-1]).add_(eps).rsqrt_()
+
+
+def _stacked__as(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """v in `dtype`, without dispatching a no-op conversion when it already is."""
+    return v if v.dtype == dtype else v.to(dtype)
 
 
 def _stacked_without_grad(*tensors: torch.Tensor | None) -> bool:
@@ -363,79 +373,100 @@ def _stacked_without_grad(*tensors: torch.Tensor | None) -> bool:
         t is not None and t.requires_grad for t in tensors)
 
 
-def _stacked__stack(sources: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
-    return sources if isinstance(sources, torch.Tensor) else torch.stack(tuple(sources))
+def _stacked__beside(sources) -> tuple[torch.Tensor, torch.Size]:
+    """(the sources stacked next to the channels, [M, n, d] with M the batch's tokens; the
+    batch shape). Every token's sources are then one matrix: its logits one matmul, its
+    weighted sum one batched matmul."""
+    v = (sources.movedim(0, -2) if isinstance(sources, torch.Tensor)
+         else torch.stack(tuple(sources), -2))              # [*b, n, d]
+    return v.reshape(-1, *v.shape[-2:]), v.shape[:-2]
 
 
-def _stacked__by_head(v: torch.Tensor, heads: int) -> torch.Tensor:
-    """[n, *batch, d] -> [*batch, heads, n, c]: each head's sources as a matrix."""
-    return v.unflatten(-1, (heads, -1)).movedim(0, -2)
+def _stacked__by_head(v3: torch.Tensor, heads: int) -> torch.Tensor:
+    """[M, n, d] -> [M*H, n, c]: each head's sources as a matrix (a view for one head)."""
+    if heads == 1:
+        return v3
+    return v3.unflatten(-1, (heads, -1)).transpose(1, 2).flatten(0, 1)
 
 
-def _stacked__key_scale(v: torch.Tensor, eps: float) -> torch.Tensor:
-    """1 / RMS of each source, [n, *batch, d] -> [*batch, 1, n, 1] (broadcasts over heads)."""
-    return _stacked__rstd(v, eps).movedim(0, -2).unsqueeze(-3)
+def _stacked__scaled(z: torch.Tensor, v3: torch.Tensor, eps: float, heads: int) -> torch.Tensor:
+    """Logits z [M*H, n, k] of keys RMSNorm(v) from raw v [M, n, d]: times 1 / RMS(v_i)."""
+    r = _stacked__rstd(v3, eps)                                      # [M, n, 1]
+    return z.mul_(r if heads == 1 else r.repeat_interleave(heads, 0))
 
 
 def _stacked_depth_attention(sources, query: torch.Tensor, gained_query: torch.Tensor, eps: float, *,
                     key_norm: bool, gate: str, heads: int) -> torch.Tensor:
     """h = sum_i alpha_i v_i over the stacked sources; `gained_query` is [d] or [*batch, d]
     with the key-norm gain folded in."""
-    v = _stacked__stack(sources)                                     # [n, *batch, d]
-    acc = _weighted__acc(v)
-    vh = _stacked__by_head(v, heads)                                 # [*batch, H, n, c]
-    q = gained_query.unflatten(-1, (heads, -1)).unsqueeze(-1).to(acc)  # [(*batch,) H, c, 1]
-    z = vh.to(acc) @ q                                      # [*batch, H, n, 1]
-    if key_norm:
-        z = z * _stacked__key_scale(v, eps)
-    alpha = torch.softmax(z, dim=-2) if gate == "softmax" else torch.sigmoid(z)
-    return (alpha.transpose(-1, -2).to(v.dtype) @ vh).squeeze(-2).flatten(-2)
+    v3, batch = _stacked__beside(sources)                            # [M, n, d]
+    d, acc = v3.shape[-1], _weighted__acc(v3)
+    vh = _stacked__by_head(v3, heads)                                # [M*H, n, c]
+    q = _stacked__as(gained_query, acc)
+    if q.dim() > 1:  # a query per token
+        z = torch.bmm(_stacked__as(vh, acc), q.reshape(vh.shape[0], -1, 1))
+    elif heads == 1:  # one static query: one matrix-vector product
+        z = (_stacked__as(vh, acc) @ q).unsqueeze(-1)
+    else:
+        z = (_stacked__as(vh, acc).unflatten(0, (-1, heads)) @ q.view(heads, -1, 1)).flatten(0, 1)
+    if key_norm:                                            # z: [M*H, n, 1]
+        z = _stacked__scaled(z, v3, eps, heads)
+    alpha = torch.softmax(z, dim=1) if gate == "softmax" else torch.sigmoid(z)
+    return torch.bmm(_stacked__as(alpha, v3.dtype).mT, vh).view(*batch, d)
 
 
 def _stacked_phase1(completed, gained_queries: torch.Tensor, eps: float, *, key_norm: bool,
            heads: int):
     """Phase 1 over the stacked completed blocks: (o1 [S,*b,d], m1 [S,*b,H], s1 [S,*b,H])."""
-    v = _stacked__stack(completed)                                   # [n, *batch, d]
-    acc = _weighted__acc(v)
-    vh = _stacked__by_head(v, heads)                                 # [*batch, H, n, c]
-    q = gained_queries.unflatten(-1, (heads, -1)).permute(1, 2, 0).to(acc)  # [H, c, S]
-    z = vh.to(acc) @ q                                      # [*batch, H, n, S]
+    v3, batch = _stacked__beside(completed)                          # [M, n, d]
+    (S, d), acc = gained_queries.shape, _weighted__acc(v3)
+    vh = _stacked__by_head(v3, heads)                                # [M*H, n, c]
+    q = _stacked__as(gained_queries.view(S, heads, -1).permute(1, 2, 0), acc)  # [H, c, S]
+    if heads == 1:
+        z = _stacked__as(vh, acc) @ q[0]                             # [M, n, S]: one mm
+    else:
+        z = (_stacked__as(vh, acc).unflatten(0, (-1, heads)) @ q).flatten(0, 1)  # [M*H, n, S]
     if key_norm:
-        z = z * _stacked__key_scale(v, eps)
-    m1 = z.amax(-2, keepdim=True)                           # [*batch, H, 1, S]
-    e = torch.exp(z - m1)
-    o1 = e.transpose(-1, -2).to(v.dtype) @ vh               # [*batch, H, S, c]
-    return (o1.movedim(-2, 0).flatten(-2), m1.squeeze(-2).movedim(-1, 0),
-            e.sum(-2).movedim(-1, 0))
+        z = _stacked__scaled(z, v3, eps, heads)
+    m = z.amax(1, keepdim=True)                             # [M*H, 1, S]
+    e = z.sub_(m).exp_()
+    o1 = torch.bmm(_stacked__as(e, v3.dtype).mT, vh)                 # [M*H, S, c]
+    s1 = e.sum(1)                                           # [M*H, S]
+
+    def by_query(x):  # [M*H, S, ...] -> [S, *b, H, ...]
+        x = x.unflatten(0, (-1, heads))
+        return x.permute(2, 0, 1, *range(3, x.dim())).unflatten(1, batch)
+
+    return by_query(o1).flatten(-2), by_query(m.squeeze(1)), by_query(s1)
 
 
 def _stacked_phase2(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor, partial: torch.Tensor | None,
            gained_query: torch.Tensor, eps: float, *, key_norm: bool) -> torch.Tensor:
     """Phase 2 (the partial merged into phase 1's result by online softmax) in as few ops
-    as the maths allows: the per-token weights of o1 and the partial, then one sum."""
+    as the maths allows. With two terms the softmax is a sigmoid: the partial's weight is
+    w = sigmoid(z2 - (m1 + log s1)), phase 1's log-sum-exp against the partial's logit, and
+    h = (1 - w) * o1 / s1 + w * partial, one lerp."""
     heads = m1.shape[-1]
+    dtype = o1.dtype
     if heads == 1:  # [*batch, 1] weights broadcast over d as they are
         if partial is None:
-            return o1 / s1.to(o1.dtype)
-        z2 = (partial @ gained_query.to(partial.dtype)).unsqueeze(-1).to(_weighted__acc(partial))
+            return o1 / _stacked__as(s1, dtype)
+        z2 = _stacked__as((partial @ _stacked__as(gained_query, partial.dtype)).unsqueeze(-1), _weighted__acc(partial))
     else:
         if partial is None:
-            return (o1.unflatten(-1, (heads, -1)) / s1.unsqueeze(-1).to(o1.dtype)).flatten(-2)
+            return (o1.unflatten(-1, (heads, -1)) / _stacked__as(s1, dtype).unsqueeze(-1)).flatten(-2)
         q = gained_query.unflatten(-1, (heads, -1))
         z2 = (partial.unflatten(-1, (heads, -1)) * q).sum(-1, dtype=_weighted__acc(partial))
     if key_norm:
         z2 = z2 * _stacked__rstd(partial, eps)
-    m = torch.maximum(m1, z2)
-    a, b = torch.exp(m1 - m), torch.exp(z2 - m)
-    den = a * s1 + b
-    a, b = (a / den).to(o1.dtype), (b / den).to(partial.dtype)
+    w = _stacked__as(torch.sigmoid_(z2.sub(m1).sub_(s1.log())), dtype)
     if heads == 1:
-        return o1 * a + partial * b
-    return (o1.unflatten(-1, (heads, -1)) * a.unsqueeze(-1)
-            + partial.unflatten(-1, (heads, -1)) * b.unsqueeze(-1)).flatten(-2)
+        return torch.lerp(o1 / _stacked__as(s1, dtype), partial, w)
+    return torch.lerp(o1.unflatten(-1, (heads, -1)) / _stacked__as(s1, dtype).unsqueeze(-1),
+                      partial.unflatten(-1, (heads, -1)), w.unsqueeze(-1)).flatten(-2)
 
 
-stacked = SimpleNamespace(_by_head=_stacked__by_head, _key_scale=_stacked__key_scale, _rstd=_stacked__rstd, _stack=_stacked__stack, depth_attention=_stacked_depth_attention, phase1=_stacked_phase1, phase2=_stacked_phase2, without_grad=_stacked_without_grad)
+stacked = SimpleNamespace(_as=_stacked__as, _beside=_stacked__beside, _by_head=_stacked__by_head, _rstd=_stacked__rstd, _scaled=_stacked__scaled, depth_attention=_stacked_depth_attention, phase1=_stacked_phase1, phase2=_stacked_phase2, without_grad=_stacked_without_grad)
 
 
 def keys(sources: torch.Tensor, eps: float, key_norm: bool = True) -> torch.Tensor:
