@@ -9,8 +9,6 @@ the sources' dtype), held against them in tests/test_ops_stacked.py.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 from .weighted import _acc
@@ -81,7 +79,7 @@ def phase1(completed, gained_queries: torch.Tensor, eps: float, *, key_norm: boo
            heads: int):
     """Phase 1 over the stacked completed blocks: (o1 [S,*b,d], m1 [S,*b,H], s1 [S,*b,H])."""
     v3, batch = _beside(completed)                          # [M, n, d]
-    (S, d), acc = gained_queries.shape, _acc(v3)
+    S, acc = gained_queries.shape[0], _acc(v3)
     vh = _by_head(v3, heads)                                # [M*H, n, c]
     q = _as(gained_queries.view(S, heads, -1).permute(1, 2, 0), acc)  # [H, c, S]
     if heads == 1:

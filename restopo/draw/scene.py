@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..ir import (IR, Aggregation, BlockSum, Embedding, Head, Partial, Streams, Sublayer,
+from ..ir import (IR, Aggregation, BlockSum, Head, Partial, Streams,
                   two_phase_plan)
 
 # columns, left to right: completed values, phase 1 (or streams), aggregation, partial

@@ -237,7 +237,7 @@ def save_sharded(root: str | os.PathLike, step: int, named, optimizer, state: di
     place and moves `latest`; it then verifies the checkpoint and prunes older ones, as
     `save_checkpoint` does. A crash before the rename leaves `latest` on the previous
     checkpoint. Every rank raises CheckpointError if any rank failed."""
-    from .shards import build_index, share
+    from .shards import share
 
     root = Path(root)
     final = root / step_dir_name(step)

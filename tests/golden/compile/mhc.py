@@ -425,7 +425,7 @@ def _stacked_phase1(completed, gained_queries: torch.Tensor, eps: float, *, key_
            heads: int):
     """Phase 1 over the stacked completed blocks: (o1 [S,*b,d], m1 [S,*b,H], s1 [S,*b,H])."""
     v3, batch = _stacked__beside(completed)                          # [M, n, d]
-    (S, d), acc = gained_queries.shape, _weighted__acc(v3)
+    S, acc = gained_queries.shape[0], _weighted__acc(v3)
     vh = _stacked__by_head(v3, heads)                                # [M*H, n, c]
     q = _stacked__as(gained_queries.view(S, heads, -1).permute(1, 2, 0), acc)  # [H, c, S]
     if heads == 1:
