@@ -111,4 +111,4 @@ def direct(model: nn.Module) -> fx.GraphModule:
     `Attend.depth_weights`)."""
     gm = lowered(model)
     return lower(gm.restopo_ir, parts_of(gm), backend=gm.backend, two_phase=False,
-                 aggregations=gm.aggregations)
+                 aggregations=gm.aggregations, share=False)

@@ -111,7 +111,7 @@ class Decoder:
                                  context=StepRotary(rotary, self.step),
                                  context_names=parts.context_names),
                            backend=gm.backend, two_phase=len(gm.phases) > 0,
-                           aggregations=gm.aggregations)
+                           aggregations=gm.aggregations, share=False)
         self.fixed = compile if fixed is None else fixed
         self.run = torch.compile(self.graph, dynamic=False) if compile else self.graph
 

@@ -158,3 +158,34 @@ def test_compiled_decoding_equals_uncached(topology):
     idx = tokens()
     want, _ = uncached_greedy(model, idx, 8)
     assert torch.equal(restopo.generate(model, idx, 8, temperature=0, compile=True), want)
+
+
+@pytest.mark.parametrize("topology", ["full_attnres", "block_attnres(blocks: 2)"])
+def test_views_of_a_model_leave_no_hooks_on_its_modules(topology):
+    """A decoder, a direct() view and the standalone writer lower the model's own
+    aggregation modules again; none may leave a hook on them (each generate() call would
+    add one more to every later forward), and the model still shares its logits."""
+    from restopo.api import direct
+    from restopo.commands.standalone import module_source
+
+    model = model_for(topology)
+    idx = tokens()
+
+    def hooks():
+        return [len(m._forward_pre_hooks) for m in model.modules()]
+
+    before = hooks()
+    assert sum(before) > 0  # the model's own readers share logits through hooks
+    with torch.no_grad():
+        want = model(idx)
+    for _ in range(3):
+        restopo.generate(model, idx, max_new_tokens=2, temperature=0)
+        direct(model)
+        module_source(model, "m", "test")
+    assert hooks() == before
+    shared = model.restopo_shared
+    seen = []
+    real = shared._make
+    shared._make = lambda *a, **k: seen.append(1) or real(*a, **k)
+    torch.testing.assert_close(model(idx), want)  # with autograd: the shared path
+    assert seen, "the model's readers still share their sources' logits"

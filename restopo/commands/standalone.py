@@ -228,7 +228,7 @@ def module_source(model, name: str, source: str) -> str:
     # the file runs the eager backend, so its forward is the eager lowering's (a fused
     # backend's lowering hands the sublayers' norms to phase 2)
     code = lower(g, parts, backend="eager", two_phase=len(model.phases) > 0,
-                 aggregations=model.aggregations).code
+                 aggregations=model.aggregations, share=False).code
     forward = "\n".join(("    " + line) if line.strip() else ""
                         for line in code.strip("\n").splitlines())
     parts = [head, _kernels(), OPS, "\n# ---- sublayers (restopo.nn.sublayers)\n\n",

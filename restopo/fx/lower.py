@@ -48,13 +48,17 @@ SUBMODULES = ("embed", "context", "sublayers", "aggregations", "phases", "expand
 
 
 def lower(g: IR, parts: Parts, backend: str = "auto", two_phase: bool = True,
-          aggregations: nn.ModuleList | None = None) -> fx.GraphModule:
+          aggregations: nn.ModuleList | None = None, share: bool = True) -> fx.GraphModule:
     """The GraphModule computing `parts` wired as the IR `g` says: forward(idx) -> logits.
 
     backend: auto | eager | triton, for the aggregation ops. two_phase=False lowers every
     aggregation directly (the same function; used to test the two-phase plan against it).
     aggregations: reuse these aggregation modules (one per aggregation node, in order)
     instead of making fresh ones, e.g. to view a trained model without the two-phase plan.
+    share: let readers share each source's logits when training (restopo.nn.shared_sources).
+    Its hooks go on the reader modules, so a lowering that reuses another model's modules
+    and never trains (a decoder, a view, a writer of source) passes False: else every such
+    lowering would leave one more hook on that model's modules.
     """
     ops.check_backend(backend)
     if backend == "triton":
@@ -97,7 +101,8 @@ def lower(g: IR, parts: Parts, backend: str = "auto", two_phase: bool = True,
     gm.restopo_ir = g
     gm.restopo_context_names = emitter.context_names
     gm.backend = backend
-    _share_logits(gm, g, plan)
+    if share:
+        _share_logits(gm, g, plan)
     return gm
 
 
