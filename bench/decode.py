@@ -13,6 +13,7 @@ masked length).
     python bench/decode.py                    # width 512, depth 12, batch 1 and 16, CPU
     python bench/decode.py --quick            # a CI-size smoke run
     python bench/decode.py --batch 1 --no-compile --rounds 5
+    python bench/decode.py --count-ops        # torch ops per one-token eager step instead
 """
 from __future__ import annotations
 
@@ -45,6 +46,9 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cpu")
     p.add_argument("--no-compile", action="store_true", help="eager mode only")
     p.add_argument("--compile-only", action="store_true", help="torch.compile mode only")
+    p.add_argument("--count-ops", action="store_true",
+                   help="count the torch ops one eager one-token step dispatches, per "
+                        "topology, instead of timing (the same on every machine)")
     p.add_argument("--quick", action="store_true",
                    help="tiny smoke run: width 64, depth 4, batch 1 and 2, 8 + 8 tokens")
     args = p.parse_args(argv)
@@ -110,6 +114,44 @@ def measure(args, mode: str, models: dict, batch: int) -> dict:
     return per_token
 
 
+def count_ops(args, models: dict, batch: int) -> dict:
+    """Per topology: a Counter of the aten ops one eager one-token step dispatches."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    out = {}
+    for name, model in models.items():
+        decoder = Decoder(model, batch, args.prompt + 1)
+        prompt = torch.zeros(batch, args.prompt, dtype=torch.long, device=args.device)
+        token = decoder(prompt).argmax(-1, keepdim=True)
+        with Count() as count:
+            decoder(token)
+        out[name] = count.ops
+    return out
+
+
+def print_op_counts(args, ms: dict) -> None:
+    for batch in args.batch:
+        counts = count_ops(args, ms, batch)
+        base = counts["standard"]
+        print(f"\nbatch {batch}: torch ops per eager one-token step")
+        for name, ops in counts.items():
+            extra = ops - base
+            top = ", ".join(f"{op} {n}" for op, n in extra.most_common(6))
+            print(f"  {name:10} {sum(ops.values()):6d}  beyond standard "
+                  f"{sum(extra.values()):5d}" + (f"  ({top}, ...)" if top else ""))
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.threads:
@@ -124,6 +166,10 @@ def main(argv=None) -> int:
           f"{args.heads}, vocab {args.vocab}, prompt {args.prompt}, new {args.new}, "
           f"device {args.device}, threads {torch.get_num_threads()}, torch {torch.__version__}")
     print("parameters: " + ", ".join(f"{n} {p:,}" for n, p in params.items()))
+    if args.count_ops:
+        with torch.no_grad():
+            print_op_counts(args, ms)
+        return 0
     rows = []
     with torch.no_grad():
         for batch in args.batch:

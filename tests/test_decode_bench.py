@@ -1,0 +1,38 @@
+"""bench/decode.py: the timed smoke run, and its op count of one eager decoding step."""
+import importlib.util
+from pathlib import Path
+
+import torch
+
+
+def _bench():
+    path = Path(__file__).resolve().parents[1] / "bench" / "decode.py"
+    spec = importlib.util.spec_from_file_location("decode_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def test_decode_bench_quick_prints_ratios(capsys):
+    assert _bench().main(["--quick", "--no-compile", "--batch", "1"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()
+            if line.lstrip().startswith("1 eager")]
+    assert [r[2] for r in rows] == ["standard", "full", "block2"]
+    assert rows[0][4] == "1.000" and all(float(r[3]) > 0 for r in rows)
+
+
+def test_one_decoding_step_stays_within_its_op_budget():
+    """Each op of a one-token step is a dispatch on the CPU and a kernel launch on a GPU,
+    so an aggregation point's op count is its decode cost there. Budget per point, beyond
+    the standard model's: 20 for Full and 24 for Block AttnRes (they were 30 before the
+    stacked forms were trimmed), and no dtype conversion or promotion in a float32 model."""
+    bench = _bench()
+    args = bench.parse_args(["--quick"])
+    with torch.no_grad():
+        counts = bench.count_ops(args, bench.models(args), batch=1)
+    points = 2 * args.depth + 1  # one aggregation point per sublayer, and the head's
+    for name, budget in (("full", 20), ("block2", 24)):
+        extra = counts[name] - counts["standard"]
+        assert 0 < sum(extra.values()) <= budget * points, (name, extra.most_common(8))
+        for op in ("promote_types", "_to_copy", "to"):
+            assert counts[name][op] == 0, (name, op)
