@@ -1,8 +1,9 @@
 """Run the IR eagerly: the walk's visitor that calls a model's modules directly.
 
 The fx lowering writes the same steps down as a graph; this runs them at once. It serves a
-pipeline chunk (a span of sublayers, values from outside the span provided by the chunk)
-and diagnostics (which record what each step saw).
+pipeline chunk (a span of sublayers, values from outside the span provided by the chunk;
+backends/pipeline/stage.py) and the walk's tests. Diagnostics have a visitor of their own
+(restopo.train.diagnose's replay of what each step saw).
 """
 from __future__ import annotations
 
