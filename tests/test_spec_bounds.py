@@ -121,6 +121,11 @@ def test_many_errors_are_reported_in_one_pass_and_capped(tmp_path, capsys):
     # a bound added with multi-stream residuals: every forward runs all the iterations and
     # the backward keeps two tensors per iteration (1e9 was accepted and never finished a step)
     ("residual=mhc(streams: 4, sinkhorn: 1000000000)", "'sinkhorn' must be at most 1000"),
+    # a pipeline's microbatches cut the batch: check passed 10^9, which train refused
+    ("parallel=pipeline(stages: 2, microbatches: 1000000000)",
+     "microbatches (1000000000) must divide train.batch (16)"),
+    ("parallel=pipeline(stages: 3)", "stages (3), the number of microbatches when none is "
+                                     "given, must divide train.batch (16)"),
 ])
 def test_check_refuses_what_train_cannot_run(override, words, capsys):
     with time_limit(60):

@@ -15,7 +15,8 @@ from .errors import SpecError, did_you_mean, raise_all
 from .fields import (EXAMPLES, MAX_DEPTH, Checker, Field, View, alts, divisors, dym_suffix,
                      positions)
 from .nodes import Call, Key, ListValue, Name, Pos, Qualified, SpecFile, String, describe
-from .limits import check_model_limits, check_source_reads, check_train_limits
+from .limits import (check_microbatches, check_model_limits, check_source_reads,
+                     check_train_limits)
 from .objects import RECOMPUTE, ModelSpec, ParallelSpec, Spec, SourceText, TrainSpec
 from .overrides import apply_overrides
 from .sections import BUILTIN_DATA, views_of
@@ -259,6 +260,8 @@ def check(file: SpecFile, text: str, overrides=()) -> Spec:
         model = None  # too large to resolve against
     if train is not None:
         check_train_limits(train, model.context if model is not None else None, c)
+        if parallel is not None:
+            check_microbatches(parallel, train, c)
     topology = None
     if model is not None and residual is not None:
         topology = check_against_model(model, residual, c)

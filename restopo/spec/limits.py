@@ -19,7 +19,7 @@ IR has billions of edges) at the line that wrote them, in one pass over the dept
 from __future__ import annotations
 
 from .fields import Checker
-from .objects import ModelSpec, TrainSpec
+from .objects import ModelSpec, ParallelSpec, TrainSpec
 
 MAX_SOURCE_READS = 1 << 22
 MAX_STEP_TOKENS = 1 << 24
@@ -86,3 +86,19 @@ def check_train_limits(train: TrainSpec, context: int | None, c: Checker) -> Non
                 f"context = {val:,} tokens, more than {MAX_VAL_TOKENS:,}",
                 "the validation batches are made once and kept for the run; use fewer "
                 "eval_batches")
+
+
+def check_microbatches(parallel: ParallelSpec, train: TrainSpec, c: Checker) -> None:
+    """A pipeline cuts each replica's rows of train.batch into its microbatches, so they
+    must divide train.batch whatever the number of replicas (train checks the rest, once it
+    knows the processes)."""
+    micro = parallel.microbatches
+    if train.batch % micro:
+        given = any(k == "microbatches" for k, _ in parallel.positions)
+        what = (f"microbatches ({micro})" if given else
+                f"stages ({micro}), the number of microbatches when none is given,")
+        c.error(parallel.where("microbatches" if given else "stages"),
+                f"{what} must divide train.batch ({train.batch})",
+                "each microbatch takes batch/microbatches sequences of a pipeline's rows; "
+                "use microbatches that divide the batch, or a batch that is a multiple of "
+                "them")
