@@ -157,3 +157,30 @@ def test_diagnose_measures_the_runs_own_step0(residual):
     assert list(got) == list(want)
     for k in want:
         assert torch.equal(got[k], want[k]), k
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_zero_row_has_a_finite_gradient_through_every_norm(dtype):
+    """torch's RMSNorm backward forms rstd^3; at an all-zero row that is eps^-1.5, which
+    overflowed float32 with the earlier epsilon 1e-30 (NaN gradients). With NORM_EPS it is
+    finite, through F.rms_norm and nn.RMSNorm and through a whole model whose embedding has
+    an all-zero row (every topology's first sublayer then normalises zeros)."""
+    x = torch.zeros(2, 64, dtype=dtype)
+    x[1].normal_()
+    x.requires_grad_(True)
+    norm = torch.nn.RMSNorm(64, eps=NORM_EPS, dtype=dtype)
+    (F.rms_norm(x, (64,), None, NORM_EPS).sum() + norm(x).square().sum()).backward()
+    assert torch.isfinite(x.grad).all() and torch.isfinite(norm.weight.grad).all()
+
+    import restopo
+    for residual in ("standard", "full_attnres", "block_attnres(blocks: 2)"):
+        spec = (f"model m {{ vocab: 16; width: 32; depth: 2; heads: 2; context: 8 }}\n"
+                f"residual {residual}\n")
+        torch.manual_seed(0)
+        model = restopo.compile(spec, backend="eager").to(dtype)
+        with torch.no_grad():
+            model.embed.weight[0].zero_()
+        idx = torch.tensor([[0, 3, 0, 5, 0, 0, 7, 0]])
+        model(idx).float().logsumexp(-1).mean().backward()
+        for name, p in model.named_parameters():
+            assert p.grad is None or torch.isfinite(p.grad).all(), (residual, name)

@@ -5,6 +5,7 @@ way the model computes the same thing, with the same parameters in the same orde
 import torch
 
 import restopo
+from restopo.nn.norm import NORM_EPS
 
 SPEC = """
 model m {{
@@ -31,7 +32,7 @@ def test_fused_where_the_backend_may_fuse():
     assert not _normed_calls(eager) and "norm_eps" not in eager.code
     # every sublayer is a two-phase member here (the head's aggregation reads directly)
     assert len(_normed_calls(auto)) == 6
-    assert "norm_weight = sublayers_0_norm_weight, norm_eps = 1e-30" in auto.code
+    assert f"norm_weight = sublayers_0_norm_weight, norm_eps = {NORM_EPS!r}" in auto.code
     # a topology without two-phase groups lowers the same on every backend
     assert _build("full_attnres", "auto").code == _build("full_attnres", "eager").code
 

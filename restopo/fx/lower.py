@@ -18,7 +18,7 @@ How values become code (each is one line of `gm.code`):
   and each member merges its pre-update partial: `h5 = aggregations_4(partial2_2,
   phase1=block2_phase1, slot=1)`; unless the backend is eager, a member whose sublayer
   takes `normed=` (restopo's own) also computes that sublayer's PreNorm in the same op,
-  `h5_normed = aggregations_4(..., norm_weight=sublayers_4_norm_weight, norm_eps=1e-30)`,
+  `h5_normed = aggregations_4(..., norm_weight=sublayers_4_norm_weight, norm_eps=1e-24)`,
   and the sublayer is called with `normed=True` (one fused kernel on the triton backend;
   phase 2 then the same norm on the eager one);
 - every other aggregation calls its module on its sources in IR order;

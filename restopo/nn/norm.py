@@ -11,22 +11,20 @@ is negligible against the normalised vector's mean square. Embeddings start at s
 more the deeper, and AttnRes starts as a different (worse) model than the standard one
 (measured: Full AttnRes logits 0.58 of the logit scale away from standard's at 32 sublayers).
 
-1e-30 keeps the norm exactly scale-invariant for any mean square down to about 1e-20 (well
-past any activation a model produces) and still guards the one case epsilon is for: an
-all-zero row gives 0 (0 * rsqrt(1e-30)), never 0/0. It is a normal float32 number, and every
-norm path computes its mean square in at least float32 (F.rms_norm and restopo's eager and
-Triton kernels upcast bf16 and fp16), so it neither underflows nor meets denormals there.
-tests/test_init_equivalence.py holds both properties.
+Why not smaller. The gradient must stay finite for an all-zero row too. torch's RMSNorm
+backward (nn.RMSNorm, F.rms_norm: the sublayer PreNorms, the final norm, the input-dependent
+query's and Highway's norms) forms rstd^3 = (mean(x^2) + eps)^-1.5, which overflows float32
+(3.4e38) at a zero row once eps < 2e-26: an earlier 1e-30 gave NaN gradients there, in fp32
+and bf16 alike. 1e-24 leaves rstd^3 = 1e36 at a zero row, a factor of 300 below overflow,
+and keeps the norm scale-invariant to 1e-10 for any mean square down to 1e-14 (far below
+any activation a model produces at init: 4e-10 at 33 sources of an embedding at std 1e-3).
 
-The known limit is in the backward. torch's RMSNorm backward (nn.RMSNorm, F.rms_norm: the
-sublayer PreNorms, the final norm, the input-dependent query's and Highway's norms) forms
-rstd^3, which overflows float32 once mean(x^2) + eps < about 2e-26: at an exactly zero row
-its gradient is NaN (inf for a row of RMS below about 1e-13), in fp32, bf16 and fp16
-alike (measured with torch 2.13); float64 gives the exact 1/sqrt(eps) = 1e15.
-Depth attention's key norm has its own backward (backends/eager/unstacked.py, _Rstd:
-rstd^2 v first) and stays finite in fp32 and bf16; pure fp16 overflows there too (1e15).
-Rows that small are not expected in training (at step 0 every norm input mixes in the
-embedding with positive weights), so this is a documented limit, not a guard; an epsilon of
-1e-20 would keep rstd^3 finite in fp32 at the cost of scale-invariance below ~1e-10.
+In every dtype the forward maps an all-zero row to 0 (0 * rsqrt(eps)), never 0/0: eps is a
+normal float32 number and every norm path computes its mean square in at least float32
+(F.rms_norm and restopo's eager and Triton kernels upcast bf16 and fp16), so it neither
+underflows nor meets denormals there. The backward at an exactly zero row is finite in fp32
+and bf16; in pure fp16 (max 65504) no epsilon small enough for the equality above keeps
+1/sqrt(eps) finite, so a pure-fp16 model's gradient at such a row overflows (train in bf16 or
+with fp32 weights under autocast). tests/test_init_equivalence.py holds each property.
 """
-NORM_EPS = 1e-30
+NORM_EPS = 1e-24

@@ -161,7 +161,7 @@ def test_strided_and_stacked_sources():
 
 
 def test_zero_rows_with_the_norm_epsilon():
-    """restopo's norm epsilon (1e-30) with an all-zero row and padded tiles: values and
+    """restopo's norm epsilon (NORM_EPS) with an all-zero row and padded tiles: values and
     gradients finite and equal to eager's, in every op, the fused PreNorm included."""
     d = 32
     vs = separate(4, (7,), d, seed=6)

@@ -34,7 +34,7 @@ residual block_attnres(blocks: 8, heads: 16)
 train { data: builtin:stdlib; steps: 300; batch: 16; lr: 3e-3; schedule: cosine; warmup: 30 }
 '''
 OVERRIDES = ()
-NORM_EPS = 1e-30
+NORM_EPS = 1e-24
 EPS = NORM_EPS
 
 

@@ -33,7 +33,7 @@ residual highway
 train { data: builtin:stdlib; steps: 300; batch: 16; lr: 3e-3; schedule: cosine; warmup: 30 }
 '''
 OVERRIDES = ()
-NORM_EPS = 1e-30
+NORM_EPS = 1e-24
 EPS = NORM_EPS
 
 

@@ -39,7 +39,7 @@ train {
 }
 '''
 OVERRIDES = ()
-NORM_EPS = 1e-30
+NORM_EPS = 1e-24
 EPS = NORM_EPS
 
 
