@@ -453,23 +453,28 @@ def _stacked_phase2(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor, partia
     w = sigmoid(z2 - (m1 + log s1)), phase 1's log-sum-exp against the partial's logit, and
     h = (1 - w) * o1 / s1 + w * partial, one lerp."""
     heads = m1.shape[-1]
-    dtype = o1.dtype
-    if heads == 1:  # [*batch, 1] weights broadcast over d as they are
-        if partial is None:
-            return o1 / _stacked__as(s1, dtype)
-        z2 = _stacked__as((partial @ _stacked__as(gained_query, partial.dtype)).unsqueeze(-1), _weighted__acc(partial))
+    # Per-head weights [*b, H] act on [*b, H, c] views; one head's [*b, 1] broadcast over
+    # d as they are, with no view ops (each is a dispatch in a decoding step).
+    split = heads > 1
+
+    def by_head(x):
+        return x.unflatten(-1, (heads, -1)) if split else x
+
+    def per_head(w):
+        return w.unsqueeze(-1) if split else w
+
+    h1 = by_head(o1) / per_head(_stacked__as(s1, o1.dtype))          # phase 1's normalised output
+    if partial is None:
+        return h1.flatten(-2) if split else h1
+    if split:
+        z2 = (by_head(partial) * by_head(gained_query)).sum(-1, dtype=_weighted__acc(partial))
     else:
-        if partial is None:
-            return (o1.unflatten(-1, (heads, -1)) / _stacked__as(s1, dtype).unsqueeze(-1)).flatten(-2)
-        q = gained_query.unflatten(-1, (heads, -1))
-        z2 = (partial.unflatten(-1, (heads, -1)) * q).sum(-1, dtype=_weighted__acc(partial))
+        z2 = _stacked__as((partial @ _stacked__as(gained_query, partial.dtype)).unsqueeze(-1), _weighted__acc(partial))
     if key_norm:
         z2 = z2 * _stacked__rstd(partial, eps)
-    w = _stacked__as(torch.sigmoid_(z2.sub(m1).sub_(s1.log())), dtype)
-    if heads == 1:
-        return torch.lerp(o1 / _stacked__as(s1, dtype), partial, w)
-    return torch.lerp(o1.unflatten(-1, (heads, -1)) / _stacked__as(s1, dtype).unsqueeze(-1),
-                      partial.unflatten(-1, (heads, -1)), w.unsqueeze(-1)).flatten(-2)
+    w = _stacked__as(torch.sigmoid_(z2.sub(m1).sub_(s1.log())), o1.dtype)
+    h = torch.lerp(h1, by_head(partial), per_head(w))
+    return h.flatten(-2) if split else h
 
 
 stacked = SimpleNamespace(_as=_stacked__as, _beside=_stacked__beside, _by_head=_stacked__by_head, _rstd=_stacked__rstd, _scaled=_stacked__scaled, depth_attention=_stacked_depth_attention, phase1=_stacked_phase1, phase2=_stacked_phase2, without_grad=_stacked_without_grad)
