@@ -39,10 +39,8 @@ def atomic_path(path: str | os.PathLike) -> Iterator[str]:
     try:
         fd, tmp = tempfile.mkstemp(prefix=".restopo-", suffix=os.path.splitext(path)[1],
                                    dir=folder)
-    except OSError as e:  # name the folder the user gave, not the temporary file
-        what = ("the folder to write it in does not exist"
-                if isinstance(e, FileNotFoundError) else e.strerror or str(e))
-        raise type(e)(e.errno, what, path) from None
+    except OSError as e:
+        raise _as_users(e, path, "write") from None
     os.close(fd)
     try:
         yield tmp
@@ -108,10 +106,16 @@ def replace_folder(tmp: str | os.PathLike, path: str | os.PathLike, *,
 def _mkdtemp_beside(path: str, folder: str) -> str:
     try:
         return tempfile.mkdtemp(prefix=f".{os.path.basename(path)}-", dir=folder)
-    except OSError as e:  # name the folder the user gave, not the temporary one
-        what = ("the folder to make it in does not exist"
-                if isinstance(e, FileNotFoundError) else e.strerror or str(e))
-        raise type(e)(e.errno, what, path) from None
+    except OSError as e:
+        raise _as_users(e, path, "make") from None
+
+
+def _as_users(e: OSError, path: str, verb: str) -> OSError:
+    """The error of making a temporary file or folder beside `path`, naming `path` (what
+    the user gave) rather than the temporary name, and saying why in their terms."""
+    what = (f"the folder to {verb} it in does not exist"
+            if isinstance(e, FileNotFoundError) else e.strerror or str(e))
+    return type(e)(e.errno, what, path)
 
 
 def _new_file_mode() -> int:
