@@ -57,15 +57,30 @@ def test_gradcheck_depth_attention(heads, key_norm):
         lambda s, q: ops.depth_attention(s, q, None, gate="sigmoid"), (s, q))
 
 
-def test_gradcheck_phase1_phase2():
+@pytest.mark.parametrize("heads", [1, 2])
+def test_gradcheck_phase1_phase2(heads):
+    """Phase 1 with autograd gives its normalised form (h1, lse, None); phase 2 takes it,
+    and the un-normalised (o1, m1, s1) of the stacked form (without autograd), with
+    gradients through every input of either."""
     c, qs, gs = _rand(3, 2, 4), _rand(2, 4), _rand(2, 4)
-    assert torch.autograd.gradcheck(lambda c, qs, gs: ops.phase1(c, qs, gs), (c, qs, gs))
-    o1, m1, s1 = (t.detach().requires_grad_() for t in ops.phase1(c, qs, gs))
+    assert torch.autograd.gradcheck(lambda c, qs, gs: ops.phase1(c, qs, gs, heads=heads)[:2],
+                                    (c, qs, gs))
+    h1, lse, ones = ops.phase1(c, qs, gs, heads=heads)
+    assert ones == (None, None)  # s1 = 1 for each query: the normalised form
+    h1, lse = h1.detach().requires_grad_(), lse.detach().requires_grad_()
     p, q, g = _rand(2, 4), _rand(4), _rand(4)
-    # m1 enters only through exp(m1 - m) ratios, so its gradient is ~0; check the rest.
+    for key_norm in (True, False):
+        assert torch.autograd.gradcheck(
+            lambda h1, lse, p, q, g: ops.phase2(h1[0], lse[0], None, p, q, g,
+                                                key_norm=key_norm), (h1, lse, p, q, g))
+    scale = torch.rand(lse.shape, dtype=torch.float64) + 0.5  # the same state, s1 = scale
+    o1, m1, s1 = (t.detach().requires_grad_() for t in (
+        (h1.unflatten(-1, (heads, -1)) * scale.unsqueeze(-1)).flatten(-2),
+        lse - scale.log(), scale))
     assert torch.autograd.gradcheck(
-        lambda o1, s1, p, q, g: ops.phase2(o1[0], m1[0].detach(), s1[0], p, q, g),
-        (o1, s1, p, q, g))
+        lambda o1, m1, s1, p, q, g: ops.phase2(o1[0], m1[0], s1[0], p, q, g), (o1, m1, s1, p, q, g))
+    assert torch.autograd.gradcheck(lambda o1, s1: ops.phase2(o1[0], m1[0], s1[0], None, q, g),
+                                    (o1, s1))
 
 
 @pytest.mark.parametrize("heads", [1, 2])
@@ -145,7 +160,7 @@ def test_gradcheck_list_of_sources():
         lambda *a: ops.depth_attention(list(a[:3]), a[3], a[4], heads=2), (*sources, q, g))
     queries, gains = _rand(3, 4), _rand(3, 4)
     assert torch.autograd.gradcheck(
-        lambda *a: ops.phase1(list(a[:3]), a[3], a[4]), (*sources, queries, gains))
+        lambda *a: ops.phase1(list(a[:3]), a[3], a[4])[:2], (*sources, queries, gains))
 
 
 @pytest.mark.parametrize("heads", [1, 2])

@@ -56,16 +56,22 @@ def test_two_phase_forms_agree(heads, key_norm):
     w = queries * gains if key_norm else queries
     a = stacked.phase1(completed, w, EPS, key_norm=key_norm, heads=heads)
     b = unstacked.phase1(completed, w, EPS, key_norm=key_norm, heads=heads)
-    for x, y in zip(a, b):
+    assert a[2] == b[2] == (None,) * 3  # normalised: (o1 / s1, m1 + log s1, s1 = 1)
+    for x, y in zip(a[:2], b[:2]):
         torch.testing.assert_close(x, y)
     partial = torch.randn(2, 3, 16, generator=g, dtype=torch.float64)
     for slot in range(3):
-        o1, m1, s1 = (t[slot] for t in a)
+        normal = (b[0][slot], b[1][slot], None)           # (h1, lse, s1 = 1)
+        c = torch.rand(b[1][slot].shape, generator=g, dtype=torch.float64) + 0.5
+        o1 = (b[0][slot].unflatten(-1, (heads, -1)) * c.unsqueeze(-1)).flatten(-2)
+        state = (o1, b[1][slot] - c.log(), c)             # the same state, s1 = c
         for p in (None, partial):
-            got = stacked.phase2(o1, m1, s1, p, w[slot], EPS, key_norm=key_norm)
             want = hand_depth_attention(completed + ([] if p is None else [p]), queries[slot],
                                         gains[slot], key_norm, "softmax", heads)
-            torch.testing.assert_close(got, want)
+            for form in (state, normal):  # either form, into either phase 2
+                for phase2 in (stacked.phase2, unstacked.phase2):
+                    got = phase2(*form, p, w[slot], EPS, key_norm=key_norm)
+                    torch.testing.assert_close(got, want)
 
 
 def test_training_keeps_the_autograd_forms():

@@ -91,8 +91,11 @@ def phase1(completed: torch.Tensor | Sequence[torch.Tensor], queries: torch.Tens
 
     completed: [n, *batch, d], the completed blocks [b_0 .. b_{n-1}]; queries: [S, d], the
     block's pseudo-queries; key_norm_weights: [S, d] (one gain per aggregation) or None.
-    Returns (o1 [S, *batch, d], m1 [S, *batch, heads], s1 [S, *batch, heads]): per query the
-    un-normalised output sum_i e^(z_i - m1) v_i, the max logit m1 and the sum s1 of e^(z_i - m1).
+    Returns per query the online-softmax state (o1 [S, *batch, d], m1 [S, *batch, heads],
+    s1 [S, *batch, heads]): the un-normalised output sum_i e^(z_i - m1) v_i, the max logit m1
+    and the sum s1 of e^(z_i - m1). This backend returns it normalised, as (h1, lse,
+    S Nones): h1 = o1 / s1 and lse = m1 + log s1 (the same state with s1 = 1, and fewer ops
+    for phase 2); phase2 takes either form (s1[s] None: the normalised one).
     `logits`: each block's logits [S, *batch, heads] against the queries, if already made.
     """
     # One implementation for both forms: a stacked tensor is read as its n views. (A fused
@@ -107,12 +110,13 @@ def phase1(completed: torch.Tensor | Sequence[torch.Tensor], queries: torch.Tens
     return unstacked.phase1(sources, gq, eps, key_norm=key_norm, heads=heads, logits=logits)
 
 
-def phase2(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor, partial: torch.Tensor | None,
-           query: torch.Tensor, key_norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
-           *, key_norm: bool = True) -> torch.Tensor:
+def phase2(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor | None,
+           partial: torch.Tensor | None, query: torch.Tensor,
+           key_norm_weight: torch.Tensor | None = None, eps: float = 1e-6, *,
+           key_norm: bool = True) -> torch.Tensor:
     """Phase 2: merge the block's partial sum (taken *before* this sublayer's output is added)
     into phase 1's result by online softmax. With no partial (the block's first sublayer),
-    h = o1 / s1."""
+    h = o1 / s1. `s1` None: phase 1's normalised form (h1, lse), see phase1."""
     if stacked.without_grad(o1, partial, query, key_norm_weight):
         return stacked.phase2(o1, m1, s1, partial, gained(query, key_norm_weight, key_norm),
                               eps, key_norm=key_norm)

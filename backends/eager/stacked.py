@@ -77,7 +77,9 @@ def depth_attention(sources, query: torch.Tensor, gained_query: torch.Tensor, ep
 
 def phase1(completed, gained_queries: torch.Tensor, eps: float, *, key_norm: bool,
            heads: int):
-    """Phase 1 over the stacked completed blocks: (o1 [S,*b,d], m1 [S,*b,H], s1 [S,*b,H])."""
+    """Phase 1 over the stacked completed blocks, normalised as unstacked.phase1's:
+    (h1 [S,*b,d], lse [S,*b,H], (None,) * S). The division by s1 happens once here, on the
+    [tokens, n, S] weights, rather than on each member's d-sized output in phase 2."""
     v3, batch = _beside(completed)                          # [M, n, d]
     S, acc = gained_queries.shape[0], _acc(v3)
     vh = _by_head(v3, heads)                                # [M*H, n, c]
@@ -90,18 +92,20 @@ def phase1(completed, gained_queries: torch.Tensor, eps: float, *, key_norm: boo
         z = _scaled(z, v3, eps, heads)
     m = z.amax(1, keepdim=True)                             # [M*H, 1, S]
     e = z.sub_(m).exp_()
-    o1 = torch.bmm(_as(e, v3.dtype).mT, vh)                 # [M*H, S, c]
-    s1 = e.sum(1)                                           # [M*H, S]
+    s1 = e.sum(1, keepdim=True)                             # [M*H, 1, S]
+    h1 = torch.bmm(_as(e.div_(s1), v3.dtype).mT, vh)        # [M*H, S, c]
+    lse = s1.log_().add_(m).squeeze(1)                      # [M*H, S]
 
     def by_query(x):  # [M*H, S, ...] -> [S, *b, H, ...]
         x = x.unflatten(0, (-1, heads))
         return x.permute(2, 0, 1, *range(3, x.dim())).unflatten(1, batch)
 
-    return by_query(o1).flatten(-2), by_query(m.squeeze(1)), by_query(s1)
+    return by_query(h1).flatten(-2), by_query(lse), (None,) * S
 
 
-def phase2(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor, partial: torch.Tensor | None,
-           gained_query: torch.Tensor, eps: float, *, key_norm: bool) -> torch.Tensor:
+def phase2(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor | None,
+           partial: torch.Tensor | None, gained_query: torch.Tensor, eps: float, *,
+           key_norm: bool) -> torch.Tensor:
     """Phase 2 (the partial merged into phase 1's result by online softmax) in as few ops
     as the maths allows. With two terms the softmax is a sigmoid: the partial's weight is
     w = sigmoid(z2 - (m1 + log s1)), phase 1's log-sum-exp against the partial's logit, and
@@ -117,7 +121,8 @@ def phase2(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor, partial: torch.
     def per_head(w):
         return w.unsqueeze(-1) if split else w
 
-    h1 = by_head(o1) / per_head(_as(s1, o1.dtype))          # phase 1's normalised output
+    # phase 1's normalised output (s1 None: it already is, the eager phase 1's form)
+    h1 = by_head(o1) if s1 is None else by_head(o1) / per_head(_as(s1, o1.dtype))
     if partial is None:
         return h1.flatten(-2) if split else h1
     if split:
@@ -126,6 +131,7 @@ def phase2(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor, partial: torch.
         z2 = _as((partial @ _as(gained_query, partial.dtype)).unsqueeze(-1), _acc(partial))
     if key_norm:
         z2 = z2 * _rstd(partial, eps)
-    w = _as(torch.sigmoid_(z2.sub(m1).sub_(s1.log())), o1.dtype)
+    z2 = z2.sub(m1) if s1 is None else z2.sub(m1).sub_(s1.log())
+    w = _as(torch.sigmoid_(z2), o1.dtype)
     h = torch.lerp(h1, by_head(partial), per_head(w))
     return h.flatten(-2) if split else h

@@ -109,81 +109,91 @@ def depth_attention(sources: Sequence[torch.Tensor], query: torch.Tensor,
 
 def phase1(completed: Sequence[torch.Tensor], gained_queries: torch.Tensor, eps: float, *,
            key_norm: bool, heads: int, logits: Sequence[torch.Tensor] | None = None):
-    """Phase 1 over a list of completed blocks; (o1 [S,*b,d], m1 [S,*b,H], s1 [S,*b,H]).
+    """Phase 1 over a list of completed blocks, in normalised form: (h1 [S,*b,d], lse
+    [S,*b,H], (None,) * S). h1 = sum_i softmax_i(z_i) v_i is phase 1's own output and lse
+    its log-sum-exp: the online-softmax state (o1, m1, s1) = (h1, lse, 1), so a block's
+    first sublayer reads h1 as it is and phase 2 merges by one lerp (no division by s1
+    anywhere). s1 is S Nones, so s1[slot] reads as with the other forms.
     `logits`: each block's logits [S, *batch, H] against the S queries, if already made."""
     if logits is None:
         logits = [logits_against(v, gained_queries, eps, key_norm, heads) for v in completed]
     z = torch.stack(tuple(logits))                 # [n, S, *batch, H]
-    m1 = z.amax(0)
-    e = torch.exp(z - m1)
-    return weighted_sum(e, completed, outputs=gained_queries.shape[0]), m1, e.sum(0)
+    alpha, S = torch.softmax(z, dim=0), gained_queries.shape[0]
+    return weighted_sum(alpha, completed, outputs=S), torch.logsumexp(z, dim=0), (None,) * S
 
 
-def phase2(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor, partial: torch.Tensor | None,
-           gained_query: torch.Tensor, eps: float, *, key_norm: bool) -> torch.Tensor:
-    """Phase 2: the pre-update partial merged into phase 1's result by online softmax; the
-    weights of o1 and the partial are per-token scalars, so autograd keeps only o1 and the
-    partial (alive anyway) and those scalars."""
+def normalised(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor | None):
+    """(h1, lse): phase 1's state (o1, m1, s1) in normalised form, h1 = o1 / s1 (per head)
+    and lse = m1 + log s1; s1 None means it already is (unstacked phase1's own output)."""
+    if s1 is None:
+        return o1, m1
+    heads = m1.shape[-1]
+    h1 = (o1.unflatten(-1, (heads, -1)) / s1.unsqueeze(-1).to(o1.dtype)).flatten(-2)
+    return h1, m1 + torch.log(s1)
+
+
+def phase2(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor | None,
+           partial: torch.Tensor | None, gained_query: torch.Tensor, eps: float, *,
+           key_norm: bool) -> torch.Tensor:
+    """Phase 2: the pre-update partial merged into phase 1's result by online softmax. With
+    two terms the softmax is a sigmoid: the partial's weight is w = sigmoid(z2 - lse), and
+    h = lerp(h1, partial, w). Autograd keeps h1 and the partial (alive anyway) and per-token
+    scalars."""
+    h1, lse = normalised(o1, m1, s1)
     if partial is None:
-        return weighted_sum((1 / s1)[None], (o1,))
-    if torch.compiler.is_compiling() or o1.shape != partial.shape:
-        heads = m1.shape[-1]
+        return h1
+    if torch.compiler.is_compiling() or h1.shape != partial.shape:
+        heads = lse.shape[-1]
         z2 = source_logits(partial, gained_query.unflatten(-1, (heads, -1)), eps, key_norm)
-        m = torch.maximum(m1, z2)
-        a, b = torch.exp(m1 - m), torch.exp(z2 - m)
-        den = a * s1 + b
-        return weighted_sum(torch.stack((a / den, b / den)), (o1, partial))
-    return _Merge.apply(o1, m1, s1, partial, gained_query, eps, key_norm)
+        w = torch.sigmoid(z2 - lse).unsqueeze(-1)
+        h = torch.lerp(h1.unflatten(-1, (heads, -1)), partial.unflatten(-1, (heads, -1)),
+                       w.to(h1.dtype))
+        return h.flatten(-2)
+    return _Lerp.apply(h1, lse, partial, gained_query, eps, key_norm)
 
 
-class _Merge(torch.autograd.Function):
-    """Phase 2 with a first partial, h = (a o1 + b p) / (a s1 + b), a = e^(m1 - m),
-    b = e^(z2 - m), z2 = q . p * rstd(p), in one node: autograd's ops take some twenty small
-    per-token ops and nodes each way per sublayer; the backward here is written out (h does
-    not depend on the shift m, so m needs no gradient)."""
+class _Lerp(torch.autograd.Function):
+    """Phase 2 with a partial, h = lerp(h1, p, w), w = sigmoid(z2 - lse), z2 = q . p *
+    rstd(p), in one node with its backward written out: autograd's ops take some twenty
+    small per-token ops and nodes each way per sublayer, and pass over d-sized tensors
+    more often than this does (three passes forward, eight backward)."""
 
     @staticmethod
-    def forward(ctx, o1, m1, s1, p, q, eps, key_norm):
-        heads = m1.shape[-1]
+    def forward(ctx, h1, lse, p, q, eps, key_norm):
+        heads = lse.shape[-1]
         acc = _acc(p)
         u = (p.reshape(-1, p.shape[-1]) @ query_matrix(q[None], heads).to(p.dtype)).to(acc)
-        u = u.view(m1.shape)                                      # q . p per head
+        u = u.view(lse.shape)                                     # q . p per head
         r = _rstd_value(p, eps) if key_norm else None
         z2 = u * r if key_norm else u
-        m = torch.maximum(m1, z2)
-        a, b = torch.exp(m1 - m), torch.exp(z2 - m)
-        den = a * s1 + b
-        wa, wb = a / den, b / den
-        out = o1.unflatten(-1, (heads, -1)) * wa.unsqueeze(-1).to(o1.dtype)
-        out.addcmul_(p.unflatten(-1, (heads, -1)), wb.unsqueeze(-1).to(p.dtype))
-        ctx.save_for_backward(o1, s1, p, q, wa, wb, u, r)
+        w = torch.sigmoid(z2 - lse)
+        out = torch.lerp(h1.unflatten(-1, (heads, -1)), p.unflatten(-1, (heads, -1)),
+                         w.unsqueeze(-1).to(p.dtype))
+        ctx.save_for_backward(h1, p, q, w, z2, r)
         ctx.key_norm = key_norm
         return out.flatten(-2)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
-        o1, s1, p, q, wa, wb, u, r = ctx.saved_tensors
-        heads, acc = wa.shape[-1], wa.dtype
+        h1, p, q, w, z2, r = ctx.saved_tensors
+        heads, acc = w.shape[-1], w.dtype
         g = grad.unflatten(-1, (heads, -1))
-        oh, ph = o1.unflatten(-1, (heads, -1)), p.unflatten(-1, (heads, -1))
-        product = torch.empty_like(g)
-        go = torch.mul(g, oh, out=product).sum(-1, dtype=acc)    # g . o1 per head
-        gp = torch.mul(g, ph, out=product).sum(-1, dtype=acc)    # g . p
-        gh = wa * go + wb * gp                                    # g . h
-        d_o1 = (g * wa.unsqueeze(-1).to(g.dtype)).flatten(-2)
-        d_m1 = wa * (go - s1 * gh)
-        d_s1 = -wa * gh
-        dz2 = wb * (gp - gh)
+        ph = p.unflatten(-1, (heads, -1))
+        scratch = torch.sub(ph, h1.unflatten(-1, (heads, -1)))   # p - h1
+        dw = scratch.mul_(g).sum(-1, dtype=acc)                    # g . (p - h1) per head
+        dz2 = dw * w * (1 - w)
+        wv = w.unsqueeze(-1).to(g.dtype)
+        d_h1 = g * (1 - wv)
+        d_p = g * wv                                               # the value's part
         du = dz2 * r if ctx.key_norm else dz2
-        d_p = g * wb.unsqueeze(-1).to(g.dtype)                    # the value's part
         d_p.addcmul_(du.unsqueeze(-1).to(g.dtype), q.unflatten(-1, (heads, -1)))  # the logit's
         if ctx.key_norm:  # through rstd: d rstd / dp = -rstd^3 p / d, and u * rstd = z2:
-            # (dz2 . u) rstd^3 = (dz2 . z2) rstd^2, finite where rstd^3 overflows (eps 1e-30)
-            dr = (dz2 * (u * r)).sum(-1, keepdim=True) * (r * r) * (-1.0 / p.shape[-1])
+            # (dz2 . u) rstd^3 = (dz2 . z2) rstd^2, finite where rstd^3 overflows
+            dr = (dz2 * z2).sum(-1, keepdim=True) * (r * r) * (-1.0 / p.shape[-1])
             d_p.addcmul_(ph, dr.unsqueeze(-1).to(p.dtype))
         d_q = torch.einsum("...h,...hc->hc", du.to(p.dtype), ph).flatten()
-        return d_o1, d_m1, d_s1, d_p.flatten(-2), d_q, None, None
+        return d_h1.flatten(-2), -dz2, d_p.flatten(-2), d_q, None, None
 
 
 def _rstd_value(v: torch.Tensor, eps: float) -> torch.Tensor:

@@ -123,7 +123,7 @@ def phase2(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor, partial: torch.
            *, key_norm: bool = True) -> torch.Tensor:
     """Merge the block's partial sum (before this sublayer's output is added) into phase 1's
     (o1, m1, s1) of this sublayer's query; h = o1 / s1 when partial is None."""
-    if _heads_of(o1, m1, s1) != 1:  # depth heads > 1
+    if s1 is None or _heads_of(o1, m1, s1) != 1:  # eager phase 1's form, or depth heads > 1
         return _eager.phase2(o1, m1, s1, partial, query, key_norm_weight, eps,
                              key_norm=key_norm)
     h, _ = _phase2(o1, m1, s1, partial, query, key_norm_weight, eps, None, eps, key_norm, False)
@@ -139,7 +139,7 @@ def phase2_norm(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor,
     norm_eps defaults to eps. keep_h=False returns (None, y) and writes only y (a model
     whose sublayer reads y needs nothing else of h: the backward recomputes it)."""
     norm_eps = eps if norm_eps is None else norm_eps
-    if _heads_of(o1, m1, s1) != 1:
+    if s1 is None or _heads_of(o1, m1, s1) != 1:  # as in phase2
         h = _eager.phase2(o1, m1, s1, partial, query, key_norm_weight, eps, key_norm=key_norm)
         return h if keep_h else None, F.rms_norm(h, (h.shape[-1],), norm_weight, norm_eps)
     h, y = _phase2(o1, m1, s1, partial, query, key_norm_weight, eps, norm_weight, norm_eps,

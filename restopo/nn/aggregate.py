@@ -153,7 +153,8 @@ class TwoPhase(nn.Module):
         # Each member takes its own slice: split once here, so autograd gathers each
         # output's gradient in one piece rather than zero-filling all of it for every
         # member (the fused backend's o1 is already a tuple).
-        return (o1 if isinstance(o1, tuple) else o1.unbind(0)), m1.unbind(0), s1.unbind(0)
+        # (s1 is S Nones for the eager backend's normalised form, see ops.phase1)
+        return tuple(x if isinstance(x, tuple) else x.unbind(0) for x in (o1, m1, s1))
 
     def _queries(self):
         """(the members' pseudo-queries [S, d], their key-norm gains [S, d] or None);

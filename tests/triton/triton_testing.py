@@ -85,3 +85,16 @@ def make_sources(n, batch, d, dtype=torch.float64, seed=0, spread=1.0):
     w = torch.randn(d, generator=gen, dtype=torch.float64) * spread / d ** 0.5 * 4
     g = 1 + 0.2 * torch.randn(d, generator=gen, dtype=torch.float64)
     return v.to(dtype), w.to(dtype), g.to(dtype)
+
+
+def ref_phase1(completed, queries, gains=None, eps=1e-6, key_norm=True):
+    """Phase 1's un-normalised state (o1 [S, *b, d], m1 [S, *b, 1], s1 [S, *b, 1]) in
+    autograd's ops over the stacked blocks: the form the fused kernels keep, written out by
+    hand (the eager backend, with autograd, returns the normalised (o1/s1, m1 + log s1))."""
+    from restopo.backends.eager.depth import logits
+    c = completed if isinstance(completed, torch.Tensor) else torch.stack(tuple(completed))
+    gains = [None] * len(queries) if gains is None else gains
+    z = torch.stack([logits(c, q, g, eps, key_norm) for q, g in zip(queries, gains)], 1)
+    m1 = z.amax(0)                                   # [S, *b, 1]; ties split like amax
+    e = torch.exp(z - m1)                            # [n, S, *b, 1]
+    return (e * c.unsqueeze(1)).sum(0), m1, e.sum(0)

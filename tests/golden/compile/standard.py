@@ -123,7 +123,9 @@ def _weighted__plain(alpha, sources, outputs):
 
 
 class WeightedSum(torch.autograd.Function):
-    """out_s = sum_i alpha_{i,s} v_i; see the module docstring."""
+    """out_s = sum_i alpha_{i,s} v_i; see the module docstring. Each source is one op over
+    all S outputs at once (v_i broadcast over them) forward, and its weights' gradient one
+    product and one sum backward, rather than S of each."""
 
     @staticmethod
     def forward(ctx, alpha, outputs, *sources):
@@ -131,13 +133,11 @@ class WeightedSum(torch.autograd.Function):
         heads = alpha.shape[-1]
         a = alpha.to(v0.dtype).unsqueeze(-1)                      # [n, (S,) *batch, H, 1]
         if outputs is None:
-            a = a.unsqueeze(1)
+            a = a.unsqueeze(1)                                    # [n, S=1, *batch, H, 1]
         vh = [v.unflatten(-1, (heads, -1)) for v in sources]      # [*batch, H, c]
-        out = torch.empty((a.shape[1], *vh[0].shape), dtype=v0.dtype, device=v0.device)
-        for o, a_s in zip(out, a.unbind(1)):                      # each output in place
-            torch.mul(vh[0], a_s[0], out=o)
-            for v, a_i in zip(vh[1:], a_s[1:]):
-                o.addcmul_(v, a_i)
+        out = torch.mul(vh[0], a[0])                              # [S, *batch, H, c]
+        for v, a_i in zip(vh[1:], a[1:]):
+            out.addcmul_(v, a_i)
         ctx.save_for_backward(alpha, *sources)
         ctx.outputs = outputs
         ctx.sinks = [getattr(v, "restopo_sink", None) for v in sources]
@@ -157,15 +157,15 @@ class WeightedSum(torch.autograd.Function):
         d_alpha = product = None
         if ctx.needs_input_grad[0]:  # alpha's gradient: each output's gradient . v_i
             d_alpha = torch.empty(a.shape[:-1], dtype=_weighted__acc(grad), device=grad.device)
-            product = torch.empty_like(gs[0])                     # reused scratch
+            product = torch.empty_like(g)                         # reused scratch
         d_sources = []
         for i, (v, sink) in enumerate(zip(sources, ctx.sinks)):
             vh = v.unflatten(-1, (heads, -1))
+            if product is not None:  # every output's at once: [S, *batch, H]
+                torch.sum(torch.mul(g, vh, out=product), -1, dtype=d_alpha.dtype,
+                          out=d_alpha[i])
             dv = None
-            for s, (g_s, a_is) in enumerate(zip(gs, a[i])):
-                if product is not None:
-                    torch.sum(torch.mul(g_s, vh, out=product), -1, dtype=d_alpha.dtype,
-                              out=d_alpha[i, s])
+            for g_s, a_is in zip(gs, a[i]):
                 if sink is not None:  # a _weighted_gathered source: added in place (see _weighted_gathered)
                     sink.add(g_s, a_is)
                 elif ctx.needs_input_grad[2 + i]:
@@ -268,81 +268,91 @@ def _unstacked_depth_attention(sources: Sequence[torch.Tensor], query: torch.Ten
 
 def _unstacked_phase1(completed: Sequence[torch.Tensor], gained_queries: torch.Tensor, eps: float, *,
            key_norm: bool, heads: int, logits: Sequence[torch.Tensor] | None = None):
-    """Phase 1 over a list of completed blocks; (o1 [S,*b,d], m1 [S,*b,H], s1 [S,*b,H]).
+    """Phase 1 over a list of completed blocks, in _unstacked_normalised form: (h1 [S,*b,d], lse
+    [S,*b,H], (None,) * S). h1 = sum_i softmax_i(z_i) v_i is phase 1's own output and lse
+    its log-sum-exp: the online-softmax state (o1, m1, s1) = (h1, lse, 1), so a block's
+    first sublayer reads h1 as it is and phase 2 merges by one lerp (no division by s1
+    anywhere). s1 is S Nones, so s1[slot] reads as with the other forms.
     `logits`: each block's logits [S, *batch, H] against the S queries, if already made."""
     if logits is None:
         logits = [_unstacked_logits_against(v, gained_queries, eps, key_norm, heads) for v in completed]
     z = torch.stack(tuple(logits))                 # [n, S, *batch, H]
-    m1 = z.amax(0)
-    e = torch.exp(z - m1)
-    return _weighted_weighted_sum(e, completed, outputs=gained_queries.shape[0]), m1, e.sum(0)
+    alpha, S = torch.softmax(z, dim=0), gained_queries.shape[0]
+    return _weighted_weighted_sum(alpha, completed, outputs=S), torch.logsumexp(z, dim=0), (None,) * S
 
 
-def _unstacked_phase2(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor, partial: torch.Tensor | None,
-           gained_query: torch.Tensor, eps: float, *, key_norm: bool) -> torch.Tensor:
-    """Phase 2: the pre-update partial merged into phase 1's result by online softmax; the
-    weights of o1 and the partial are per-token scalars, so autograd keeps only o1 and the
-    partial (alive anyway) and those scalars."""
+def _unstacked_normalised(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor | None):
+    """(h1, lse): phase 1's state (o1, m1, s1) in _unstacked_normalised form, h1 = o1 / s1 (per head)
+    and lse = m1 + log s1; s1 None means it already is (unstacked _unstacked_phase1's own output)."""
+    if s1 is None:
+        return o1, m1
+    heads = m1.shape[-1]
+    h1 = (o1.unflatten(-1, (heads, -1)) / s1.unsqueeze(-1).to(o1.dtype)).flatten(-2)
+    return h1, m1 + torch.log(s1)
+
+
+def _unstacked_phase2(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor | None,
+           partial: torch.Tensor | None, gained_query: torch.Tensor, eps: float, *,
+           key_norm: bool) -> torch.Tensor:
+    """Phase 2: the pre-update partial merged into phase 1's result by online softmax. With
+    two terms the softmax is a sigmoid: the partial's weight is w = sigmoid(z2 - lse), and
+    h = lerp(h1, partial, w). Autograd keeps h1 and the partial (alive anyway) and per-token
+    scalars."""
+    h1, lse = _unstacked_normalised(o1, m1, s1)
     if partial is None:
-        return _weighted_weighted_sum((1 / s1)[None], (o1,))
-    if torch.compiler.is_compiling() or o1.shape != partial.shape:
-        heads = m1.shape[-1]
+        return h1
+    if torch.compiler.is_compiling() or h1.shape != partial.shape:
+        heads = lse.shape[-1]
         z2 = _unstacked_source_logits(partial, gained_query.unflatten(-1, (heads, -1)), eps, key_norm)
-        m = torch.maximum(m1, z2)
-        a, b = torch.exp(m1 - m), torch.exp(z2 - m)
-        den = a * s1 + b
-        return _weighted_weighted_sum(torch.stack((a / den, b / den)), (o1, partial))
-    return _Merge.apply(o1, m1, s1, partial, gained_query, eps, key_norm)
+        w = torch.sigmoid(z2 - lse).unsqueeze(-1)
+        h = torch.lerp(h1.unflatten(-1, (heads, -1)), partial.unflatten(-1, (heads, -1)),
+                       w.to(h1.dtype))
+        return h.flatten(-2)
+    return _Lerp.apply(h1, lse, partial, gained_query, eps, key_norm)
 
 
-class _Merge(torch.autograd.Function):
-    """Phase 2 with a first partial, h = (a o1 + b p) / (a s1 + b), a = e^(m1 - m),
-    b = e^(z2 - m), z2 = q . p * rstd(p), in one node: autograd's ops take some twenty small
-    per-token ops and nodes each way per sublayer; the backward here is written out (h does
-    not depend on the shift m, so m needs no gradient)."""
+class _Lerp(torch.autograd.Function):
+    """Phase 2 with a partial, h = lerp(h1, p, w), w = sigmoid(z2 - lse), z2 = q . p *
+    rstd(p), in one node with its backward written out: autograd's ops take some twenty
+    small per-token ops and nodes each way per sublayer, and pass over d-sized tensors
+    more often than this does (three passes forward, eight backward)."""
 
     @staticmethod
-    def forward(ctx, o1, m1, s1, p, q, eps, key_norm):
-        heads = m1.shape[-1]
+    def forward(ctx, h1, lse, p, q, eps, key_norm):
+        heads = lse.shape[-1]
         acc = _weighted__acc(p)
         u = (p.reshape(-1, p.shape[-1]) @ _unstacked_query_matrix(q[None], heads).to(p.dtype)).to(acc)
-        u = u.view(m1.shape)                                      # q . p per head
+        u = u.view(lse.shape)                                     # q . p per head
         r = _unstacked__rstd_value(p, eps) if key_norm else None
         z2 = u * r if key_norm else u
-        m = torch.maximum(m1, z2)
-        a, b = torch.exp(m1 - m), torch.exp(z2 - m)
-        den = a * s1 + b
-        wa, wb = a / den, b / den
-        out = o1.unflatten(-1, (heads, -1)) * wa.unsqueeze(-1).to(o1.dtype)
-        out.addcmul_(p.unflatten(-1, (heads, -1)), wb.unsqueeze(-1).to(p.dtype))
-        ctx.save_for_backward(o1, s1, p, q, wa, wb, u, r)
+        w = torch.sigmoid(z2 - lse)
+        out = torch.lerp(h1.unflatten(-1, (heads, -1)), p.unflatten(-1, (heads, -1)),
+                         w.unsqueeze(-1).to(p.dtype))
+        ctx.save_for_backward(h1, p, q, w, z2, r)
         ctx.key_norm = key_norm
         return out.flatten(-2)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
-        o1, s1, p, q, wa, wb, u, r = ctx.saved_tensors
-        heads, acc = wa.shape[-1], wa.dtype
+        h1, p, q, w, z2, r = ctx.saved_tensors
+        heads, acc = w.shape[-1], w.dtype
         g = grad.unflatten(-1, (heads, -1))
-        oh, ph = o1.unflatten(-1, (heads, -1)), p.unflatten(-1, (heads, -1))
-        product = torch.empty_like(g)
-        go = torch.mul(g, oh, out=product).sum(-1, dtype=acc)    # g . o1 per head
-        gp = torch.mul(g, ph, out=product).sum(-1, dtype=acc)    # g . p
-        gh = wa * go + wb * gp                                    # g . h
-        d_o1 = (g * wa.unsqueeze(-1).to(g.dtype)).flatten(-2)
-        d_m1 = wa * (go - s1 * gh)
-        d_s1 = -wa * gh
-        dz2 = wb * (gp - gh)
+        ph = p.unflatten(-1, (heads, -1))
+        scratch = torch.sub(ph, h1.unflatten(-1, (heads, -1)))   # p - h1
+        dw = scratch.mul_(g).sum(-1, dtype=acc)                    # g . (p - h1) per head
+        dz2 = dw * w * (1 - w)
+        wv = w.unsqueeze(-1).to(g.dtype)
+        d_h1 = g * (1 - wv)
+        d_p = g * wv                                               # the value's part
         du = dz2 * r if ctx.key_norm else dz2
-        d_p = g * wb.unsqueeze(-1).to(g.dtype)                    # the value's part
         d_p.addcmul_(du.unsqueeze(-1).to(g.dtype), q.unflatten(-1, (heads, -1)))  # the logit's
         if ctx.key_norm:  # through rstd: d rstd / dp = -rstd^3 p / d, and u * rstd = z2:
-            # (dz2 . u) rstd^3 = (dz2 . z2) rstd^2, finite where rstd^3 overflows (eps 1e-30)
-            dr = (dz2 * (u * r)).sum(-1, keepdim=True) * (r * r) * (-1.0 / p.shape[-1])
+            # (dz2 . u) rstd^3 = (dz2 . z2) rstd^2, finite where rstd^3 overflows
+            dr = (dz2 * z2).sum(-1, keepdim=True) * (r * r) * (-1.0 / p.shape[-1])
             d_p.addcmul_(ph, dr.unsqueeze(-1).to(p.dtype))
         d_q = torch.einsum("...h,...hc->hc", du.to(p.dtype), ph).flatten()
-        return d_o1, d_m1, d_s1, d_p.flatten(-2), d_q, None, None
+        return d_h1.flatten(-2), -dz2, d_p.flatten(-2), d_q, None, None
 
 
 def _unstacked__rstd_value(v: torch.Tensor, eps: float) -> torch.Tensor:
@@ -351,7 +361,7 @@ def _unstacked__rstd_value(v: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.rsqrt(ms / v.shape[-1] + eps)
 
 
-unstacked = SimpleNamespace(_rstd=_unstacked__rstd, _rstd_value=_unstacked__rstd_value, depth_attention=_unstacked_depth_attention, logits_against=_unstacked_logits_against, phase1=_unstacked_phase1, phase2=_unstacked_phase2, query_matrix=_unstacked_query_matrix, source_logits=_unstacked_source_logits)
+unstacked = SimpleNamespace(_rstd=_unstacked__rstd, _rstd_value=_unstacked__rstd_value, depth_attention=_unstacked_depth_attention, logits_against=_unstacked_logits_against, normalised=_unstacked_normalised, phase1=_unstacked_phase1, phase2=_unstacked_phase2, query_matrix=_unstacked_query_matrix, source_logits=_unstacked_source_logits)
 
 
 def _stacked__rstd(v: torch.Tensor, eps: float) -> torch.Tensor:
@@ -417,7 +427,9 @@ def _stacked_depth_attention(sources, query: torch.Tensor, gained_query: torch.T
 
 def _stacked_phase1(completed, gained_queries: torch.Tensor, eps: float, *, key_norm: bool,
            heads: int):
-    """Phase 1 over the stacked completed blocks: (o1 [S,*b,d], m1 [S,*b,H], s1 [S,*b,H])."""
+    """Phase 1 over the stacked completed blocks, normalised as unstacked.phase1's:
+    (h1 [S,*b,d], lse [S,*b,H], (None,) * S). The division by s1 happens once here, on the
+    [tokens, n, S] weights, rather than on each member's d-sized output in phase 2."""
     v3, batch = _stacked__beside(completed)                          # [M, n, d]
     S, acc = gained_queries.shape[0], _weighted__acc(v3)
     vh = _stacked__by_head(v3, heads)                                # [M*H, n, c]
@@ -430,18 +442,20 @@ def _stacked_phase1(completed, gained_queries: torch.Tensor, eps: float, *, key_
         z = _stacked__scaled(z, v3, eps, heads)
     m = z.amax(1, keepdim=True)                             # [M*H, 1, S]
     e = z.sub_(m).exp_()
-    o1 = torch.bmm(_stacked__as(e, v3.dtype).mT, vh)                 # [M*H, S, c]
-    s1 = e.sum(1)                                           # [M*H, S]
+    s1 = e.sum(1, keepdim=True)                             # [M*H, 1, S]
+    h1 = torch.bmm(_stacked__as(e.div_(s1), v3.dtype).mT, vh)        # [M*H, S, c]
+    lse = s1.log_().add_(m).squeeze(1)                      # [M*H, S]
 
     def by_query(x):  # [M*H, S, ...] -> [S, *b, H, ...]
         x = x.unflatten(0, (-1, heads))
         return x.permute(2, 0, 1, *range(3, x.dim())).unflatten(1, batch)
 
-    return by_query(o1).flatten(-2), by_query(m.squeeze(1)), by_query(s1)
+    return by_query(h1).flatten(-2), by_query(lse), (None,) * S
 
 
-def _stacked_phase2(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor, partial: torch.Tensor | None,
-           gained_query: torch.Tensor, eps: float, *, key_norm: bool) -> torch.Tensor:
+def _stacked_phase2(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor | None,
+           partial: torch.Tensor | None, gained_query: torch.Tensor, eps: float, *,
+           key_norm: bool) -> torch.Tensor:
     """Phase 2 (the partial merged into phase 1's result by online softmax) in as few ops
     as the maths allows. With two terms the softmax is a sigmoid: the partial's weight is
     w = sigmoid(z2 - (m1 + log s1)), phase 1's log-sum-exp against the partial's logit, and
@@ -457,7 +471,8 @@ def _stacked_phase2(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor, partia
     def per_head(w):
         return w.unsqueeze(-1) if split else w
 
-    h1 = by_head(o1) / per_head(_stacked__as(s1, o1.dtype))          # phase 1's normalised output
+    # phase 1's normalised output (s1 None: it already is, the eager phase 1's form)
+    h1 = by_head(o1) if s1 is None else by_head(o1) / per_head(_stacked__as(s1, o1.dtype))
     if partial is None:
         return h1.flatten(-2) if split else h1
     if split:
@@ -466,7 +481,8 @@ def _stacked_phase2(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor, partia
         z2 = _stacked__as((partial @ _stacked__as(gained_query, partial.dtype)).unsqueeze(-1), _weighted__acc(partial))
     if key_norm:
         z2 = z2 * _stacked__rstd(partial, eps)
-    w = _stacked__as(torch.sigmoid_(z2.sub(m1).sub_(s1.log())), o1.dtype)
+    z2 = z2.sub(m1) if s1 is None else z2.sub(m1).sub_(s1.log())
+    w = _stacked__as(torch.sigmoid_(z2), o1.dtype)
     h = torch.lerp(h1, by_head(partial), per_head(w))
     return h.flatten(-2) if split else h
 
@@ -550,8 +566,11 @@ def phase1(completed: torch.Tensor | Sequence[torch.Tensor], queries: torch.Tens
 
     completed: [n, *batch, d], the completed blocks [b_0 .. b_{n-1}]; queries: [S, d], the
     block's pseudo-queries; key_norm_weights: [S, d] (one gain per aggregation) or None.
-    Returns (o1 [S, *batch, d], m1 [S, *batch, heads], s1 [S, *batch, heads]): per query the
-    un-normalised output sum_i e^(z_i - m1) v_i, the max logit m1 and the sum s1 of e^(z_i - m1).
+    Returns per query the online-softmax state (o1 [S, *batch, d], m1 [S, *batch, heads],
+    s1 [S, *batch, heads]): the un-normalised output sum_i e^(z_i - m1) v_i, the max logit m1
+    and the sum s1 of e^(z_i - m1). This backend returns it normalised, as (h1, lse,
+    S Nones): h1 = o1 / s1 and lse = m1 + log s1 (the same state with s1 = 1, and fewer ops
+    for phase 2); phase2 takes either form (s1[s] None: the normalised one).
     `logits`: each block's logits [S, *batch, heads] against the queries, if already made.
     """
     # One implementation for both forms: a stacked tensor is read as its n views. (A fused
@@ -566,12 +585,13 @@ def phase1(completed: torch.Tensor | Sequence[torch.Tensor], queries: torch.Tens
     return unstacked.phase1(sources, gq, eps, key_norm=key_norm, heads=heads, logits=logits)
 
 
-def phase2(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor, partial: torch.Tensor | None,
-           query: torch.Tensor, key_norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
-           *, key_norm: bool = True) -> torch.Tensor:
+def phase2(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor | None,
+           partial: torch.Tensor | None, query: torch.Tensor,
+           key_norm_weight: torch.Tensor | None = None, eps: float = 1e-6, *,
+           key_norm: bool = True) -> torch.Tensor:
     """Phase 2: merge the block's partial sum (taken *before* this sublayer's output is added)
     into phase 1's result by online softmax. With no partial (the block's first sublayer),
-    h = o1 / s1."""
+    h = o1 / s1. `s1` None: phase 1's normalised form (h1, lse), see phase1."""
     if stacked.without_grad(o1, partial, query, key_norm_weight):
         return stacked.phase2(o1, m1, s1, partial, gained(query, key_norm_weight, key_norm),
                               eps, key_norm=key_norm)
