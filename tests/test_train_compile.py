@@ -14,8 +14,7 @@ import torch
 from restopo.api import build_model
 from restopo.spec.objects import ModelSpec
 from restopo.topology import block_attnres, full_attnres, standard
-from restopo.nn.shared_sources import is_reader
-from restopo.train.compile import BACKEND_ENV, compile_regions, is_compiled, regions
+from restopo.train.compile import BACKEND_ENV, compile_regions, regions
 from restopo.train.loop import train
 from test_train_loop import Stop, _stopping, corpus, one_thread  # noqa: F401  (fixtures)
 from test_train_loop import cfg as loop_cfg
@@ -55,11 +54,8 @@ def test_regions_are_the_called_modules_each_once():
     names = [n for n, _ in model.named_parameters()]
     compile_regions(model)
     assert [n for n, _ in model.named_parameters()] == names  # in place: names unchanged
-    assert all(is_compiled(m) for m in expected)
-    assert not is_compiled(model.context)
-    # shared-source readers: the forward is compiled, the call (with its hooks) is not
-    readers = [m for m in expected if is_reader(m)]
-    assert readers and all(m._compiled_call_impl is None for m in readers)
+    assert all(m._compiled_call_impl is not None for m in expected)
+    assert model.context._compiled_call_impl is None
 
 
 @pytest.mark.parametrize("kind", ["standard", "block"])
@@ -131,37 +127,6 @@ def test_full_attnres_compiles_every_aggregation_point(monkeypatch):
     entries = {f: len(_debug_get_cache_entry_list(f.__code__))
                for f in (Attend.forward, Attention.forward, MLP.forward)}
     assert entries == {Attend.forward: 11, Attention.forward: 1, MLP.forward: 1}
-
-
-@pytest.mark.parametrize("kind", ["full", "block"])
-def test_compiled_readers_take_each_source_logits_made_once(kind, monkeypatch):
-    """A compiled region that reads shared sources runs its logits pre-hook eagerly: each
-    source's logits are made once per forward, in one pass for all its readers, as in the
-    eager model (compiled whole, each Full AttnRes reader made its own, O(L^2) passes), and
-    loss and gradients are eager's."""
-    from restopo import ops
-
-    monkeypatch.setenv(BACKEND_ENV, "aot_eager")
-    torch._dynamo.reset()
-    made = []
-    logits_against = ops.logits_against
-    monkeypatch.setattr(ops, "logits_against",
-                        lambda v, *a, **k: made.append(v) or logits_against(v, *a, **k))
-    idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
-
-    def step(model):
-        made.clear()
-        model.zero_grad(set_to_none=True)
-        model(idx).logsumexp(-1).mean().backward()
-        return len(made), {n: p.grad for n, p in model.named_parameters()}
-
-    eager_made, eager_grads = step(tiny_model(kind))
-    model, _ = compiled(kind)
-    step(model)  # compiles
-    got_made, got_grads = step(model)
-    assert eager_made > 0 and got_made == eager_made
-    for name, g in eager_grads.items():
-        torch.testing.assert_close(got_grads[name], g, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_the_flag_reaches_the_spec_and_the_workers():

@@ -34,14 +34,6 @@ from torch import nn
 from .. import ops
 
 
-READER = "_restopo_shared_reader"  # set on each reader module by SharedSources.install
-
-
-def is_reader(module: nn.Module) -> bool:
-    """Whether `module` takes its sources' logits from a SharedSources (a pre-hook)."""
-    return bool(module.__dict__.get(READER))
-
-
 @dataclass(frozen=True)
 class Reader:
     """One reader: its module (an Attend or a TwoPhase), the IR ids of the sources whose
@@ -135,9 +127,6 @@ class SharedSources:
         hooks.append(self._copied)
         for module in self.readers:
             module.register_forward_pre_hook(self._inject, with_kwargs=True)
-            # restopo.train.compile compiles a reader's forward, not its call, so that this
-            # hook runs eagerly and the compiled forward takes its logits as inputs
-            module.__dict__[READER] = True
 
     def _scope_hooks(self, model: nn.Module) -> None:
         model.register_forward_pre_hook(self._open)

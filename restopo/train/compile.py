@@ -23,24 +23,20 @@ and stacking the sources would cost a copy of them; so the limit is raised to wh
 regions can need at most: every region of the class in both grad modes, and shapes of
 training and evaluation (`recompile_limit`, set here once for the process).
 
-The readers of shared sources (restopo.nn.shared_sources: static-query aggregation points and
-phase 1 groups) have their forward compiled rather than their call, so the pre-hook that
-hands each its sources' logits runs eagerly around the compiled forward: each source's
-logits are made once per step, in one matmul against all its readers, as in the eager model.
-Compiled whole, a reader traces the hook, which switches itself off under compile, and makes
-its own: each Full AttnRes aggregation point then passes over every earlier source again.
+Inside a compiled region the readers of a source make their own logits (the eager sharing of
+restopo.nn.shared_sources switches itself off under compile): each Full AttnRes aggregation
+point passes over every earlier source for its logits, fused with the weighted sum. That is
+what regional Full still pays against the eager model's one logit pass per source.
 """
 from __future__ import annotations
 
 import os
-import types
 from collections import Counter
 
 import torch
 from torch import nn
 
 from ..fx.lower import lowered
-from ..nn.shared_sources import is_reader
 
 # Containers of regions in a lowered model (restopo.fx.lower) and in a pipeline chunk
 # (backends/pipeline/stage.py ChunkModule), which use the same names.
@@ -122,24 +118,9 @@ def compile_regions(model: nn.Module, stepper=None) -> int:
     config.accumulated_recompile_limit = max(config.accumulated_recompile_limit,
                                              PER_REGION * len(found))
     backend = os.environ.get(BACKEND_ENV) or "inductor"
-    forwards = {}  # one compiled forward per reader class, bound to each reader
     for m in found:
-        if is_reader(m):  # its hooks stay eager (see the module docstring)
-            cls = type(m)
-            if cls not in forwards:
-                forwards[cls] = torch.compile(cls.forward, backend=backend)
-            # a method, so that a deep copy of the module binds the copy
-            m.forward = types.MethodType(forwards[cls], m)
-        else:
-            m.compile(backend=backend)
+        m.compile(backend=backend)
     return len(found)
-
-
-def is_compiled(module: nn.Module) -> bool:
-    """Whether compile_regions compiled `module` (its call, or its forward)."""
-    forward = module.__dict__.get("forward")
-    return module._compiled_call_impl is not None or (
-        forward is not None and hasattr(forward.__func__, "_torchdynamo_orig_callable"))
 
 
 def compiled_line(n_regions: int, seconds: float) -> str:
