@@ -123,9 +123,7 @@ def _weighted__plain(alpha, sources, outputs):
 
 
 class WeightedSum(torch.autograd.Function):
-    """out_s = sum_i alpha_{i,s} v_i; see the module docstring. Each source is one op over
-    all S outputs at once (v_i broadcast over them) forward, and its weights' gradient one
-    product and one sum backward, rather than S of each."""
+    """out_s = sum_i alpha_{i,s} v_i; see the module docstring."""
 
     @staticmethod
     def forward(ctx, alpha, outputs, *sources):
@@ -133,11 +131,13 @@ class WeightedSum(torch.autograd.Function):
         heads = alpha.shape[-1]
         a = alpha.to(v0.dtype).unsqueeze(-1)                      # [n, (S,) *batch, H, 1]
         if outputs is None:
-            a = a.unsqueeze(1)                                    # [n, S=1, *batch, H, 1]
+            a = a.unsqueeze(1)
         vh = [v.unflatten(-1, (heads, -1)) for v in sources]      # [*batch, H, c]
-        out = torch.mul(vh[0], a[0])                              # [S, *batch, H, c]
-        for v, a_i in zip(vh[1:], a[1:]):
-            out.addcmul_(v, a_i)
+        out = torch.empty((a.shape[1], *vh[0].shape), dtype=v0.dtype, device=v0.device)
+        for o, a_s in zip(out, a.unbind(1)):                      # each output in place
+            torch.mul(vh[0], a_s[0], out=o)
+            for v, a_i in zip(vh[1:], a_s[1:]):
+                o.addcmul_(v, a_i)
         ctx.save_for_backward(alpha, *sources)
         ctx.outputs = outputs
         ctx.sinks = [getattr(v, "restopo_sink", None) for v in sources]
@@ -157,15 +157,15 @@ class WeightedSum(torch.autograd.Function):
         d_alpha = product = None
         if ctx.needs_input_grad[0]:  # alpha's gradient: each output's gradient . v_i
             d_alpha = torch.empty(a.shape[:-1], dtype=_weighted__acc(grad), device=grad.device)
-            product = torch.empty_like(g)                         # reused scratch
+            product = torch.empty_like(gs[0])                     # reused scratch
         d_sources = []
         for i, (v, sink) in enumerate(zip(sources, ctx.sinks)):
             vh = v.unflatten(-1, (heads, -1))
-            if product is not None:  # every output's at once: [S, *batch, H]
-                torch.sum(torch.mul(g, vh, out=product), -1, dtype=d_alpha.dtype,
-                          out=d_alpha[i])
             dv = None
-            for g_s, a_is in zip(gs, a[i]):
+            for s, (g_s, a_is) in enumerate(zip(gs, a[i])):
+                if product is not None:
+                    torch.sum(torch.mul(g_s, vh, out=product), -1, dtype=d_alpha.dtype,
+                              out=d_alpha[i, s])
                 if sink is not None:  # a _weighted_gathered source: added in place (see _weighted_gathered)
                     sink.add(g_s, a_is)
                 elif ctx.needs_input_grad[2 + i]:
