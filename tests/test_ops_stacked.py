@@ -70,7 +70,8 @@ def test_two_phase_forms_agree(heads, key_norm):
                                         gains[slot], key_norm, "softmax", heads)
             for form in (state, normal):  # either form, into either phase 2
                 for phase2 in (stacked.phase2, unstacked.phase2):
-                    got = phase2(*form, p, w[slot], EPS, key_norm=key_norm)
+                    got = phase2(*unstacked.normalised(*form), p, w[slot], EPS,
+                                 key_norm=key_norm)
                     torch.testing.assert_close(got, want)
 
 

@@ -116,11 +116,13 @@ def phase2(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor | None,
            key_norm: bool = True) -> torch.Tensor:
     """Phase 2: merge the block's partial sum (taken *before* this sublayer's output is added)
     into phase 1's result by online softmax. With no partial (the block's first sublayer),
-    h = o1 / s1. `s1` None: phase 1's normalised form (h1, lse), see phase1."""
+    h = o1 / s1. `s1` None: phase 1's normalised form (h1, lse), see phase1; either form is
+    normalised here, once, and both forms of phase 2 take that."""
+    h1, lse = unstacked.normalised(o1, m1, s1)
     if stacked.without_grad(o1, partial, query, key_norm_weight):
-        return stacked.phase2(o1, m1, s1, partial, gained(query, key_norm_weight, key_norm),
+        return stacked.phase2(h1, lse, partial, gained(query, key_norm_weight, key_norm),
                               eps, key_norm=key_norm)
-    return unstacked.phase2(o1, m1, s1, partial, gained(query, key_norm_weight, key_norm), eps,
+    return unstacked.phase2(h1, lse, partial, gained(query, key_norm_weight, key_norm), eps,
                             key_norm=key_norm)
 
 

@@ -103,14 +103,15 @@ def phase1(completed, gained_queries: torch.Tensor, eps: float, *, key_norm: boo
     return by_query(h1).flatten(-2), by_query(lse), (None,) * S
 
 
-def phase2(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor | None,
-           partial: torch.Tensor | None, gained_query: torch.Tensor, eps: float, *,
-           key_norm: bool) -> torch.Tensor:
-    """Phase 2 (the partial merged into phase 1's result by online softmax) in as few ops
-    as the maths allows. With two terms the softmax is a sigmoid: the partial's weight is
-    w = sigmoid(z2 - (m1 + log s1)), phase 1's log-sum-exp against the partial's logit, and
-    h = (1 - w) * o1 / s1 + w * partial, one lerp."""
-    heads = m1.shape[-1]
+def phase2(h1: torch.Tensor, lse: torch.Tensor, partial: torch.Tensor | None,
+           gained_query: torch.Tensor, eps: float, *, key_norm: bool) -> torch.Tensor:
+    """Phase 2 (the partial merged into phase 1's normalised result h1, of log-sum-exp lse,
+    by online softmax) in as few ops as the maths allows. With two terms the softmax is a
+    sigmoid: the partial's weight is w = sigmoid(z2 - lse), and h = (1 - w) * h1 +
+    w * partial, one lerp."""
+    if partial is None:
+        return h1
+    heads = lse.shape[-1]
     # Per-head weights [*b, H] act on [*b, H, c] views; one head's [*b, 1] broadcast over
     # d as they are, with no view ops (each is a dispatch in a decoding step).
     split = heads > 1
@@ -121,17 +122,12 @@ def phase2(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor | None,
     def per_head(w):
         return w.unsqueeze(-1) if split else w
 
-    # phase 1's normalised output (s1 None: it already is, the eager phase 1's form)
-    h1 = by_head(o1) if s1 is None else by_head(o1) / per_head(_as(s1, o1.dtype))
-    if partial is None:
-        return h1.flatten(-2) if split else h1
     if split:
         z2 = (by_head(partial) * by_head(gained_query)).sum(-1, dtype=_acc(partial))
     else:
         z2 = _as((partial @ _as(gained_query, partial.dtype)).unsqueeze(-1), _acc(partial))
     if key_norm:
         z2 = z2 * _rstd(partial, eps)
-    z2 = z2.sub(m1) if s1 is None else z2.sub(m1).sub_(s1.log())
-    w = _as(torch.sigmoid_(z2), o1.dtype)
-    h = torch.lerp(h1, by_head(partial), per_head(w))
+    w = _as(torch.sigmoid_(z2.sub(lse)), h1.dtype)
+    h = torch.lerp(by_head(h1), by_head(partial), per_head(w))
     return h.flatten(-2) if split else h

@@ -124,7 +124,8 @@ def phase1(completed: Sequence[torch.Tensor], gained_queries: torch.Tensor, eps:
 
 def normalised(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor | None):
     """(h1, lse): phase 1's state (o1, m1, s1) in normalised form, h1 = o1 / s1 (per head)
-    and lse = m1 + log s1; s1 None means it already is (unstacked phase1's own output)."""
+    and lse = m1 + log s1; s1 None means it already is (the eager phase 1's own output).
+    depth.phase2 normalises once here, before either form of phase 2."""
     if s1 is None:
         return o1, m1
     heads = m1.shape[-1]
@@ -132,14 +133,12 @@ def normalised(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor | None):
     return h1, m1 + torch.log(s1)
 
 
-def phase2(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor | None,
-           partial: torch.Tensor | None, gained_query: torch.Tensor, eps: float, *,
-           key_norm: bool) -> torch.Tensor:
-    """Phase 2: the pre-update partial merged into phase 1's result by online softmax. With
-    two terms the softmax is a sigmoid: the partial's weight is w = sigmoid(z2 - lse), and
-    h = lerp(h1, partial, w). Autograd keeps h1 and the partial (alive anyway) and per-token
-    scalars."""
-    h1, lse = normalised(o1, m1, s1)
+def phase2(h1: torch.Tensor, lse: torch.Tensor, partial: torch.Tensor | None,
+           gained_query: torch.Tensor, eps: float, *, key_norm: bool) -> torch.Tensor:
+    """Phase 2: the pre-update partial merged into phase 1's normalised result (h1, its
+    log-sum-exp lse) by online softmax. With two terms the softmax is a sigmoid: the
+    partial's weight is w = sigmoid(z2 - lse), and h = lerp(h1, partial, w). Autograd keeps
+    h1 and the partial (alive anyway) and per-token scalars."""
     if partial is None:
         return h1
     if torch.compiler.is_compiling() or h1.shape != partial.shape:

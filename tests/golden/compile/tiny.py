@@ -289,7 +289,8 @@ def _unstacked_phase1(completed: Sequence[torch.Tensor], gained_queries: torch.T
 
 def _unstacked_normalised(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor | None):
     """(h1, lse): phase 1's state (o1, m1, s1) in _unstacked_normalised form, h1 = o1 / s1 (per head)
-    and lse = m1 + log s1; s1 None means it already is (unstacked _unstacked_phase1's own output)."""
+    and lse = m1 + log s1; s1 None means it already is (the eager phase 1's own output).
+    depth.phase2 normalises once here, before either form of phase 2."""
     if s1 is None:
         return o1, m1
     heads = m1.shape[-1]
@@ -297,14 +298,12 @@ def _unstacked_normalised(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor |
     return h1, m1 + torch.log(s1)
 
 
-def _unstacked_phase2(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor | None,
-           partial: torch.Tensor | None, gained_query: torch.Tensor, eps: float, *,
-           key_norm: bool) -> torch.Tensor:
-    """Phase 2: the pre-update partial merged into phase 1's result by online softmax. With
-    two terms the softmax is a sigmoid: the partial's weight is w = sigmoid(z2 - lse), and
-    h = lerp(h1, partial, w). Autograd keeps h1 and the partial (alive anyway) and per-token
-    scalars."""
-    h1, lse = _unstacked_normalised(o1, m1, s1)
+def _unstacked_phase2(h1: torch.Tensor, lse: torch.Tensor, partial: torch.Tensor | None,
+           gained_query: torch.Tensor, eps: float, *, key_norm: bool) -> torch.Tensor:
+    """Phase 2: the pre-update partial merged into phase 1's _unstacked_normalised result (h1, its
+    log-sum-exp lse) by online softmax. With two terms the softmax is a sigmoid: the
+    partial's weight is w = sigmoid(z2 - lse), and h = lerp(h1, partial, w). Autograd keeps
+    h1 and the partial (alive anyway) and per-token scalars."""
     if partial is None:
         return h1
     if torch.compiler.is_compiling() or h1.shape != partial.shape:
@@ -459,14 +458,15 @@ def _stacked_phase1(completed, gained_queries: torch.Tensor, eps: float, *, key_
     return by_query(h1).flatten(-2), by_query(lse), (None,) * S
 
 
-def _stacked_phase2(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor | None,
-           partial: torch.Tensor | None, gained_query: torch.Tensor, eps: float, *,
-           key_norm: bool) -> torch.Tensor:
-    """Phase 2 (the partial merged into phase 1's result by online softmax) in as few ops
-    as the maths allows. With two terms the softmax is a sigmoid: the partial's weight is
-    w = sigmoid(z2 - (m1 + log s1)), phase 1's log-sum-exp against the partial's logit, and
-    h = (1 - w) * o1 / s1 + w * partial, one lerp."""
-    heads = m1.shape[-1]
+def _stacked_phase2(h1: torch.Tensor, lse: torch.Tensor, partial: torch.Tensor | None,
+           gained_query: torch.Tensor, eps: float, *, key_norm: bool) -> torch.Tensor:
+    """Phase 2 (the partial merged into phase 1's normalised result h1, of log-sum-exp lse,
+    by online softmax) in as few ops as the maths allows. With two terms the softmax is a
+    sigmoid: the partial's weight is w = sigmoid(z2 - lse), and h = (1 - w) * h1 +
+    w * partial, one lerp."""
+    if partial is None:
+        return h1
+    heads = lse.shape[-1]
     # Per-head weights [*b, H] act on [*b, H, c] views; one head's [*b, 1] broadcast over
     # d as they are, with no view ops (each is a dispatch in a decoding step).
     split = heads > 1
@@ -477,19 +477,14 @@ def _stacked_phase2(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor | None,
     def per_head(w):
         return w.unsqueeze(-1) if split else w
 
-    # phase 1's normalised output (s1 None: it already is, the eager phase 1's form)
-    h1 = by_head(o1) if s1 is None else by_head(o1) / per_head(_stacked__as(s1, o1.dtype))
-    if partial is None:
-        return h1.flatten(-2) if split else h1
     if split:
         z2 = (by_head(partial) * by_head(gained_query)).sum(-1, dtype=_weighted__acc(partial))
     else:
         z2 = _stacked__as((partial @ _stacked__as(gained_query, partial.dtype)).unsqueeze(-1), _weighted__acc(partial))
     if key_norm:
         z2 = z2 * _stacked__rstd(partial, eps)
-    z2 = z2.sub(m1) if s1 is None else z2.sub(m1).sub_(s1.log())
-    w = _stacked__as(torch.sigmoid_(z2), o1.dtype)
-    h = torch.lerp(h1, by_head(partial), per_head(w))
+    w = _stacked__as(torch.sigmoid_(z2.sub(lse)), h1.dtype)
+    h = torch.lerp(by_head(h1), by_head(partial), per_head(w))
     return h.flatten(-2) if split else h
 
 
@@ -597,11 +592,13 @@ def phase2(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor | None,
            key_norm: bool = True) -> torch.Tensor:
     """Phase 2: merge the block's partial sum (taken *before* this sublayer's output is added)
     into phase 1's result by online softmax. With no partial (the block's first sublayer),
-    h = o1 / s1. `s1` None: phase 1's normalised form (h1, lse), see phase1."""
+    h = o1 / s1. `s1` None: phase 1's normalised form (h1, lse), see phase1; either form is
+    normalised here, once, and both forms of phase 2 take that."""
+    h1, lse = unstacked.normalised(o1, m1, s1)
     if stacked.without_grad(o1, partial, query, key_norm_weight):
-        return stacked.phase2(o1, m1, s1, partial, gained(query, key_norm_weight, key_norm),
+        return stacked.phase2(h1, lse, partial, gained(query, key_norm_weight, key_norm),
                               eps, key_norm=key_norm)
-    return unstacked.phase2(o1, m1, s1, partial, gained(query, key_norm_weight, key_norm), eps,
+    return unstacked.phase2(h1, lse, partial, gained(query, key_norm_weight, key_norm), eps,
                             key_norm=key_norm)
 
 
