@@ -21,6 +21,7 @@ uncached loop that crops would, costs a full forward per token.)
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 
 import torch
@@ -113,7 +114,7 @@ class Decoder:
                            backend=gm.backend, two_phase=len(gm.phases) > 0,
                            aggregations=gm.aggregations, share=False)
         self.fixed = compile if fixed is None else fixed
-        self.run = torch.compile(self.graph, dynamic=False) if compile else self.graph
+        self.run = compiled_step(self.graph, weight.device) if compile else self.graph
 
     def reset(self) -> None:
         """Start a new sequence (the caches are overwritten as it goes: positions past the
@@ -136,6 +137,24 @@ class Decoder:
         logits = (self.run if one_step else self.graph)(idx)[:, -1]
         self.pos += T
         return logits
+
+
+def compiled_step(graph: nn.Module, device: torch.device):
+    """The one-token step under torch.compile, with fixed shapes. A step does little work
+    per call (at batch 1 it streams the weights once), so what is paid around the kernels
+    counts, and it grows with the number of modules and kernels, which depth attention
+    adds (bench/decode.py, compiled, batch 1):
+    - guards: the decoder's graph and modules are its own and never change while it lives,
+      so only the tensor guards are kept (every tensor's dtype, device and shape: a model
+      moved or cast after the decoder was made still recompiles);
+    - on CPU the wrapper that calls the kernels is C++ (`cpp_wrapper`), not Python."""
+    options = {}
+    keep = getattr(torch.compiler, "keep_tensor_guards_unsafe", None)  # torch 2.7 on
+    if keep is not None:
+        options["guard_filter_fn"] = functools.partial(keep, keep_parameters=True)
+    if torch.device(device).type == "cpu":
+        options["cpp_wrapper"] = True
+    return torch.compile(graph, dynamic=False, options=options)
 
 
 def require_own_sublayers(parts: Parts) -> None:

@@ -152,7 +152,7 @@ def test_bad_arguments_say_what_to_do():
 
 
 @pytest.mark.long
-@pytest.mark.parametrize("topology", ["standard", "block_attnres(blocks: 3)"])
+@pytest.mark.parametrize("topology", ["standard", "full_attnres", "block_attnres(blocks: 3)"])
 def test_compiled_decoding_equals_uncached(topology):
     model = model_for(topology, dtype=torch.float32)
     idx = tokens()

@@ -40,6 +40,8 @@ def test_depth_attention_forms_agree(heads, key_norm, gate, per_token):
     kw = dict(key_norm=key_norm, gate=gate, heads=heads)
     want = hand_depth_attention(sources, q, gain, key_norm, gate, heads)
     torch.testing.assert_close(stacked.depth_attention(sources, q, w, EPS, **kw), want)
+    torch.testing.assert_close(stacked.depth_attention(sources, q, w, EPS, loops=True, **kw),
+                               want)  # the form torch.compile traces (products and sums)
     torch.testing.assert_close(unstacked.depth_attention(sources, q, w, EPS, **kw), want)
     with torch.no_grad():  # the dispatch picks the stacked form without autograd
         got = ops.depth_attention(tuple(sources), q, gain, EPS, backend="eager", **kw)
@@ -56,9 +58,11 @@ def test_two_phase_forms_agree(heads, key_norm):
     w = queries * gains if key_norm else queries
     a = stacked.phase1(completed, w, EPS, key_norm=key_norm, heads=heads)
     b = unstacked.phase1(completed, w, EPS, key_norm=key_norm, heads=heads)
-    assert a[2] == b[2] == (None,) * 3  # normalised: (o1 / s1, m1 + log s1, s1 = 1)
-    for x, y in zip(a[:2], b[:2]):
+    loops = stacked.phase1(completed, w, EPS, key_norm=key_norm, heads=heads, loops=True)
+    assert a[2] == b[2] == loops[2] == (None,) * 3  # normalised: (o1/s1, m1 + log s1, 1)
+    for x, y, z in zip(a[:2], b[:2], loops[:2]):
         torch.testing.assert_close(x, y)
+        torch.testing.assert_close(z, y)
     partial = torch.randn(2, 3, 16, generator=g, dtype=torch.float64)
     for slot in range(3):
         normal = (b[0][slot], b[1][slot], None)           # (h1, lse, s1 = 1)

@@ -6,6 +6,11 @@ source at every aggregation point, which is most of what Block and Full AttnRes 
 one-token decoding step. Here the sources are stacked once and each step is one op over all
 of them. Same mathematics as the unstacked forms (logits in at least fp32, values summed in
 the sources' dtype), held against them in tests/test_ops_stacked.py.
+
+Under torch.compile (a compiled decoding step) the contractions over channels and sources
+are written as products and sums rather than matmuls: inductor fuses those into the loops
+around them, where each matmul stays a library call of its own, a fixed cost per call that
+a one-token step pays at every aggregation point for a few thousand flops (`loops`).
 """
 from __future__ import annotations
 
@@ -55,11 +60,20 @@ def _scaled(z: torch.Tensor, v3: torch.Tensor, eps: float, heads: int) -> torch.
     return z.mul_(r if heads == 1 else r.repeat_interleave(heads, 0))
 
 
+def _loops(loops: bool | None) -> bool:
+    """Contractions as products and sums (see the module's docstring): under torch.compile
+    unless told."""
+    return torch.compiler.is_compiling() if loops is None else loops
+
+
 def depth_attention(sources, query: torch.Tensor, gained_query: torch.Tensor, eps: float, *,
-                    key_norm: bool, gate: str, heads: int) -> torch.Tensor:
+                    key_norm: bool, gate: str, heads: int,
+                    loops: bool | None = None) -> torch.Tensor:
     """h = sum_i alpha_i v_i over the stacked sources; `gained_query` is [d] or [*batch, d]
     with the key-norm gain folded in."""
     v3, batch = _beside(sources)                            # [M, n, d]
+    if _loops(loops):
+        return _depth_attention_loops(v3, batch, gained_query, eps, key_norm, gate, heads)
     d, acc = v3.shape[-1], _acc(v3)
     vh = _by_head(v3, heads)                                # [M*H, n, c]
     q = _as(gained_query, acc)
@@ -75,12 +89,29 @@ def depth_attention(sources, query: torch.Tensor, gained_query: torch.Tensor, ep
     return torch.bmm(_as(alpha, v3.dtype).mT, vh).view(*batch, d)
 
 
+def _depth_attention_loops(v3, batch, gained_query, eps, key_norm, gate, heads):
+    """depth_attention with products and sums for its two contractions."""
+    M, n, d = v3.shape
+    acc = _acc(v3)
+    v4 = v3.unflatten(-1, (heads, -1))                      # [M, n, H, c]
+    q = _as(gained_query, acc).unflatten(-1, (heads, -1))   # [H, c] or [*b, H, c]
+    q = q.reshape(M, 1, heads, -1) if q.dim() > 2 else q    # a query per token
+    z = (_as(v4, acc) * q).sum(-1)                          # [M, n, H]
+    if key_norm:
+        z = z * _rstd(v3, eps)
+    alpha = torch.softmax(z, dim=1) if gate == "softmax" else torch.sigmoid(z)
+    h = (_as(alpha, v3.dtype).unsqueeze(-1) * v4).sum(1)    # [M, H, c]
+    return h.view(*batch, d)
+
+
 def phase1(completed, gained_queries: torch.Tensor, eps: float, *, key_norm: bool,
-           heads: int):
+           heads: int, loops: bool | None = None):
     """Phase 1 over the stacked completed blocks, normalised as unstacked.phase1's:
     (h1 [S,*b,d], lse [S,*b,H], (None,) * S). The division by s1 happens once here, on the
     [tokens, n, S] weights, rather than on each member's d-sized output in phase 2."""
     v3, batch = _beside(completed)                          # [M, n, d]
+    if _loops(loops):
+        return _phase1_loops(v3, batch, gained_queries, eps, key_norm, heads)
     S, acc = gained_queries.shape[0], _acc(v3)
     vh = _by_head(v3, heads)                                # [M*H, n, c]
     q = _as(gained_queries.view(S, heads, -1).permute(1, 2, 0), acc)  # [H, c, S]
@@ -101,6 +132,24 @@ def phase1(completed, gained_queries: torch.Tensor, eps: float, *, key_norm: boo
         return x.permute(2, 0, 1, *range(3, x.dim())).unflatten(1, batch)
 
     return by_query(h1).flatten(-2), by_query(lse), (None,) * S
+
+
+def _phase1_loops(v3, batch, gained_queries, eps, key_norm, heads):
+    """phase1 with products and sums for its two contractions."""
+    S, acc = gained_queries.shape[0], _acc(v3)
+    v5 = v3.unflatten(-1, (heads, -1)).unsqueeze(2)         # [M, n, 1, H, c]
+    q = _as(gained_queries, acc).view(S, heads, -1)         # [S, H, c]
+    z = (_as(v5, acc) * q).sum(-1)                          # [M, n, S, H]
+    if key_norm:
+        z = z * _rstd(v3, eps).unsqueeze(-1)
+    lse = torch.logsumexp(z, 1)                             # [M, S, H]
+    e = torch.exp(z - lse.unsqueeze(1))                     # [M, n, S, H]: normalised
+    h1 = (_as(e, v3.dtype).unsqueeze(-1) * v5).sum(1)       # [M, S, H, c]
+
+    def by_query(x):  # [M, S, ...] -> [S, *b, ...]
+        return x.movedim(1, 0).unflatten(1, batch)
+
+    return by_query(h1.flatten(-2)), by_query(lse), (None,) * S
 
 
 def phase2(h1: torch.Tensor, lse: torch.Tensor, partial: torch.Tensor | None,
