@@ -15,6 +15,7 @@ a one-token step pays at every aggregation point for a few thousand flops (`loop
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .weighted import _acc
 
@@ -121,17 +122,16 @@ def phase1(completed, gained_queries: torch.Tensor, eps: float, *, key_norm: boo
         z = (_as(vh, acc).unflatten(0, (-1, heads)) @ q).flatten(0, 1)  # [M*H, n, S]
     if key_norm:
         z = _scaled(z, v3, eps, heads)
-    m = z.amax(1, keepdim=True)                             # [M*H, 1, S]
-    e = z.sub_(m).exp_()
-    s1 = e.sum(1, keepdim=True)                             # [M*H, 1, S]
-    h1 = torch.bmm(_as(e.div_(s1), v3.dtype).mT, vh)        # [M*H, S, c]
-    lse = s1.log_().add_(m).squeeze(1)                      # [M*H, S]
+    lse = torch.logsumexp(z, 1, keepdim=True)               # [M*H, 1, S]
+    h1 = torch.bmm(_as(z.sub_(lse).exp_(), v3.dtype).mT, vh)  # [M*H, S, c]: normalised
 
-    def by_query(x):  # [M*H, S, ...] -> [S, *b, H, ...]
-        x = x.unflatten(0, (-1, heads))
-        return x.permute(2, 0, 1, *range(3, x.dim())).unflatten(1, batch)
+    def by_query(x):  # [M*H, S, c] -> [S, *b, H * c]: a transpose and a view for one head
+        if heads == 1:
+            return x.transpose(0, 1).view(S, *batch, x.shape[-1])
+        x = x.unflatten(0, (-1, heads)).permute(2, 0, 1, 3)  # [S, M, H, c]
+        return x.reshape(S, *batch, -1)
 
-    return by_query(h1).flatten(-2), by_query(lse), (None,) * S
+    return by_query(h1), by_query(lse.mT), (None,) * S
 
 
 def _phase1_loops(v3, batch, gained_queries, eps, key_norm, heads):
@@ -171,12 +171,14 @@ def phase2(h1: torch.Tensor, lse: torch.Tensor, partial: torch.Tensor | None,
     def per_head(w):
         return w.unsqueeze(-1) if split else w
 
+    acc = _acc(partial)
+    # The key: one rms_norm (a single call here, where a norm and four in-place ops on
+    # the logit were five), in at least fp32 like every logit.
+    k = F.rms_norm(_as(partial, acc), partial.shape[-1:], None, eps) if key_norm else partial
     if split:
-        z2 = (by_head(partial) * by_head(gained_query)).sum(-1, dtype=_acc(partial))
+        z2 = (by_head(k) * by_head(gained_query)).sum(-1, dtype=acc)
     else:
-        z2 = _as((partial @ _as(gained_query, partial.dtype)).unsqueeze(-1), _acc(partial))
-    if key_norm:
-        z2 = z2 * _rstd(partial, eps)
+        z2 = _as((k @ _as(gained_query, k.dtype)).unsqueeze(-1), acc)
     w = _as(torch.sigmoid_(z2.sub(lse)), h1.dtype)
     h = torch.lerp(by_head(h1), by_head(partial), per_head(w))
     return h.flatten(-2) if split else h

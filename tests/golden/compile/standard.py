@@ -404,11 +404,20 @@ def _stacked__scaled(z: torch.Tensor, v3: torch.Tensor, eps: float, heads: int) 
     return z.mul_(r if heads == 1 else r.repeat_interleave(heads, 0))
 
 
+def _stacked__loops(loops: bool | None) -> bool:
+    """Contractions as products and sums (see the module's docstring): under torch.compile
+    unless told."""
+    return torch.compiler.is_compiling() if loops is None else loops
+
+
 def _stacked_depth_attention(sources, query: torch.Tensor, gained_query: torch.Tensor, eps: float, *,
-                    key_norm: bool, gate: str, heads: int) -> torch.Tensor:
+                    key_norm: bool, gate: str, heads: int,
+                    loops: bool | None = None) -> torch.Tensor:
     """h = sum_i alpha_i v_i over the stacked sources; `gained_query` is [d] or [*batch, d]
     with the key-norm gain folded in."""
     v3, batch = _stacked__beside(sources)                            # [M, n, d]
+    if _stacked__loops(loops):
+        return _stacked__depth_attention_loops(v3, batch, gained_query, eps, key_norm, gate, heads)
     d, acc = v3.shape[-1], _weighted__acc(v3)
     vh = _stacked__by_head(v3, heads)                                # [M*H, n, c]
     q = _stacked__as(gained_query, acc)
@@ -424,12 +433,29 @@ def _stacked_depth_attention(sources, query: torch.Tensor, gained_query: torch.T
     return torch.bmm(_stacked__as(alpha, v3.dtype).mT, vh).view(*batch, d)
 
 
+def _stacked__depth_attention_loops(v3, batch, gained_query, eps, key_norm, gate, heads):
+    """_stacked_depth_attention with products and sums for its two contractions."""
+    M, n, d = v3.shape
+    acc = _weighted__acc(v3)
+    v4 = v3.unflatten(-1, (heads, -1))                      # [M, n, H, c]
+    q = _stacked__as(gained_query, acc).unflatten(-1, (heads, -1))   # [H, c] or [*b, H, c]
+    q = q.reshape(M, 1, heads, -1) if q.dim() > 2 else q    # a query per token
+    z = (_stacked__as(v4, acc) * q).sum(-1)                          # [M, n, H]
+    if key_norm:
+        z = z * _stacked__rstd(v3, eps)
+    alpha = torch.softmax(z, dim=1) if gate == "softmax" else torch.sigmoid(z)
+    h = (_stacked__as(alpha, v3.dtype).unsqueeze(-1) * v4).sum(1)    # [M, H, c]
+    return h.view(*batch, d)
+
+
 def _stacked_phase1(completed, gained_queries: torch.Tensor, eps: float, *, key_norm: bool,
-           heads: int):
+           heads: int, loops: bool | None = None):
     """Phase 1 over the stacked completed blocks, normalised as unstacked.phase1's:
     (h1 [S,*b,d], lse [S,*b,H], (None,) * S). The division by s1 happens once here, on the
     [tokens, n, S] weights, rather than on each member's d-sized output in phase 2."""
     v3, batch = _stacked__beside(completed)                          # [M, n, d]
+    if _stacked__loops(loops):
+        return _stacked__phase1_loops(v3, batch, gained_queries, eps, key_norm, heads)
     S, acc = gained_queries.shape[0], _weighted__acc(v3)
     vh = _stacked__by_head(v3, heads)                                # [M*H, n, c]
     q = _stacked__as(gained_queries.view(S, heads, -1).permute(1, 2, 0), acc)  # [H, c, S]
@@ -439,17 +465,34 @@ def _stacked_phase1(completed, gained_queries: torch.Tensor, eps: float, *, key_
         z = (_stacked__as(vh, acc).unflatten(0, (-1, heads)) @ q).flatten(0, 1)  # [M*H, n, S]
     if key_norm:
         z = _stacked__scaled(z, v3, eps, heads)
-    m = z.amax(1, keepdim=True)                             # [M*H, 1, S]
-    e = z.sub_(m).exp_()
-    s1 = e.sum(1, keepdim=True)                             # [M*H, 1, S]
-    h1 = torch.bmm(_stacked__as(e.div_(s1), v3.dtype).mT, vh)        # [M*H, S, c]
-    lse = s1.log_().add_(m).squeeze(1)                      # [M*H, S]
+    lse = torch.logsumexp(z, 1, keepdim=True)               # [M*H, 1, S]
+    h1 = torch.bmm(_stacked__as(z.sub_(lse).exp_(), v3.dtype).mT, vh)  # [M*H, S, c]: normalised
 
-    def by_query(x):  # [M*H, S, ...] -> [S, *b, H, ...]
-        x = x.unflatten(0, (-1, heads))
-        return x.permute(2, 0, 1, *range(3, x.dim())).unflatten(1, batch)
+    def by_query(x):  # [M*H, S, c] -> [S, *b, H * c]: a transpose and a view for one head
+        if heads == 1:
+            return x.transpose(0, 1).view(S, *batch, x.shape[-1])
+        x = x.unflatten(0, (-1, heads)).permute(2, 0, 1, 3)  # [S, M, H, c]
+        return x.reshape(S, *batch, -1)
 
-    return by_query(h1).flatten(-2), by_query(lse), (None,) * S
+    return by_query(h1), by_query(lse.mT), (None,) * S
+
+
+def _stacked__phase1_loops(v3, batch, gained_queries, eps, key_norm, heads):
+    """_stacked_phase1 with products and sums for its two contractions."""
+    S, acc = gained_queries.shape[0], _weighted__acc(v3)
+    v5 = v3.unflatten(-1, (heads, -1)).unsqueeze(2)         # [M, n, 1, H, c]
+    q = _stacked__as(gained_queries, acc).view(S, heads, -1)         # [S, H, c]
+    z = (_stacked__as(v5, acc) * q).sum(-1)                          # [M, n, S, H]
+    if key_norm:
+        z = z * _stacked__rstd(v3, eps).unsqueeze(-1)
+    lse = torch.logsumexp(z, 1)                             # [M, S, H]
+    e = torch.exp(z - lse.unsqueeze(1))                     # [M, n, S, H]: normalised
+    h1 = (_stacked__as(e, v3.dtype).unsqueeze(-1) * v5).sum(1)       # [M, S, H, c]
+
+    def by_query(x):  # [M, S, ...] -> [S, *b, ...]
+        return x.movedim(1, 0).unflatten(1, batch)
+
+    return by_query(h1.flatten(-2)), by_query(lse), (None,) * S
 
 
 def _stacked_phase2(h1: torch.Tensor, lse: torch.Tensor, partial: torch.Tensor | None,
@@ -471,18 +514,20 @@ def _stacked_phase2(h1: torch.Tensor, lse: torch.Tensor, partial: torch.Tensor |
     def per_head(w):
         return w.unsqueeze(-1) if split else w
 
+    acc = _weighted__acc(partial)
+    # The key: one rms_norm (a single call here, where a norm and four in-place ops on
+    # the logit were five), in at least fp32 like every logit.
+    k = F.rms_norm(_stacked__as(partial, acc), partial.shape[-1:], None, eps) if key_norm else partial
     if split:
-        z2 = (by_head(partial) * by_head(gained_query)).sum(-1, dtype=_weighted__acc(partial))
+        z2 = (by_head(k) * by_head(gained_query)).sum(-1, dtype=acc)
     else:
-        z2 = _stacked__as((partial @ _stacked__as(gained_query, partial.dtype)).unsqueeze(-1), _weighted__acc(partial))
-    if key_norm:
-        z2 = z2 * _stacked__rstd(partial, eps)
+        z2 = _stacked__as((k @ _stacked__as(gained_query, k.dtype)).unsqueeze(-1), acc)
     w = _stacked__as(torch.sigmoid_(z2.sub(lse)), h1.dtype)
     h = torch.lerp(by_head(h1), by_head(partial), per_head(w))
     return h.flatten(-2) if split else h
 
 
-stacked = SimpleNamespace(_as=_stacked__as, _beside=_stacked__beside, _by_head=_stacked__by_head, _rstd=_stacked__rstd, _scaled=_stacked__scaled, depth_attention=_stacked_depth_attention, phase1=_stacked_phase1, phase2=_stacked_phase2, without_grad=_stacked_without_grad)
+stacked = SimpleNamespace(_as=_stacked__as, _beside=_stacked__beside, _by_head=_stacked__by_head, _depth_attention_loops=_stacked__depth_attention_loops, _loops=_stacked__loops, _phase1_loops=_stacked__phase1_loops, _rstd=_stacked__rstd, _scaled=_stacked__scaled, depth_attention=_stacked_depth_attention, phase1=_stacked_phase1, phase2=_stacked_phase2, without_grad=_stacked_without_grad)
 
 
 def keys(sources: torch.Tensor, eps: float, key_norm: bool = True) -> torch.Tensor:
