@@ -7,11 +7,17 @@ is intended, and say so in the commit) with
     RESTOPO_UPDATE_GOLDEN=1 python -m pytest tests/test_golden.py
 
 Inspect and compile outputs are compared byte for byte. Checkpoints are compared byte for
-byte in everything but the float data (file names, the safetensors header, meta.json, the
-structure of optimizer.pt and state.pt); the float data is compared by a fingerprint per
-tensor (sum, sum of squares, first values) at 1e-5, because a training step's matmuls may
-round differently on another CPU. With RESTOPO_GOLDEN_EXACT=1 the data must also hash
-identically (the check to run before and after a refactor on one machine).
+byte in everything but the float data (file names, the safetensors header, meta.json but
+its float values, the structure of optimizer.pt and state.pt). The float data depends on
+the machine: a matmul's blocking and vector width follow the CPU's instruction set, and
+AdamW's first step turns a gradient that is rounding noise (a query's that is zero in
+exact arithmetic, say) into a step of +-lr, so the same code's weights differ between two
+x86 machines by up to 20% in such a tensor's sum of squares, where its losses agree to 1e-7.
+Each golden file records the machine that wrote it (`machine`): on that machine the float
+data is compared by a fingerprint per tensor (sum, sum of squares, first values) at 1e-5,
+elsewhere the losses in meta.json are (at 1e-6), and the tensors by shape and dtype. With
+RESTOPO_GOLDEN_EXACT=1 the data must also hash identically (the check to run before and
+after a refactor on one machine; regenerate on yours first).
 """
 from __future__ import annotations
 
@@ -21,6 +27,8 @@ import io
 import json
 import math
 import os
+import platform
+import re
 import struct
 from pathlib import Path
 
@@ -71,6 +79,22 @@ def test_compile_module(example, tmp_path):
     _compare_text(f"compile/{example}.py", out.read_text())
 
 
+def _machine() -> dict:
+    """What a training step's float data depends on, besides the code."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f
+                          if line.startswith("model name")), model)
+    except OSError:
+        pass
+    return {"torch": torch.__version__, "cpu": model,
+            "capability": torch.backends.cpu.get_cpu_capability()}
+
+
+_FLOAT = re.compile(r"-?\d+\.\d+(?:[eE][-+]?\d+)?|-?\d+[eE][-+]?\d+")
+
+
 def _fingerprint(t: torch.Tensor) -> dict:
     x = t.detach().to(torch.float64).flatten()
     return {"shape": list(t.shape), "dtype": str(t.dtype), "sum": x.sum().item(),
@@ -115,6 +139,18 @@ def _checkpoint_record(step_dir: Path) -> dict:
     return record
 
 
+def _shapes(obj):
+    """obj with each tensor fingerprint cut to its shape and dtype, and other floats
+    dropped (the float data of another machine's golden)."""
+    if isinstance(obj, dict):
+        if "sumsq" in obj:
+            return {"shape": obj["shape"], "dtype": obj["dtype"]}
+        return {k: _shapes(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_shapes(v) for v in obj]
+    return None if isinstance(obj, float) else obj
+
+
 def _close(a, b, path="") -> None:
     if isinstance(a, float) or isinstance(b, float):
         assert math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-6), f"{path}: {a} != {b}"
@@ -145,12 +181,21 @@ def test_checkpoint(example, tmp_path, monkeypatch):
     path = GOLDEN / "checkpoint" / f"{example}.json"
     if UPDATE:
         path.parent.mkdir(parents=True, exist_ok=True)
+        record["machine"] = _machine()
         path.write_text(json.dumps(record, sort_keys=True) + "\n")
         return
     golden = json.loads(path.read_text())
     sha, golden_sha = record.pop("sha256"), golden.pop("sha256")
-    for key in ("files", "safetensors_header", "meta_bytes"):
+    for key in ("files", "safetensors_header"):
         assert record[key] == golden[key], f"{example}: {key} differs from the golden"
-    _close(record, golden, example)
+    masked = [_FLOAT.sub("<float>", r.pop("meta_bytes")) for r in (record, golden)]
+    assert masked[0] == masked[1], f"{example}: meta.json differs from the golden"
+    if golden.pop("machine", None) == _machine():
+        _close(record, golden, example)
+    else:  # another machine: its losses, and everything but the float data
+        for key in ("loss", "val_loss"):
+            assert math.isclose(record["meta"][key], golden["meta"][key], rel_tol=1e-6), \
+                f"{example}: {key} {record['meta'][key]} != {golden['meta'][key]}"
+        _close(_shapes(record), _shapes(golden), example)
     if EXACT:
         assert sha == golden_sha, f"{example}: checkpoint data bytes differ"
