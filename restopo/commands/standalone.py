@@ -170,7 +170,7 @@ def _aggregation_code(model) -> str:
              aggregate.ReZero, aggregate.LayerScale, aggregate.Highway, aggregate.StreamStart)
     code = "\n\n".join(_source(c) for c in order if c in used)
     if aggregate.Attend in used:  # its no-grad path keeps the gained query (derived)
-        code = _source(aggregate.derived) + "\n\n" + code
+        code = _source(aggregate.own) + "\n\n" + _source(aggregate.derived) + "\n\n" + code
     if _multi_stream(model):  # restopo.nn.streams whole: its classes share helpers
         code += ("\n\n# ---- multi-stream modules (restopo.nn.streams)\n\n"
                  + _body(inspect.getsource(streams)))

@@ -28,6 +28,17 @@ from .streams import make_stream_module
 EPS = NORM_EPS
 
 
+def own(module: nn.Module, name: str):
+    """The parameter (or submodule) `name` of `module`, read from its own dict: a plain
+    `module.name` goes through nn.Module.__getattr__, about a microsecond a lookup, and a
+    decoding step's aggregation points read a dozen each (it was most of the Python time of
+    a phase 1 there). Anything not in those dicts is read as an attribute."""
+    got = module._parameters.get(name)
+    if got is None:
+        got = module._modules.get(name)
+    return getattr(module, name) if got is None else got
+
+
 def derived(owner: nn.Module, params: tuple[torch.Tensor, ...], make):
     """make(), kept on `owner` while `params` are unchanged, for calls autograd does not
     record (decoding, evaluation). There, remaking a pseudo-query's gained form at every
@@ -93,10 +104,11 @@ class Attend(nn.Module):
     def _static(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(the pseudo-query, the key-norm gain); without autograd, the gain folded into
         the query once while both are unchanged (the backends fold it per call otherwise)."""
-        q, gain = self.pseudo_query, self.gain
+        q, norm = own(self, "pseudo_query"), own(self, "key_norm")
+        gain = None if norm is None else own(norm, "weight")
         if gain is None or torch.is_grad_enabled():
             return q, gain
-        return derived(self, (q, gain), lambda: self.pseudo_query * self.gain), None
+        return derived(self, (q, gain), lambda: q * gain), None
 
     def depth_weights(self, *sources: torch.Tensor) -> torch.Tensor:
         """alpha [n, *batch, heads]: the weight of each source (for diagnostics); the
@@ -119,11 +131,11 @@ class Attend(nn.Module):
         o1, m1, s1 = phase1
         q, gain = self._static()
         args = (o1[slot], m1[slot], s1[slot], partial, q, gain, EPS)
+        key_norm = own(self, "key_norm") is not None
         if norm_eps is None:
-            return ops.phase2(*args, key_norm=self.key_norm is not None, backend=self.backend)
+            return ops.phase2(*args, key_norm=key_norm, backend=self.backend)
         return ops.phase2_norm(*args, norm_weight=norm_weight, norm_eps=norm_eps,
-                               key_norm=self.key_norm is not None, keep_h=False,
-                               backend=self.backend)[1]
+                               key_norm=key_norm, keep_h=False, backend=self.backend)[1]
 
     def extra_repr(self) -> str:
         return f"d={self.d}, query={self.query}, gate={self.gate}, heads={self.heads}"
@@ -161,9 +173,10 @@ class TwoPhase(nn.Module):
         without autograd, the gains folded into the queries once while they are unchanged."""
         members = self.members
         if self.has_key_norm and not torch.is_grad_enabled():
-            params = tuple(p for m in members for p in (m.pseudo_query, m.gain))
+            params = tuple(p for m in members for p in (own(m, "pseudo_query"),
+                                                        own(own(m, "key_norm"), "weight")))
             return derived(self, params, lambda: torch.stack(
-                [m.pseudo_query * m.gain for m in members])), None
+                [q * g for q, g in zip(params[::2], params[1::2])])), None
         queries = torch.stack([m.pseudo_query for m in members])
         gains = torch.stack([m.gain for m in members]) if self.has_key_norm else None
         return queries, gains

@@ -364,12 +364,24 @@ def _unstacked__rstd_value(v: torch.Tensor, eps: float) -> torch.Tensor:
 unstacked = SimpleNamespace(_rstd=_unstacked__rstd, _rstd_value=_unstacked__rstd_value, depth_attention=_unstacked_depth_attention, logits_against=_unstacked_logits_against, normalised=_unstacked_normalised, phase1=_unstacked_phase1, phase2=_unstacked_phase2, query_matrix=_unstacked_query_matrix, source_logits=_unstacked_source_logits)
 
 
+_EPS = {}  # each (epsilon, device) as a 0-dim tensor, made once
+
+
 def _stacked__rstd(v: torch.Tensor, eps: float) -> torch.Tensor:
-    """[*batch, 1]: 1 / RMS(v) over channels, in at least fp32. A norm and three in-place
-    ops: for the tiny tensors of a decoding step, a mean of squares costs several times
-    more (each op's dispatch, not its arithmetic, is the cost there)."""
+    """[*batch, 1]: 1 / RMS(v) over channels, in at least fp32, as rsqrt(eps + |v|^2 / d):
+    a norm and two ops. For the tiny tensors of a decoding step each op's dispatch, not its
+    arithmetic, is the cost: a mean of squares takes several ops, and a Python number
+    handed to an in-place op is wrapped into a tensor and copied first (two dispatches
+    more each), where addcmul takes 1/d as its scalar `value` and eps as a kept tensor (a
+    0-dim tensor does not change the result's dtype or device)."""
     n = torch.linalg.vector_norm(v, dim=-1, keepdim=True, dtype=_weighted__acc(v))
-    return n.square_().mul_(1.0 / v.shape[-1]).add_(eps).rsqrt_()
+    if torch.compiler.is_compiling():
+        return torch.rsqrt(n * n / v.shape[-1] + eps)
+    key = (eps, n.device)
+    e = _EPS.get(key)
+    if e is None:
+        e = _EPS[key] = torch.tensor(eps, dtype=torch.float64, device=n.device)
+    return torch.addcmul(e, n, n, value=1.0 / v.shape[-1]).rsqrt_()
 
 
 def _stacked__as(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -466,8 +478,13 @@ def _stacked_phase1(completed, gained_queries: torch.Tensor, eps: float, *, key_
         z = (_stacked__as(vh, acc).unflatten(0, (-1, heads)) @ q).flatten(0, 1)  # [M*H, n, S]
     if key_norm:
         z = _stacked__scaled(z, v3, eps, heads)
-    lse = torch.logsumexp(z, 1, keepdim=True)               # [M*H, 1, S]
-    h1 = torch.bmm(_stacked__as(z.sub_(lse).exp_(), v3.dtype).mT, vh)  # [M*H, S, c]: normalised
+    # The softmax over the sources and its log-sum-exp, in place (torch.logsumexp is a
+    # composite of some nine ops, and the softmax would be two more).
+    m = z.amax(1, keepdim=True)                             # [M*H, 1, S]
+    e = z.sub_(m).exp_()
+    s = e.sum(1, keepdim=True)
+    h1 = torch.bmm(_stacked__as(e.div_(s), v3.dtype).mT, vh)         # [M*H, S, c]: normalised
+    lse = s.log_().add_(m)
 
     def by_query(x):  # [M*H, S, c] -> [S, *b, H * c]: a transpose and a view for one head
         if heads == 1:
@@ -515,15 +532,17 @@ def _stacked_phase2(h1: torch.Tensor, lse: torch.Tensor, partial: torch.Tensor |
     def per_head(w):
         return w.unsqueeze(-1) if split else w
 
-    acc = _weighted__acc(partial)
-    # The key: one rms_norm (a single call here, where a norm and four in-place ops on
-    # the logit were five), in at least fp32 like every logit.
-    k = F.rms_norm(_stacked__as(partial, acc), partial.shape[-1:], None, eps) if key_norm else partial
+    # The logit w . RMSNorm(p) as (w . p) / RMS(p), in at least fp32 like every logit: on
+    # the CPU F.rms_norm runs some twenty ops (two of them copies) where the norm and four
+    # in-place ops on the logit are five.
+    p = _stacked__as(partial, _weighted__acc(partial))
     if split:
-        z2 = (by_head(k) * by_head(gained_query)).sum(-1, dtype=acc)
+        z2 = (by_head(p) * by_head(gained_query)).sum(-1)
     else:
-        z2 = _stacked__as((k @ _stacked__as(gained_query, k.dtype)).unsqueeze(-1), acc)
-    w = _stacked__as(torch.sigmoid_(z2.sub(lse)), h1.dtype)
+        z2 = (p @ _stacked__as(gained_query, p.dtype)).unsqueeze(-1)
+    if key_norm:
+        z2 = z2.mul_(_stacked__rstd(p, eps))
+    w = _stacked__as(torch.sigmoid_(z2.sub_(lse)), h1.dtype)
     h = torch.lerp(by_head(h1), by_head(partial), per_head(w))
     return h.flatten(-2) if split else h
 
@@ -816,6 +835,17 @@ class Head(nn.Module):
 
 # ---- aggregation modules (restopo.nn.aggregate)
 
+def own(module: nn.Module, name: str):
+    """The parameter (or submodule) `name` of `module`, read from its own dict: a plain
+    `module.name` goes through nn.Module.__getattr__, about a microsecond a lookup, and a
+    decoding step's aggregation points read a dozen each (it was most of the Python time of
+    a phase 1 there). Anything not in those dicts is read as an attribute."""
+    got = module._parameters.get(name)
+    if got is None:
+        got = module._modules.get(name)
+    return getattr(module, name) if got is None else got
+
+
 def derived(owner: nn.Module, params: tuple[torch.Tensor, ...], make):
     """make(), kept on `owner` while `params` are unchanged, for calls autograd does not
     record (decoding, evaluation). There, remaking a pseudo-query's gained form at every
@@ -881,10 +911,11 @@ class Attend(nn.Module):
     def _static(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(the pseudo-query, the key-norm gain); without autograd, the gain folded into
         the query once while both are unchanged (the backends fold it per call otherwise)."""
-        q, gain = self.pseudo_query, self.gain
+        q, norm = own(self, "pseudo_query"), own(self, "key_norm")
+        gain = None if norm is None else own(norm, "weight")
         if gain is None or torch.is_grad_enabled():
             return q, gain
-        return derived(self, (q, gain), lambda: self.pseudo_query * self.gain), None
+        return derived(self, (q, gain), lambda: q * gain), None
 
     def depth_weights(self, *sources: torch.Tensor) -> torch.Tensor:
         """alpha [n, *batch, heads]: the weight of each source (for diagnostics); the
@@ -907,11 +938,11 @@ class Attend(nn.Module):
         o1, m1, s1 = phase1
         q, gain = self._static()
         args = (o1[slot], m1[slot], s1[slot], partial, q, gain, EPS)
+        key_norm = own(self, "key_norm") is not None
         if norm_eps is None:
-            return ops.phase2(*args, key_norm=self.key_norm is not None, backend=self.backend)
+            return ops.phase2(*args, key_norm=key_norm, backend=self.backend)
         return ops.phase2_norm(*args, norm_weight=norm_weight, norm_eps=norm_eps,
-                               key_norm=self.key_norm is not None, keep_h=False,
-                               backend=self.backend)[1]
+                               key_norm=key_norm, keep_h=False, backend=self.backend)[1]
 
     def extra_repr(self) -> str:
         return f"d={self.d}, query={self.query}, gate={self.gate}, heads={self.heads}"
