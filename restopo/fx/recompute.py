@@ -25,8 +25,10 @@ each region runs again in backward (torch.utils.checkpoint, non-reentrant).
 
 Block regions live in the lowered fx graph only: a pipeline chunk runs its own walk, so
 block is refused there (restopo.train.layout). Under FSDP2 a region holds several units:
-its recomputation gathers each unit's weights again (FSDP's forward hooks run inside it),
-a second all-gather per unit in backward, exact (tests/test_layouts.py).
+its recomputation gathers each unit's weights (FSDP's forward hooks run inside it) in place
+of the gather that unit's backward makes without recompute, not in addition to it: a step
+gathers as often, and as many bytes, in every mode (bench/fsdp_recompute.py counts them;
+exact, tests/test_layouts.py).
 """
 from __future__ import annotations
 
