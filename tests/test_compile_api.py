@@ -1,12 +1,12 @@
 """restopo.compile / restopo.aggregations and `restopo compile -o model.py|model.pt`."""
 import ast
-import importlib.util
 import os
 import subprocess
 import sys
 
 import pytest
 import torch
+from file_modules import load_file
 
 import restopo
 from restopo.nn.aggregate import Attend
@@ -90,9 +90,7 @@ def test_cli_model_py_round_trip(tmp_path):
                  if isinstance(node, ast.ImportFrom)}
     assert imported <= {"__future__", "math", "collections", "types", "torch"}  # standalone
     assert "def forward(self, idx):" in source and "block1 = " in source
-    spec = importlib.util.spec_from_file_location("gen_model", tmp_path / "gen_model.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_file(tmp_path / "gen_model.py", "gen_model")
     built = mod.build()
     ref = restopo.compile(tmp_path / "t.restopo", overrides=("model.depth=2",))
     with torch.no_grad():

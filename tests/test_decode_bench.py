@@ -1,16 +1,10 @@
 """bench/decode.py: the timed smoke run, and its op count of one eager decoding step."""
-import importlib.util
-from pathlib import Path
-
 import torch
+from file_modules import bench
 
 
 def _bench():
-    path = Path(__file__).resolve().parents[1] / "bench" / "decode.py"
-    spec = importlib.util.spec_from_file_location("decode_bench", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+    return bench("decode")
 
 
 def test_decode_bench_quick_prints_ratios(capsys):

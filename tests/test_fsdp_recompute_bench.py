@@ -1,26 +1,16 @@
 """bench/fsdp_recompute.py: what activation recompute gathers under FSDP, counted in the
 workers of real `restopo train` runs (CI-size smoke: a tiny model, 3 steps)."""
-import importlib.util
-from pathlib import Path
-
 import pytest
+from file_modules import bench as load_bench
 
 pytestmark = pytest.mark.slow
-
-
-def _bench():
-    path = Path(__file__).resolve().parents[1] / "bench" / "fsdp_recompute.py"
-    spec = importlib.util.spec_from_file_location("fsdp_recompute_bench", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
 
 
 def test_block_recompute_gathers_no_more_under_fsdp():
     """FSDP2 gathers each unit once in forward and once in backward; a `block` region's
     forward, run again inside backward, runs where its units are gathered for backward
     anyway, so a step gathers what it gathers without recompute (one process, nothing)."""
-    bench = _bench()
+    bench = load_bench("fsdp_recompute")
     args = bench.parse_args(["--quick"])
     got = bench.measure(args)
     rows = {key: runs[-1] for key, runs in got.items()}

@@ -1,6 +1,5 @@
 """restopo's imports: no cycles, no upward imports (tools/check_imports.py), and every
 package imports on its own in a fresh interpreter, the light ones without torch."""
-import importlib.util
 import shutil
 import subprocess
 import sys
@@ -8,11 +7,10 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from file_modules import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("check_imports", ROOT / "tools" / "check_imports.py")
-check_imports = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(check_imports)
+check_imports = load_file(ROOT / "tools" / "check_imports.py", "check_imports")
 
 PACKAGES = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
 TORCH_FREE = {"restopo", "restopo.spec", "restopo.ir", "restopo.grammars", "restopo.commands",

@@ -253,13 +253,9 @@ def test_cli_flag_is_the_override():
 
 def test_recompute_bench_quick(capsys):
     """bench/recompute.py runs (CI-size smoke) and prints a row per topology and mode."""
-    import importlib.util
-    from pathlib import Path
+    from file_modules import bench as load_bench
 
-    path = Path(__file__).resolve().parents[1] / "bench" / "recompute.py"
-    spec = importlib.util.spec_from_file_location("recompute_bench", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_bench("recompute")
     assert bench.main(["--quick", "--iters", "1", "--only", "standard,full"]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines()
             if line.split()[:1] in (["standard"], ["full"])]
