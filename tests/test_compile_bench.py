@@ -1,13 +1,10 @@
-"""bench/overhead.py runs (CI-size smoke: eager only, tiny model) and prints ratios."""
-import importlib.util
-from pathlib import Path
+"""bench/overhead.py and bench/aggregation.py run (CI-size smoke: eager only, tiny model) and
+print their figures against the standard residual."""
+from file_modules import bench as load_bench
 
 
 def test_overhead_bench_quick(capsys):
-    path = Path(__file__).resolve().parents[1] / "bench" / "overhead.py"
-    spec = importlib.util.spec_from_file_location("overhead", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_bench("overhead")
     assert bench.main(["--quick", "--no-compile", "--iters", "1"]) == 0
     out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines() if line.startswith("eager ")]
@@ -21,13 +18,20 @@ def test_overhead_bench_regional_mode(capsys, monkeypatch):
     """--regional measures each topology with its regions compiled (aot_eager here: the
     same regions without inductor's C++ builds), beside eager, as ratios to standard."""
     monkeypatch.setenv("RESTOPO_COMPILE_BACKEND", "aot_eager")
-    path = Path(__file__).resolve().parents[1] / "bench" / "overhead.py"
-    spec = importlib.util.spec_from_file_location("overhead", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_bench("overhead")
     assert bench.main(["--quick", "--no-compile", "--regional", "--streams", "0",
                        "--threads", "1"]) == 0
     out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines() if line.startswith("regional ")]
     assert [r[1] for r in rows] == ["standard", "full", "block2"]
     assert rows[0][3] == "1.000" and float(rows[1][7]) > 1.0
+
+
+def test_aggregation_bench_quick(capsys):
+    """bench/aggregation.py: each topology's aggregations over stand-in sublayers, as
+    milliseconds beyond the standard residual's (which is 0 by definition)."""
+    assert load_bench("aggregation").main(["--quick"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()
+            if line.startswith("eager ")]
+    assert [r[1] for r in rows] == ["standard", "full", "block2", "mhc4"]
+    assert float(rows[0][3]) == 0.0 and all(float(r[2]) > 0 for r in rows)
