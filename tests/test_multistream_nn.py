@@ -165,3 +165,37 @@ def test_recomputed_sinkhorn_backward_is_the_unrolled_gradient():
     torch.testing.assert_close(mine, want, rtol=1e-12, atol=1e-12)
     assert torch.autograd.gradcheck(lambda x: sinkhorn(x, 5), (z[:1, :2].detach()
                                                                .requires_grad_(),))
+
+
+def test_sinkhorn_forms_agree_with_a_hand_loop():
+    """The iterations run with the n x n matrices in front of the tokens (in place without
+    autograd): the same numbers as DeepSeek's order written over the last two axes, in
+    float64 to 1e-12, returned contiguous in [..., n, n] (a token-last result made each
+    batched matmul of R copy its matrices one token at a time)."""
+    from restopo.nn.streams import unrolled_sinkhorn
+    z = torch.randn(3, 5, 4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    m = torch.softmax(z, dim=-1) + EPS
+    m = m / (m.sum(-2, keepdim=True) + EPS)
+    for _ in range(ITERS - 1):
+        m = m / (m.sum(-1, keepdim=True) + EPS)
+        m = m / (m.sum(-2, keepdim=True) + EPS)
+    with torch.no_grad():
+        in_place = unrolled_sinkhorn(z, ITERS)
+    autograd = unrolled_sinkhorn(z.clone().requires_grad_(), ITERS)
+    for got in (in_place, autograd, sinkhorn(z.clone().requires_grad_(), ITERS)):
+        torch.testing.assert_close(got, m, rtol=1e-12, atol=1e-12)
+        assert got.is_contiguous()
+
+
+def test_read_streams_of_a_half_state_rounds_once():
+    """h = sum_i pre_i X_i of a bf16 state is the exact sum rounded to bf16 once (as a
+    matmul accumulates), within half a bf16 ulp of the float64 sum."""
+    from restopo.nn.streams import read_streams
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(6, 4, 32, generator=g).bfloat16()
+    pre = torch.rand(6, 4, generator=g)
+    want = (pre.double().unsqueeze(-1) * x.double()).sum(-2)
+    got = read_streams(x, pre)
+    assert got.dtype == torch.bfloat16
+    ulp = 2.0 ** (torch.frexp(want)[1].double() - 8)  # bf16 keeps 8 significant bits
+    assert ((got.double() - want).abs() <= ulp / 2 + 1e-30).all()

@@ -62,9 +62,15 @@ def expand_streams(v0: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def read_streams(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
-    """h = sum_i pre_i X_i: x [..., n, d], pre [..., n] (or [n])."""
+    """h = sum_i pre_i X_i: x [..., n, d], pre [..., n] (or [n]). A product and a sum over
+    the n streams, not a matmul: per token that is a [1, n] x [n, d] product, which a
+    batched matmul (and its backward, an outer product per token) does several times slower
+    on the CPU than the elementwise ops do. A half-precision state is read in float32 and
+    rounded once, as a matmul accumulates."""
     with _no_autocast(x):
-        return torch.matmul(pre.to(x.dtype).unsqueeze(-2), x).squeeze(-2)
+        if x.dtype in (torch.float16, torch.bfloat16):
+            return (pre.float().unsqueeze(-1) * x.float()).sum(-2).to(x.dtype)
+        return (pre.to(x.dtype).unsqueeze(-1) * x).sum(-2)
 
 
 def write_streams(x: torch.Tensor, v: torch.Tensor, post: torch.Tensor,
@@ -89,14 +95,33 @@ def sinkhorn(logits: torch.Tensor, iters: int, eps: float = SINKHORN_EPS) -> tor
     return unrolled_sinkhorn(logits, iters, eps)
 
 
+def _matrices_first(x: torch.Tensor) -> torch.Tensor:
+    """[..., n, n] -> [n, n, ...] (a view; softmax then lays it out so)."""
+    return x.movedim((-2, -1), (0, 1))
+
+
+def _matrices_last(x: torch.Tensor) -> torch.Tensor:
+    return x.movedim((0, 1), (-2, -1))
+
+
 def unrolled_sinkhorn(logits: torch.Tensor, iters: int, eps: float = SINKHORN_EPS):
-    """The iterations themselves (plain autograd would keep every intermediate)."""
-    m = torch.softmax(logits, dim=-1) + eps
-    m = m / (m.sum(-2, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        m = m / (m.sum(-1, keepdim=True) + eps)
-        m = m / (m.sum(-2, keepdim=True) + eps)
-    return m
+    """The iterations themselves (plain autograd would keep every intermediate), with the
+    n x n matrices in front of the tokens ([n, n, ...], rows axis 1, columns axis 0): each
+    normalisation then adds n whole planes, where over the last two axes it reduced runs
+    of n numbers token by token, 7x slower on the CPU at n = 4 (bench/aggregation.py's mHC
+    spent most of its time there). Returned in the [..., n, n] layout (one copy of n * n
+    numbers per token: a batched matmul of matrices laid out token-last copies them one
+    token at a time)."""
+    m = torch.softmax(_matrices_first(logits), dim=1) + eps
+    if torch.is_grad_enabled() and logits.requires_grad:  # autograd's reference form
+        m = m / (m.sum(0, keepdim=True) + eps)
+        for _ in range(iters - 1):
+            m = m / (m.sum(1, keepdim=True) + eps)
+            m = m / (m.sum(0, keepdim=True) + eps)
+    else:  # in place: nothing is kept for a backward
+        for axis in [0] + [1, 0] * (iters - 1):
+            m.div_(m.sum(axis, keepdim=True).add_(eps))
+    return _matrices_last(m).contiguous()
 
 
 class _RecomputedSinkhorn(torch.autograd.Function):
@@ -115,16 +140,16 @@ class _RecomputedSinkhorn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (logits,) = ctx.saved_tensors
-        p = torch.softmax(logits, dim=-1)
+        p = torch.softmax(_matrices_first(logits), dim=1)  # as unrolled_sinkhorn lays it out
         m, steps = p + ctx.eps, []
-        for axis in [-2] + [-1, -2] * (ctx.iters - 1):
-            d = m.sum(axis, keepdim=True) + ctx.eps
+        for axis in [0] + [1, 0] * (ctx.iters - 1):
+            d = m.sum(axis, keepdim=True).add_(ctx.eps)
             m = m / d
             steps.append((m, d, axis))
-        g = grad
+        g = _matrices_first(grad).contiguous()  # in m's layout: the ops below stay dense
         for out, d, axis in reversed(steps):
-            g = (g - (g * out).sum(axis, keepdim=True)) / d
-        return p * (g - (g * p).sum(-1, keepdim=True)), None, None
+            g = torch.sub(g, (g * out).sum(axis, keepdim=True)).div_(d)
+        return _matrices_last(p * (g - (g * p).sum(1, keepdim=True))).contiguous(), None, None
 
 
 class _Float32Params(nn.Module):
