@@ -189,3 +189,20 @@ def test_views_of_a_model_leave_no_hooks_on_its_modules(topology):
     shared._make = lambda *a, **k: seen.append(1) or real(*a, **k)
     torch.testing.assert_close(model(idx), want)  # with autograd: the shared path
     assert seen, "the model's readers still share their sources' logits"
+
+
+@pytest.mark.parametrize("topology", ["full_attnres", "block_attnres(blocks: 3)"])
+def test_decoding_under_inference_mode_leaves_normal_tensors(topology):
+    """The decoder runs under inference mode; nothing of it may leak out as an inference
+    tensor: not the logits (a user changes them in place), and nothing the model keeps
+    (the next training step, forward and backward, is the same as an undecoded twin's)."""
+    model, twin = model_for(topology), model_for(topology)
+    logits = Decoder(model, 2, 8)(tokens())
+    assert not logits.is_inference()
+    logits /= 2  # in place, outside inference mode
+    steps = []
+    for m in (model, twin):
+        loss = m.train()(tokens()).square().mean()
+        loss.backward()
+        steps.append((loss, [p.grad for p in m.parameters()]))
+    torch.testing.assert_close(steps[0], steps[1], rtol=0, atol=0)

@@ -722,8 +722,10 @@ class Rotary(nn.Module):
 
     def at(self, positions: torch.Tensor, dtype: torch.dtype):
         """cos/sin [T, head_dim] of the given positions (decoding: the offset ones)."""
-        return self.cos.index_select(0, positions).to(dtype), \
-            self.sin.index_select(0, positions).to(dtype)
+        cos, sin = self.cos.index_select(0, positions), self.sin.index_select(0, positions)
+        if cos.dtype != dtype:  # a no-op .to is still a dispatch under inference mode
+            cos, sin = cos.to(dtype), sin.to(dtype)
+        return cos, sin
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
