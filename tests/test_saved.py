@@ -136,6 +136,21 @@ def test_generate_command_streams_what_generate_returns(run):
     assert r.stdout.decode("utf-8") == bytes(new.tolist()).decode("utf-8", "replace") + "\n"
 
 
+def test_generate_command_compiled_says_what_generate_returns(run, capsys, monkeypatch):
+    """--compile: the one-token steps through torch.compile, the same greedy tokens as the
+    uncompiled decoder's, past the context too (the window slides), and a line on stderr
+    that says the wait is the compile."""
+    folder, _ = run
+    monkeypatch.chdir(folder)
+    assert main(["generate", "run", "--prompt", "x", "--max-new-tokens", "24",
+                 "--temperature", "0", "--compile"]) == 0
+    out, err = capsys.readouterr()
+    new = restopo.generate(load(folder / "run"), torch.tensor([[ord("x")]]), 24,
+                           temperature=0)[0, 1:]
+    assert out == bytes(new.tolist()).decode("utf-8", "replace") + "\n"
+    assert "compiling the one-token step" in err
+
+
 def test_generate_command_writes_each_character_as_it_comes(run, monkeypatch):
     """Streaming: when the model makes a token, every character of the tokens before it is
     already flushed to the terminal."""

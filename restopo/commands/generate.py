@@ -10,6 +10,7 @@ examples:
   restopo generate runs/tiny --prompt "def main(" --max-new-tokens 200
   restopo generate runs/tiny/ckpt/step_000600 --prompt "import " --temperature 0   # greedy
   restopo generate model.safetensors --prompt "class " --top-k 40 --top-p 0.9 --seed 1
+  restopo generate runs/tiny --prompt "def " --max-new-tokens 2000 --compile
 
 CKPT is anything restopo.load reads: a run folder (its latest checkpoint), a ckpt/ or
 ckpt/step_NNNNNN folder, a .pt from restopo compile / export, or an exported .safetensors.
@@ -41,6 +42,10 @@ def register(subparsers) -> None:
                    help="sample among the likeliest tokens holding probability P")
     p.add_argument("--seed", type=int, default=None, help="make the sampling repeatable")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--compile", action="store_true",
+                   help="run the one-token steps through torch.compile: the first new token "
+                        "waits for the compile (about a minute on a CPU), the rest come "
+                        "faster; worth it for long generations (bench/decode.py)")
     p.set_defaults(func=run)
 
 
@@ -82,8 +87,11 @@ def run(args) -> int:
         vocab = model.embed.num_embeddings
         ids = prompt_tokens(args, vocab)
         idx = torch.tensor([ids], dtype=torch.long, device=args.device)
+        if args.compile and args.max_new_tokens > 1:
+            print("restopo generate: compiling the one-token step (once, before the second "
+                  "new token)", file=sys.stderr)
         tokens = stream(model, idx, args.max_new_tokens, args.temperature, args.top_k,
-                        args.top_p, args.seed)
+                        args.top_p, args.seed, compile=args.compile)
         write = _byte_writer() if vocab == 256 else _id_writer()
         for token in tokens:
             write(int(token[0]))
