@@ -11,8 +11,20 @@ def test_decode_bench_quick_prints_ratios(capsys):
     assert _bench().main(["--quick", "--no-compile", "--batch", "1"]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines()
             if line.lstrip().startswith("1 eager")]
-    assert [r[2] for r in rows] == ["standard", "full", "block2"]
+    assert [r[2] for r in rows] == ["standard", "full", "block2", "standard'"]
     assert rows[0][4] == "1.000" and all(float(r[3]) > 0 for r in rows)
+
+
+def test_decode_bench_twin_is_the_standard_model_again():
+    """The noise floor's twin is a separate model with the standard one's weights."""
+    b = _bench()
+    ms = b.models(b.parse_args(["--quick"]))
+    twin, standard = ms[b.TWIN], ms["standard"]
+    assert twin is not standard
+    pairs = list(zip(twin.state_dict().items(), standard.state_dict().items()))
+    assert pairs and all(ka == kb and torch.equal(a, b) and a.data_ptr() != b.data_ptr()
+                         for (ka, a), (kb, b) in pairs)
+    assert b.TWIN not in b.models(b.parse_args(["--quick", "--no-twin"]))
 
 
 def test_one_decoding_step_stays_within_its_op_budget():
