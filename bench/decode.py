@@ -192,16 +192,16 @@ def main(argv=None) -> int:
                 rows.append((batch, mode, measure(args, mode, ms, batch)))
     print(f"\n{'batch':>5} {'mode':8} {'topology':10} {'ms/token':>9} {'x std':>6} "
           f"{'median':>9} {'x std':>6}")
+    floor = []  # the twin's distance from standard, best and median of each row group
     for batch, mode, res in rows:
         best = {n: min(v) for n, v in res.items()}
         median = {n: statistics.median(v) for n, v in res.items()}
+        if TWIN in res:
+            floor += [abs(stat[TWIN] / stat["standard"] - 1) for stat in (best, median)]
         for name in res:
             print(f"{batch:5d} {mode:8} {name:10} {1e3 * best[name]:9.3f} "
                   f"{best[name] / best['standard']:6.3f} {1e3 * median[name]:9.3f} "
                   f"{median[name] / median['standard']:6.3f}")
-    floor = [abs(stat[TWIN] / stat["standard"] - 1) for _, _, res in rows if TWIN in res
-             for stat in ({n: min(v) for n, v in res.items()},
-                          {n: statistics.median(v) for n, v in res.items()})]
     if floor:
         print(f"noise floor: {TWIN} (standard built again, the same weights) is up to "
               f"{max(floor):.3f} from 1.000 in this run; a ratio closer to 1 than that is "

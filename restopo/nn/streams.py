@@ -104,6 +104,12 @@ def _matrices_last(x: torch.Tensor) -> torch.Tensor:
     return x.movedim((0, 1), (-2, -1))
 
 
+def _axes(iters: int) -> list[int]:
+    """The normalisations in order, in the [n, n, ...] layout: columns (axis 0), then
+    `iters - 1` times rows (axis 1) and columns."""
+    return [0] + [1, 0] * (iters - 1)
+
+
 def unrolled_sinkhorn(logits: torch.Tensor, iters: int, eps: float = SINKHORN_EPS):
     """The iterations themselves (plain autograd would keep every intermediate), with the
     n x n matrices in front of the tokens ([n, n, ...], rows axis 1, columns axis 0): each
@@ -113,13 +119,11 @@ def unrolled_sinkhorn(logits: torch.Tensor, iters: int, eps: float = SINKHORN_EP
     numbers per token: a batched matmul of matrices laid out token-last copies them one
     token at a time)."""
     m = torch.softmax(_matrices_first(logits), dim=1) + eps
-    if torch.is_grad_enabled() and logits.requires_grad:  # autograd's reference form
-        m = m / (m.sum(0, keepdim=True) + eps)
-        for _ in range(iters - 1):
-            m = m / (m.sum(1, keepdim=True) + eps)
-            m = m / (m.sum(0, keepdim=True) + eps)
-    else:  # in place: nothing is kept for a backward
-        for axis in [0] + [1, 0] * (iters - 1):
+    keep = torch.is_grad_enabled() and logits.requires_grad  # autograd's reference form
+    for axis in _axes(iters):
+        if keep:
+            m = m / (m.sum(axis, keepdim=True) + eps)
+        else:  # in place: nothing is kept for a backward
             m.div_(m.sum(axis, keepdim=True).add_(eps))
     return _matrices_last(m).contiguous()
 
@@ -142,7 +146,7 @@ class _RecomputedSinkhorn(torch.autograd.Function):
         (logits,) = ctx.saved_tensors
         p = torch.softmax(_matrices_first(logits), dim=1)  # as unrolled_sinkhorn lays it out
         m, steps = p + ctx.eps, []
-        for axis in [0] + [1, 0] * (ctx.iters - 1):
+        for axis in _axes(ctx.iters):
             d = m.sum(axis, keepdim=True).add_(ctx.eps)
             m = m / d
             steps.append((m, d, axis))

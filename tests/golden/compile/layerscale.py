@@ -718,14 +718,18 @@ class Rotary(nn.Module):
         if T > self.context:
             raise ValueError(f"sequence length {T} is longer than the model's context "
                              f"{self.context}; crop the input or raise model.context")
-        return self.cos[:T].to(v0.dtype), self.sin[:T].to(v0.dtype)
+        return self._in(self.cos[:T], self.sin[:T], v0.dtype)
 
     def at(self, positions: torch.Tensor, dtype: torch.dtype):
         """cos/sin [T, head_dim] of the given positions (decoding: the offset ones)."""
-        cos, sin = self.cos.index_select(0, positions), self.sin.index_select(0, positions)
-        if cos.dtype != dtype:  # a no-op .to is still a dispatch under inference mode
-            cos, sin = cos.to(dtype), sin.to(dtype)
-        return cos, sin
+        return self._in(self.cos.index_select(0, positions),
+                        self.sin.index_select(0, positions), dtype)
+
+    @staticmethod
+    def _in(cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype):
+        """The tables in `dtype`, with no conversion when they already are (a no-op .to
+        is still a dispatch under inference mode)."""
+        return (cos, sin) if cos.dtype == dtype else (cos.to(dtype), sin.to(dtype))
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
