@@ -49,6 +49,9 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds (compilation)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--backend", default="auto", choices=("auto", "eager", "cpu", "triton"),
+                   help="aggregation kernels (auto: the fused C kernels on the CPU where they "
+                        "build, triton on CUDA; eager: plain torch, the reference)")
     p.add_argument("--no-compile", action="store_true", help="eager mode only")
     p.add_argument("--compile-only", action="store_true", help="torch.compile mode only")
     p.add_argument("--count-ops", action="store_true",
@@ -82,7 +85,7 @@ def models(args) -> dict:
     out = {}
     for name, topo in topologies.items():
         torch.manual_seed(0)  # the same sublayer weights for every topology
-        model = build_model(cfg, topo, backend="eager").to(args.device).eval()
+        model = build_model(cfg, topo, backend=args.backend).to(args.device).eval()
         with torch.no_grad():  # trained-looking queries: non-uniform depth weights
             for a in model.aggregations:
                 if hasattr(a, "pseudo_query"):

@@ -62,8 +62,11 @@ def parse_args(argv=None):
                    help="untimed rounds (compilation; the last one counts saved activations)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--backend", default="eager", choices=("auto", "eager", "triton"),
-                   help="aggregation ops (triton needs CUDA)")
+    p.add_argument("--backend", default="auto", type=_backends, metavar="B[,B...]",
+                   help="aggregation kernels, one or several (comma-separated: each "
+                        "topology is built on each and timed in the same rounds): auto (the "
+                        "fused C kernels on the CPU where they build, triton on CUDA), eager "
+                        "(plain torch, the reference), cpu, triton")
     p.add_argument("--no-compile", action="store_true", help="eager mode only")
     p.add_argument("--compile-only", action="store_true", help="torch.compile mode only")
     p.add_argument("--regional", action="store_true",
@@ -89,21 +92,38 @@ def parse_args(argv=None):
     return args
 
 
+def _backends(text: str) -> tuple[str, ...]:
+    names = tuple(dict.fromkeys(b.strip() for b in text.split(",")))
+    bad = [b for b in names if b not in ("auto", "eager", "cpu", "triton")]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown backend {', '.join(bad) or text!r}; "
+                                         "choose from auto, eager, cpu, triton")
+    return names
+
+
 def topologies(args):
+    """name -> (topology, backend). The standard residual has no aggregation op, so it is
+    built once; with several backends every other topology is built on each, named
+    `block8:eager`, `block8:cpu`."""
     kinds = T.sublayer_kinds(args.depth)
     blocks = min(args.blocks, args.depth)
-    out = {"standard": T.standard(kinds), "full": T.full_attnres(kinds),
-           f"block{blocks}": T.block_attnres(kinds, blocks=blocks)}
+    mixed = {"full": T.full_attnres(kinds), f"block{blocks}": T.block_attnres(kinds, blocks=blocks)}
     if args.streams:
-        out[f"mhc{args.streams}"] = T.mhc(kinds, args.streams)
+        mixed[f"mhc{args.streams}"] = T.mhc(kinds, args.streams)
+    backends = args.backend
+    out = {"standard": (T.standard(kinds), backends[0])}
+    for name, topo in mixed.items():
+        for b in backends:
+            out[name if len(backends) == 1 else f"{name}:{b}"] = (topo, b)
     return out
 
 
-def make(args, topo):
+def make(args, topo_backend):
+    topo, backend = topo_backend
     cfg = SimpleNamespace(vocab=args.vocab, width=args.width, depth=args.depth,
                           heads=args.heads, mlp="swiglu", mlp_ratio=4, context=args.context)
     torch.manual_seed(0)
-    model = build_model(cfg, topo, backend=args.backend).to(args.device)
+    model = build_model(cfg, topo, backend=backend).to(args.device)
     with torch.no_grad():  # trained-looking queries: non-uniform depth weights
         for a in model.aggregations:
             if hasattr(a, "pseudo_query"):
@@ -184,7 +204,7 @@ def spread(ratios: list[float]) -> str:
 def setting(args) -> str:
     return (f"width {args.width}, depth {args.depth} ({2 * args.depth} sublayers), context "
             f"{args.context}, batch {args.batch}, heads {args.heads}, vocab {args.vocab}, "
-            f"device {args.device}, aggregation backend {args.backend}, "
+            f"device {args.device}, aggregation backend {','.join(args.backend)}, "
             f"threads {torch.get_num_threads()}, torch {torch.__version__}")
 
 
@@ -192,7 +212,8 @@ def first_step(args) -> dict:
     """Seconds of the first step (compilation included) and of the next two, in this
     process, for the Block model compiled as `args.first_step` says."""
     kinds = T.sublayer_kinds(args.depth)
-    model = make(args, T.block_attnres(kinds, blocks=min(args.blocks, args.depth)))
+    model = make(args, (T.block_attnres(kinds, blocks=min(args.blocks, args.depth)),
+                        args.backend[0]))
     fn, model = compiled(args.first_step, model)
     idx = torch.randint(0, args.vocab, (args.batch, args.context), device=args.device)
     times = []
@@ -254,13 +275,13 @@ def main(argv=None) -> int:
     results = {mode: measure(args, mode, models if mode != "regional" else
                              {name: make(args, topo) for name, topo in topologies(args).items()})
                for mode in modes}
-    print(f"\n{'mode':8} {'topology':10} {'step ms':>9} {'x std':>6} {'median ms':>10} "
+    print(f"\n{'mode':8} {'topology':12} {'step ms':>9} {'x std':>6} {'median ms':>10} "
           f"{'x std':>6} {'saved MiB':>10} {'x std':>6}   per-round x std: median "
           f"[quartiles] (range), {args.iters} rounds")
     for mode, res in results.items():
         base = res["standard"]
         for name, r in res.items():
-            print(f"{mode:8} {name:10} {1e3 * r['step']:9.1f} {r['step'] / base['step']:6.3f} "
+            print(f"{mode:8} {name:12} {1e3 * r['step']:9.1f} {r['step'] / base['step']:6.3f} "
                   f"{1e3 * r['median']:10.1f} {r['median'] / base['median']:6.3f} "
                   f"{r['saved'] / 2**20:10.1f} {r['saved'] / base['saved']:6.3f}   "
                   f"{spread(r['ratios'])}")

@@ -49,7 +49,8 @@ def parse_args(argv=None):
 def all_topologies(args) -> dict:
     kinds = T.sublayer_kinds(args.depth)
     out = dict(topologies(args))
-    out["denseformer"], out["rezero"] = T.denseformer(kinds), T.rezero(kinds)
+    backend = args.backend[0]
+    out["denseformer"], out["rezero"] = (T.denseformer(kinds), backend), (T.rezero(kinds), backend)
     if args.only:
         out = {k: v for k, v in out.items() if k in args.only.split(",")}
     return out

@@ -42,7 +42,8 @@ def compile(spec_or_path, backend: str = "auto", overrides=(), *,  # noqa: A001
     """The model a spec describes: an fx GraphModule, forward(idx [B, T]) -> logits [B, T, V].
 
     spec_or_path: a Spec, a path to a .restopo file, or spec text. backend: auto (triton on
-    CUDA when it imports, else eager) | eager | triton (a RuntimeError says why it cannot run).
+    CUDA when it imports; on the CPU the fused C kernels where they build, else eager) |
+    eager | triton | cpu (a RuntimeError says why one cannot run).
     The spec text and overrides ride along as `model.spec_text` / `model.restopo_overrides`
     (and the Spec as `model.restopo_spec`) so checkpoints can store them.
     init: a restopo.nn.init.Init draws each unit's weights from a generator seeded by (seed,
@@ -50,8 +51,8 @@ def compile(spec_or_path, backend: str = "auto", overrides=(), *,  # noqa: A001
     weights come from torch's global generator.
     """
     ops.check_backend(backend)
-    if backend == "triton":
-        ops.require_backend("triton")
+    if backend in ("triton", "cpu"):
+        ops.require_backend(backend)
     _refuse_saved_model(spec_or_path)
     spec = as_spec(spec_or_path, overrides)
     if spec.model is None:
@@ -93,8 +94,8 @@ def aggregations(model: nn.Module) -> list[nn.Module]:
 def set_backend(model: nn.Module, backend: str) -> nn.Module:
     """Switch the aggregation ops of a compiled model to another backend, in place."""
     ops.check_backend(backend)
-    if backend == "triton":
-        ops.require_backend("triton")
+    if backend in ("triton", "cpu"):
+        ops.require_backend(backend)
     for m in model.modules():
         if isinstance(m, (Attend, TwoPhase)):
             m.backend = backend

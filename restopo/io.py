@@ -18,6 +18,15 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 
+def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
+    """Where restopo keeps what it makes once per machine (the prepared builtin corpus, the
+    built CPU kernels): `cache_dir`, else $RESTOPO_CACHE, else ~/.cache/restopo."""
+    if cache_dir is not None:
+        return Path(cache_dir)
+    env = os.environ.get("RESTOPO_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "restopo"
+
+
 def write_atomic(path: str | os.PathLike, content: str | bytes | Callable[[str], object]) -> None:
     """Replace `path` with `content`: text (written as UTF-8), bytes, or `write(tmp_path)`
     for a library that writes to a path itself (matplotlib, Graphviz)."""

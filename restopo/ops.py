@@ -2,8 +2,11 @@
 
 Same signatures as the eager backend's ops plus `backend=`:
   eager   plain torch (the reference)
-  triton  fused kernels
-  auto    triton when the tensors are on CUDA and the triton backend imports, else eager
+  triton  fused GPU kernels
+  cpu     fused C kernels for the CPU (built with the machine's C compiler on first use)
+  auto    triton when the tensors are on CUDA and the triton backend imports; on the CPU
+          the cpu backend when its kernels build (else eager, and it says why once);
+          eager under torch.compile on the CPU (inductor fuses the eager forms)
 Each backend is found by name in the registry (`get_backend`, restopo.registry), which loads
 it on first use; `register_backend` replaces one.
 
@@ -15,13 +18,13 @@ it (the fused kernels read the sources through a table of their addresses).
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
-import torch.nn.functional as F
 
 from .registry import get_backend, register_backend  # noqa: F401  (the public entry)
 
-BACKENDS = ("auto", "eager", "triton")
+BACKENDS = ("auto", "eager", "triton", "cpu")
 
 
 def check_backend(backend: str) -> None:
@@ -55,6 +58,28 @@ def _eager():
     return get_backend("eager")
 
 
+def _cpu_module():
+    return get_backend("cpu")
+
+
+_cpu_said = False
+
+
+def _cpu_ok() -> bool:
+    """Whether `auto` may run the cpu backend here: its kernels build. Said once when not."""
+    global _cpu_said
+    try:
+        ok, why = _cpu_module().available()
+    except ImportError as e:
+        ok, why = False, str(e)
+    if not ok and not _cpu_said:
+        _cpu_said = True
+        warnings.warn(f"restopo: the fused CPU kernels are unavailable ({why}); depth "
+                      "attention runs on the eager backend (same results, slower)",
+                      stacklevel=3)
+    return ok
+
+
 def load_backends(backend: str) -> None:
     """Load now the backends calls with `backend=` will reach: the first lookup of one reads
     entry points, which torch.compile cannot trace (a graph break in the first aggregation
@@ -74,6 +99,10 @@ def require_backend(backend: str, device=None) -> None:
         why = triton_unavailable_reason(device)
         if why is not None:
             raise RuntimeError(f"backend 'triton' cannot run: {why}")
+    if backend == "cpu":
+        ok, why = _cpu_module().available(device)
+        if not ok:
+            raise RuntimeError(f"backend 'cpu' cannot run: {why}")
 
 
 def picked(backend: str, tensor: torch.Tensor) -> str:
@@ -85,12 +114,15 @@ def _pick(backend: str, tensor: torch.Tensor) -> str:
     """The backend one call runs on."""
     if backend == "eager":
         return "eager"
-    if backend == "triton":
-        require_backend("triton", tensor.device)
-        return "triton"
+    if backend in ("triton", "cpu"):
+        require_backend(backend, tensor.device)
+        return backend
     check_backend(backend)
     if tensor.is_cuda and triton_unavailable_reason(tensor.device) is None:
         return "triton"
+    if (tensor.device.type == "cpu" and not torch.compiler.is_compiling()
+            and tensor.dtype in (torch.float32, torch.float64) and _cpu_ok()):
+        return "cpu"
     return "eager"
 
 
@@ -111,10 +143,11 @@ def depth_attention(sources: torch.Tensor, query: torch.Tensor,
     if isinstance(sources, torch.Tensor) and sources.dim() < 2:
         raise ValueError(f"sources must be [n, *batch, d]; got shape {tuple(sources.shape)}")
     # Per-token (input-dependent) queries have no fused kernel: they run eagerly.
-    if query.dim() == 1 and _pick(backend, _first(sources)) == "triton":
+    picked = _pick(backend, _first(sources)) if query.dim() == 1 else "eager"
+    if picked == "triton":
         return _triton_module().depth_attention(sources, query, key_norm_weight, eps,
                                                 key_norm=key_norm, gate=gate, heads=heads)
-    return _eager().depth_attention(sources, query, key_norm_weight, eps, key_norm=key_norm,
+    return _host(picked).depth_attention(sources, query, key_norm_weight, eps, key_norm=key_norm,
                                     gate=gate, heads=heads, **_given(logits))
 
 
@@ -127,11 +160,17 @@ def phase1(completed: torch.Tensor, queries: torch.Tensor,
     block's [S, *batch, heads] against the queries, already made (as in depth_attention).
     The eager backend returns the normalised form instead: o1 / s1, m1 + log s1, and s1
     as S Nones (s1[s] is None). phase2 takes both forms."""
-    if _pick(backend, _first(completed)) == "triton":
+    picked = _pick(backend, _first(completed))
+    if picked == "triton":
         return _triton_module().phase1(completed, queries, key_norm_weights, eps,
                                        key_norm=key_norm, heads=heads)
-    return _eager().phase1(completed, queries, key_norm_weights, eps, key_norm=key_norm,
+    return _host(picked).phase1(completed, queries, key_norm_weights, eps, key_norm=key_norm,
                            heads=heads, **_given(logits))
+
+
+def _host(picked: str):
+    """The backend a host-side (not triton) pick runs: cpu or eager, same signatures."""
+    return _cpu_module() if picked == "cpu" else _eager()
 
 
 def _given(logits) -> dict:
@@ -156,10 +195,11 @@ def phase2(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor, partial: torch.
            query: torch.Tensor, key_norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
            *, key_norm: bool = True, backend: str = "eager") -> torch.Tensor:
     """Phase 2: merge the pre-update partial into phase 1's result by online softmax."""
-    if _pick(backend, o1) == "triton":
+    picked = _pick(backend, o1)
+    if picked == "triton":
         return _triton_module().phase2(o1, m1, s1, partial, query, key_norm_weight, eps,
                                        key_norm=key_norm)
-    return _eager().phase2(o1, m1, s1, partial, query, key_norm_weight, eps, key_norm=key_norm)
+    return _host(picked).phase2(o1, m1, s1, partial, query, key_norm_weight, eps, key_norm=key_norm)
 
 
 def phase2_norm(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor,
@@ -168,15 +208,25 @@ def phase2_norm(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor,
                 norm_weight: torch.Tensor | None = None, norm_eps: float | None = None,
                 key_norm: bool = True, keep_h: bool = True, backend: str = "eager"):
     """Phase 2 and the next sublayer's PreNorm: (h, rms_norm(h, norm_weight, norm_eps)),
-    or (None, y) with keep_h=False. The fused backend computes both in one kernel; the
+    or (None, y) with keep_h=False. The fused backends compute both in one kernel; the
     eager one is phase2 followed by the norm, exactly what the unfused sublayer computes."""
     norm_eps = eps if norm_eps is None else norm_eps
-    if _pick(backend, o1) == "triton":
-        return _triton_module().phase2_norm(o1, m1, s1, partial, query, key_norm_weight, eps,
-                                            norm_weight=norm_weight, norm_eps=norm_eps,
-                                            key_norm=key_norm, keep_h=keep_h)
+    picked = _pick(backend, o1)
+    if picked != "eager":
+        module = _triton_module() if picked == "triton" else _cpu_module()
+        return module.phase2_norm(o1, m1, s1, partial, query, key_norm_weight, eps,
+                                  norm_weight=norm_weight, norm_eps=norm_eps,
+                                  key_norm=key_norm, keep_h=keep_h)
     h = _eager().phase2(o1, m1, s1, partial, query, key_norm_weight, eps, key_norm=key_norm)
-    return h if keep_h else None, F.rms_norm(h, (h.shape[-1],), norm_weight, norm_eps)
+    return h if keep_h else None, rms_norm(h, norm_weight, norm_eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm of x over its last dimension times `weight` (None: no gain), as F.rms_norm:
+    the sublayers' PreNorm and the final norm (restopo.nn.norm.RMSNorm). The eager
+    backend's, whose CPU backward is written out (F.rms_norm's is several times slower
+    there); F.rms_norm wherever that would not pay (CUDA, torch.compile, no autograd)."""
+    return _eager().rms_norm(x, weight, eps)
 
 
 def depth_weights(sources, query: torch.Tensor, key_norm_weight: torch.Tensor | None = None,

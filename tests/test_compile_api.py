@@ -92,7 +92,8 @@ def test_cli_model_py_round_trip(tmp_path):
     assert "def forward(self, idx):" in source and "block1 = " in source
     mod = load_file(tmp_path / "gen_model.py", "gen_model")
     built = mod.build()
-    ref = restopo.compile(tmp_path / "t.restopo", overrides=("model.depth=2",))
+    # the file holds the eager backend's code: against the eager backend, the same bits
+    ref = restopo.compile(tmp_path / "t.restopo", overrides=("model.depth=2",), backend="eager")
     with torch.no_grad():
         for a in restopo.aggregations(ref):
             a.pseudo_query.normal_()
@@ -100,6 +101,11 @@ def test_cli_model_py_round_trip(tmp_path):
     idx = torch.randint(0, 61, (2, 6))
     with torch.no_grad():  # the same ops, so the same bits
         torch.testing.assert_close(built(idx), ref(idx), rtol=0, atol=0)
+    # the default backend on the CPU (the fused C kernels where they build): rounding
+    auto = restopo.compile(tmp_path / "t.restopo", overrides=("model.depth=2",))
+    auto.load_state_dict(ref.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(built(idx), auto(idx), rtol=1e-5, atol=1e-6)
     # With autograd the model shares each source's logits among its readers (one matmul,
     # restopo.nn.shared_sources) where the file's model makes each reader's own: the same
     # mathematics, rounded differently in float32.

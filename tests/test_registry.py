@@ -10,13 +10,13 @@ from restopo.ops import get_backend, register_backend
 from restopo.registry import BackendNotFound
 
 
-@pytest.mark.parametrize("name", ["eager", "triton", "pipeline"])
+@pytest.mark.parametrize("name", ["eager", "triton", "cpu", "pipeline"])
 def test_each_backend_is_its_package(name):
     assert get_backend(name) is importlib.import_module(f"restopo.backends.{name}")
 
 
 def test_an_unknown_backend_names_the_installed_ones():
-    with pytest.raises(BackendNotFound, match=r"installed: eager, pipeline, triton"):
+    with pytest.raises(BackendNotFound, match=r"installed: cpu, eager, pipeline, triton"):
         get_backend("cuda")
 
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from . import stacked, unstacked, weighted  # noqa: F401  (weighted: for the standalone writer)
+from . import rmsnorm, stacked, unstacked, weighted  # noqa: F401  (for the standalone writer)
 
 
 def keys(sources: torch.Tensor, eps: float, key_norm: bool = True) -> torch.Tensor:

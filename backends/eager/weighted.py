@@ -43,6 +43,16 @@ class _Sink:
         else:
             self.grad.unflatten(-1, g.shape[-2:]).addcmul_(g, a)
 
+    def buffer(self, like: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """(this pass's gradient buffer, shaped as `like`; whether it holds a sum already),
+        for a kernel that writes its part there itself (the cpu backend): it writes the
+        buffer when False and adds to it when True."""
+        task = torch._C._current_graph_task_id()
+        if self.grad is None or self.task != task:
+            self.grad, self.task = torch.empty_like(like), task
+            return self.grad, False
+        return self.grad, True
+
     def take(self) -> torch.Tensor | None:
         """This pass's sum (None if nothing was added in it); the sink is emptied."""
         got, self.grad = self.grad, None

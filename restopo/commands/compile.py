@@ -33,9 +33,9 @@ def register(subparsers) -> None:
     p.add_argument("spec", metavar="FILE", help="the .restopo file")
     p.add_argument("-o", "--output", required=True, metavar="OUT",
                    help="where to write: a path ending in .py or .pt")
-    p.add_argument("--backend", choices=("auto", "eager", "triton"), default="auto",
+    p.add_argument("--backend", choices=("auto", "eager", "triton", "cpu"), default="auto",
                    help="aggregation kernels of the model (default: triton on CUDA when "
-                        "available)")
+                        "available, else the fused C kernels on the CPU where they build)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a spec value, e.g. --set model.width=64 (repeatable)")
     p.set_defaults(func=run)

@@ -15,7 +15,7 @@ import inspect
 import re
 
 from ..codegen import literal, text_literal
-from ..nn import aggregate, streams, sublayers
+from ..nn import aggregate, norm, streams, sublayers
 from ..nn.norm import NORM_EPS
 from ..registry import get_backend
 
@@ -71,6 +71,10 @@ class ops:
     @staticmethod
     def depth_weights(*args, **kwargs):
         return depth_weights(*args, **kwargs)
+
+    @staticmethod
+    def rms_norm(*args, **kwargs):
+        return rmsnorm.rms_norm(*args, **kwargs)
 '''
 
 FOOTER = '''
@@ -80,7 +84,7 @@ def build():
     return RestopoModel()
 '''
 
-SUBLAYER_CODE = (sublayers.Rotary, sublayers.apply_rotary, sublayers.KVCache,
+SUBLAYER_CODE = (norm.RMSNorm, sublayers.Rotary, sublayers.apply_rotary, sublayers.KVCache,
                  sublayers.Attention, sublayers.swiglu_hidden, sublayers.MLP, sublayers.Head)
 
 
@@ -90,13 +94,14 @@ def _source(obj) -> str:
 
 def _kernels() -> str:
     """The eager backend (depth.py, the two forms it picks between, unstacked.py and
-    stacked.py, and the weighted sum they share, weighted.py) as top-level code: each
-    module's functions get its prefix (`_stacked_phase1`) and are gathered in a namespace of
-    the module's name, which depth.py's code calls."""
+    stacked.py, the weighted sum they share, weighted.py, and the PreNorm's rmsnorm.py) as
+    top-level code: each module's functions get its prefix (`_stacked_phase1`) and are
+    gathered in a namespace of the module's name, which depth.py's code calls."""
     eager = get_backend("eager")
     depth = inspect.getmodule(eager.depth_attention)
     code, names = [], {}
-    for module in (depth.weighted, depth.unstacked, depth.stacked):  # each imports the earlier
+    for module in (depth.weighted, depth.rmsnorm, depth.unstacked, depth.stacked):
+        # each imports only the earlier ones
         short = module.__name__.rpartition(".")[2]
         own = {n: f"_{short}_{n}" for n, f in inspect.getmembers(module, inspect.isfunction)
                if f.__module__ == module.__name__}

@@ -70,8 +70,9 @@ def register(subparsers) -> None:
                    help="torch.compile each sublayer, aggregation point and phase 1 in place "
                         "(same as --set train.compile=true); the first step compiles")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--backend", choices=("auto", "eager", "triton"), default="auto",
-                   help="aggregation kernels (default: triton on CUDA when available)")
+    p.add_argument("--backend", choices=("auto", "eager", "triton", "cpu"), default="auto",
+                   help="aggregation kernels (default: triton on CUDA when available, else the "
+                        "fused C kernels on the CPU where they build)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the latest checkpoint in OUT/ckpt")
     p.add_argument("--overwrite", action="store_true",

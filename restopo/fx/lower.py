@@ -61,8 +61,8 @@ def lower(g: IR, parts: Parts, backend: str = "auto", two_phase: bool = True,
     lowering would leave one more hook on that model's modules.
     """
     ops.check_backend(backend)
-    if backend == "triton":
-        ops.require_backend("triton")
+    if backend in ("triton", "cpu"):
+        ops.require_backend(backend)
     ops.load_backends(backend)
     kinds = g.kinds
     if kinds != parts.kinds:

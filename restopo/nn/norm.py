@@ -27,4 +27,23 @@ and bf16; in pure fp16 (max 65504) no epsilon small enough for the equality abov
 1/sqrt(eps) finite, so a pure-fp16 model's gradient at such a row overflows (train in bf16 or
 with fp32 weights under autocast). tests/test_init_equivalence.py holds each property.
 """
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .. import ops
+
 NORM_EPS = 1e-24
+
+
+class RMSNorm(nn.RMSNorm):
+    """nn.RMSNorm (same parameters, state_dict and maths) whose training step on the CPU
+    runs restopo.ops.rms_norm: its backward written out, where torch's forms it from
+    autograd's ops at several times the cost (the PreNorm of every sublayer, in every
+    topology, and the final norm)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.eps is None or len(self.normalized_shape) != 1:
+            return super().forward(x)
+        return ops.rms_norm(x, self.weight, self.eps)

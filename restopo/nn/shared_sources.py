@@ -60,6 +60,13 @@ def _kind(module: nn.Module) -> tuple[bool, int]:
     return first.key_norm is not None, first.heads
 
 
+# The backends whose readers share: the eager one (logits and gradient buffer) and the cpu
+# one, whose depth attention is the eager one's (fed shared logits, it does less work per
+# source than a kernel that makes them again) and whose fused phase 1 adds its part of a
+# source's gradient into the shared buffer and makes its own logits.
+SHARING = ("eager", "cpu")
+
+
 class SharedSources:
     """The readers of each source, and (inside a scope) what they share so far."""
 
@@ -95,7 +102,7 @@ class SharedSources:
             return {}
         got = {}
         for module, i, v in uses:
-            if ops.picked(module.backend, v) != "eager":
+            if ops.picked(module.backend, v) not in SHARING:
                 continue
             key = (self.readers[module].sources[i], _kind(module))
             got[key] = self._record(records, key, v)
@@ -158,21 +165,24 @@ class SharedSources:
 
     def shared(self, module: nn.Module, sources):
         """(the sources' shared forms, their logits: [*batch, H] each for an Attend,
-        [S, *batch, H] for a two-phase group) for reader `module`, or None where it makes
-        its own."""
+        [S, *batch, H] for a two-phase group, or None for a fused phase 1) for reader
+        `module`, or None where it makes its own."""
         reader, records = self.readers.get(module), self._records
         if (reader is None or records is None or torch.compiler.is_compiling()
                 or not torch.is_grad_enabled() or len(sources) != len(reader.sources)
                 or (self._within is not None and module not in self._within)
-                or ops.picked(module.backend, sources[0]) != "eager"):
+                or ops.picked(module.backend, sources[0]) not in SHARING):
             return None
         kind = _kind(module)
         shared, logits = [], []
         for sid, v in zip(reader.sources, sources):
             _, view, columns, starts = self._record(records, (sid, kind), v)
+            shared.append(view)
+            if module not in starts:  # a fused phase 1 (cpu backend) makes its own logits
+                logits = None
+                continue
             start = starts[module]
             got = columns[start:start + reader.queries]
-            shared.append(view)
             logits.append(got[0] if not hasattr(module, "members") else torch.stack(got))
         return tuple(shared), logits
 
@@ -188,6 +198,10 @@ class SharedSources:
         """(v, its gathered view, its logits' columns, each reader's first column)."""
         readers = [r for r in self.by_source[(sid, kind)]
                    if self._within is None or r.module in self._within]
+        if ops.picked(readers[0].module.backend, v) == "cpu":  # its phase 1 is fused
+            readers = [r for r in readers if not hasattr(r.module, "members")]
+            if not readers:
+                return v, ops.gathered(v), None, {}
         queries = self._queries(records, kind, readers)
         key_norm, heads = kind
         z = ops.logits_against(v, queries, self.eps, key_norm=key_norm, heads=heads)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .norm import NORM_EPS
+from .norm import NORM_EPS, RMSNorm
 from .sizes import swiglu_hidden  # noqa: F401  (also for the standalone writer)
 
 
@@ -96,7 +96,7 @@ class Attention(nn.Module):
         if d % heads:
             raise ValueError(f"heads must divide the width: width {d}, heads {heads}")
         self.heads = heads
-        self.norm = nn.RMSNorm(d, eps=NORM_EPS)
+        self.norm = RMSNorm(d, eps=NORM_EPS)
         self.qkv = nn.Linear(d, 3 * d, bias=False)
         self.proj = nn.Linear(d, d, bias=False)
 
@@ -124,7 +124,7 @@ class MLP(nn.Module):
         if kind not in ("swiglu", "gelu"):
             raise ValueError(f"mlp must be 'swiglu' or 'gelu'; got {kind!r}")
         self.kind = kind
-        self.norm = nn.RMSNorm(d, eps=NORM_EPS)
+        self.norm = RMSNorm(d, eps=NORM_EPS)
         hidden = swiglu_hidden(d, ratio) if kind == "swiglu" else int(round(ratio * d))
         self.up = nn.Linear(d, 2 * hidden if kind == "swiglu" else hidden, bias=False)
         self.down = nn.Linear(hidden, d, bias=False)
@@ -145,7 +145,7 @@ class Head(nn.Module):
 
     def __init__(self, d: int, vocab: int):
         super().__init__()
-        self.norm = nn.RMSNorm(d, eps=NORM_EPS)
+        self.norm = RMSNorm(d, eps=NORM_EPS)
         self.lm_head = nn.Linear(d, vocab, bias=False)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..io import atomic_folder
+from ..io import atomic_folder, cache_root
 
 BUILTIN_STDLIB = "builtin:stdlib"
 BYTE_VOCAB = 256
@@ -142,13 +142,6 @@ def stdlib_files(root: str | None = None) -> list[tuple[str, int]]:
 def is_val_file(rel: str) -> bool:
     """The deterministic split: a file belongs to validation by a hash of its path."""
     return hashlib.sha1(rel.encode()).digest()[0] < int(256 * VAL_FRACTION)
-
-
-def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
-    if cache_dir is not None:
-        return Path(cache_dir)
-    env = os.environ.get("RESTOPO_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "restopo"
 
 
 def stdlib_corpus(cache_dir=None, *, progress: bool = True, root: str | None = None) -> Corpus:

@@ -72,6 +72,16 @@ class _Sink:
         else:
             self.grad.unflatten(-1, g.shape[-2:]).addcmul_(g, a)
 
+    def buffer(self, like: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """(this pass's gradient buffer, shaped as `like`; whether it holds a sum already),
+        for a kernel that writes its part there itself (the cpu backend): it writes the
+        buffer when False and adds to it when True."""
+        task = torch._C._current_graph_task_id()
+        if self.grad is None or self.task != task:
+            self.grad, self.task = torch.empty_like(like), task
+            return self.grad, False
+        return self.grad, True
+
     def take(self) -> torch.Tensor | None:
         """This pass's sum (None if nothing was added in it); the sink is emptied."""
         got, self.grad = self.grad, None
@@ -189,6 +199,61 @@ class WeightedSum(torch.autograd.Function):
 
 
 weighted = SimpleNamespace(_acc=_weighted__acc, _plain=_weighted__plain, gathered=_weighted_gathered, weighted_sum=_weighted_weighted_sum)
+
+
+def _rmsnorm_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm of x over its last dimension, times `weight` (None: no gain)."""
+    if (torch.compiler.is_compiling() or x.device.type != "cpu" or not torch.is_grad_enabled()
+            or not (x.requires_grad or (weight is not None and weight.requires_grad))):
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return _RMSNorm.apply(x, weight, eps)
+
+
+def _rmsnorm__rstd(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """[*batch, 1]: 1 / RMS(x) over channels, in at least fp32 (one pass over x)."""
+    xa = x if x.dtype == _weighted__acc(x) else x.to(_weighted__acc(x))
+    ms = torch.linalg.vecdot(xa, xa).unsqueeze(-1)
+    return ms.div_(x.shape[-1]).add_(eps).rsqrt_()
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        r = _rmsnorm__rstd(x, eps)
+        y = torch.mul(x, r)                       # in at least fp32: r is
+        if weight is not None:
+            y.mul_(weight)
+        ctx.save_for_backward(x, weight, r)
+        return y.to(x.dtype)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, gy):
+        x, weight, r = ctx.saved_tensors
+        d, acc = x.shape[-1], r.dtype
+        gy = gy.to(acc)
+        xa = x if x.dtype == acc else x.to(acc)
+        gx = gy * xa                                           # [*b, d]
+        rows, cols = gx.reshape(-1, d), r.reshape(1, -1)
+        d_weight = None
+        if weight is not None and ctx.needs_input_grad[1]:
+            d_weight = (cols @ rows).view(d).to(weight.dtype)  # sum over tokens of gy x rstd
+        if not ctx.needs_input_grad[0]:
+            return None, d_weight, None
+        if weight is None:
+            dot = gx.sum(-1, keepdim=True)
+        else:
+            w = weight.to(acc)
+            dot = (rows @ w).view(r.shape)                    # sum over channels of gy g x
+        # d rstd / dx = -rstd^3 x / d: as rstd^2 here (finite at a zero row) and the last
+        # rstd after the sum
+        c = dot.mul_(r).mul_(r).mul_(-1.0 / d)
+        dx = torch.addcmul(gy, xa, c) if weight is None else torch.mul(gy, w).addcmul_(xa, c)
+        dx.mul_(r)
+        return dx.to(x.dtype), d_weight, None
+
+
+rmsnorm = SimpleNamespace(_rstd=_rmsnorm__rstd, rms_norm=_rmsnorm_rms_norm)
 
 
 class _Rstd(torch.autograd.Function):
@@ -701,7 +766,23 @@ class ops:
     def depth_weights(*args, **kwargs):
         return depth_weights(*args, **kwargs)
 
+    @staticmethod
+    def rms_norm(*args, **kwargs):
+        return rmsnorm.rms_norm(*args, **kwargs)
+
 # ---- sublayers (restopo.nn.sublayers)
+
+class RMSNorm(nn.RMSNorm):
+    """nn.RMSNorm (same parameters, state_dict and maths) whose training step on the CPU
+    runs restopo.ops.rms_norm: its backward written out, where torch's forms it from
+    autograd's ops at several times the cost (the PreNorm of every sublayer, in every
+    topology, and the final norm)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.eps is None or len(self.normalized_shape) != 1:
+            return super().forward(x)
+        return ops.rms_norm(x, self.weight, self.eps)
+
 
 class Rotary(nn.Module):
     """The Parts `context`: rotary cos/sin for the sequence length of `idx`.
@@ -785,7 +866,7 @@ class Attention(nn.Module):
         if d % heads:
             raise ValueError(f"heads must divide the width: width {d}, heads {heads}")
         self.heads = heads
-        self.norm = nn.RMSNorm(d, eps=NORM_EPS)
+        self.norm = RMSNorm(d, eps=NORM_EPS)
         self.qkv = nn.Linear(d, 3 * d, bias=False)
         self.proj = nn.Linear(d, d, bias=False)
 
@@ -819,7 +900,7 @@ class MLP(nn.Module):
         if kind not in ("swiglu", "gelu"):
             raise ValueError(f"mlp must be 'swiglu' or 'gelu'; got {kind!r}")
         self.kind = kind
-        self.norm = nn.RMSNorm(d, eps=NORM_EPS)
+        self.norm = RMSNorm(d, eps=NORM_EPS)
         hidden = swiglu_hidden(d, ratio) if kind == "swiglu" else int(round(ratio * d))
         self.up = nn.Linear(d, 2 * hidden if kind == "swiglu" else hidden, bias=False)
         self.down = nn.Linear(hidden, d, bias=False)
@@ -840,7 +921,7 @@ class Head(nn.Module):
 
     def __init__(self, d: int, vocab: int):
         super().__init__()
-        self.norm = nn.RMSNorm(d, eps=NORM_EPS)
+        self.norm = RMSNorm(d, eps=NORM_EPS)
         self.lm_head = nn.Linear(d, vocab, bias=False)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:

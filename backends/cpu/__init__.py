@@ -1,0 +1,154 @@
+"""Fused C kernels for depth attention on the CPU, with the signatures of the eager backend.
+
+On the CPU a plain-torch aggregation is many small passes over d-sized tensors: one
+multiply-add per (source, output) pair forward, a dot product and another multiply-add
+backward, each reading its tensors from memory again, and a dozen small ops for a phase-2
+merge and its PreNorm. Here each call is one pass over the tokens that reads every source
+row once (kernels.c): phase 1 over a block's completed sources for all its queries, phase
+2 fused with the next sublayer's RMSNorm (`phase2_norm`), and depth attention (phase 1
+with one query), forward and backward.
+
+- Covered: float32 and float64 tensors on the CPU, static queries, the softmax gate, with
+  or without the key RMSNorm, any number of depth heads; with autograd through autograd
+  Functions (functions.py), without it (decoding, evaluation) by one call that keeps
+  nothing. Anything else (bf16, the sigmoid gate, input-dependent queries, torch.compile,
+  which traces the eager forms) goes to the eager backend: the same results, unfused.
+  Depth attention fed shared logits (Full AttnRes's readers in training,
+  restopo.nn.shared_sources) is the eager backend's too: it then does less per source.
+- `available()` -> (bool, reason). The kernels are built with the machine's C compiler on
+  first use (build.py, about a second, kept in restopo's cache); without one, `auto` runs
+  the eager backend and says why once.
+
+Phase 1 returns its state normalised, as the eager backend's does: (h1, lse, S Nones),
+each a tuple of S tensors. Tests: tests/test_cpu_backend.py (gradcheck in float64, the
+eager backend and a hand loop as references); benchmark: bench/overhead.py --backend cpu.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..eager import depth as _eager
+from ..eager import unstacked as _unstacked
+from ..eager.rmsnorm import rms_norm
+from . import build
+from .functions import Phase1, Phase2, phase1_nograd, phase2_nograd
+
+__all__ = ["available", "depth_attention", "depth_weights", "phase1", "phase2", "phase2_norm",
+           "rms_norm"]
+
+
+def available(device=None) -> tuple[bool, str]:
+    """(True, '') when the kernels can run (on `device`), else (False, why not)."""
+    if device is not None and torch.device(device).type != "cpu":
+        return False, f"the cpu backend runs on the CPU, not {torch.device(device).type}"
+    if build.library() is None:
+        return False, build.why() or "the C kernels are not built"
+    return True, ""
+
+
+def _takes(*tensors: torch.Tensor | None) -> bool:
+    """True when the kernels take these tensors: on the CPU, float32 or float64, one dtype,
+    and not under torch.compile (which cannot trace a foreign call)."""
+    ts = [t for t in tensors if t is not None]
+    dtype = ts[0].dtype
+    return (not torch.compiler.is_compiling() and dtype in (torch.float32, torch.float64)
+            and all(t.device.type == "cpu" and t.dtype == dtype for t in ts)
+            and build.library() is not None)
+
+
+def _recording(*tensors: torch.Tensor | None) -> bool:
+    """True when autograd records a call on these tensors."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _gained(queries: torch.Tensor, gains: torch.Tensor | None, key_norm: bool) -> torch.Tensor:
+    return queries if gains is None or not key_norm else queries * gains
+
+
+def _sources(sources) -> list[torch.Tensor]:
+    return list(sources.unbind(0) if isinstance(sources, torch.Tensor) else sources)
+
+
+def depth_attention(sources, query: torch.Tensor, key_norm_weight: torch.Tensor | None = None,
+                    eps: float = 1e-6, *, key_norm: bool = True, gate: str = "softmax",
+                    heads: int = 1, logits=None) -> torch.Tensor:
+    """h = sum_i softmax_i(w . RMSNorm(v_i)) v_i: phase 1 with one query, or the eager
+    backend's when given each source's `logits` (restopo.nn.shared_sources makes them once
+    for all of a source's readers, as in Full AttnRes: the eager weighted sum over them
+    reads each source once per reader, where the kernel would make its logits again)."""
+    src = _sources(sources)
+    if (logits is not None or gate != "softmax" or query.dim() != 1
+            or len({v.shape for v in src}) != 1 or not _takes(query, key_norm_weight, *src)):
+        return _eager.depth_attention(sources, query, key_norm_weight, eps, key_norm=key_norm,
+                                      gate=gate, heads=heads,
+                                      **({} if logits is None else {"logits": logits}))
+    _eager._check_heads(src[0].shape[-1], heads)
+    q = _gained(query, key_norm_weight, key_norm)[None]
+    if not _recording(query, key_norm_weight, *src):
+        return phase1_nograd(q, float(eps), bool(key_norm), heads, src)[0][0]
+    return Phase1.apply(q, float(eps), bool(key_norm), heads, *src)[0]
+
+
+def phase1(completed, queries: torch.Tensor, key_norm_weights: torch.Tensor | None = None,
+           eps: float = 1e-6, *, key_norm: bool = True, heads: int = 1, logits=None):
+    """(h1, lse, S Nones), each a tuple over the S queries [S, d]: phase 1's normalised
+    state over the completed blocks (see the eager backend's phase1)."""
+    src = _sources(completed)
+    if len({v.shape for v in src}) != 1 or not _takes(queries, key_norm_weights, *src):
+        return _eager.phase1(completed, queries, key_norm_weights, eps, key_norm=key_norm,
+                             heads=heads, **({} if logits is None else {"logits": logits}))
+    _eager._check_heads(src[0].shape[-1], heads)
+    S = queries.shape[0]
+    q = _gained(queries, key_norm_weights, key_norm)
+    if not _recording(queries, key_norm_weights, *src):
+        h1, lse = phase1_nograd(q, float(eps), bool(key_norm), heads, src)
+        return h1, lse, (None,) * S
+    out = Phase1.apply(q, float(eps), bool(key_norm), heads, *src)
+    return out[:S], out[S:], (None,) * S
+
+
+def _merge(o1, m1, s1, partial, query, key_norm_weight, eps, key_norm, norm_weight,
+           norm_eps, keep_h):
+    """(h, y) through the fused kernel, or None where it does not apply."""
+    h1, lse = _unstacked.normalised(o1, m1, s1)
+    tensors = (h1, lse, partial, query, key_norm_weight, norm_weight)
+    if (partial is None or partial.shape != h1.shape or lse.dim() != h1.dim()
+            or h1.shape[-1] % lse.shape[-1] or not _takes(*tensors)):
+        return None
+    q = _gained(query, key_norm_weight, key_norm)
+    args = (float(eps), bool(key_norm), norm_eps, keep_h)
+    if not _recording(*tensors):
+        return phase2_nograd(h1, lse, partial, q, norm_weight, *args)
+    return Phase2.apply(h1, lse, partial, q, norm_weight, *args)
+
+
+def phase2(o1: torch.Tensor, m1: torch.Tensor, s1, partial: torch.Tensor | None,
+           query: torch.Tensor, key_norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+           *, key_norm: bool = True) -> torch.Tensor:
+    """Phase 2: the block's pre-update partial merged into phase 1's state."""
+    got = _merge(o1, m1, s1, partial, query, key_norm_weight, eps, key_norm, None, None, True)
+    if got is None:
+        return _eager.phase2(o1, m1, s1, partial, query, key_norm_weight, eps,
+                             key_norm=key_norm)
+    return got[0]
+
+
+def phase2_norm(o1: torch.Tensor, m1: torch.Tensor, s1, partial: torch.Tensor | None,
+                query: torch.Tensor, key_norm_weight: torch.Tensor | None = None,
+                eps: float = 1e-6, *, norm_weight: torch.Tensor | None = None,
+                norm_eps: float | None = None, key_norm: bool = True, keep_h: bool = True):
+    """Phase 2 and the next sublayer's PreNorm in one pass: (h or None, RMSNorm(h) * gain)."""
+    norm_eps = eps if norm_eps is None else norm_eps
+    got = _merge(o1, m1, s1, partial, query, key_norm_weight, eps, key_norm, norm_weight,
+                 float(norm_eps), keep_h)
+    if got is not None:
+        return got
+    h = _eager.phase2(o1, m1, s1, partial, query, key_norm_weight, eps, key_norm=key_norm)
+    return (h if keep_h else None), rms_norm(h, norm_weight, norm_eps)
+
+
+def depth_weights(sources, query, key_norm_weight=None, eps: float = 1e-6, *,
+                  key_norm: bool = True, gate: str = "softmax", heads: int = 1):
+    """For diagnostics: the eager reference's weights."""
+    return _eager.depth_weights(sources, query, key_norm_weight, eps, key_norm=key_norm,
+                                gate=gate, heads=heads)

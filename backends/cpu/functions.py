@@ -1,0 +1,166 @@
+"""Autograd around the C kernels (kernels.c): phase 1 (and depth attention, its one-query
+case) and phase 2 fused with the next sublayer's PreNorm.
+
+Each call hands the kernels raw addresses of contiguous float32 or float64 tensors and the
+thread count torch uses (torch.get_num_threads()). Autograd keeps the sources, phase 1's
+normalised output and the partial (all alive anyway) and per-token scalars: lse, phase 2's
+weight w and its norm's rstd. Phase 1's backward recomputes the weights from the sources
+and lse in the same pass that reads the sources for their gradient.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from .build import library
+
+_SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _ptrs(tensors) -> ctypes.Array:
+    return (ctypes.c_void_p * len(tensors))(*[_ptr(t) for t in tensors])
+
+
+def _kernel(name: str, dtype: torch.dtype):
+    return getattr(library(), f"{name}_{_SUFFIX[dtype]}")
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def _rows_of(t: torch.Tensor, count: int) -> ctypes.Array:
+    """The addresses of the `count` equal slices of contiguous `t` along its first dim."""
+    step = t.stride(0) * t.element_size()
+    return (ctypes.c_void_p * count)(*range(t.data_ptr(), t.data_ptr() + count * step, step))
+
+
+def phase1_nograd(queries, eps, key_norm, heads, sources):
+    """(h1 [S, *b, d], lse [S, *b, H]) without autograd: one call, nothing kept."""
+    src = [_rows(v) for v in sources]
+    q = _rows(queries)
+    S, d = q.shape
+    h1 = src[0].new_empty((S, *src[0].shape))
+    lse = src[0].new_empty((S, *src[0].shape[:-1], heads))
+    _kernel("phase1_fwd", q.dtype)(len(src), _ptrs(src), S, src[0].numel() // d, d, heads,
+                                   q.data_ptr(), eps, int(key_norm), _rows_of(h1, S),
+                                   _rows_of(lse, S), None, None, torch.get_num_threads())
+    return h1, lse
+
+
+def phase2_nograd(h1, lse, p, q, g, eps, key_norm, norm_eps, keep_h):
+    """(h or None, y or None) without autograd (see Phase2)."""
+    h1, lse, p, q = _rows(h1), _rows(lse), _rows(p), _rows(q)
+    d = p.shape[-1]
+    with_norm = norm_eps is not None
+    h = torch.empty_like(p) if keep_h or not with_norm else None
+    y = torch.empty_like(p) if with_norm else None
+    _kernel("phase2_fwd", p.dtype)(p.numel() // d, d, lse.shape[-1], h1.data_ptr(),
+                                   lse.data_ptr(), p.data_ptr(), q.data_ptr(), eps,
+                                   int(key_norm), _ptr(None if g is None else _rows(g)),
+                                   norm_eps if with_norm else 0.0, _ptr(h), _ptr(y), None,
+                                   None, torch.get_num_threads())
+    return h, y
+
+
+class Phase1(torch.autograd.Function):
+    """(h1_1..h1_S, lse_1..lse_S): S queries [S, d] (key-norm gains folded in) over n
+    sources [*batch, d]; h1_s [*batch, d], lse_s [*batch, H]."""
+
+    @staticmethod
+    def forward(ctx, queries, eps, key_norm, heads, *sources):
+        ctx.set_materialize_grads(False)
+        src = [_rows(v) for v in sources]
+        q = _rows(queries.detach())
+        S, d = q.shape
+        batch = src[0].shape[:-1]
+        M = src[0].numel() // d
+        h1 = [torch.empty_like(src[0]) for _ in range(S)]
+        lse = [src[0].new_empty((*batch, heads)) for _ in range(S)]
+        z = src[0].new_empty((M, len(src), S * heads))  # the logits, for the backward
+        r = src[0].new_empty((M, len(src)))             # and the sources' rstd
+        _kernel("phase1_fwd", q.dtype)(len(src), _ptrs(src), S, M, d, heads, q.data_ptr(),
+                                       eps, int(key_norm), _ptrs(h1), _ptrs(lse),
+                                       z.data_ptr(), r.data_ptr(), torch.get_num_threads())
+        ctx.save_for_backward(q, z, r, *src, *lse)
+        ctx.key_norm, ctx.heads, ctx.S = key_norm, heads, S
+        # a source its readers share (restopo.nn.shared_sources): the backward adds its part
+        # into the source's one gradient buffer rather than returning a tensor of its own
+        ctx.sinks = [getattr(v, "restopo_sink", None) for v in sources]
+        return (*h1, *lse)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads):
+        S = ctx.S
+        q, z, r, *rest = ctx.saved_tensors
+        src, lse = rest[:-S], rest[-S:]
+        g_h1 = [None if g is None else _rows(g) for g in grads[:S]]
+        g_lse = [None if g is None else _rows(g) for g in grads[S:]]
+        wanted = ctx.needs_input_grad[4:]
+        d_src, add = [], (ctypes.c_int * len(src))()
+        for i, (v, w, sink) in enumerate(zip(src, wanted, ctx.sinks)):
+            if sink is not None and w:
+                buf, add[i] = sink.buffer(v)
+                d_src.append(buf)
+            else:
+                d_src.append(torch.empty_like(v) if w else None)
+        dq = torch.empty_like(q)
+        d = q.shape[1]
+        _kernel("phase1_bwd", q.dtype)(len(src), _ptrs(src), S, src[0].numel() // d, d,
+                                       ctx.heads, q.data_ptr(), int(ctx.key_norm),
+                                       z.data_ptr(), r.data_ptr(), _ptrs(lse), _ptrs(g_h1),
+                                       _ptrs(g_lse), _ptrs(d_src), add, dq.data_ptr(),
+                                       torch.get_num_threads())
+        d_src = [None if sink is not None else g for g, sink in zip(d_src, ctx.sinks)]
+        return (dq if ctx.needs_input_grad[0] else None, None, None, None, *d_src)
+
+
+class Phase2(torch.autograd.Function):
+    """(h, y): h = lerp(h1, p, sigmoid(rstd(p) (q . p) - lse)) per head, and y = RMSNorm(h)
+    times gain g (None: no gain) where norm_eps is not None; h is returned where keep_h
+    (else None, and recomputed in backward)."""
+
+    @staticmethod
+    def forward(ctx, h1, lse, p, q, g, eps, key_norm, norm_eps, keep_h):
+        ctx.set_materialize_grads(False)
+        h1, lse, p, q = _rows(h1), _rows(lse), _rows(p), _rows(q.detach())
+        g = None if g is None else _rows(g.detach())
+        d, H = p.shape[-1], lse.shape[-1]
+        M = p.numel() // d
+        with_norm = norm_eps is not None
+        h = torch.empty_like(p) if keep_h or not with_norm else None
+        y = torch.empty_like(p) if with_norm else None
+        w = lse.new_empty(lse.shape)
+        rstd2 = p.new_empty(M) if with_norm else None
+        _kernel("phase2_fwd", p.dtype)(M, d, H, h1.data_ptr(), lse.data_ptr(), p.data_ptr(),
+                                       q.data_ptr(), eps, int(key_norm), _ptr(g),
+                                       norm_eps if with_norm else 0.0, _ptr(h), _ptr(y),
+                                       w.data_ptr(), _ptr(rstd2), torch.get_num_threads())
+        ctx.save_for_backward(h1, lse, p, q, g, w, rstd2)
+        ctx.eps, ctx.key_norm = eps, key_norm
+        return h, y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g_h, g_y):
+        h1, lse, p, q, g, w, rstd2 = ctx.saved_tensors
+        d, H = p.shape[-1], lse.shape[-1]
+        dh1, dp, dlse = torch.empty_like(h1), torch.empty_like(p), torch.empty_like(lse)
+        dq = torch.empty_like(q)
+        dg = None if g is None or g_y is None else torch.empty_like(g)
+        _kernel("phase2_bwd", p.dtype)(p.numel() // d, d, H, h1.data_ptr(), lse.data_ptr(),
+                                       p.data_ptr(), q.data_ptr(), ctx.eps, int(ctx.key_norm),
+                                       _ptr(g), w.data_ptr(), _ptr(rstd2),
+                                       _ptr(None if g_y is None else _rows(g_y)),
+                                       _ptr(None if g_h is None else _rows(g_h)),
+                                       dh1.data_ptr(), dp.data_ptr(), dlse.data_ptr(),
+                                       dq.data_ptr(), _ptr(dg), torch.get_num_threads())
+        need = ctx.needs_input_grad
+        return (dh1 if need[0] else None, dlse if need[1] else None, dp if need[2] else None,
+                dq if need[3] else None, dg if need[4] else None, None, None, None, None)

@@ -1,0 +1,382 @@
+/* restopo's fused CPU kernels for Block AttnRes's two phases (and depth attention, which is
+ * phase 1 with one query). A template: build.py instantiates it for float and double by
+ * defining REAL and NAME(x) before each copy.
+ *
+ * Every tensor is row-major and contiguous: M tokens of d channels, cut into H depth heads
+ * of c = d / H channels. One token's work is independent of every other's, so tokens are
+ * split over threads; each token's sources are read once per pass (a row of d numbers
+ * stays in L1 while its logits, weights and outputs are made), where plain torch ops pass
+ * over every (source, output) pair separately. Reductions over tokens (the gradients of
+ * the queries and the norm gain) go to one double-precision row per thread, added in
+ * thread order at the end: the same threads give the same bits.
+ *
+ * Phase 1 returns its state normalised, as the eager backend does: h1 = sum_i a_i v_i with
+ * a = softmax_i(z_i), and lse = log sum_i exp(z_i). It keeps its logits (n S H numbers a
+ * token) and the sources' rstd for the backward, which makes the weights from them; nothing
+ * d-sized is kept beyond the sources.
+ */
+
+/* EXP, LOG, SQRT: the functions of REAL's precision (build.py defines them with REAL) */
+
+/* a . b in eight lanes, added pairwise at the end (a plain reduction loop ends in sixteen
+ * dependent scalar adds that keep the order of a vector's lanes, several times the cost of
+ * the multiplies for the short rows here, c = 64) */
+static inline REAL NAME(dot)(const REAL *a, const REAL *b, long n) {
+    REAL acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    long k = 0;
+    for (; k + 8 <= n; k += 8)
+        for (int j = 0; j < 8; j++) acc[j] += a[k + j] * b[k + j];
+    for (int j = 0; k < n; k++, j++) acc[j & 7] += a[k] * b[k];
+    for (int j = 0; j < 4; j++) acc[j] += acc[j + 4];
+    return (acc[0] + acc[2]) + (acc[1] + acc[3]);
+}
+
+static inline REAL NAME(lanes)(const REAL *a) {
+    return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+}
+
+/* v . v and v . q_j for four queries in one sweep over v (d a multiple of 8): five
+ * independent chains of multiply-adds, where one dot at a time waits on each add */
+static inline void NAME(dots4)(const REAL *v, const REAL *q0, const REAL *q1, const REAL *q2,
+                               const REAL *q3, long d, REAL *out, REAL *ss) {
+    REAL a0[8] = {0}, a1[8] = {0}, a2[8] = {0}, a3[8] = {0}, a4[8] = {0};
+    for (long k = 0; k < d; k += 8)
+        for (int j = 0; j < 8; j++) {
+            REAL x = v[k + j];
+            a0[j] += q0[k + j] * x;
+            a1[j] += q1[k + j] * x;
+            a2[j] += q2[k + j] * x;
+            a3[j] += q3[k + j] * x;
+            a4[j] += x * x;
+        }
+    out[0] = NAME(lanes)(a0);
+    out[1] = NAME(lanes)(a1);
+    out[2] = NAME(lanes)(a2);
+    out[3] = NAME(lanes)(a3);
+    *ss = NAME(lanes)(a4);
+}
+
+/* 1 / RMS(v) (1 without key norm) */
+static inline REAL NAME(rstd)(const REAL *v, long d, double eps, int key_norm) {
+    if (!key_norm) return 1;
+    return 1 / SQRT(NAME(dot)(v, v, d) / (REAL)d + (REAL)eps);
+}
+
+/* The square sum of v and its dots with the S queries, z[s*H + h] over head h (the row
+ * stays in L1 across them) */
+static inline void NAME(row_dots)(const REAL *v, const REAL *q, long S, long d, long H,
+                                  REAL *z, REAL *ss) {
+    long c = d / H;
+    if (H == 1 && d % 8 == 0) {
+        for (long s0 = 0; s0 < S; s0 += 4) {  /* past S, the last query again (unused) */
+            const REAL *qs[4];
+            REAL out[4];
+            for (int j = 0; j < 4; j++) qs[j] = q + (s0 + j < S ? s0 + j : S - 1) * d;
+            NAME(dots4)(v, qs[0], qs[1], qs[2], qs[3], d, out, ss);
+            for (long j = 0; j < 4 && s0 + j < S; j++) z[s0 + j] = out[j];
+        }
+        return;
+    }
+    *ss = NAME(dot)(v, v, d);
+    for (long s = 0; s < S; s++)
+        for (long h = 0; h < H; h++) z[s * H + h] = NAME(dot)(q + s * d + h * c, v + h * c, c);
+}
+
+/* Tokens a tile: each source's rows of a tile are one contiguous run (8 KiB at d = 64 in
+ * float), read source by source. Token by token, a Full AttnRes reader would stream from
+ * as many places as it has sources, more than the hardware prefetcher follows: three
+ * times slower, measured at 33 sources. */
+#define TILE 32
+
+/* Phase 1 forward: h1[s] (S pointers to [M, d]) and lse[s] (S pointers to [M, H]); the
+ * logits zs [M, n, S*H] and rstds rs [M, n] are kept for the backward (both NULL: not
+ * kept, without autograd). */
+void NAME(phase1_fwd)(long n, const REAL *const *src, long S, long M, long d, long H,
+                      const REAL *q, double eps, int key_norm, REAL *const *h1,
+                      REAL *const *lse, REAL *zs, REAL *rs, int threads) {
+    long c = d / H, SH = S * H, tiles = (M + TILE - 1) / TILE;
+#pragma omp parallel num_threads(threads)
+    {
+        REAL *a = (REAL *)malloc(sizeof(REAL) * 2 * TILE * n * SH);
+        REAL *zl = a + TILE * n * SH;  /* this tile's logits when zs is NULL */
+#pragma omp for schedule(static)
+        for (long tile = 0; tile < tiles; tile++) {
+            long t0 = tile * TILE, tn = M - t0 < TILE ? M - t0 : TILE;
+            REAL *zt = zs ? zs + t0 * n * SH : zl;  /* [tn, n, SH] */
+            for (long i = 0; i < n; i++)  /* logits, source by source */
+                for (long u = 0; u < tn; u++) {
+                    long t = t0 + u;
+                    REAL *z = zt + (u * n + i) * SH, ss;
+                    NAME(row_dots)(src[i] + t * d, q, S, d, H, z, &ss);
+                    REAL r = key_norm ? 1 / SQRT(ss / (REAL)d + (REAL)eps) : 1;
+                    if (rs) rs[t * n + i] = r;
+                    for (long sh = 0; sh < SH; sh++) z[sh] *= r;
+                }
+            for (long u = 0; u < tn; u++) {  /* softmax over sources */
+                long t = t0 + u;
+                const REAL *z = zt + u * n * SH;
+                REAL *at = a + u * n * SH;
+                for (long sh = 0; sh < SH; sh++) {
+                    REAL m = z[sh];
+                    for (long i = 1; i < n; i++) m = z[i * SH + sh] > m ? z[i * SH + sh] : m;
+                    REAL sum = 0;
+                    for (long i = 0; i < n; i++) {
+                        REAL e = EXP(z[i * SH + sh] - m);
+                        at[i * SH + sh] = e;
+                        sum += e;
+                    }
+                    for (long i = 0; i < n; i++) at[i * SH + sh] /= sum;
+                    lse[sh / H][t * H + sh % H] = m + LOG(sum);
+                }
+            }
+            for (long i = 0; i < n; i++)  /* the weighted sums, source by source */
+                for (long u = 0; u < tn; u++) {
+                    long t = t0 + u;
+                    const REAL *at = a + (u * n + i) * SH;
+                    for (long s = 0; s < S; s++)
+                        for (long h = 0; h < H; h++) {
+                            REAL *o = h1[s] + t * d + h * c, al = at[s * H + h];
+                            const REAL *v = src[i] + t * d + h * c;
+                            if (i == 0) {
+#pragma omp simd
+                                for (long k = 0; k < c; k++) o[k] = al * v[k];
+                            } else {
+#pragma omp simd
+                                for (long k = 0; k < c; k++) o[k] += al * v[k];
+                            }
+                        }
+                }
+        }
+        free(a);
+    }
+}
+
+/* Phase 1 backward, from the forward's logits zs and rstds rs. gh1[s] ([M, d]) and glse[s]
+ * ([M, H]) may be NULL (no gradient). dsrc[i] ([M, d], NULL: not wanted) is written, or
+ * added to where add[i]. dq ([S, d]) is written: the gradient of the (gained) queries,
+ * summed in REAL over a tile, then in double. */
+void NAME(phase1_bwd)(long n, const REAL *const *src, long S, long M, long d, long H,
+                      const REAL *q, int key_norm, const REAL *zs, const REAL *rs,
+                      const REAL *const *lse, const REAL *const *gh1,
+                      const REAL *const *glse, REAL *const *dsrc, const int *add, REAL *dq,
+                      int threads) {
+    long c = d / H, SH = S * H, tiles = (M + TILE - 1) / TILE;
+    int nt = threads < 1 ? 1 : threads;
+    double *dq_part = (double *)calloc((size_t)nt * S * d, sizeof(double));
+#pragma omp parallel num_threads(nt)
+    {
+        int me = 0;
+#ifdef _OPENMP
+        me = omp_get_thread_num();
+#endif
+        double *dqa = dq_part + (size_t)me * S * d;
+        REAL *a = (REAL *)malloc(sizeof(REAL) * (2 * TILE * n * SH + d + S * d));
+        REAL *dz = a + TILE * n * SH, *row = dz + TILE * n * SH, *dqc = row + d;
+#pragma omp for schedule(static)
+        for (long tile = 0; tile < tiles; tile++) {
+            long t0 = tile * TILE, tn = M - t0 < TILE ? M - t0 : TILE;
+            memset(dqc, 0, sizeof(REAL) * S * d);
+            for (long i = 0; i < n; i++)  /* weights and g_s . v_i, source by source */
+                for (long u = 0; u < tn; u++) {
+                    long t = t0 + u, at = (u * n + i) * SH;
+                    const REAL *z = zs + (t * n + i) * SH, *v = src[i] + t * d;
+                    for (long s = 0; s < S; s++)
+                        for (long h = 0; h < H; h++) {
+                            a[at + s * H + h] = EXP(z[s * H + h] - lse[s][t * H + h]);
+                            dz[at + s * H + h] = gh1[s] ? NAME(dot)(gh1[s] + t * d + h * c,
+                                                                    v + h * c, c) : 0;
+                        }
+                }
+            for (long u = 0; u < tn; u++) {  /* softmax's and logsumexp's backward */
+                long t = t0 + u;
+                REAL *au = a + u * n * SH, *du = dz + u * n * SH;
+                for (long sh = 0; sh < SH; sh++) {
+                    REAL gl = glse[sh / H] ? glse[sh / H][t * H + sh % H] : 0, sum = 0;
+                    for (long i = 0; i < n; i++) sum += au[i * SH + sh] * du[i * SH + sh];
+                    for (long i = 0; i < n; i++)
+                        du[i * SH + sh] = au[i * SH + sh] * (du[i * SH + sh] - sum + gl);
+                }
+            }
+            for (long i = 0; i < n; i++)  /* each source's gradient, source by source */
+                for (long u = 0; u < tn; u++) {
+                    long t = t0 + u, at = (u * n + i) * SH;
+                    const REAL *z = zs + (t * n + i) * SH, *v = src[i] + t * d;
+                    REAL r = rs[t * n + i], coef = 0;
+                    if (key_norm) {  /* z = rstd u: d z / d v through rstd is -z rstd^2 v / d */
+                        for (long sh = 0; sh < SH; sh++) coef += dz[at + sh] * z[sh];
+                        coef *= -r * r / (REAL)d;
+                    }
+#pragma omp simd
+                    for (long k = 0; k < d; k++) row[k] = coef * v[k];
+                    for (long s = 0; s < S; s++)
+                        for (long h = 0; h < H; h++) {
+                            REAL al = a[at + s * H + h], g_dz = dz[at + s * H + h] * r;
+                            const REAL *qh = q + s * d + h * c, *vh = v + h * c;
+                            REAL *rh = row + h * c, *dqh = dqc + s * d + h * c;
+                            if (gh1[s]) {
+                                const REAL *gh = gh1[s] + t * d + h * c;
+#pragma omp simd
+                                for (long k = 0; k < c; k++) {
+                                    rh[k] += al * gh[k] + g_dz * qh[k];
+                                    dqh[k] += g_dz * vh[k];
+                                }
+                            } else {
+#pragma omp simd
+                                for (long k = 0; k < c; k++) {
+                                    rh[k] += g_dz * qh[k];
+                                    dqh[k] += g_dz * vh[k];
+                                }
+                            }
+                        }
+                    if (!dsrc[i]) continue;
+                    REAL *out = dsrc[i] + t * d;
+                    if (add[i]) {
+#pragma omp simd
+                        for (long k = 0; k < d; k++) out[k] += row[k];
+                    } else {
+                        memcpy(out, row, sizeof(REAL) * d);
+                    }
+                }
+            for (long k = 0; k < S * d; k++) dqa[k] += (double)dqc[k];
+        }
+        free(a);
+    }
+    for (long k = 0; k < S * d; k++) {
+        double sum = 0;
+        for (int p = 0; p < nt; p++) sum += dq_part[(size_t)p * S * d + k];
+        dq[k] = (REAL)sum;
+    }
+    free(dq_part);
+}
+#undef TILE
+
+/* Phase 2, fused with the next sublayer's PreNorm: for each token,
+ *   w = sigmoid(rstd(p) (q . p) - lse) per head,  h = h1 + w (p - h1),
+ *   y = h rstd(h) g  (norm_eps >= 0; g may be NULL: no gain).
+ * h is written where out_h is not NULL, y where out_y is not NULL; w [M, H] and the norm's
+ * rstd2 [M] are kept for the backward. */
+void NAME(phase2_fwd)(long M, long d, long H, const REAL *h1, const REAL *lse, const REAL *p,
+                      const REAL *q, double eps, int key_norm, const REAL *g, double norm_eps,
+                      REAL *out_h, REAL *out_y, REAL *w, REAL *rstd2, int threads) {
+    /* w and rstd2 may be NULL (not kept, without autograd) */
+    long c = d / H;
+#pragma omp parallel num_threads(threads)
+    {
+        REAL *hrow = (REAL *)malloc(sizeof(REAL) * d);
+#pragma omp for schedule(static)
+        for (long t = 0; t < M; t++) {
+            const REAL *pt = p + t * d, *ht = h1 + t * d;
+            REAL r = NAME(rstd)(pt, d, eps, key_norm);
+            for (long h = 0; h < H; h++) {
+                REAL z2 = r * NAME(dot)(q + h * c, pt + h * c, c) - lse[t * H + h];
+                REAL wh = 1 / (1 + EXP(-z2));
+                if (w) w[t * H + h] = wh;
+#pragma omp simd
+                for (long k = h * c; k < (h + 1) * c; k++) hrow[k] = ht[k] + wh * (pt[k] - ht[k]);
+            }
+            if (out_h) memcpy(out_h + t * d, hrow, sizeof(REAL) * d);
+            if (out_y) {
+                REAL r2 = 1 / SQRT(NAME(dot)(hrow, hrow, d) / (REAL)d + (REAL)norm_eps);
+                if (rstd2) rstd2[t] = r2;
+                REAL *yt = out_y + t * d;
+                if (g) {
+#pragma omp simd
+                    for (long k = 0; k < d; k++) yt[k] = hrow[k] * r2 * g[k];
+                } else {
+#pragma omp simd
+                    for (long k = 0; k < d; k++) yt[k] = hrow[k] * r2;
+                }
+            }
+        }
+        free(hrow);
+    }
+}
+
+/* Phase 2's backward. gy (the norm's output gradient) and gh (h's own) may be NULL. Writes
+ * dh1, dp ([M, d]), dlse ([M, H]), dq ([d]) and dg ([d], where g and dg are not NULL). */
+void NAME(phase2_bwd)(long M, long d, long H, const REAL *h1, const REAL *lse, const REAL *p,
+                      const REAL *q, double eps, int key_norm, const REAL *g,
+                      const REAL *w, const REAL *rstd2, const REAL *gy, const REAL *gh,
+                      REAL *dh1, REAL *dp, REAL *dlse, REAL *dq, REAL *dg, int threads) {
+    long c = d / H;
+    int nt = threads < 1 ? 1 : threads;
+    double *part = (double *)calloc((size_t)nt * 2 * d, sizeof(double));
+#pragma omp parallel num_threads(nt)
+    {
+        int me = 0;
+#ifdef _OPENMP
+        me = omp_get_thread_num();
+#endif
+        double *dqa = part + (size_t)me * 2 * d, *dga = dqa + d;
+        REAL *hrow = (REAL *)malloc(sizeof(REAL) * (2 * d + 2 * H));
+        REAL *grow = hrow + d, *z2 = grow + d, *dz2 = z2 + H;
+#pragma omp for schedule(static)
+        for (long t = 0; t < M; t++) {
+            const REAL *pt = p + t * d, *ht = h1 + t * d, *wt = w + t * H;
+            REAL r = NAME(rstd)(pt, d, eps, key_norm);
+            for (long h = 0; h < H; h++) {
+                z2[h] = r * NAME(dot)(q + h * c, pt + h * c, c);
+#pragma omp simd
+                for (long k = h * c; k < (h + 1) * c; k++)
+                    hrow[k] = ht[k] + wt[h] * (pt[k] - ht[k]);
+            }
+            /* the gradient of h: its own, plus the norm's backward */
+            if (gh) memcpy(grow, gh + t * d, sizeof(REAL) * d);
+            else memset(grow, 0, sizeof(REAL) * d);
+            if (gy) {
+                const REAL *gyt = gy + t * d;
+                REAL r2 = rstd2[t], dot = 0;
+                if (g) {
+#pragma omp simd reduction(+ : dot)
+                    for (long k = 0; k < d; k++) dot += gyt[k] * g[k] * hrow[k];
+                } else {
+                    dot = NAME(dot)(gyt, hrow, d);
+                }
+                REAL cf = -dot * r2 * r2 / (REAL)d;  /* rstd^2 here, the last rstd below */
+                if (g) {
+#pragma omp simd
+                    for (long k = 0; k < d; k++) {
+                        grow[k] += r2 * (gyt[k] * g[k] + cf * hrow[k]);
+                        dga[k] += (double)(gyt[k] * hrow[k] * r2);
+                    }
+                } else {
+#pragma omp simd
+                    for (long k = 0; k < d; k++) grow[k] += r2 * (gyt[k] + cf * hrow[k]);
+                }
+            }
+            REAL coef = 0;
+            for (long h = 0; h < H; h++) {
+                REAL wh = wt[h];
+                REAL dw = 0;
+#pragma omp simd reduction(+ : dw)
+                for (long k = h * c; k < (h + 1) * c; k++) dw += grow[k] * (pt[k] - ht[k]);
+                dz2[h] = dw * wh * (1 - wh);
+                dlse[t * H + h] = -dz2[h];
+                coef += dz2[h] * z2[h];
+            }
+            coef = key_norm ? -coef * r * r / (REAL)d : 0;
+            REAL *dh1t = dh1 + t * d, *dpt = dp + t * d;
+            for (long h = 0; h < H; h++) {
+                REAL wh = wt[h], du = dz2[h] * r;
+                double *dqh = dqa + h * c;
+#pragma omp simd
+                for (long k = h * c; k < (h + 1) * c; k++) {
+                    dh1t[k] = grow[k] * (1 - wh);
+                    dpt[k] = grow[k] * wh + du * q[k] + coef * pt[k];
+                    dqh[k - h * c] += (double)(du * pt[k]);
+                }
+            }
+        }
+        free(hrow);
+    }
+    for (long k = 0; k < d; k++) {
+        double sq = 0, sg = 0;
+        for (int p2 = 0; p2 < nt; p2++) {
+            sq += part[(size_t)p2 * 2 * d + k];
+            sg += part[(size_t)p2 * 2 * d + d + k];
+        }
+        dq[k] = (REAL)sq;
+        if (dg && g) dg[k] = (REAL)sg;
+    }
+    free(part);
+}

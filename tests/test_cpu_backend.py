@@ -1,0 +1,254 @@
+"""The cpu backend (backends/cpu: fused C kernels for phase 1, phase 2 + PreNorm, and depth
+attention) and the eager PreNorm's hand-written backward (backends/eager/rmsnorm.py).
+
+References: gradcheck in float64, a hand-written float64 loop over sources and queries,
+the eager backend on whole models (float64, every gradient), and F.rms_norm."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from restopo import topology as T
+from restopo.api import build_model
+from restopo.registry import get_backend
+
+cpu = get_backend("cpu")
+needs_kernels = pytest.mark.skipif(not cpu.available()[0],
+                                   reason=f"cpu kernels unavailable: {cpu.available()[1]}")
+from restopo.backends.cpu.functions import Phase1, Phase2  # noqa: E402
+from restopo.backends.eager.rmsnorm import _RMSNorm, rms_norm  # noqa: E402
+
+D64 = dict(dtype=torch.float64)
+
+
+def _loop_phase1(sources, queries, eps, key_norm, heads):
+    """h1 [S, *b, d] and lse [S, *b, H] by a loop over queries, heads and sources."""
+    d = sources[0].shape[-1]
+    c = d // heads
+    h1 = torch.zeros(len(queries), *sources[0].shape, **D64)
+    lse = torch.zeros(len(queries), *sources[0].shape[:-1], heads, **D64)
+    for s, q in enumerate(queries):
+        for h in range(heads):
+            sl = slice(h * c, (h + 1) * c)
+            z = []
+            for v in sources:
+                r = torch.rsqrt(v.pow(2).mean(-1) + eps) if key_norm else torch.ones(v.shape[:-1], **D64)
+                z.append((v[..., sl] * q[sl]).sum(-1) * r)
+            z = torch.stack(z)
+            a = torch.softmax(z, 0)
+            lse[s, ..., h] = torch.logsumexp(z, 0)
+            h1[s, ..., sl] = sum(a_i[..., None] * v[..., sl] for a_i, v in zip(a, sources))
+    return h1, lse
+
+
+@needs_kernels
+@pytest.mark.parametrize("heads", [1, 2])
+@pytest.mark.parametrize("key_norm", [True, False])
+@pytest.mark.parametrize("n,S", [(1, 1), (4, 3)])
+def test_phase1_kernel_gradcheck_and_loop(heads, key_norm, n, S):
+    torch.manual_seed(n + S + heads)
+    src = [torch.randn(2, 3, 8, **D64, requires_grad=True) for _ in range(n)]
+    q = torch.randn(S, 8, **D64, requires_grad=True)
+    out = Phase1.apply(q, 1e-6, key_norm, heads, *src)
+    h1, lse = _loop_phase1([v.detach() for v in src], q.detach(), 1e-6, key_norm, heads)
+    assert torch.allclose(torch.stack(out[:S]), h1, atol=1e-12)
+    assert torch.allclose(torch.stack(out[S:]), lse, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda q, *s: Phase1.apply(q, 1e-6, key_norm, heads, *s),
+                                    (q, *src))
+
+
+@needs_kernels
+@pytest.mark.parametrize("heads", [1, 2])
+@pytest.mark.parametrize("key_norm", [True, False])
+@pytest.mark.parametrize("norm", ["gain", "no gain", "none"])
+@pytest.mark.parametrize("keep_h", [True, False])
+def test_phase2_kernel_gradcheck_and_formula(heads, key_norm, norm, keep_h):
+    if norm == "none" and not keep_h:
+        pytest.skip("without the norm, h is the output")
+    torch.manual_seed(heads)
+    h1, p = (torch.randn(2, 3, 8, **D64, requires_grad=True) for _ in range(2))
+    lse = torch.randn(2, 3, heads, **D64, requires_grad=True)
+    q = torch.randn(8, **D64, requires_grad=True)
+    g = torch.randn(8, **D64, requires_grad=True) if norm == "gain" else None
+    norm_eps = None if norm == "none" else 1e-5
+
+    def f(h1, lse, p, q, *g):
+        out = Phase2.apply(h1, lse, p, q, g[0] if g else None, 1e-6, key_norm, norm_eps, keep_h)
+        return [t for t in out if t is not None]
+
+    got = f(h1, lse, p, q, *([g] if g is not None else []))
+    # the formula, by hand: w = sigmoid(rstd(p) (q . p) - lse) per head, h = h1 + w (p - h1)
+    r = torch.rsqrt(p.pow(2).mean(-1, keepdim=True) + 1e-6) if key_norm else 1
+    z2 = (p.unflatten(-1, (heads, -1)) * q.view(heads, -1)).sum(-1) * r
+    w = torch.sigmoid(z2 - lse).unsqueeze(-1)
+    h = (h1.unflatten(-1, (heads, -1)) + w * (p - h1).unflatten(-1, (heads, -1))).flatten(-2)
+    want = [h] if keep_h or norm_eps is None else []
+    if norm_eps is not None:
+        want.append(h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm_eps)
+                    * (g if g is not None else 1))
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert torch.allclose(a, b, atol=1e-12)
+    assert torch.autograd.gradcheck(f, (h1, lse, p, q, *([g] if g is not None else [])))
+
+
+def _model(topo, backend, dtype=torch.float64, heads=4):
+    cfg = SimpleNamespace(vocab=64, width=16, depth=4, heads=heads, mlp="swiglu",
+                          mlp_ratio=4, context=16)
+    torch.manual_seed(0)
+    model = build_model(cfg, topo, backend=backend).to(dtype)
+    with torch.no_grad():  # non-uniform depth weights
+        for a in model.aggregations:
+            if hasattr(a, "pseudo_query"):
+                a.pseudo_query.normal_(0, 0.5)
+    return model
+
+
+@needs_kernels
+@pytest.mark.parametrize("topo", [
+    T.block_attnres(T.sublayer_kinds(4), blocks=2),
+    T.block_attnres(T.sublayer_kinds(4), blocks=3),      # blocks not dividing the depth
+    T.block_attnres(T.sublayer_kinds(4), blocks=2, heads=2),
+    T.block_attnres(T.sublayer_kinds(4), blocks=2, key_norm="none"),
+    T.full_attnres(T.sublayer_kinds(4)),
+], ids=["block2", "block3", "block2-heads2", "block2-no-key-norm", "full"])
+def test_cpu_model_equals_eager_model(topo):
+    """Logits and every gradient, over two steps' backward passes (a source's gradient
+    buffer belongs to one pass), equal the eager backend's in float64."""
+    models = {b: _model(topo, b) for b in ("eager", "cpu")}
+    idx = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    for _ in range(2):
+        out = {}
+        for b, m in models.items():
+            m.zero_grad()
+            logits = m(idx)
+            logits.logsumexp(-1).mean().backward()
+            out[b] = (logits, {n: p.grad for n, p in m.named_parameters()})
+        assert torch.allclose(out["cpu"][0], out["eager"][0], atol=1e-12)
+        for n, g in out["eager"][1].items():
+            assert torch.allclose(out["cpu"][1][n], g, atol=1e-11), n
+
+
+@needs_kernels
+def test_cpu_block_model_runs_its_phases_through_the_kernels(monkeypatch):
+    """Block AttnRes on backend cpu calls the fused kernels for phase 1 and phase 2 while
+    training (the test above could pass with everything on the eager path)."""
+    calls = {"phase1": 0, "phase2": 0}
+    for cls, name in ((Phase1, "phase1"), (Phase2, "phase2")):
+        fwd = cls.forward
+
+        def counted(ctx, *args, _fwd=fwd, _name=name):
+            calls[_name] += 1
+            return _fwd(ctx, *args)
+        monkeypatch.setattr(cls, "forward", staticmethod(counted))
+    model = _model(T.block_attnres(T.sublayer_kinds(4), blocks=2), "cpu", torch.float32)
+    model(torch.randint(0, 64, (2, 8))).sum().backward()
+    assert calls["phase1"] >= 2 and calls["phase2"] >= 4
+
+
+@needs_kernels
+def test_kernels_thread_count_changes_only_rounding():
+    torch.manual_seed(0)
+    src = [torch.randn(300, 16, requires_grad=True) for _ in range(3)]
+    q = torch.randn(2, 16, requires_grad=True)
+    got = []
+    for threads in (1, 2):
+        prev = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            out = Phase1.apply(q, 1e-6, True, 1, *src)
+            grads = torch.autograd.grad(sum(o.sum() for o in out), (q, *src))
+        finally:
+            torch.set_num_threads(prev)
+        got.append((out, grads))
+    for a, b in zip(got[0][0] + got[0][1], got[1][0] + got[1][1]):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _run(code: str, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, **env}, timeout=300)
+
+
+def test_without_kernels_cpu_says_why_and_auto_runs_eager():
+    code = ("import warnings, torch\n"
+            "from restopo import ops\n"
+            "v = [torch.randn(2, 8, requires_grad=True) for _ in range(3)]\n"
+            "q = torch.zeros(8, requires_grad=True)\n"
+            "with warnings.catch_warnings(record=True) as w:\n"
+            "    warnings.simplefilter('always')\n"
+            "    for _ in range(2):\n"
+            "        ops.depth_attention(v, q, None, 1e-6, backend='auto').sum().backward()\n"
+            "print(len(w), str(w[0].message))\n"
+            "try:\n"
+            "    ops.depth_attention(v, q, None, 1e-6, backend='cpu')\n"
+            "except RuntimeError as e:\n"
+            "    print(e)\n")
+    out = _run(code, RESTOPO_CPU_KERNELS="0")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("1 ") and "eager backend" in lines[0]  # said once
+    assert "RESTOPO_CPU_KERNELS=0" in lines[0]
+    assert lines[1] == "backend 'cpu' cannot run: RESTOPO_CPU_KERNELS=0"
+
+
+def test_a_compiler_that_fails_leaves_the_eager_backend(tmp_path):
+    """No working C compiler: the reason names it, and nothing half-built is kept."""
+    code = ("from restopo.registry import get_backend\n"
+            "ok, why = get_backend('cpu').available()\n"
+            "print(ok)\n"
+            "print(why)\n")
+    out = _run(code, CC=str(tmp_path / "no-such-cc"), RESTOPO_CACHE=str(tmp_path / "cache"))
+    assert out.returncode == 0, out.stderr
+    ok, why = out.stdout.splitlines()[:2]
+    assert ok == "False" and why.startswith("the C kernels did not build with ")
+    assert "no-such-cc" in why
+    built = list((tmp_path / "cache").rglob("*.so")) if (tmp_path / "cache").exists() else []
+    assert built == []
+
+
+# ---- the PreNorm's RMSNorm (every topology's sublayers and final norm)
+
+def test_rms_norm_gradcheck_with_and_without_gain():
+    x = torch.randn(2, 3, 8, **D64, requires_grad=True)
+    w = torch.randn(8, **D64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, w: _RMSNorm.apply(x, w, 1e-6), (x, w))
+    assert torch.autograd.gradcheck(lambda x: _RMSNorm.apply(x, None, 1e-6), (x,))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_matches_torch(dtype):
+    torch.manual_seed(0)
+    x = torch.randn(4, 5, 32, dtype=dtype, requires_grad=True)
+    w = torch.randn(32, dtype=dtype, requires_grad=True)
+    gy = torch.randn(4, 5, 32, dtype=dtype)
+    a = rms_norm(x, w, 1e-24)
+    b = F.rms_norm(x, (32,), w, 1e-24)
+    assert a.dtype == b.dtype == dtype
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    assert torch.allclose(a, b, **tol)
+    for u, v in zip(torch.autograd.grad(a, (x, w), gy), torch.autograd.grad(b, (x, w), gy)):
+        assert torch.allclose(u.float(), v.float(), **tol)
+
+
+def test_rms_norm_zero_row_has_finite_gradients():
+    x = torch.zeros(3, 16, requires_grad=True)
+    w = torch.ones(16, requires_grad=True)
+    gx, gw = torch.autograd.grad(rms_norm(x, w, 1e-24).sum(), (x, w))
+    assert gx.isfinite().all() and gw.isfinite().all()
+
+
+def test_sublayer_norms_run_the_written_backward_and_keep_their_keys():
+    from restopo.nn.norm import RMSNorm
+    model = _model(T.standard(T.sublayer_kinds(4)), "eager", torch.float32)
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.RMSNorm)]
+    assert norms and all(isinstance(m, RMSNorm) for m in norms)
+    assert all(k.endswith("norm.weight") for k in model.state_dict() if "norm" in k)
+    x = torch.randn(2, 3, 16, requires_grad=True)
+    assert type(norms[0](x).grad_fn).__name__ == "_RMSNormBackward"
