@@ -136,6 +136,29 @@ def test_cpu_model_equals_eager_model(topo):
 
 
 @needs_kernels
+@pytest.mark.parametrize("topo", [
+    T.block_attnres(T.sublayer_kinds(4), blocks=3),
+    T.block_attnres(T.sublayer_kinds(4), blocks=2, heads=2),
+    T.full_attnres(T.sublayer_kinds(4)),
+], ids=["block3", "block2-heads2", "full"])
+def test_cpu_model_without_autograd_equals_eager(topo, monkeypatch):
+    """Evaluation and decoding (no autograd) call the kernels once per point, keeping
+    nothing: the same logits as the eager backend, in float64."""
+    calls = []
+    from restopo.backends.cpu import functions
+    for name in ("phase1_nograd", "phase2_nograd"):
+        fn = getattr(functions, name)
+        monkeypatch.setattr(cpu, name, lambda *a, _fn=fn, _n=name: calls.append(_n) or _fn(*a))
+    models = {b: _model(topo, b) for b in ("eager", "cpu")}
+    idx = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        got = {b: m(idx) for b, m in models.items()}
+    assert torch.allclose(got["cpu"], got["eager"], atol=1e-12)
+    assert "phase1_nograd" in calls
+    assert ("phase2_nograd" in calls) == topo.name.startswith("block")
+
+
+@needs_kernels
 def test_cpu_block_model_runs_its_phases_through_the_kernels(monkeypatch):
     """Block AttnRes on backend cpu calls the fused kernels for phase 1 and phase 2 while
     training (the test above could pass with everything on the eager path)."""
