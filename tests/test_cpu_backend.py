@@ -275,3 +275,36 @@ def test_sublayer_norms_run_the_written_backward_and_keep_their_keys():
     assert all(k.endswith("norm.weight") for k in model.state_dict() if "norm" in k)
     x = torch.randn(2, 3, 16, requires_grad=True)
     assert type(norms[0](x).grad_fn).__name__ == "_RMSNormBackward"
+
+
+@needs_kernels
+def test_a_shared_buffer_it_cannot_write_gets_the_gradient_handed_back():
+    """Phase 1 writes a shared source's gradient into the source's buffer (rows); where an
+    earlier reader left that buffer strided otherwise, it returns its part to autograd
+    instead: the gradient is the same either way."""
+    from restopo.backends.eager.weighted import gathered
+
+    class Strided(torch.autograd.Function):  # runs first in backward: a transposed buffer
+        @staticmethod
+        def forward(ctx, x, sink):
+            ctx.sink = sink
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            shape = ctx.sink.like_shape
+            ctx.sink.grad = torch.zeros(shape[::-1], **D64).t()
+            ctx.sink.task = torch._C._current_graph_task_id()
+            return g, None
+
+    torch.manual_seed(0)
+    v = [torch.randn(5, 8, **D64, requires_grad=True) for _ in range(2)]
+    q = torch.randn(2, 8, **D64, requires_grad=True)
+    want = torch.autograd.grad(sum(o.sum() for o in Phase1.apply(q, 1e-6, True, 1, *v)[:2]), v)
+    views = [gathered(x) for x in v]
+    sink = views[0].restopo_sink
+    sink.like_shape = tuple(v[0].shape)
+    out = Phase1.apply(q, 1e-6, True, 1, *views)
+    got = torch.autograd.grad(Strided.apply(out[0], sink).sum() + out[1].sum(), v)
+    for a, b in zip(got, want):
+        assert torch.allclose(a, b, atol=1e-12)

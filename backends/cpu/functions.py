@@ -103,13 +103,17 @@ class Phase1(torch.autograd.Function):
         g_h1 = [None if g is None else _rows(g) for g in grads[:S]]
         g_lse = [None if g is None else _rows(g) for g in grads[S:]]
         wanted = ctx.needs_input_grad[4:]
-        d_src, add = [], (ctypes.c_int * len(src))()
+        d_src, add, sunk = [], (ctypes.c_int * len(src))(), []
         for i, (v, w, sink) in enumerate(zip(src, wanted, ctx.sinks)):
+            buf = None
             if sink is not None and w:
                 buf, add[i] = sink.buffer(v)
-                d_src.append(buf)
-            else:
-                d_src.append(torch.empty_like(v) if w else None)
+                if not buf.is_contiguous():  # the kernel writes rows: hand this one back
+                    buf, add[i] = None, 0
+            sunk.append(buf is not None)
+            if buf is None and w:
+                buf = torch.empty_like(v, memory_format=torch.contiguous_format)
+            d_src.append(buf)
         dq = torch.empty_like(q)
         d = q.shape[1]
         _kernel("phase1_bwd", q.dtype)(len(src), _ptrs(src), S, src[0].numel() // d, d,
@@ -117,7 +121,7 @@ class Phase1(torch.autograd.Function):
                                        z.data_ptr(), r.data_ptr(), _ptrs(lse), _ptrs(g_h1),
                                        _ptrs(g_lse), _ptrs(d_src), add, dq.data_ptr(),
                                        torch.get_num_threads())
-        d_src = [None if sink is not None else g for g, sink in zip(d_src, ctx.sinks)]
+        d_src = [None if s else g for g, s in zip(d_src, sunk)]
         return (dq if ctx.needs_input_grad[0] else None, None, None, None, *d_src)
 
 
@@ -151,7 +155,7 @@ class Phase2(torch.autograd.Function):
     def backward(ctx, g_h, g_y):
         h1, lse, p, q, g, w, rstd2 = ctx.saved_tensors
         d, H = p.shape[-1], lse.shape[-1]
-        dh1, dp, dlse = torch.empty_like(h1), torch.empty_like(p), torch.empty_like(lse)
+        dh1, dp, dlse = torch.empty_like(h1), torch.empty_like(p), torch.empty_like(lse)  # rows
         dq = torch.empty_like(q)
         dg = None if g is None or g_y is None else torch.empty_like(g)
         _kernel("phase2_bwd", p.dtype)(p.numel() // d, d, H, h1.data_ptr(), lse.data_ptr(),
