@@ -18,7 +18,7 @@ goal of 1.02 asks to see; a ratio within the twin's distance of 1 is not resolve
     python bench/decode.py                    # width 512, depth 12, batch 1 and 16, CPU
     python bench/decode.py --quick            # a CI-size smoke run
     python bench/decode.py --batch 1 --no-compile --rounds 5
-    python bench/decode.py --count-ops        # torch ops per one-token eager step instead
+    python bench/decode.py --count-ops --backend eager   # torch ops per one-token eager step
 """
 from __future__ import annotations
 
@@ -56,7 +56,8 @@ def parse_args(argv=None):
     p.add_argument("--compile-only", action="store_true", help="torch.compile mode only")
     p.add_argument("--count-ops", action="store_true",
                    help="count the torch ops one eager one-token step dispatches, per "
-                        "topology, instead of timing (the same on every machine)")
+                        "topology, instead of timing (with --backend eager, the same on every "
+                        "machine; the cpu backend's kernels dispatch none)")
     p.add_argument("--no-twin", action="store_true",
                    help="leave out the standard model's twin (the noise floor)")
     p.add_argument("--quick", action="store_true",
