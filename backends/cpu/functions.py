@@ -2,10 +2,11 @@
 case) and phase 2 fused with the next sublayer's PreNorm.
 
 Each call hands the kernels raw addresses of contiguous float32 or float64 tensors and the
-thread count torch uses (torch.get_num_threads()). Autograd keeps the sources, phase 1's
-normalised output and the partial (all alive anyway) and per-token scalars: lse, phase 2's
-weight w and its norm's rstd. Phase 1's backward recomputes the weights from the sources
-and lse in the same pass that reads the sources for their gradient.
+thread count torch uses (torch.get_num_threads()). Autograd keeps the sources, phase 2's
+h1 and partial (all alive anyway) and per-token scalars: phase 1's logits, the sources'
+rstd and lse, phase 2's weight w and its norm's rstd. Phase 1's backward makes the weights
+from its logits and lse in the same pass that reads the sources for their gradient.
+Without autograd (`phase1_nograd`, `phase2_nograd`) the same forward call keeps nothing.
 """
 from __future__ import annotations
 
@@ -40,32 +41,48 @@ def _rows_of(t: torch.Tensor, count: int) -> ctypes.Array:
     return (ctypes.c_void_p * count)(*range(t.data_ptr(), t.data_ptr() + count * step, step))
 
 
+def _phase1_forward(q, eps, key_norm, heads, src, h1_rows, lse_rows, z=None, r=None):
+    """Phase 1's forward kernel into the S rows of h1 and of lse (their addresses); the
+    logits z [M, n, S*H] and rstds r [M, n] are written where given (for the backward)."""
+    S, d = q.shape
+    _kernel("phase1_fwd", q.dtype)(len(src), _ptrs(src), S, src[0].numel() // d, d, heads,
+                                   q.data_ptr(), eps, int(key_norm), h1_rows, lse_rows,
+                                   _ptr(z), _ptr(r), torch.get_num_threads())
+
+
 def phase1_nograd(queries, eps, key_norm, heads, sources):
     """(h1 [S, *b, d], lse [S, *b, H]) without autograd: one call, nothing kept."""
     src = [_rows(v) for v in sources]
     q = _rows(queries)
-    S, d = q.shape
+    S = q.shape[0]
     h1 = src[0].new_empty((S, *src[0].shape))
     lse = src[0].new_empty((S, *src[0].shape[:-1], heads))
-    _kernel("phase1_fwd", q.dtype)(len(src), _ptrs(src), S, src[0].numel() // d, d, heads,
-                                   q.data_ptr(), eps, int(key_norm), _rows_of(h1, S),
-                                   _rows_of(lse, S), None, None, torch.get_num_threads())
+    _phase1_forward(q, eps, key_norm, heads, src, _rows_of(h1, S), _rows_of(lse, S))
     return h1, lse
+
+
+def _phase2_forward(h1, lse, p, q, g, eps, key_norm, norm_eps, keep_h, keep: bool):
+    """Phase 2's forward kernel: (h or None, y or None, w, rstd2), contiguous inputs as
+    given; w [*b, H] and the norm's rstd2 [M] only where `keep` (for the backward)."""
+    d = p.shape[-1]
+    M = p.numel() // d
+    with_norm = norm_eps is not None
+    h = torch.empty_like(p) if keep_h or not with_norm else None
+    y = torch.empty_like(p) if with_norm else None
+    w = lse.new_empty(lse.shape) if keep else None
+    rstd2 = p.new_empty(M) if keep and with_norm else None
+    _kernel("phase2_fwd", p.dtype)(M, d, lse.shape[-1], h1.data_ptr(), lse.data_ptr(),
+                                   p.data_ptr(), q.data_ptr(), eps, int(key_norm), _ptr(g),
+                                   norm_eps if with_norm else 0.0, _ptr(h), _ptr(y), _ptr(w),
+                                   _ptr(rstd2), torch.get_num_threads())
+    return h, y, w, rstd2
 
 
 def phase2_nograd(h1, lse, p, q, g, eps, key_norm, norm_eps, keep_h):
     """(h or None, y or None) without autograd (see Phase2)."""
-    h1, lse, p, q = _rows(h1), _rows(lse), _rows(p), _rows(q)
-    d = p.shape[-1]
-    with_norm = norm_eps is not None
-    h = torch.empty_like(p) if keep_h or not with_norm else None
-    y = torch.empty_like(p) if with_norm else None
-    _kernel("phase2_fwd", p.dtype)(p.numel() // d, d, lse.shape[-1], h1.data_ptr(),
-                                   lse.data_ptr(), p.data_ptr(), q.data_ptr(), eps,
-                                   int(key_norm), _ptr(None if g is None else _rows(g)),
-                                   norm_eps if with_norm else 0.0, _ptr(h), _ptr(y), None,
-                                   None, torch.get_num_threads())
-    return h, y
+    g = None if g is None else _rows(g)
+    return _phase2_forward(_rows(h1), _rows(lse), _rows(p), _rows(q), g, eps, key_norm,
+                           norm_eps, keep_h, keep=False)[:2]
 
 
 class Phase1(torch.autograd.Function):
@@ -77,16 +94,12 @@ class Phase1(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         src = [_rows(v) for v in sources]
         q = _rows(queries.detach())
-        S, d = q.shape
-        batch = src[0].shape[:-1]
-        M = src[0].numel() // d
+        S, M = q.shape[0], src[0].numel() // q.shape[1]
         h1 = [torch.empty_like(src[0]) for _ in range(S)]
-        lse = [src[0].new_empty((*batch, heads)) for _ in range(S)]
+        lse = [src[0].new_empty((*src[0].shape[:-1], heads)) for _ in range(S)]
         z = src[0].new_empty((M, len(src), S * heads))  # the logits, for the backward
         r = src[0].new_empty((M, len(src)))             # and the sources' rstd
-        _kernel("phase1_fwd", q.dtype)(len(src), _ptrs(src), S, M, d, heads, q.data_ptr(),
-                                       eps, int(key_norm), _ptrs(h1), _ptrs(lse),
-                                       z.data_ptr(), r.data_ptr(), torch.get_num_threads())
+        _phase1_forward(q, eps, key_norm, heads, src, _ptrs(h1), _ptrs(lse), z, r)
         ctx.save_for_backward(q, z, r, *src, *lse)
         ctx.key_norm, ctx.heads, ctx.S = key_norm, heads, S
         # a source its readers share (restopo.nn.shared_sources): the backward adds its part
@@ -135,17 +148,8 @@ class Phase2(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         h1, lse, p, q = _rows(h1), _rows(lse), _rows(p), _rows(q.detach())
         g = None if g is None else _rows(g.detach())
-        d, H = p.shape[-1], lse.shape[-1]
-        M = p.numel() // d
-        with_norm = norm_eps is not None
-        h = torch.empty_like(p) if keep_h or not with_norm else None
-        y = torch.empty_like(p) if with_norm else None
-        w = lse.new_empty(lse.shape)
-        rstd2 = p.new_empty(M) if with_norm else None
-        _kernel("phase2_fwd", p.dtype)(M, d, H, h1.data_ptr(), lse.data_ptr(), p.data_ptr(),
-                                       q.data_ptr(), eps, int(key_norm), _ptr(g),
-                                       norm_eps if with_norm else 0.0, _ptr(h), _ptr(y),
-                                       w.data_ptr(), _ptr(rstd2), torch.get_num_threads())
+        h, y, w, rstd2 = _phase2_forward(h1, lse, p, q, g, eps, key_norm, norm_eps, keep_h,
+                                         keep=True)
         ctx.save_for_backward(h1, lse, p, q, g, w, rstd2)
         ctx.eps, ctx.key_norm = eps, key_norm
         return h, y
