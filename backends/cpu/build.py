@@ -76,9 +76,9 @@ def _version(cc: str) -> str:
 
 def _build(cc: str, code: str) -> tuple[Path | None, str]:
     """(the built library, '') or (None, why not)."""
-    errors = []
+    errors, version, cpu = [], _version(cc), _cpu()  # one compiler run, one cpuinfo read
     for flags in FLAG_SETS:
-        key = hashlib.sha256("\0".join([code, _version(cc), " ".join(flags), _cpu()])
+        key = hashlib.sha256("\0".join([code, version, " ".join(flags), cpu])
                              .encode()).hexdigest()[:16]
         folder = cache_root() / "kernels" / f"cpu-{key}"
         lib = folder / "restopo_cpu.so"
