@@ -210,15 +210,11 @@ def phase2_norm(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor,
     """Phase 2 and the next sublayer's PreNorm: (h, rms_norm(h, norm_weight, norm_eps)),
     or (None, y) with keep_h=False. The fused backends compute both in one kernel; the
     eager one is phase2 followed by the norm, exactly what the unfused sublayer computes."""
-    norm_eps = eps if norm_eps is None else norm_eps
     picked = _pick(backend, o1)
-    if picked != "eager":
-        module = _triton_module() if picked == "triton" else _cpu_module()
-        return module.phase2_norm(o1, m1, s1, partial, query, key_norm_weight, eps,
-                                  norm_weight=norm_weight, norm_eps=norm_eps,
-                                  key_norm=key_norm, keep_h=keep_h)
-    h = _eager().phase2(o1, m1, s1, partial, query, key_norm_weight, eps, key_norm=key_norm)
-    return h if keep_h else None, rms_norm(h, norm_weight, norm_eps)
+    module = _triton_module() if picked == "triton" else _host(picked)
+    return module.phase2_norm(o1, m1, s1, partial, query, key_norm_weight, eps,
+                              norm_weight=norm_weight, norm_eps=norm_eps, key_norm=key_norm,
+                              keep_h=keep_h)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:

@@ -29,12 +29,10 @@ import torch
 
 from ..eager import depth as _eager
 from ..eager import unstacked as _unstacked
-from ..eager.rmsnorm import rms_norm
 from . import build
 from .functions import Phase1, Phase2, phase1_nograd, phase2_nograd
 
-__all__ = ["available", "depth_attention", "depth_weights", "phase1", "phase2", "phase2_norm",
-           "rms_norm"]
+__all__ = ["available", "depth_attention", "depth_weights", "phase1", "phase2", "phase2_norm"]
 
 
 def available(device=None) -> tuple[bool, str]:
@@ -80,8 +78,7 @@ def depth_attention(sources, query: torch.Tensor, key_norm_weight: torch.Tensor 
     if (logits is not None or gate != "softmax" or query.dim() != 1
             or len({v.shape for v in src}) != 1 or not _takes(query, key_norm_weight, *src)):
         return _eager.depth_attention(sources, query, key_norm_weight, eps, key_norm=key_norm,
-                                      gate=gate, heads=heads,
-                                      **({} if logits is None else {"logits": logits}))
+                                      gate=gate, heads=heads, logits=logits)
     _eager._check_heads(src[0].shape[-1], heads)
     q = _gained(query, key_norm_weight, key_norm)[None]
     if not _recording(query, key_norm_weight, *src):
@@ -96,7 +93,7 @@ def phase1(completed, queries: torch.Tensor, key_norm_weights: torch.Tensor | No
     src = _sources(completed)
     if len({v.shape for v in src}) != 1 or not _takes(queries, key_norm_weights, *src):
         return _eager.phase1(completed, queries, key_norm_weights, eps, key_norm=key_norm,
-                             heads=heads, **({} if logits is None else {"logits": logits}))
+                             heads=heads, logits=logits)
     _eager._check_heads(src[0].shape[-1], heads)
     S = queries.shape[0]
     q = _gained(queries, key_norm_weights, key_norm)
@@ -143,8 +140,9 @@ def phase2_norm(o1: torch.Tensor, m1: torch.Tensor, s1, partial: torch.Tensor | 
                  float(norm_eps), keep_h)
     if got is not None:
         return got
-    h = _eager.phase2(o1, m1, s1, partial, query, key_norm_weight, eps, key_norm=key_norm)
-    return (h if keep_h else None), rms_norm(h, norm_weight, norm_eps)
+    return _eager.phase2_norm(o1, m1, s1, partial, query, key_norm_weight, eps,
+                              norm_weight=norm_weight, norm_eps=norm_eps, key_norm=key_norm,
+                              keep_h=keep_h)
 
 
 def depth_weights(sources, query, key_norm_weight=None, eps: float = 1e-6, *,

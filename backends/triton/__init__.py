@@ -29,7 +29,6 @@ the whole GPU check.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..eager import depth as _eager
 from . import runtime
@@ -140,8 +139,9 @@ def phase2_norm(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor,
     whose sublayer reads y needs nothing else of h: the backward recomputes it)."""
     norm_eps = eps if norm_eps is None else norm_eps
     if s1 is None or _heads_of(o1, m1, s1) != 1:  # as in phase2
-        h = _eager.phase2(o1, m1, s1, partial, query, key_norm_weight, eps, key_norm=key_norm)
-        return h if keep_h else None, F.rms_norm(h, (h.shape[-1],), norm_weight, norm_eps)
+        return _eager.phase2_norm(o1, m1, s1, partial, query, key_norm_weight, eps,
+                                  norm_weight=norm_weight, norm_eps=norm_eps,
+                                  key_norm=key_norm, keep_h=keep_h)
     h, y = _phase2(o1, m1, s1, partial, query, key_norm_weight, eps, norm_weight, norm_eps,
                    key_norm, True, keep_h)
     return (h if keep_h else None), y

@@ -725,6 +725,19 @@ def phase2(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor | None,
                             key_norm=key_norm)
 
 
+def phase2_norm(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor | None,
+                partial: torch.Tensor | None, query: torch.Tensor,
+                key_norm_weight: torch.Tensor | None = None, eps: float = 1e-6, *,
+                norm_weight: torch.Tensor | None = None, norm_eps: float | None = None,
+                key_norm: bool = True, keep_h: bool = True):
+    """Phase 2, then the next sublayer's PreNorm: (h or None with keep_h=False,
+    rms_norm(h) * norm_weight), exactly what the unfused sublayer computes (norm_eps
+    defaults to eps). The fused backends' phase2_norm falls back to this."""
+    h = phase2(o1, m1, s1, partial, query, key_norm_weight, eps, key_norm=key_norm)
+    y = rmsnorm.rms_norm(h, norm_weight, eps if norm_eps is None else norm_eps)
+    return (h if keep_h else None), y
+
+
 def _check_heads(d: int, heads: int) -> None:
     if heads < 1 or d % heads:
         raise ValueError(f"depth heads must divide the width: width {d}, heads {heads}")
