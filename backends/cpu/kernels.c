@@ -31,10 +31,14 @@ static inline REAL NAME(dot)(const REAL *a, const REAL *b, long n) {
     return (acc[0] + acc[2]) + (acc[1] + acc[3]);
 }
 
+/* 1 / RMS of a row of d numbers whose squares sum to ss */
+static inline REAL NAME(inv_rms)(REAL ss, long d, double eps) {
+    return 1 / SQRT(ss / (REAL)d + (REAL)eps);
+}
+
 /* 1 / RMS(v) (1 without key norm) */
 static inline REAL NAME(rstd)(const REAL *v, long d, double eps, int key_norm) {
-    if (!key_norm) return 1;
-    return 1 / SQRT(NAME(dot)(v, v, d) / (REAL)d + (REAL)eps);
+    return key_norm ? NAME(inv_rms)(NAME(dot)(v, v, d), d, eps) : 1;
 }
 
 /* The square sum of v and its dots with the S queries, z[s*H + h] over head h (the row
@@ -74,7 +78,7 @@ void NAME(phase1_fwd)(long n, const REAL *const *src, long S, long M, long d, lo
                     long t = t0 + u;
                     REAL *z = zt + (u * n + i) * SH, ss;
                     NAME(row_dots)(src[i] + t * d, q, S, d, H, z, &ss);
-                    REAL r = key_norm ? 1 / SQRT(ss / (REAL)d + (REAL)eps) : 1;
+                    REAL r = key_norm ? NAME(inv_rms)(ss, d, eps) : 1;
                     if (rs) rs[t * n + i] = r;
                     for (long sh = 0; sh < SH; sh++) z[sh] *= r;
                 }
@@ -242,7 +246,7 @@ void NAME(phase2_fwd)(long M, long d, long H, const REAL *h1, const REAL *lse, c
             }
             if (out_h) memcpy(out_h + t * d, hrow, sizeof(REAL) * d);
             if (out_y) {
-                REAL r2 = 1 / SQRT(NAME(dot)(hrow, hrow, d) / (REAL)d + (REAL)norm_eps);
+                REAL r2 = NAME(inv_rms)(NAME(dot)(hrow, hrow, d), d, norm_eps);
                 if (rstd2) rstd2[t] = r2;
                 REAL *yt = out_y + t * d;
                 if (g) {
