@@ -21,7 +21,7 @@ from restopo.registry import get_backend
 cpu = get_backend("cpu")
 needs_kernels = pytest.mark.skipif(not cpu.available()[0],
                                    reason=f"cpu kernels unavailable: {cpu.available()[1]}")
-from restopo.backends.cpu.functions import Phase1, Phase2  # noqa: E402
+from restopo.backends.cpu.functions import Phase1, Phase2, WeightedSum  # noqa: E402
 from restopo.backends.eager.rmsnorm import _RMSNorm, rms_norm  # noqa: E402
 
 D64 = dict(dtype=torch.float64)
@@ -98,6 +98,68 @@ def test_phase2_kernel_gradcheck_and_formula(heads, key_norm, norm, keep_h):
     assert torch.autograd.gradcheck(f, (h1, lse, p, q, *([g] if g is not None else [])))
 
 
+@needs_kernels
+@pytest.mark.parametrize("heads", [1, 2])
+@pytest.mark.parametrize("n", [1, 5])
+def test_weighted_sum_kernel_and_attend_given_logits(heads, n):
+    """The weighted sum (gradcheck through alpha and sources), and depth attention given the
+    logits (Full AttnRes's shared ones: a softmax over sources per head, then that sum)
+    against a hand loop, with and without autograd."""
+    torch.manual_seed(n + heads)
+    z = [torch.randn(2, 3, heads, **D64, requires_grad=True) for _ in range(n)]
+    src = [torch.randn(2, 3, 8, **D64, requires_grad=True) for _ in range(n)]
+    c = 8 // heads
+    want = torch.zeros(2, 3, 8, **D64)
+    for h in range(heads):
+        a = torch.softmax(torch.stack([z_i[..., h] for z_i in z]).detach(), 0)
+        for a_i, v in zip(a, src):
+            want[..., h * c:(h + 1) * c] += a_i[..., None] * v.detach()[..., h * c:(h + 1) * c]
+    q = torch.zeros(8, **D64)  # not read: the logits are given
+    got = cpu.depth_attention(src, q, None, heads=heads, logits=z)
+    assert torch.allclose(got, want, atol=1e-12)
+    with torch.no_grad():
+        assert torch.equal(cpu.depth_attention(src, q, None, heads=heads, logits=z), got)
+    assert torch.autograd.gradcheck(
+        lambda *t: cpu.depth_attention(t[n:], q, None, heads=heads, logits=t[:n]), (*z, *src))
+    alpha = torch.rand(n, 2, 3, heads, **D64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, *s: WeightedSum.apply(a, *s), (alpha, *src))
+
+
+@needs_kernels
+def test_weighted_sum_kernel_over_several_tiles_and_threads():
+    """Rows over several of the kernel's tiles (256 KiB of rows each) and threads: the
+    eager backend's weighted sum, forward and backward, to rounding; the same bits on one
+    thread as on two (each token's sum is its own)."""
+    from restopo.backends.eager.weighted import weighted_sum
+    torch.manual_seed(0)
+    src = [torch.randn(1100, 64, requires_grad=True) for _ in range(3)]
+    alpha = torch.rand(3, 1100, 4, requires_grad=True)
+    g = torch.randn(1100, 64)
+    got, want = {}, None
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            out = WeightedSum.apply(alpha, *src)
+            grads = torch.autograd.grad(out, (alpha, *src), g)
+            got[t] = (out, *grads)
+    finally:
+        torch.set_num_threads(threads)
+    want = weighted_sum(alpha, src)
+    want = (want, *torch.autograd.grad(want, (alpha, *src), g))
+    for a, b, w in zip(got[1], got[2], want):
+        assert torch.equal(a, b)
+        assert torch.allclose(a, w, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernels
+def test_attend_kernel_refuses_logits_of_the_wrong_shape():
+    src = [torch.randn(2, 3, 8) for _ in range(3)]
+    with pytest.raises(ValueError, match="one logit tensor of shape"):
+        cpu.depth_attention(src, torch.zeros(8), None, heads=2,
+                            logits=[torch.randn(2, 3, 1) for _ in range(3)])
+
+
 def _model(topo, backend, dtype=torch.float64, heads=4):
     cfg = SimpleNamespace(vocab=64, width=16, depth=4, heads=heads, mlp="swiglu",
                           mlp_ratio=4, context=16)
@@ -117,7 +179,10 @@ def _model(topo, backend, dtype=torch.float64, heads=4):
     T.block_attnres(T.sublayer_kinds(4), blocks=2, heads=2),
     T.block_attnres(T.sublayer_kinds(4), blocks=2, key_norm="none"),
     T.full_attnres(T.sublayer_kinds(4)),
-], ids=["block2", "block3", "block2-heads2", "block2-no-key-norm", "full"])
+    T.full_attnres(T.sublayer_kinds(4), heads=2),
+    T.full_attnres(T.sublayer_kinds(4), key_norm="none"),
+], ids=["block2", "block3", "block2-heads2", "block2-no-key-norm", "full", "full-heads2",
+        "full-no-key-norm"])
 def test_cpu_model_equals_eager_model(topo):
     """Logits and every gradient, over two steps' backward passes (a source's gradient
     buffer belongs to one pass), equal the eager backend's in float64."""

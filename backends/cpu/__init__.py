@@ -14,7 +14,8 @@ with one query), forward and backward.
   nothing. Anything else (bf16, the sigmoid gate, input-dependent queries, torch.compile,
   which traces the eager forms) goes to the eager backend: the same results, unfused.
   Depth attention fed shared logits (Full AttnRes's readers in training,
-  restopo.nn.shared_sources) is the eager backend's too: it then does less per source.
+  restopo.nn.shared_sources) is a softmax and weighted sum over them, one pass a source
+  forward and one backward, which adds into the source's shared gradient buffer.
 - `available()` -> (bool, reason). The kernels are built with the machine's C compiler on
   first use (build.py, about a second, kept in restopo's cache); without one, `auto` runs
   the eager backend and says why once.
@@ -30,7 +31,8 @@ import torch
 from ..eager import depth as _eager
 from ..eager import unstacked as _unstacked
 from . import build
-from .functions import Phase1, Phase2, phase1_nograd, phase2_nograd
+from .functions import (Phase1, Phase2, WeightedSum, phase1_nograd, phase2_nograd,
+                        weighted_sum_nograd)
 
 __all__ = ["available", "depth_attention", "depth_weights", "phase1", "phase2", "phase2_norm"]
 
@@ -70,20 +72,35 @@ def _sources(sources) -> list[torch.Tensor]:
 def depth_attention(sources, query: torch.Tensor, key_norm_weight: torch.Tensor | None = None,
                     eps: float = 1e-6, *, key_norm: bool = True, gate: str = "softmax",
                     heads: int = 1, logits=None) -> torch.Tensor:
-    """h = sum_i softmax_i(w . RMSNorm(v_i)) v_i: phase 1 with one query, or the eager
-    backend's when given each source's `logits` (restopo.nn.shared_sources makes them once
-    for all of a source's readers, as in Full AttnRes: the eager weighted sum over them
-    reads each source once per reader, where the kernel would make its logits again)."""
+    """h = sum_i softmax_i(w . RMSNorm(v_i)) v_i: phase 1 with one query, or, given each
+    source's `logits` ([*batch, H] each: restopo.nn.shared_sources makes them once for all
+    of a source's readers, as in Full AttnRes), the softmax and weighted sum over them."""
     src = _sources(sources)
-    if (logits is not None or gate != "softmax" or query.dim() != 1
-            or len({v.shape for v in src}) != 1 or not _takes(query, key_norm_weight, *src)):
+    if (gate != "softmax" or query.dim() != 1 or len({v.shape for v in src}) != 1
+            or not _takes(query, key_norm_weight, *src, *(logits or ()))):
         return _eager.depth_attention(sources, query, key_norm_weight, eps, key_norm=key_norm,
                                       gate=gate, heads=heads, logits=logits)
     _eager._check_heads(src[0].shape[-1], heads)
+    if logits is not None:
+        return _attend(heads, logits, src)
     q = _gained(query, key_norm_weight, key_norm)[None]
     if not _recording(query, key_norm_weight, *src):
         return phase1_nograd(q, float(eps), bool(key_norm), heads, src)[0][0]
     return Phase1.apply(q, float(eps), bool(key_norm), heads, *src)[0]
+
+
+def _attend(heads: int, logits, src: list[torch.Tensor]) -> torch.Tensor:
+    """Depth attention over `src` given their logits, one [*batch, H] tensor a source:
+    torch's softmax (vectorised), then the kernel's weighted sum."""
+    shape = (*src[0].shape[:-1], heads)
+    if len(logits) != len(src) or any(z.shape != shape for z in logits):
+        raise ValueError(f"depth attention over {len(src)} sources of shape "
+                         f"{tuple(src[0].shape)} needs one logit tensor of shape {shape} a "
+                         f"source; got {[tuple(z.shape) for z in logits]}")
+    alpha = torch.softmax(torch.stack(tuple(logits)), dim=0)
+    if not _recording(alpha, *src):
+        return weighted_sum_nograd(alpha, src)
+    return WeightedSum.apply(alpha, *src)
 
 
 def phase1(completed, queries: torch.Tensor, key_norm_weights: torch.Tensor | None = None,

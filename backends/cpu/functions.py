@@ -1,12 +1,14 @@
 """Autograd around the C kernels (kernels.c): phase 1 (and depth attention, its one-query
-case) and phase 2 fused with the next sublayer's PreNorm.
+case), phase 2 fused with the next sublayer's PreNorm, and the weighted sum over sources
+that depth attention given shared logits ends in (Full AttnRes's readers).
 
 Each call hands the kernels raw addresses of contiguous float32 or float64 tensors and the
 thread count torch uses (torch.get_num_threads()). Autograd keeps the sources, phase 2's
 h1 and partial (all alive anyway) and per-token scalars: phase 1's logits, the sources'
-rstd and lse, phase 2's weight w and its norm's rstd. Phase 1's backward makes the weights
-from its logits and lse in the same pass that reads the sources for their gradient.
-Without autograd (`phase1_nograd`, `phase2_nograd`) the same forward call keeps nothing.
+rstd and lse, phase 2's weight w and its norm's rstd, the weighted sum's weights. Phase
+1's backward makes the weights from its logits and lse in the same pass that reads the
+sources for their gradient. Without autograd (`phase1_nograd`, `phase2_nograd`,
+`weighted_sum_nograd`) the same forward call keeps nothing.
 """
 from __future__ import annotations
 
@@ -85,6 +87,24 @@ def phase2_nograd(h1, lse, p, q, g, eps, key_norm, norm_eps, keep_h):
                            norm_eps, keep_h, keep=False)[:2]
 
 
+def _gradient_buffers(src, wanted, sinks):
+    """(where the kernel writes each source's gradient, whether it adds there, whether that
+    buffer is the source's shared one (restopo.nn.shared_sources), so autograd gets None).
+    A shared buffer that is not row-major is not written: that part goes back to autograd."""
+    bufs, add, sunk = [], (ctypes.c_int * len(src))(), []
+    for i, (v, w, sink) in enumerate(zip(src, wanted, sinks)):
+        buf = None
+        if sink is not None and w:
+            buf, add[i] = sink.buffer(v)
+            if not buf.is_contiguous():
+                buf, add[i] = None, 0
+        sunk.append(buf is not None)
+        if buf is None and w:
+            buf = torch.empty_like(v, memory_format=torch.contiguous_format)
+        bufs.append(buf)
+    return bufs, add, sunk
+
+
 class Phase1(torch.autograd.Function):
     """(h1_1..h1_S, lse_1..lse_S): S queries [S, d] (key-norm gains folded in) over n
     sources [*batch, d]; h1_s [*batch, d], lse_s [*batch, H]."""
@@ -115,18 +135,7 @@ class Phase1(torch.autograd.Function):
         src, lse = rest[:-S], rest[-S:]
         g_h1 = [None if g is None else _rows(g) for g in grads[:S]]
         g_lse = [None if g is None else _rows(g) for g in grads[S:]]
-        wanted = ctx.needs_input_grad[4:]
-        d_src, add, sunk = [], (ctypes.c_int * len(src))(), []
-        for i, (v, w, sink) in enumerate(zip(src, wanted, ctx.sinks)):
-            buf = None
-            if sink is not None and w:
-                buf, add[i] = sink.buffer(v)
-                if not buf.is_contiguous():  # the kernel writes rows: hand this one back
-                    buf, add[i] = None, 0
-            sunk.append(buf is not None)
-            if buf is None and w:
-                buf = torch.empty_like(v, memory_format=torch.contiguous_format)
-            d_src.append(buf)
+        d_src, add, sunk = _gradient_buffers(src, ctx.needs_input_grad[4:], ctx.sinks)
         dq = torch.empty_like(q)
         d = q.shape[1]
         _kernel("phase1_bwd", q.dtype)(len(src), _ptrs(src), S, src[0].numel() // d, d,
@@ -172,3 +181,42 @@ class Phase2(torch.autograd.Function):
         need = ctx.needs_input_grad
         return (dh1 if need[0] else None, dlse if need[1] else None, dp if need[2] else None,
                 dq if need[3] else None, dg if need[4] else None, None, None, None, None)
+
+
+def weighted_sum_nograd(alpha, sources):
+    """sum_i alpha_i v_i per head (alpha [n, *b, H], sources [*b, d]), keeping nothing."""
+    return _weighted_sum(_rows(alpha), [_rows(v) for v in sources])
+
+
+def _weighted_sum(alpha, src):
+    d = src[0].shape[-1]
+    out = torch.empty_like(src[0])
+    _kernel("wsum_fwd", out.dtype)(len(src), _ptrs(src), alpha.data_ptr(), out.numel() // d,
+                                   d, alpha.shape[-1], out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+class WeightedSum(torch.autograd.Function):
+    """out = sum_i alpha_i v_i per head: alpha [n, *batch, H], n sources [*batch, d]; the
+    eager backend's WeightedSum (one output) in one pass a source each way."""
+
+    @staticmethod
+    def forward(ctx, alpha, *sources):
+        alpha, src = _rows(alpha), [_rows(v) for v in sources]
+        ctx.save_for_backward(alpha, *src)
+        ctx.sinks = [getattr(v, "restopo_sink", None) for v in sources]
+        return _weighted_sum(alpha, src)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        alpha, *src = ctx.saved_tensors
+        d_src, add, sunk = _gradient_buffers(src, ctx.needs_input_grad[1:], ctx.sinks)
+        d_alpha = torch.empty_like(alpha)
+        d = src[0].shape[-1]
+        _kernel("wsum_bwd", grad.dtype)(len(src), _ptrs(src), alpha.data_ptr(),
+                                        grad.numel() // d, d, alpha.shape[-1],
+                                        _rows(grad).data_ptr(), d_alpha.data_ptr(),
+                                        _ptrs(d_src), add, torch.get_num_threads())
+        return (d_alpha if ctx.needs_input_grad[0] else None,
+                *[None if s else g for g, s in zip(d_src, sunk)])
