@@ -241,6 +241,43 @@ def test_cpu_block_model_runs_its_phases_through_the_kernels(monkeypatch):
 
 
 @needs_kernels
+@pytest.mark.parametrize("scale", [1.0, 30.0])
+def test_float32_kernels_match_float64(scale):
+    """The float kernels, whose exp is their own (vectorised), against the double ones
+    (libm's exp), forward and backward; at scale 30 the logits spread past the range of a
+    float exp (|z| up to about 170), so weights underflow to nothing as they should."""
+    torch.manual_seed(0)
+    phase1_in = [torch.randn(3, 32, **D64) * scale] + [torch.randn(64, 32, **D64)
+                                                        for _ in range(5)]
+    phase2_in = [torch.randn(64, 32, **D64), torch.randn(64, 1, **D64) * scale,
+                 torch.randn(64, 32, **D64), torch.randn(32, **D64) * scale,
+                 torch.randn(32, **D64)]                  # h1, lse, partial, query, gain
+    weights = [torch.randn(64, 32, **D64) for _ in range(4)] + [torch.randn(64, 1, **D64)
+                                                                for _ in range(3)]
+    got = {}
+    for dtype in (torch.float64, torch.float32):
+        a1 = [t.to(dtype).requires_grad_() for t in phase1_in]
+        a2 = [t.to(dtype).requires_grad_() for t in phase2_in]
+        out = (*Phase1.apply(a1[0], 1e-6, True, 1, *a1[1:]),
+               Phase2.apply(*a2, 1e-6, True, 1e-5, False)[1])
+        loss = sum((o * w.to(dtype)).sum() for o, w in zip(out, weights))
+        got[dtype] = [*out, *torch.autograd.grad(loss, a1 + a2)]
+    for a, b in zip(got[torch.float32], got[torch.float64]):
+        assert torch.allclose(a.double(), b, rtol=1e-4, atol=1e-4 * b.abs().max().item())
+
+
+@needs_kernels
+def test_float32_kernels_keep_a_nan():
+    """A NaN in a source reaches every output of its token (the float exp keeps NaN)."""
+    src = [torch.randn(40, 16) for _ in range(3)]
+    src[1][7, 2] = float("nan")
+    with torch.no_grad():
+        out = Phase1.apply(torch.randn(2, 16), 1e-6, True, 1, *src)
+    for o in out:
+        assert o[7].isnan().all() and not o[torch.arange(40) != 7].isnan().any()
+
+
+@needs_kernels
 def test_kernels_thread_count_changes_only_rounding():
     torch.manual_seed(0)
     src = [torch.randn(300, 16, requires_grad=True) for _ in range(3)]

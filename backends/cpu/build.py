@@ -25,7 +25,8 @@ from restopo.io import atomic_folder, cache_root
 SOURCE = Path(__file__).with_name("kernels.c")
 HEADER = "#include <math.h>\n#include <stdlib.h>\n#include <string.h>\n" \
          "#ifdef _OPENMP\n#include <omp.h>\n#endif\n"
-# (C type, suffix, its exp, log and sqrt)
+# (C type, suffix, its exp, log and sqrt); source() also defines FLOAT32 (1 for float),
+# for which kernels.c has an exp of its own that vectorises
 TYPES = (("float", "f32", "expf", "logf", "sqrtf"), ("double", "f64", "exp", "log", "sqrt"))
 # Tried in order: OpenMP threads, then one thread (a compiler without libgomp).
 # -fno-math-errno: sqrt and friends inline (restopo reads no errno); results unchanged.
@@ -47,8 +48,10 @@ def source() -> str:
     parts = [HEADER]
     for real, suffix, exp, log, sqrt in TYPES:
         parts.append(f"#define REAL {real}\n#define NAME(x) x##_{suffix}\n#define EXP {exp}\n"
-                     f"#define LOG {log}\n#define SQRT {sqrt}\n{body}\n"
-                     "#undef REAL\n#undef NAME\n#undef EXP\n#undef LOG\n#undef SQRT\n")
+                     f"#define LOG {log}\n#define SQRT {sqrt}\n"
+                     f"#define FLOAT32 {int(real == 'float')}\n{body}\n"
+                     "#undef REAL\n#undef NAME\n#undef EXP\n#undef LOG\n#undef SQRT\n"
+                     "#undef FLOAT32\n#undef EXP_VEC\n")
     return "".join(parts)
 
 
