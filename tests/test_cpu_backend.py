@@ -122,25 +122,68 @@ def test_weighted_sum_kernel_and_attend_given_logits(heads, n):
     assert torch.autograd.gradcheck(
         lambda *t: cpu.depth_attention(t[n:], q, None, heads=heads, logits=t[:n]), (*z, *src))
     alpha = torch.rand(n, 2, 3, heads, **D64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda a, *s: WeightedSum.apply(a, *s), (alpha, *src))
+    assert torch.autograd.gradcheck(lambda a, *s: WeightedSum.apply(a, None, *s), (alpha, *src))
 
 
 @needs_kernels
-def test_weighted_sum_kernel_over_several_tiles_and_threads():
+@pytest.mark.parametrize("heads", [1, 2])
+def test_phase1_given_logits_equals_eager(heads):
+    """Phase 1 given each source's logits for S queries (a group of Full AttnRes readers):
+    the eager backend's, forward and backward through logits and sources (gradcheck), and
+    the same without autograd."""
+    from restopo.backends.eager import depth as eager
+    torch.manual_seed(heads)
+    n, S = 4, 3
+    z = [torch.randn(S, 2, 5, heads, **D64, requires_grad=True) for _ in range(n)]
+    src = [torch.randn(2, 5, 8, **D64, requires_grad=True) for _ in range(n)]
+    q = torch.zeros(S, 8, **D64)  # not read: the logits are given
+
+    def f(backend, *t):
+        h1, lse, _ = backend.phase1(list(t[n:]), q, None, heads=heads, logits=list(t[:n]))
+        return (*h1, *lse)
+
+    got, want = f(cpu, *z, *src), f(eager, *z, *src)
+    for a, b in zip(got, want):
+        assert torch.allclose(a, b, atol=1e-12)
+    with torch.no_grad():
+        for a, b in zip(f(cpu, *z, *src), got):
+            assert torch.equal(a, b)
+    assert torch.autograd.gradcheck(lambda *t: f(cpu, *t), (*z, *src))
+
+
+@needs_kernels
+@pytest.mark.parametrize("heads", [1, 4])
+@pytest.mark.parametrize("width", [16, 24])
+def test_weighted_sum_kernel_gradcheck_with_outputs(heads, width):
+    """S outputs (a group's phase 1) and one, in float64, by gradcheck: at width 16 with
+    one head each output row is summed in registers (spans of 16 doubles), otherwise term by
+    term into the output."""
+    torch.manual_seed(heads)
+    src = [torch.randn(3, width, **D64, requires_grad=True) for _ in range(4)]
+    for outputs, lead in ((None, ()), (3, (3,))):
+        alpha = torch.rand(4, *lead, 3, heads, **D64, requires_grad=True)
+        assert torch.autograd.gradcheck(
+            lambda a, *s: WeightedSum.apply(a, outputs, *s), (alpha, *src))
+
+
+@needs_kernels
+@pytest.mark.parametrize("heads", [1, 4])
+def test_weighted_sum_kernel_over_several_tiles_and_threads(heads):
     """Rows over several of the kernel's tiles (256 KiB of rows each) and threads: the
     eager backend's weighted sum, forward and backward, to rounding; the same bits on one
-    thread as on two (each token's sum is its own)."""
+    thread as on two (each token's sum is its own). One head: each output row is summed in
+    registers; four: term by term."""
     from restopo.backends.eager.weighted import weighted_sum
     torch.manual_seed(0)
     src = [torch.randn(1100, 64, requires_grad=True) for _ in range(3)]
-    alpha = torch.rand(3, 1100, 4, requires_grad=True)
+    alpha = torch.rand(3, 1100, heads, requires_grad=True)
     g = torch.randn(1100, 64)
     got, want = {}, None
     threads = torch.get_num_threads()
     try:
         for t in (1, 2):
             torch.set_num_threads(t)
-            out = WeightedSum.apply(alpha, *src)
+            out = WeightedSum.apply(alpha, None, *src)
             grads = torch.autograd.grad(out, (alpha, *src), g)
             got[t] = (out, *grads)
     finally:
@@ -181,8 +224,9 @@ def _model(topo, backend, dtype=torch.float64, heads=4):
     T.full_attnres(T.sublayer_kinds(4)),
     T.full_attnres(T.sublayer_kinds(4), heads=2),
     T.full_attnres(T.sublayer_kinds(4), key_norm="none"),
+    T.full_attnres(T.sublayer_kinds(4), window=3),
 ], ids=["block2", "block3", "block2-heads2", "block2-no-key-norm", "full", "full-heads2",
-        "full-no-key-norm"])
+        "full-no-key-norm", "full-window3"])
 def test_cpu_model_equals_eager_model(topo):
     """Logits and every gradient, over two steps' backward passes (a source's gradient
     buffer belongs to one pass), equal the eager backend's in float64."""
@@ -198,6 +242,33 @@ def test_cpu_model_equals_eager_model(topo):
         assert torch.allclose(out["cpu"][0], out["eager"][0], atol=1e-12)
         for n, g in out["eager"][1].items():
             assert torch.allclose(out["cpu"][1][n], g, atol=1e-11), n
+
+
+@needs_kernels
+@pytest.mark.parametrize("window", [None, 3])
+def test_full_readers_in_groups_equal_each_reader_alone(window, monkeypatch):
+    """Full AttnRes on backend cpu runs groups of readers in two phases (phase 1 over the
+    sources a group reads all, then each reader's merge): the same logits and gradients as
+    the model with its groups taken away, in float64; and the groups' phase 1 does run."""
+    from restopo.fx.lower import lowered
+    topo = T.full_attnres(T.sublayer_kinds(4), window=window)
+    grouped, alone = _model(topo, "cpu"), _model(topo, "cpu")
+    shared = lowered(alone).restopo_shared
+    assert lowered(grouped).restopo_shared.groups
+    shared.groups, shared.group_of = [], {}
+    calls = []
+    phase1 = cpu.phase1
+    monkeypatch.setattr(cpu, "phase1", lambda *a, **k: calls.append(k) or phase1(*a, **k))
+    idx = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    out = {}
+    for name, m in (("grouped", grouped), ("alone", alone)):
+        logits = m(idx)
+        logits.logsumexp(-1).mean().backward()
+        out[name] = (logits, {n: p.grad for n, p in m.named_parameters()})
+    assert calls and all(k.get("logits") is not None for k in calls)
+    assert torch.allclose(out["grouped"][0], out["alone"][0], atol=1e-12)
+    for n, g in out["alone"][1].items():
+        assert torch.allclose(out["grouped"][1][n], g, atol=1e-11), n
 
 
 @needs_kernels

@@ -97,22 +97,33 @@ def _attend(heads: int, logits, src: list[torch.Tensor]) -> torch.Tensor:
         raise ValueError(f"depth attention over {len(src)} sources of shape "
                          f"{tuple(src[0].shape)} needs one logit tensor of shape {shape} a "
                          f"source; got {[tuple(z.shape) for z in logits]}")
-    alpha = torch.softmax(torch.stack(tuple(logits)), dim=0)
+    return _weighted(torch.softmax(torch.stack(tuple(logits)), dim=0), src, None)
+
+
+def _weighted(alpha: torch.Tensor, src: list[torch.Tensor], outputs: int | None):
+    """The kernel's weighted sum(s) of `src` by `alpha` (see functions.WeightedSum)."""
     if not _recording(alpha, *src):
-        return weighted_sum_nograd(alpha, src)
-    return WeightedSum.apply(alpha, *src)
+        return weighted_sum_nograd(alpha, src, outputs)
+    return WeightedSum.apply(alpha, outputs, *src)
 
 
 def phase1(completed, queries: torch.Tensor, key_norm_weights: torch.Tensor | None = None,
            eps: float = 1e-6, *, key_norm: bool = True, heads: int = 1, logits=None):
     """(h1, lse, S Nones), each a tuple over the S queries [S, d]: phase 1's normalised
-    state over the completed blocks (see the eager backend's phase1)."""
+    state over the completed blocks (see the eager backend's phase1). Given each block's
+    `logits` (a group of Full AttnRes readers, restopo.nn.shared_sources), torch's softmax
+    over them and the kernel's S weighted sums in one pass over the blocks."""
     src = _sources(completed)
-    if len({v.shape for v in src}) != 1 or not _takes(queries, key_norm_weights, *src):
+    if (len({v.shape for v in src}) != 1
+            or not _takes(queries, key_norm_weights, *src, *(logits or ()))):
         return _eager.phase1(completed, queries, key_norm_weights, eps, key_norm=key_norm,
                              heads=heads, logits=logits)
     _eager._check_heads(src[0].shape[-1], heads)
     S = queries.shape[0]
+    if logits is not None:  # each source's [S, *batch, H], made once for all its readers
+        z = torch.stack(tuple(logits))
+        h1 = _weighted(torch.softmax(z, dim=0), src, S)
+        return h1, torch.logsumexp(z, dim=0).unbind(0), (None,) * S
     q = _gained(queries, key_norm_weights, key_norm)
     if not _recording(queries, key_norm_weights, *src):
         h1, lse = phase1_nograd(q, float(eps), bool(key_norm), heads, src)

@@ -115,8 +115,8 @@ def _declare(lib: ctypes.CDLL) -> None:
                                                          P, P, P, I]
         getattr(lib, f"phase2_bwd_{suffix}").argtypes = [L, L, L, P, P, P, P, D, I, P, P, P,
                                                          P, P, P, P, P, P, P, I]
-        getattr(lib, f"wsum_fwd_{suffix}").argtypes = [L, P, P, L, L, L, P, I]
-        getattr(lib, f"wsum_bwd_{suffix}").argtypes = [L, P, P, L, L, L, P, P, P, P, I]
+        getattr(lib, f"wsum_fwd_{suffix}").argtypes = [L, P, L, P, L, L, L, P, I]
+        getattr(lib, f"wsum_bwd_{suffix}").argtypes = [L, P, L, P, L, L, L, P, P, P, P, I]
         for name in ("phase1_fwd", "phase1_bwd", "phase2_fwd", "phase2_bwd", "wsum_fwd",
                      "wsum_bwd"):
             getattr(lib, f"{name}_{suffix}").restype = None

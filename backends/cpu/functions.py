@@ -183,40 +183,49 @@ class Phase2(torch.autograd.Function):
                 dq if need[3] else None, dg if need[4] else None, None, None, None, None)
 
 
-def weighted_sum_nograd(alpha, sources):
-    """sum_i alpha_i v_i per head (alpha [n, *b, H], sources [*b, d]), keeping nothing."""
-    return _weighted_sum(_rows(alpha), [_rows(v) for v in sources])
+def weighted_sum_nograd(alpha, sources, outputs=None):
+    """sum_i alpha_i v_i per head (alpha [n, *b, H], sources [*b, d]), keeping nothing;
+    with `outputs=S`, alpha [n, S, *b, H] and a tuple of the S sums."""
+    out = _weighted_sum(_rows(alpha), [_rows(v) for v in sources], outputs or 1)
+    return out[0] if outputs is None else out
 
 
-def _weighted_sum(alpha, src):
+def _weighted_sum(alpha, src, S):
+    """The S weighted sums (a tuple) for alpha [n, (S,) *b, H]."""
     d = src[0].shape[-1]
-    out = torch.empty_like(src[0])
-    _kernel("wsum_fwd", out.dtype)(len(src), _ptrs(src), alpha.data_ptr(), out.numel() // d,
-                                   d, alpha.shape[-1], out.data_ptr(), torch.get_num_threads())
+    out = tuple(torch.empty_like(src[0]) for _ in range(S))
+    _kernel("wsum_fwd", src[0].dtype)(len(src), _ptrs(src), S, alpha.data_ptr(),
+                                      src[0].numel() // d, d, alpha.shape[-1], _ptrs(out),
+                                      torch.get_num_threads())
     return out
 
 
 class WeightedSum(torch.autograd.Function):
-    """out = sum_i alpha_i v_i per head: alpha [n, *batch, H], n sources [*batch, d]; the
-    eager backend's WeightedSum (one output) in one pass a source each way."""
+    """out_s = sum_i alpha_{i,s} v_i per head: alpha [n, *batch, H] with outputs None (one
+    output, [*batch, d]) or [n, S, *batch, H] with outputs S (a tuple of S), n sources
+    [*batch, d]; the eager backend's WeightedSum in one pass a source each way."""
 
     @staticmethod
-    def forward(ctx, alpha, *sources):
+    def forward(ctx, alpha, outputs, *sources):
+        ctx.set_materialize_grads(False)
         alpha, src = _rows(alpha), [_rows(v) for v in sources]
         ctx.save_for_backward(alpha, *src)
         ctx.sinks = [getattr(v, "restopo_sink", None) for v in sources]
-        return _weighted_sum(alpha, src)
+        ctx.S = outputs or 1
+        out = _weighted_sum(alpha, src, ctx.S)
+        return out[0] if outputs is None else out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad):
+    def backward(ctx, *grads):
         alpha, *src = ctx.saved_tensors
-        d_src, add, sunk = _gradient_buffers(src, ctx.needs_input_grad[1:], ctx.sinks)
+        d_src, add, sunk = _gradient_buffers(src, ctx.needs_input_grad[2:], ctx.sinks)
         d_alpha = torch.empty_like(alpha)
         d = src[0].shape[-1]
-        _kernel("wsum_bwd", grad.dtype)(len(src), _ptrs(src), alpha.data_ptr(),
-                                        grad.numel() // d, d, alpha.shape[-1],
-                                        _rows(grad).data_ptr(), d_alpha.data_ptr(),
-                                        _ptrs(d_src), add, torch.get_num_threads())
-        return (d_alpha if ctx.needs_input_grad[0] else None,
-                *[None if s else g for g, s in zip(d_src, sunk)])
+        g = [None if x is None else _rows(x) for x in grads]
+        _kernel("wsum_bwd", alpha.dtype)(len(src), _ptrs(src), ctx.S, alpha.data_ptr(),
+                                         src[0].numel() // d, d, alpha.shape[-1], _ptrs(g),
+                                         d_alpha.data_ptr(), _ptrs(d_src), add,
+                                         torch.get_num_threads())
+        return (d_alpha if ctx.needs_input_grad[0] else None, None,
+                *[None if s else x for x, s in zip(d_src, sunk)])

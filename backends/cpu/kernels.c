@@ -284,55 +284,133 @@ void NAME(phase1_bwd)(long n, const REAL *const *src, long S, long M, long d, lo
     free(dq_part);
 }
 
-/* The weighted sum over sources, out = sum_i alpha_i v_i per head, with alpha [n, M, H]
- * given: Full AttnRes's readers, whose logits are made once per source for all its readers
- * (restopo.nn.shared_sources) and whose softmax torch makes in a few vectorised passes (a
- * scalar exp per source, token and head here cost more than the whole sum). Against
- * torch's multiply-adds it reads each source once and writes out once, its tile in L2.
- * A tile is 256 KiB of rows: each source's rows of it are one long run for the prefetcher
- * (at 32 tokens a tile, 8 KiB runs from 33 sources measured 1.46x standard against 1.36x
- * for Full AttnRes). */
-static inline long NAME(wsum_tile)(long d) {
-    long rows = 262144 / ((long)sizeof(REAL) * d);
+/* The weighted sums over sources, out_s = sum_i alpha_{i,s} v_i per head for S outputs,
+ * with alpha [n, S, M, H] given: Full AttnRes's readers, whose logits are made once per
+ * source for all its readers (restopo.nn.shared_sources) and whose softmax torch makes in
+ * a few vectorised passes (a scalar exp per source, token and head here cost more than the
+ * whole sum); S > 1 for a group of readers over the sources they all read (its phase 1).
+ * Against torch's multiply-adds it reads each source once for all S outputs and writes
+ * each output once, their tiles in L2. A tile is 256 KiB of output rows: each source's
+ * rows of it are one long run for the prefetcher (at 32 tokens a tile, 8 KiB runs from 33
+ * sources measured 1.46x standard against 1.36x for Full AttnRes). */
+static inline long NAME(wsum_tile)(long d, long S) {
+    long rows = 262144 / ((long)sizeof(REAL) * d * S);
     return rows < 32 ? 32 : rows;
 }
 
-void NAME(wsum_fwd)(long n, const REAL *const *src, const REAL *alpha, long M, long d,
-                    long H, REAL *out, int threads) {
-    long c = d / H, tile_rows = NAME(wsum_tile)(d), tiles = (M + tile_rows - 1) / tile_rows;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (long tile = 0; tile < tiles; tile++) {
-        long t0 = tile * tile_rows, t1 = M - t0 < tile_rows ? M : t0 + tile_rows;
-        for (long i = 0; i < n; i++)
-            for (long t = t0; t < t1; t++) {
-                const REAL *v = src[i] + t * d, *a = alpha + (i * M + t) * H;
-                REAL *o = out + t * d;
-                for (long h = 0; h < H; h++) NAME(axpy)(o + h * c, a[h], v + h * c, c, i == 0);
-            }
-    }
+/* A register's worth of REAL, and four of them: the span of one output row that wsum_fwd
+ * sums over every source in registers, reading each source's span once, where adding
+ * source by source into the output row reads and writes that row once per source. */
+typedef REAL NAME(vec) __attribute__((vector_size(32)));
+#define SPAN (4 * (long)(32 / sizeof(REAL)))
+
+static inline NAME(vec) NAME(load)(const REAL *p) {
+    NAME(vec) v;
+    memcpy(&v, p, sizeof v);
+    return v;
 }
 
-/* wsum_fwd's backward: from out's gradient g ([M, d]), alpha's (dalpha [n, M, H], the dots
- * g . v_i per head) and each source's (dsrc[i] [M, d], NULL: not wanted), written or added
- * to where add[i], in one pass over each source while g's tile stays in L2. */
-void NAME(wsum_bwd)(long n, const REAL *const *src, const REAL *alpha, long M, long d,
-                    long H, const REAL *g, REAL *dalpha, REAL *const *dsrc, const int *add,
-                    int threads) {
-    long c = d / H, tile_rows = NAME(wsum_tile)(d), tiles = (M + tile_rows - 1) / tile_rows;
+void NAME(wsum_fwd)(long n, const REAL *const *src, long S, const REAL *alpha, long M,
+                    long d, long H, REAL *const *out, int threads) {
+    long c = d / H, rows = NAME(wsum_tile)(d, S), tiles = (M + rows - 1) / rows;
+    const long L = SPAN / 4;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (long tile = 0; tile < tiles; tile++) {
-        long t0 = tile * tile_rows, t1 = M - t0 < tile_rows ? M : t0 + tile_rows;
+        long t0 = tile * rows, t1 = M - t0 < rows ? M : t0 + rows;
+        if (c % SPAN == 0) {  /* spans within one head: each output span in registers */
+            for (long t = t0; t < t1; t++)
+                for (long s = 0; s < S; s++)
+                    for (long k = 0; k < d; k += SPAN) {
+                        long h = k / c;
+                        NAME(vec) o0 = {0}, o1 = {0}, o2 = {0}, o3 = {0};
+                        for (long i = 0; i < n; i++) {
+                            const REAL *v = src[i] + t * d + k;
+                            REAL a = alpha[((i * S + s) * M + t) * H + h];
+                            o0 += a * NAME(load)(v);
+                            o1 += a * NAME(load)(v + L);
+                            o2 += a * NAME(load)(v + 2 * L);
+                            o3 += a * NAME(load)(v + 3 * L);
+                        }
+                        REAL *o = out[s] + t * d + k;
+                        memcpy(o, &o0, sizeof o0);
+                        memcpy(o + L, &o1, sizeof o1);
+                        memcpy(o + 2 * L, &o2, sizeof o2);
+                        memcpy(o + 3 * L, &o3, sizeof o3);
+                    }
+            continue;
+        }
         for (long i = 0; i < n; i++)
             for (long t = t0; t < t1; t++) {
-                const REAL *v = src[i] + t * d, *gt = g + t * d, *a = alpha + (i * M + t) * H;
-                REAL *da = dalpha + (i * M + t) * H, *dv = dsrc[i] ? dsrc[i] + t * d : NULL;
-                for (long h = 0; h < H; h++) {
-                    da[h] = NAME(dot)(gt + h * c, v + h * c, c);
-                    if (dv) NAME(axpy)(dv + h * c, a[h], gt + h * c, c, !add[i]);
+                const REAL *v = src[i] + t * d;
+                for (long s = 0; s < S; s++) {
+                    const REAL *a = alpha + ((i * S + s) * M + t) * H;
+                    REAL *o = out[s] + t * d;
+                    for (long h = 0; h < H; h++)
+                        NAME(axpy)(o + h * c, a[h], v + h * c, c, i == 0);
                 }
             }
     }
 }
+/* wsum_fwd's backward: from the outputs' gradients g[s] ([M, d]; NULL: none), alpha's
+ * (dalpha [n, S, M, H], the dots g_s . v_i per head) and each source's (dsrc[i] [M, d],
+ * NULL: not wanted), written or added to where add[i], in one pass over each source while
+ * the gradients' tiles stay in L2. */
+void NAME(wsum_bwd)(long n, const REAL *const *src, long S, const REAL *alpha, long M,
+                    long d, long H, const REAL *const *g, REAL *dalpha, REAL *const *dsrc,
+                    const int *add, int threads) {
+    long c = d / H, rows = NAME(wsum_tile)(d, S), tiles = (M + rows - 1) / rows;
+    const long L = SPAN / 4;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (long tile = 0; tile < tiles; tile++) {
+        long t0 = tile * rows, t1 = M - t0 < rows ? M : t0 + rows;
+        for (long i = 0; i < n; i++)
+            for (long t = t0; t < t1; t++) {
+                const REAL *v = src[i] + t * d;
+                for (long s = 0; s < S; s++)
+                    for (long h = 0; h < H; h++)
+                        dalpha[((i * S + s) * M + t) * H + h] =
+                            g[s] ? NAME(dot)(g[s] + t * d + h * c, v + h * c, c) : 0;
+                REAL *dv = dsrc[i] ? dsrc[i] + t * d : NULL;
+                if (!dv) continue;
+                if (c % SPAN == 0) {  /* the S terms of each span summed in registers */
+                    for (long k = 0; k < d; k += SPAN) {
+                        long h = k / c;
+                        NAME(vec) o0 = {0}, o1 = {0}, o2 = {0}, o3 = {0};
+                        if (add[i]) {
+                            o0 = NAME(load)(dv + k);
+                            o1 = NAME(load)(dv + k + L);
+                            o2 = NAME(load)(dv + k + 2 * L);
+                            o3 = NAME(load)(dv + k + 3 * L);
+                        }
+                        for (long s = 0; s < S; s++) {
+                            if (!g[s]) continue;
+                            const REAL *gt = g[s] + t * d + k;
+                            REAL a = alpha[((i * S + s) * M + t) * H + h];
+                            o0 += a * NAME(load)(gt);
+                            o1 += a * NAME(load)(gt + L);
+                            o2 += a * NAME(load)(gt + 2 * L);
+                            o3 += a * NAME(load)(gt + 3 * L);
+                        }
+                        memcpy(dv + k, &o0, sizeof o0);
+                        memcpy(dv + k + L, &o1, sizeof o1);
+                        memcpy(dv + k + 2 * L, &o2, sizeof o2);
+                        memcpy(dv + k + 3 * L, &o3, sizeof o3);
+                    }
+                    continue;
+                }
+                int set = !add[i];  /* the row is written by its first term */
+                for (long s = 0; s < S; s++) {
+                    if (!g[s]) continue;
+                    const REAL *a = alpha + ((i * S + s) * M + t) * H;
+                    for (long h = 0; h < H; h++)
+                        NAME(axpy)(dv + h * c, a[h], g[s] + t * d + h * c, c, set);
+                    set = 0;
+                }
+                if (set) memset(dv, 0, sizeof(REAL) * d);
+            }
+    }
+}
+#undef SPAN
 #undef TILE
 
 /* Phase 2, fused with the next sublayer's PreNorm: for each token,

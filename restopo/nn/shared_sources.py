@@ -15,6 +15,16 @@ that scope), and nothing outlives it. A forward pre-hook hands each reader its s
 shared form and a `logits=` keyword; outside the model's forward, without autograd, under
 torch.compile or on a backend other than eager, readers make their own.
 
+On the cpu backend, runs of about sqrt(R) consecutive Full AttnRes readers (R of them) are
+also computed in two phases (`Group`): the first of a run to be called makes phase 1 for
+the whole run over the sources all of them read, given their shared logits (one pass over
+each source for the run, which the cpu kernel's weighted sums make with each output row
+summed in registers), and each reader then merges phase 1's (h1, lse) with the sources it
+reads besides, by the same softmax over [lse, its other logits]. The eager backend's
+weighted sums read a source once per output either way, so it computes each reader alone.
+Each reader's h1 lives from its run's start to its call, and autograd keeps it: one more
+d-sized tensor per reader, for a pass per source per run instead of per reader.
+
 A region that torch.utils.checkpoint recomputes (restopo.fx.recompute) must make the same
 ops in its forward and in its recomputation, in backward, where the model's scope is closed.
 So the logits of the sources it takes from outside are made outside it (`outside`: in the
@@ -42,6 +52,19 @@ class Reader:
     module: nn.Module
     sources: tuple[str, ...]
     queries: int
+
+
+@dataclass(frozen=True)
+class Group:
+    """Consecutive static softmax Attend readers that read `common` sources all: the first
+    to run makes their phase 1 over those once (ops.phase1 given the shared logits: one
+    pass over the sources for all of them, where each reader alone would pass over every
+    source again), and each then merges what it reads besides (Full AttnRes computed in two
+    phases, as the paper schedules it)."""
+
+    index: int
+    members: tuple[Reader, ...]
+    common: tuple[str, ...]
 
 
 def _members(module: nn.Module) -> tuple:
@@ -87,6 +110,8 @@ class SharedSources:
         for r in readers:
             for s in dict.fromkeys(r.sources):
                 self.by_source.setdefault((s, _kind(r.module)), []).append(r)
+        self.groups = _groups(readers)
+        self.group_of = {r.module: g for g in self.groups for r in g.members}
         self._records: dict | None = None  # what this forward shares so far (None: none open)
         self._within: frozenset | None = None  # a region's readers, inside region()
         self._given: frozenset = frozenset()  # the keys of the records it was given
@@ -171,9 +196,14 @@ class SharedSources:
         reader, records = self.readers.get(module), self._records
         if (reader is None or records is None or torch.compiler.is_compiling()
                 or not torch.is_grad_enabled() or len(sources) != len(reader.sources)
-                or (self._within is not None and module not in self._within)
-                or ops.picked(module.backend, sources[0]) not in SHARING):
+                or (self._within is not None and module not in self._within)):
             return None
+        picked = ops.picked(module.backend, sources[0])
+        if picked not in SHARING:
+            return None
+        group = self.group_of.get(module)
+        if group is not None and picked == "cpu" and self._within is None:
+            return self._grouped(records, group, reader, sources)
         kind = _kind(module)
         shared, logits = [], []
         for sid, v in zip(reader.sources, sources):
@@ -186,6 +216,32 @@ class SharedSources:
             got = columns[start:start + reader.queries]
             logits.append(got[0] if not hasattr(module, "members") else torch.stack(got))
         return tuple(shared), logits
+
+    def _grouped(self, records: dict, group: Group, reader: Reader, sources):
+        """(h1 of `reader`'s slot and the views of the sources it reads besides the group's
+        common ones, their logits: lse and the shared columns). The group's phase 1 is made
+        at its first member's call, from the common sources' shared logits."""
+        kind, module = _kind(reader.module), reader.module
+        given = dict(zip(reader.sources, sources))
+        state = records.get(("group", group.index))
+        if state is None:
+            views, logits = [], []
+            for sid in group.common:
+                _, view, columns, starts = self._record(records, (sid, kind), given[sid])
+                views.append(view)
+                logits.append(torch.stack([columns[starts[m.module]] for m in group.members]))
+            queries = self._queries(records, kind, list(group.members))  # (their shapes)
+            h1, lse, _ = ops.phase1(views, queries, None, self.eps, key_norm=kind[0],
+                                    heads=kind[1], backend=module.backend, logits=logits)
+            state = records[("group", group.index)] = (h1, lse)
+        slot = next(k for k, m in enumerate(group.members) if m.module is module)
+        views, logits = [state[0][slot]], [state[1][slot]]
+        for sid in reader.sources:
+            if sid not in group.common:
+                _, view, columns, starts = self._record(records, (sid, kind), given[sid])
+                views.append(view)
+                logits.append(columns[starts[module]])
+        return tuple(views), logits
 
     def _record(self, records: dict, key: tuple, v: torch.Tensor):
         """The record of source `key` = (id, kind) holding value `v`, made if this scope has
@@ -221,3 +277,24 @@ class SharedSources:
         if rows == list(range(rows[0], rows[0] + len(rows))):
             return every[rows[0]:rows[0] + len(rows)]
         return every[torch.tensor(rows, device=every.device)]
+
+
+def _groups(readers: list[Reader]) -> list[Group]:
+    """Runs of about sqrt(R) consecutive static softmax Attend readers (R of them), of one
+    kind, as groups over the sources they all read: a source is then read about R / sqrt(R)
+    times by phase 1s and sqrt(R) / 2 times by merges, not R / 2 times. A run whose readers
+    share fewer than two sources stays ungrouped (phase 1 would save nothing)."""
+    attend = [r for r in readers if not hasattr(r.module, "members")
+              and getattr(r.module, "gate", None) == "softmax" and r.queries == 1]
+    size = max(2, round(len(attend) ** 0.5))
+    groups, run = [], []
+    for r in attend + [None]:
+        if run and (r is None or len(run) == size or _kind(r.module) != _kind(run[0].module)):
+            common = tuple(s for s in dict.fromkeys(run[0].sources)
+                           if all(s in m.sources for m in run[1:]))
+            if len(run) > 1 and len(common) > 1:
+                groups.append(Group(len(groups), tuple(run), common))
+            run = []
+        if r is not None:
+            run.append(r)
+    return groups
