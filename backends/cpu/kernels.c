@@ -86,6 +86,18 @@ static inline void NAME(axpy)(REAL *restrict o, REAL a, const REAL *restrict v, 
     }
 }
 
+/* A register's worth of REAL, and four of them: the span of one output row that phase 1
+ * and wsum_fwd sum over every source in registers, reading each source's span once, where
+ * adding source by source into the output row reads and writes that row once per source. */
+typedef REAL NAME(vec) __attribute__((vector_size(32)));
+#define SPAN (4 * (long)(32 / sizeof(REAL)))
+
+static inline NAME(vec) NAME(load)(const REAL *p) {
+    NAME(vec) v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
 /* 1 / RMS(v) (1 without key norm) */
 static inline REAL NAME(rstd)(const REAL *v, long d, double eps, int key_norm) {
     return key_norm ? NAME(inv_rms)(NAME(dot)(v, v, d), d, eps) : 1;
@@ -156,6 +168,29 @@ void NAME(phase1_fwd)(long n, const REAL *const *src, long S, long M, long d, lo
                     for (long i = 0; i < n; i++) at[i * SH + sh] *= inv;
                     lse[sh / H][t * H + sh % H] = mx[u * SH + sh] + LOG(sum);
                 }
+            }
+            if (c % SPAN == 0) {  /* the weighted sums, each output span in registers */
+                const long L = SPAN / 4;
+                for (long u = 0; u < tn; u++)
+                    for (long s = 0; s < S; s++)
+                        for (long k = 0; k < d; k += SPAN) {
+                            long t = t0 + u, sh = s * H + k / c;
+                            NAME(vec) o0 = {0}, o1 = {0}, o2 = {0}, o3 = {0};
+                            for (long i = 0; i < n; i++) {
+                                const REAL *v = src[i] + t * d + k;
+                                REAL al = a[(u * n + i) * SH + sh];
+                                o0 += al * NAME(load)(v);
+                                o1 += al * NAME(load)(v + L);
+                                o2 += al * NAME(load)(v + 2 * L);
+                                o3 += al * NAME(load)(v + 3 * L);
+                            }
+                            REAL *o = h1[s] + t * d + k;
+                            memcpy(o, &o0, sizeof o0);
+                            memcpy(o + L, &o1, sizeof o1);
+                            memcpy(o + 2 * L, &o2, sizeof o2);
+                            memcpy(o + 3 * L, &o3, sizeof o3);
+                        }
+                continue;
             }
             for (long i = 0; i < n; i++)  /* the weighted sums, source by source */
                 for (long u = 0; u < tn; u++) {
@@ -296,18 +331,6 @@ void NAME(phase1_bwd)(long n, const REAL *const *src, long S, long M, long d, lo
 static inline long NAME(wsum_tile)(long d, long S) {
     long rows = 262144 / ((long)sizeof(REAL) * d * S);
     return rows < 32 ? 32 : rows;
-}
-
-/* A register's worth of REAL, and four of them: the span of one output row that wsum_fwd
- * sums over every source in registers, reading each source's span once, where adding
- * source by source into the output row reads and writes that row once per source. */
-typedef REAL NAME(vec) __attribute__((vector_size(32)));
-#define SPAN (4 * (long)(32 / sizeof(REAL)))
-
-static inline NAME(vec) NAME(load)(const REAL *p) {
-    NAME(vec) v;
-    memcpy(&v, p, sizeof v);
-    return v;
 }
 
 void NAME(wsum_fwd)(long n, const REAL *const *src, long S, const REAL *alpha, long M,
