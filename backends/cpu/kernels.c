@@ -276,6 +276,54 @@ void NAME(phase1_bwd)(long n, const REAL *const *src, long S, long M, long d, lo
                         for (long sh = 0; sh < SH; sh++) coef += dz[at + sh] * z[sh];
                         coef *= -r * r / (REAL)d;
                     }
+                    if (c % SPAN == 0) {  /* the row's spans made in registers */
+                        const long L = SPAN / 4;
+                        REAL *out = dsrc[i] ? dsrc[i] + t * d : NULL;
+                        for (long k = 0; k < d; k += SPAN) {
+                            long h = k / c;
+                            NAME(vec) v0 = NAME(load)(v + k), v1 = NAME(load)(v + k + L),
+                                      v2 = NAME(load)(v + k + 2 * L),
+                                      v3 = NAME(load)(v + k + 3 * L);
+                            NAME(vec) o0 = coef * v0, o1 = coef * v1, o2 = coef * v2,
+                                      o3 = coef * v3;
+                            for (long s = 0; s < S; s++) {
+                                REAL al = a[at + s * H + h], g_dz = dz[at + s * H + h] * r;
+                                const REAL *qk = q + s * d + k;
+                                REAL *dqk = dqc + s * d + k;
+                                if (gh1[s]) {
+                                    const REAL *gk = gh1[s] + t * d + k;
+                                    o0 += al * NAME(load)(gk);
+                                    o1 += al * NAME(load)(gk + L);
+                                    o2 += al * NAME(load)(gk + 2 * L);
+                                    o3 += al * NAME(load)(gk + 3 * L);
+                                }
+                                o0 += g_dz * NAME(load)(qk);
+                                o1 += g_dz * NAME(load)(qk + L);
+                                o2 += g_dz * NAME(load)(qk + 2 * L);
+                                o3 += g_dz * NAME(load)(qk + 3 * L);
+                                NAME(vec) q0 = NAME(load)(dqk) + g_dz * v0,
+                                          q1 = NAME(load)(dqk + L) + g_dz * v1,
+                                          q2 = NAME(load)(dqk + 2 * L) + g_dz * v2,
+                                          q3 = NAME(load)(dqk + 3 * L) + g_dz * v3;
+                                memcpy(dqk, &q0, sizeof q0);
+                                memcpy(dqk + L, &q1, sizeof q1);
+                                memcpy(dqk + 2 * L, &q2, sizeof q2);
+                                memcpy(dqk + 3 * L, &q3, sizeof q3);
+                            }
+                            if (!out) continue;
+                            if (add[i]) {
+                                o0 += NAME(load)(out + k);
+                                o1 += NAME(load)(out + k + L);
+                                o2 += NAME(load)(out + k + 2 * L);
+                                o3 += NAME(load)(out + k + 3 * L);
+                            }
+                            memcpy(out + k, &o0, sizeof o0);
+                            memcpy(out + k + L, &o1, sizeof o1);
+                            memcpy(out + k + 2 * L, &o2, sizeof o2);
+                            memcpy(out + k + 3 * L, &o3, sizeof o3);
+                        }
+                        continue;
+                    }
 #pragma omp simd
                     for (long k = 0; k < d; k++) row[k] = coef * v[k];
                     for (long s = 0; s < S; s++)
