@@ -98,6 +98,25 @@ static inline NAME(vec) NAME(load)(const REAL *p) {
     return v;
 }
 
+/* o[0, SPAN) = sum_i a[i * stride] src[i][at, at + SPAN), in registers */
+static inline void NAME(span_sum)(REAL *o, const REAL *const *src, long n, long at,
+                                  const REAL *a, long stride) {
+    const long L = SPAN / 4;
+    NAME(vec) o0 = {0}, o1 = {0}, o2 = {0}, o3 = {0};
+    for (long i = 0; i < n; i++) {
+        const REAL *v = src[i] + at;
+        REAL al = a[i * stride];
+        o0 += al * NAME(load)(v);
+        o1 += al * NAME(load)(v + L);
+        o2 += al * NAME(load)(v + 2 * L);
+        o3 += al * NAME(load)(v + 3 * L);
+    }
+    memcpy(o, &o0, sizeof o0);
+    memcpy(o + L, &o1, sizeof o1);
+    memcpy(o + 2 * L, &o2, sizeof o2);
+    memcpy(o + 3 * L, &o3, sizeof o3);
+}
+
 /* 1 / RMS(v) (1 without key norm) */
 static inline REAL NAME(rstd)(const REAL *v, long d, double eps, int key_norm) {
     return key_norm ? NAME(inv_rms)(NAME(dot)(v, v, d), d, eps) : 1;
@@ -170,26 +189,11 @@ void NAME(phase1_fwd)(long n, const REAL *const *src, long S, long M, long d, lo
                 }
             }
             if (c % SPAN == 0) {  /* the weighted sums, each output span in registers */
-                const long L = SPAN / 4;
                 for (long u = 0; u < tn; u++)
                     for (long s = 0; s < S; s++)
-                        for (long k = 0; k < d; k += SPAN) {
-                            long t = t0 + u, sh = s * H + k / c;
-                            NAME(vec) o0 = {0}, o1 = {0}, o2 = {0}, o3 = {0};
-                            for (long i = 0; i < n; i++) {
-                                const REAL *v = src[i] + t * d + k;
-                                REAL al = a[(u * n + i) * SH + sh];
-                                o0 += al * NAME(load)(v);
-                                o1 += al * NAME(load)(v + L);
-                                o2 += al * NAME(load)(v + 2 * L);
-                                o3 += al * NAME(load)(v + 3 * L);
-                            }
-                            REAL *o = h1[s] + t * d + k;
-                            memcpy(o, &o0, sizeof o0);
-                            memcpy(o + L, &o1, sizeof o1);
-                            memcpy(o + 2 * L, &o2, sizeof o2);
-                            memcpy(o + 3 * L, &o3, sizeof o3);
-                        }
+                        for (long k = 0; k < d; k += SPAN)
+                            NAME(span_sum)(h1[s] + (t0 + u) * d + k, src, n, (t0 + u) * d + k,
+                                           a + u * n * SH + s * H + k / c, SH);
                 continue;
             }
             for (long i = 0; i < n; i++)  /* the weighted sums, source by source */
@@ -384,30 +388,15 @@ static inline long NAME(wsum_tile)(long d, long S) {
 void NAME(wsum_fwd)(long n, const REAL *const *src, long S, const REAL *alpha, long M,
                     long d, long H, REAL *const *out, int threads) {
     long c = d / H, rows = NAME(wsum_tile)(d, S), tiles = (M + rows - 1) / rows;
-    const long L = SPAN / 4;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (long tile = 0; tile < tiles; tile++) {
         long t0 = tile * rows, t1 = M - t0 < rows ? M : t0 + rows;
         if (c % SPAN == 0) {  /* spans within one head: each output span in registers */
             for (long t = t0; t < t1; t++)
                 for (long s = 0; s < S; s++)
-                    for (long k = 0; k < d; k += SPAN) {
-                        long h = k / c;
-                        NAME(vec) o0 = {0}, o1 = {0}, o2 = {0}, o3 = {0};
-                        for (long i = 0; i < n; i++) {
-                            const REAL *v = src[i] + t * d + k;
-                            REAL a = alpha[((i * S + s) * M + t) * H + h];
-                            o0 += a * NAME(load)(v);
-                            o1 += a * NAME(load)(v + L);
-                            o2 += a * NAME(load)(v + 2 * L);
-                            o3 += a * NAME(load)(v + 3 * L);
-                        }
-                        REAL *o = out[s] + t * d + k;
-                        memcpy(o, &o0, sizeof o0);
-                        memcpy(o + L, &o1, sizeof o1);
-                        memcpy(o + 2 * L, &o2, sizeof o2);
-                        memcpy(o + 3 * L, &o3, sizeof o3);
-                    }
+                    for (long k = 0; k < d; k += SPAN)
+                        NAME(span_sum)(out[s] + t * d + k, src, n, t * d + k,
+                                       alpha + (s * M + t) * H + k / c, S * M * H);
             continue;
         }
         for (long i = 0; i < n; i++)
