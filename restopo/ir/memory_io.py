@@ -27,7 +27,8 @@ so the paper's rows come out as: standard 3d; Block AttnRes (N/S + 5)d at its la
 (8n+2)d + 2n^2 + 4n = 34d + 48 at n = 4; SHC (7n+2)d + n^2 + 2n.
 
 Full AttnRes with the paper's two-phase schedule (its N groups of S sublayers are a
-scheduling choice, not part of the topology; restopo computes Full directly) is
+scheduling choice, not part of the topology: the IR lowers Full directly, and only the cpu
+backend's training runs groups of readers in two phases, restopo.nn.shared_sources) is
 `two_phase_full(g, S)`: phase 1 reads what was produced before the group, amortised, and
 writes one result per member; phase 2 reads the member's in-group sources and writes h_l.
 Its peak is (S + N)d plus the embedding's d/S, which the paper's (S + N)d leaves out.
