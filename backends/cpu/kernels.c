@@ -98,6 +98,16 @@ static inline NAME(vec) NAME(load)(const REAL *p) {
     return v;
 }
 
+/* o[0, SPAN) = the four registers v0..v3 */
+static inline void NAME(store_span)(REAL *o, NAME(vec) v0, NAME(vec) v1, NAME(vec) v2,
+                                    NAME(vec) v3) {
+    const long L = SPAN / 4;
+    memcpy(o, &v0, sizeof v0);
+    memcpy(o + L, &v1, sizeof v1);
+    memcpy(o + 2 * L, &v2, sizeof v2);
+    memcpy(o + 3 * L, &v3, sizeof v3);
+}
+
 /* o[0, SPAN) = sum_i a[i * stride] src[i][at, at + SPAN), in registers */
 static inline void NAME(span_sum)(REAL *o, const REAL *const *src, long n, long at,
                                   const REAL *a, long stride) {
@@ -111,10 +121,7 @@ static inline void NAME(span_sum)(REAL *o, const REAL *const *src, long n, long 
         o2 += al * NAME(load)(v + 2 * L);
         o3 += al * NAME(load)(v + 3 * L);
     }
-    memcpy(o, &o0, sizeof o0);
-    memcpy(o + L, &o1, sizeof o1);
-    memcpy(o + 2 * L, &o2, sizeof o2);
-    memcpy(o + 3 * L, &o3, sizeof o3);
+    NAME(store_span)(o, o0, o1, o2, o3);
 }
 
 /* 1 / RMS(v) (1 without key norm) */
@@ -309,10 +316,7 @@ void NAME(phase1_bwd)(long n, const REAL *const *src, long S, long M, long d, lo
                                           q1 = NAME(load)(dqk + L) + g_dz * v1,
                                           q2 = NAME(load)(dqk + 2 * L) + g_dz * v2,
                                           q3 = NAME(load)(dqk + 3 * L) + g_dz * v3;
-                                memcpy(dqk, &q0, sizeof q0);
-                                memcpy(dqk + L, &q1, sizeof q1);
-                                memcpy(dqk + 2 * L, &q2, sizeof q2);
-                                memcpy(dqk + 3 * L, &q3, sizeof q3);
+                                NAME(store_span)(dqk, q0, q1, q2, q3);
                             }
                             if (!out) continue;
                             if (add[i]) {
@@ -321,10 +325,7 @@ void NAME(phase1_bwd)(long n, const REAL *const *src, long S, long M, long d, lo
                                 o2 += NAME(load)(out + k + 2 * L);
                                 o3 += NAME(load)(out + k + 3 * L);
                             }
-                            memcpy(out + k, &o0, sizeof o0);
-                            memcpy(out + k + L, &o1, sizeof o1);
-                            memcpy(out + k + 2 * L, &o2, sizeof o2);
-                            memcpy(out + k + 3 * L, &o3, sizeof o3);
+                            NAME(store_span)(out + k, o0, o1, o2, o3);
                         }
                         continue;
                     }
@@ -451,10 +452,7 @@ void NAME(wsum_bwd)(long n, const REAL *const *src, long S, const REAL *alpha, l
                             o2 += a * NAME(load)(gt + 2 * L);
                             o3 += a * NAME(load)(gt + 3 * L);
                         }
-                        memcpy(dv + k, &o0, sizeof o0);
-                        memcpy(dv + k + L, &o1, sizeof o1);
-                        memcpy(dv + k + 2 * L, &o2, sizeof o2);
-                        memcpy(dv + k + 3 * L, &o3, sizeof o3);
+                        NAME(store_span)(dv + k, o0, o1, o2, o3);
                     }
                     continue;
                 }
