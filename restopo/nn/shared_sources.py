@@ -13,7 +13,7 @@ modules lowered directly, and two-phase groups, whose phase 1 reads the complete
 each source. It shares only within one forward of the lowered model (hooks open and close
 that scope), and nothing outlives it. A forward pre-hook hands each reader its sources'
 shared form and a `logits=` keyword; outside the model's forward, without autograd, under
-torch.compile or on a backend other than eager, readers make their own.
+torch.compile or on a backend other than eager and cpu (SHARING), readers make their own.
 
 On the cpu backend, runs of about sqrt(R) consecutive Full AttnRes readers (R of them) are
 also computed in two phases (`Group`): the first of a run to be called makes phase 1 for
