@@ -43,14 +43,20 @@ class Step:
 
 
 class CachedAttention(nn.Module):
-    """An attention sublayer that stores its keys and values in `cache`."""
+    """An attention sublayer that stores its keys and values in `cache`. It shows the
+    sublayer's `norm` and takes `normed=` as the sublayer does, so the lowering fuses that
+    PreNorm into the phase-2 merge before it in decoding too (restopo.fx.lower)."""
 
     def __init__(self, attention: Attention, cache: KVCache):
         super().__init__()
         self.attention, self.cache = attention, cache
 
-    def forward(self, h, cos, sin):
-        return self.attention(h, cos, sin, cache=self.cache)
+    @property
+    def norm(self) -> nn.Module:
+        return self.attention.norm
+
+    def forward(self, h, cos, sin, *, normed: bool = False):
+        return self.attention(h, cos, sin, cache=self.cache, normed=normed)
 
 
 class StepRotary(nn.Module):

@@ -232,3 +232,69 @@ def depth_weights(sources, query: torch.Tensor, key_norm_weight: torch.Tensor | 
     For diagnostics: always the eager reference, whatever the backend."""
     return _eager().depth_weights(sources, query, key_norm_weight, eps, key_norm=key_norm,
                                   gate=gate, heads=heads)
+
+
+def bind_phase1(queries: torch.Tensor, key_norm_weights: torch.Tensor | None = None,
+                eps: float = 1e-6, *, key_norm: bool = True, heads: int = 1,
+                backend: str = "eager"):
+    """phase1 with everything but the completed sources bound: f(completed) ==
+    phase1(completed, queries, ...), for calls autograd does not record (decoding,
+    evaluation), made once while the parameters are unchanged (restopo.nn.aggregate). On
+    the cpu backend the kernel and its constants are bound (backends/cpu/bound.py): a
+    call is a few checks, the outputs' allocation and the kernel; elsewhere it is phase1."""
+    gained = _folded(queries, key_norm_weights, key_norm)
+
+    def general(completed):
+        return phase1(completed, gained, None, eps, key_norm=key_norm, heads=heads,
+                      backend=backend)
+    return _bind(backend, queries, "bind_phase1", general, gained, None, eps,
+                 key_norm=key_norm, heads=heads)
+
+
+def bind_depth_attention(query: torch.Tensor, key_norm_weight: torch.Tensor | None = None,
+                         eps: float = 1e-6, *, key_norm: bool = True, heads: int = 1,
+                         backend: str = "eager"):
+    """depth_attention (softmax gate, static query [d]) with everything but the sources
+    bound, as bind_phase1: f(sources) == depth_attention(sources, query, ...)."""
+    gained = _folded(query, key_norm_weight, key_norm)
+
+    def general(sources):
+        return depth_attention(sources, gained, None, eps, key_norm=key_norm, heads=heads,
+                               backend=backend)
+    return _bind(backend, query, "bind_phase1", general, gained[None], None, eps,
+                 key_norm=key_norm, heads=heads, single=True)
+
+
+def bind_phase2(query: torch.Tensor, key_norm_weight: torch.Tensor | None = None,
+                eps: float = 1e-6, *, norm_weight: torch.Tensor | None = None,
+                norm_eps: float | None = None, key_norm: bool = True, keep_h: bool = True,
+                backend: str = "eager"):
+    """phase2 (norm_eps None) or phase2_norm with everything but phase 1's state and the
+    partial bound, as bind_phase1: f(o1, m1, s1, partial) == phase2(o1, m1, s1, partial,
+    query, ...), or phase2_norm's (h, y)."""
+    gained = _folded(query, key_norm_weight, key_norm)
+
+    def general(o1, m1, s1, partial):
+        if norm_eps is None:
+            return phase2(o1, m1, s1, partial, gained, None, eps, key_norm=key_norm,
+                          backend=backend)
+        return phase2_norm(o1, m1, s1, partial, gained, None, eps, norm_weight=norm_weight,
+                           norm_eps=norm_eps, key_norm=key_norm, keep_h=keep_h,
+                           backend=backend)
+    return _bind(backend, query, "bind_phase2", general, gained, None, eps,
+                 norm_weight=norm_weight, norm_eps=norm_eps, key_norm=key_norm, keep_h=keep_h)
+
+
+def _folded(query: torch.Tensor, gain: torch.Tensor | None, key_norm: bool) -> torch.Tensor:
+    """The query with its key-norm gain folded in (w . (g * k) = (g * w) . k), once at bind
+    time rather than at every call."""
+    return query if gain is None or not key_norm else query * gain
+
+
+def _bind(backend: str, like: torch.Tensor, name: str, general, *args, **kwargs):
+    """The cpu backend's bound call where `backend` picks it for tensors like `like` (the
+    bound parameters; a call whose tensors turn out otherwise takes `general`), else
+    `general` itself."""
+    if backend in ("auto", "cpu") and like.device.type == "cpu" and _pick(backend, like) == "cpu":
+        return getattr(_cpu_module(), name)(*args, general=general, **kwargs)
+    return general

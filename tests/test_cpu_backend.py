@@ -280,18 +280,131 @@ def test_full_readers_in_groups_equal_each_reader_alone(window, monkeypatch):
 def test_cpu_model_without_autograd_equals_eager(topo, monkeypatch):
     """Evaluation and decoding (no autograd) call the kernels once per point, keeping
     nothing: the same logits as the eager backend, in float64."""
-    calls = []
-    from restopo.backends.cpu import functions
-    for name in ("phase1_nograd", "phase2_nograd"):
-        fn = getattr(functions, name)
-        monkeypatch.setattr(cpu, name, lambda *a, _fn=fn, _n=name: calls.append(_n) or _fn(*a))
+    calls = _count_kernels(monkeypatch)
     models = {b: _model(topo, b) for b in ("eager", "cpu")}
     idx = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         got = {b: m(idx) for b, m in models.items()}
     assert torch.allclose(got["cpu"], got["eager"], atol=1e-12)
-    assert "phase1_nograd" in calls
-    assert ("phase2_nograd" in calls) == topo.name.startswith("block")
+    # a phase 1 a group, a merge a member but the first (it has no partial yet), and one
+    # depth attention for every point outside the groups (all of Full's, Block's head)
+    groups = [len(p.members) for p in models["cpu"].phases]
+    alone = len(models["cpu"].aggregations) - sum(groups)
+    assert topo.name.startswith("block") == bool(groups)
+    assert (calls["phase1_fwd"], calls["phase2_fwd"]) == (len(groups) + alone,
+                                                          sum(groups) - len(groups))
+    assert set(calls) <= {"phase1_fwd", "phase2_fwd"}
+
+
+def _count_kernels(monkeypatch) -> dict:
+    """Counts of the kernels called by name, through either path (bound or general)."""
+    from collections import Counter
+
+    from restopo.backends.cpu import bound, functions
+    calls, real = Counter(), functions._kernel
+
+    def counting(name, dtype):
+        fn = real(name, dtype)
+        return lambda *a: calls.update([name]) or fn(*a)
+    monkeypatch.setattr(functions, "_kernel", counting)
+    monkeypatch.setattr(bound, "_kernel", counting)
+    return calls
+
+
+def _bound_cases():
+    from restopo import ops
+    torch.manual_seed(5)
+    return ops, [torch.randn(3, 4, 8, **D64) for _ in range(5)]
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("heads", [1, 2])
+@pytest.mark.parametrize("key_norm", [True, False])
+def test_bound_calls_equal_the_general_calls_bit_for_bit(dtype, heads, key_norm, monkeypatch):
+    """ops.bind_* on the cpu backend binds the kernel and its constants (decoding's calls):
+    the same kernels on the same arguments as the general path, so the same bits, and
+    each call one kernel call."""
+    ops, src = _bound_cases()
+    src = [v.to(dtype) for v in src]
+    q, g = torch.randn(3, 8, dtype=dtype), torch.rand(3, 8, dtype=dtype) + 0.5
+    nw, kw = torch.rand(8, dtype=dtype) + 0.5, dict(key_norm=key_norm, heads=heads)
+    calls = _count_kernels(monkeypatch)
+    with torch.no_grad():
+        qg, gg = (q * g, None) if key_norm else (q, None)  # the general path, gain folded
+        h1, lse, _ = ops.phase1(src, qg, gg, 1e-6, backend="cpu", **kw)
+        got = ops.bind_phase1(q, g, 1e-6, backend="cpu", **kw)(src)
+        assert all(torch.equal(a, b) for a, b in zip(got[0], h1))
+        assert all(torch.equal(a, b) for a, b in zip(got[1], lse)) and got[2] == (None,) * 3
+        one = ops.bind_depth_attention(q[0], g[0], 1e-6, backend="cpu", **kw)(src)
+        assert torch.equal(one, ops.depth_attention(src, qg[0], None, 1e-6, backend="cpu", **kw))
+        partial = torch.randn(3, 4, 8, dtype=dtype)
+        for norm_eps in (None, 1e-5):
+            general = ops.phase2_norm if norm_eps else ops.phase2
+            extra = dict(norm_weight=nw, norm_eps=norm_eps) if norm_eps else {}
+            want = general(h1[1], lse[1], None, partial, qg[1], None, 1e-6, key_norm=key_norm,
+                           backend="cpu", **extra)
+            bound = ops.bind_phase2(q[1], g[1], 1e-6, norm_weight=nw, norm_eps=norm_eps,
+                                    key_norm=key_norm, keep_h=True, backend="cpu")
+            have = bound(h1[1], lse[1], None, partial)
+            for a, b in zip(have if norm_eps else [have], want if norm_eps else [want]):
+                assert torch.equal(a, b)
+    assert calls == {"phase1_fwd": 4, "phase2_fwd": 4}
+
+
+@needs_kernels
+def test_bound_calls_hand_what_the_kernel_does_not_take_to_the_general_path(monkeypatch):
+    """A call whose tensors the bound kernel does not take (another dtype, not row-major,
+    mismatched shapes, phase 1's unnormalised state) gets the general path's answer."""
+    ops, src = _bound_cases()
+    q = torch.randn(2, 8, **D64)
+    bound = ops.bind_phase1(q, None, 1e-6, backend="cpu")
+    calls = _count_kernels(monkeypatch)
+    with torch.no_grad():
+        f32 = [v.float() for v in src]
+        assert torch.equal(bound(f32)[0][0], ops.phase1(f32, q, backend="cpu")[0][0])
+        strided = [v.transpose(0, 1) for v in src]
+        assert torch.equal(bound(strided)[0][1], ops.phase1(strided, q, backend="cpu")[0][1])
+        mixed = src[:-1] + [src[-1].float()]
+        assert torch.equal(bound(mixed)[0][0], ops.phase1(mixed, q, backend="cpu")[0][0])
+        merge = ops.bind_phase2(q[0], None, 1e-6, key_norm=True, backend="cpu")
+        o1, m1, s1 = torch.randn(3, 4, 8, **D64), torch.randn(3, 4, 1, **D64), torch.rand(3, 4, 1, **D64) + 1
+        p = torch.randn(3, 4, 8, **D64)
+        want = ops.phase2(o1, m1, s1, p, q[0], None, 1e-6, backend="eager")
+        assert torch.allclose(merge(o1, m1, s1, p), want, atol=1e-12)
+        assert torch.equal(merge(o1, m1, None, None), ops.phase2(o1, m1, None, None, q[0], None, 1e-6, backend="cpu"))
+    # the strided sources' general path copies them row-major for the kernel (once bound,
+    # once as the reference), the other dtypes' runs eagerly; the unnormalised state is
+    # normalised, then merged by the kernel (the reference is the eager backend's)
+    assert calls == {"phase1_fwd": 2, "phase2_fwd": 1}
+
+
+@needs_kernels
+def test_a_bound_call_follows_its_parameters(monkeypatch):
+    """Decoding keeps each point's bound call while its parameters are unchanged: an in-place
+    update (an optimizer step, load_state_dict) makes a new one, never a stale answer."""
+    from restopo.nn.aggregate import Attend, TwoPhase
+    torch.manual_seed(3)
+    members = [Attend(8, backend="cpu").double() for _ in range(2)]
+    phase = TwoPhase(members, backend="cpu")
+    src = [torch.randn(2, 3, 8, **D64) for _ in range(3)]
+    p = torch.randn(2, 3, 8, **D64)
+    nw = torch.nn.Parameter(torch.rand(8, **D64) + 0.5)
+
+    def run():
+        o1, m1, s1 = phase(*src)
+        return members[1](p, phase1=(o1, m1, s1), slot=1, norm_weight=nw, norm_eps=1e-5), o1[0]
+
+    def reference():
+        with torch.enable_grad():  # the recorded path: nothing bound
+            return tuple(t.detach() for t in run())
+    with torch.no_grad():
+        for update in (lambda: None, lambda: members[0].pseudo_query.add_(0.3),
+                       lambda: members[1].key_norm.weight.mul_(1.5), lambda: nw.add_(0.2),
+                       lambda: members[1].pseudo_query.copy_(torch.randn(8, **D64))):
+            update()
+            got, want = run(), reference()
+            assert all(torch.allclose(a, b, atol=1e-12) for a, b in zip(got, want))
 
 
 @needs_kernels

@@ -31,10 +31,12 @@ import torch
 from ..eager import depth as _eager
 from ..eager import unstacked as _unstacked
 from . import build
+from .bound import Phase1Call, Phase2Call
 from .functions import (Phase1, Phase2, WeightedSum, phase1_nograd, phase2_nograd,
                         weighted_sum_nograd)
 
-__all__ = ["available", "depth_attention", "depth_weights", "phase1", "phase2", "phase2_norm"]
+__all__ = ["available", "bind_phase1", "bind_phase2", "depth_attention", "depth_weights",
+           "phase1", "phase2", "phase2_norm"]
 
 
 def available(device=None) -> tuple[bool, str]:
@@ -178,3 +180,25 @@ def depth_weights(sources, query, key_norm_weight=None, eps: float = 1e-6, *,
     """For diagnostics: the eager reference's weights."""
     return _eager.depth_weights(sources, query, key_norm_weight, eps, key_norm=key_norm,
                                 gate=gate, heads=heads)
+
+
+def bind_phase1(queries: torch.Tensor, key_norm_weights: torch.Tensor | None, eps: float, *,
+                key_norm: bool, heads: int, general, single: bool = False):
+    """phase1 (or, `single`, depth attention with one query [1, d]) with the queries and
+    settings bound, for calls autograd does not record (bound.py); `general(completed)`
+    where the kernel does not take the sources, or here where it takes no such queries."""
+    if not _takes(queries, key_norm_weights) or queries.dim() != 2 or queries.shape[-1] % heads:
+        return general
+    return Phase1Call(_gained(queries, key_norm_weights, key_norm), eps, key_norm, heads,
+                      general, single)
+
+
+def bind_phase2(query: torch.Tensor, key_norm_weight: torch.Tensor | None, eps: float, *,
+                norm_weight: torch.Tensor | None, norm_eps: float | None, key_norm: bool,
+                keep_h: bool, general):
+    """phase2 (norm_eps None) or phase2_norm with the query, gains and settings bound, for
+    calls autograd does not record (bound.py); `general(o1, m1, s1, partial)` elsewhere."""
+    if not _takes(query, key_norm_weight, norm_weight) or query.dim() != 1:
+        return general
+    return Phase2Call(_gained(query, key_norm_weight, key_norm), eps, key_norm, norm_weight,
+                      norm_eps, keep_h, general)

@@ -221,7 +221,7 @@ class _Emitter(Visitor):
     def _fusable_norm(self, agg: Aggregation) -> nn.RMSNorm | None:
         """The PreNorm of the sublayer `agg` feeds, when phase 2 may compute it: the backend
         is not eager and the sublayer takes `normed=` and has an RMSNorm over the width
-        (restopo's own sublayers; not a rewired model's, nor a decoder's cached wrapper)."""
+        (restopo's own sublayers and a decoder's cached attention; not a rewired model's)."""
         if not self.fuse_norms or agg.is_head:
             return None
         sub = self.parts.sublayers[agg.index - 1]

@@ -771,6 +771,25 @@ class ops:
     def depth_weights(*args, **kwargs):
         return depth_weights(*args, **kwargs)
 
+    # calls bound once per parameter version (restopo.ops.bind_*): here the plain calls
+    @staticmethod
+    def bind_phase1(*args, backend=None, **kwargs):
+        return lambda completed: phase1(completed, *args, **kwargs)
+
+    @staticmethod
+    def bind_depth_attention(*args, backend=None, **kwargs):
+        return lambda sources: depth_attention(sources, *args, **kwargs)
+
+    @staticmethod
+    def bind_phase2(query, key_norm_weight, eps, *, norm_weight, norm_eps, key_norm, keep_h,
+                    backend=None):
+        if norm_eps is None:
+            return lambda o1, m1, s1, partial: phase2(o1, m1, s1, partial, query,
+                                                      key_norm_weight, eps, key_norm=key_norm)
+        return lambda o1, m1, s1, partial: phase2_norm(
+            o1, m1, s1, partial, query, key_norm_weight, eps, norm_weight=norm_weight,
+            norm_eps=norm_eps, key_norm=key_norm, keep_h=keep_h)
+
     @staticmethod
     def rms_norm(*args, **kwargs):
         return rmsnorm.rms_norm(*args, **kwargs)
@@ -946,20 +965,27 @@ def own(module: nn.Module, name: str):
     return getattr(module, name) if got is None else got
 
 
-def derived(owner: nn.Module, params: tuple[torch.Tensor, ...], make):
-    """make(), kept on `owner` while `params` are unchanged, for calls autograd does not
-    record (decoding, evaluation). There, remaking a pseudo-query's gained form at every
-    aggregation point of every step is pure dispatch cost. The key is each parameter's
-    storage, dtype, device and version (bumped by every in-place update: an optimizer step,
-    load_state_dict), so a changed parameter is never served a stale value."""
+def derived(owner: nn.Module, params: tuple[torch.Tensor, ...], make, slot: str = "_derived"):
+    """make(), kept on `owner` (under `slot`) while `params` are unchanged, for calls
+    autograd does not record (decoding, evaluation). There, remaking a pseudo-query's gained
+    form at every aggregation point of every step is pure dispatch cost. The key is each
+    parameter's storage, dtype, device and version (bumped by every in-place update: an
+    optimizer step, load_state_dict), so a changed parameter is never served a stale value."""
     if torch.compiler.is_compiling() or (
             torch.is_grad_enabled() and any(p.requires_grad for p in params)):
         return make()
     key = tuple((p.data_ptr(), p.dtype, p.device, p._version) for p in params)
-    kept = owner.__dict__.get("_derived")
+    kept = owner.__dict__.get(slot)
     if kept is None or kept[0] != key:
-        kept = owner.__dict__["_derived"] = (key, make())
+        kept = owner.__dict__[slot] = (key, make())
     return kept[1]
+
+
+def unrecorded() -> bool:
+    """True for calls autograd does not record and dynamo does not trace (eager decoding,
+    evaluation): there the aggregation modules run kernel calls bound once per parameter
+    version (ops.bind_*), where a one-token step's cost is mostly the call path."""
+    return not torch.is_grad_enabled() and not torch.compiler.is_compiling()
 
 
 class Attend(nn.Module):
@@ -995,6 +1021,12 @@ class Attend(nn.Module):
         if phase1 is not None:
             return self.merge(phase1, slot, sources[0] if sources else None, norm_weight,
                               norm_eps)
+        if (self.query_proj is None and self.gate == "softmax" and logits is None
+                and unrecorded()):
+            return self._bound("_attend", (), lambda q, gain, key_norm:
+                               ops.bind_depth_attention(q, gain, EPS, key_norm=key_norm,
+                                                        heads=self.heads,
+                                                        backend=self.backend))(sources)
         q, gain = self._static() if self.query_proj is None else (self._query(sources),
                                                                    self.gain)
         # A tuple, not a stack: the eager backend then saves no copy of the sources.
@@ -1007,6 +1039,14 @@ class Attend(nn.Module):
         if self.query_proj is not None:
             q = q + self.query_proj(F.rms_norm(sources[-1], (self.d,), eps=EPS))
         return q
+
+    def _bound(self, slot: str, extra: tuple, bind):
+        """bind(pseudo_query, key-norm gain or None, key_norm), kept under `slot` while those
+        and the `extra` tensors it binds are unchanged (see derived)."""
+        q, norm = own(self, "pseudo_query"), own(self, "key_norm")
+        gain = None if norm is None else own(norm, "weight")
+        params = (q,) + extra if gain is None else (q, gain) + extra
+        return derived(self, params, lambda: bind(q, gain, norm is not None), slot)
 
     def _static(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(the pseudo-query, the key-norm gain); without autograd, the gain folded into
@@ -1036,6 +1076,13 @@ class Attend(nn.Module):
         next sublayer's PreNorm (gain `norm_weight`) in the same op: returns RMSNorm(h),
         the sublayer's normalised input, not h."""
         o1, m1, s1 = phase1
+        if unrecorded():
+            extra = () if norm_weight is None else (norm_weight,)
+            call = self._bound("_merge", extra, lambda q, gain, key_norm: ops.bind_phase2(
+                q, gain, EPS, norm_weight=norm_weight, norm_eps=norm_eps, key_norm=key_norm,
+                keep_h=False, backend=self.backend))
+            got = call(o1[slot], m1[slot], s1[slot], partial)
+            return got if norm_eps is None else got[1]
         q, gain = self._static()
         args = (o1[slot], m1[slot], s1[slot], partial, q, gain, EPS)
         key_norm = own(self, "key_norm") is not None

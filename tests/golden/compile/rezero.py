@@ -770,6 +770,25 @@ class ops:
     def depth_weights(*args, **kwargs):
         return depth_weights(*args, **kwargs)
 
+    # calls bound once per parameter version (restopo.ops.bind_*): here the plain calls
+    @staticmethod
+    def bind_phase1(*args, backend=None, **kwargs):
+        return lambda completed: phase1(completed, *args, **kwargs)
+
+    @staticmethod
+    def bind_depth_attention(*args, backend=None, **kwargs):
+        return lambda sources: depth_attention(sources, *args, **kwargs)
+
+    @staticmethod
+    def bind_phase2(query, key_norm_weight, eps, *, norm_weight, norm_eps, key_norm, keep_h,
+                    backend=None):
+        if norm_eps is None:
+            return lambda o1, m1, s1, partial: phase2(o1, m1, s1, partial, query,
+                                                      key_norm_weight, eps, key_norm=key_norm)
+        return lambda o1, m1, s1, partial: phase2_norm(
+            o1, m1, s1, partial, query, key_norm_weight, eps, norm_weight=norm_weight,
+            norm_eps=norm_eps, key_norm=key_norm, keep_h=keep_h)
+
     @staticmethod
     def rms_norm(*args, **kwargs):
         return rmsnorm.rms_norm(*args, **kwargs)
