@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from .fx.lower import lower, lowered, parts_of
+from .nn.aggregate import FIXED_FOR
 from .nn.parts import Parts
 from .nn.sublayers import MLP, Attention, KVCache, Rotary
 
@@ -124,16 +125,25 @@ class Decoder:
 
     def reset(self) -> None:
         """Start a new sequence (the caches are overwritten as it goes: positions past the
-        current one are never attended to)."""
+        current one are never attended to). A sequence's weights are fixed, as its caches'
+        keys and values were made with them: change the model's parameters between
+        sequences, and its aggregation points check them again at the next one's first step
+        (restopo.nn.aggregate.derived)."""
         self.pos = 0
 
     def __call__(self, idx: torch.Tensor) -> torch.Tensor:
-        # Inference mode, not just no_grad: no version counters or view tracking on the
-        # step's tensors, a few microseconds less per op, and a one-token step is many small
-        # ops. The logits come back as a normal tensor (an inference tensor cannot be
-        # changed in place outside inference mode: a user's `logits /= t` would fail).
-        with torch.inference_mode():
-            logits = self._run(idx)
+        if self.pos == 0:
+            self.sequence = object()
+        held, FIXED_FOR[0] = FIXED_FOR[0], self.sequence
+        try:
+            # Inference mode, not just no_grad: no version counters or view tracking on the
+            # step's tensors, a few microseconds less per op, and a one-token step is many
+            # small ops. The logits come back as a normal tensor (an inference tensor cannot
+            # be changed in place outside inference mode: a user's `logits /= t` would fail).
+            with torch.inference_mode():
+                logits = self._run(idx)
+        finally:
+            FIXED_FOR[0] = held
         return logits.clone()
 
     def _run(self, idx: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,6 @@
 """KV-cached generation (restopo.decode) against re-running the full forward at each step."""
+import copy
+
 import pytest
 import torch
 
@@ -206,3 +208,72 @@ def test_decoding_under_inference_mode_leaves_normal_tensors(topology):
         loss.backward()
         steps.append((loss, [p.grad for p in m.parameters()]))
     torch.testing.assert_close(steps[0], steps[1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", ["eager", "auto"])
+@pytest.mark.parametrize("topology", ["full_attnres", "block_attnres(blocks: 3)"])
+def test_a_new_sequence_reads_changed_parameters(topology, backend):
+    """A decoder checks its aggregation points' kept parameters once a sequence (its caches
+    hold keys and values made with them, restopo.nn.aggregate.FIXED_FOR): parameters
+    changed in place between sequences are what the next sequence uses, as the full
+    forward uses them; two decoders sharing a model take turns without mixing theirs."""
+    spec = (f"model m {{ vocab: 61; width: 16; depth: 4; heads: 2; context: 24 }}\n"
+            f"residual {topology}\n")
+    torch.manual_seed(0)
+    model = restopo.compile(spec, backend=backend).eval()
+    idx = tokens()
+    one, two = (Decoder(model, idx.shape[0], idx.shape[1] + 4) for _ in range(2))
+    for step in range(3):
+        with torch.no_grad():  # an optimizer's in-place update of the aggregation points
+            for a in model.aggregations:
+                a.pseudo_query.add_(0.3 * torch.randn_like(a.pseudo_query))
+                a.key_norm.weight.mul_(1.2)
+            for sub in model.sublayers:
+                sub.norm.weight.add_(0.1)
+        # the reference on a copy: the model's own no-grad forward would refresh what its
+        # aggregation points keep, hiding a decoder that had not
+        want = uncached_greedy(copy.deepcopy(model), idx, 3)[1]
+        one.reset()
+        got = [one(idx)]
+        two.reset()
+        other = two(idx)  # the other decoder's step between two of this one's
+        got.append(one(got[-1].argmax(-1, keepdim=True)))
+        torch.testing.assert_close(other, want[0], rtol=1e-5, atol=1e-5)
+        got.append(one(got[-1].argmax(-1, keepdim=True)))
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["eager", "auto"])
+@pytest.mark.parametrize("topology", ["full_attnres", "block_attnres(blocks: 3)"])
+def test_a_model_copies_and_pickles_after_decoding(topology, backend):
+    """What aggregation points keep for decoding and evaluation (bound kernel calls and
+    closures, restopo.nn.aggregate.Kept) stays out of copies and pickles of the model, and
+    restopo's attributes (the IR, the spec) stay in them (restopo.fx.lower.Lowered):
+    copy.deepcopy and torch.save of the whole module work after decoding, a copy of the
+    unpickled model too, and each decodes the same logits, and trains with the same
+    gradients."""
+    import io
+    spec = (f"model m {{ vocab: 61; width: 16; depth: 4; heads: 2; context: 24 }}\n"
+            f"residual {topology}\n")
+    torch.manual_seed(0)
+    model = restopo.compile(spec, backend=backend).eval()
+    idx = tokens()
+    first = Decoder(model, idx.shape[0], idx.shape[1] + 1)(idx)
+    with torch.no_grad():
+        model(idx)
+    twin = copy.deepcopy(model)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    copies = (twin, loaded, copy.deepcopy(loaded))
+    for other in copies:
+        assert other.restopo_spec.text == model.restopo_spec.text
+        torch.testing.assert_close(Decoder(other, idx.shape[0], idx.shape[1] + 1)(idx), first,
+                                   rtol=0, atol=0)
+    for m in (model, *copies):
+        m.train()(idx).logsumexp(-1).mean().backward()
+    for other in copies:
+        for (name, p), q in zip(model.named_parameters(), other.parameters()):
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6, msg=name)

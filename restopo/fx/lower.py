@@ -28,6 +28,7 @@ How values become code (each is one line of `gm.code`):
 """
 from __future__ import annotations
 
+import copy
 import inspect
 import operator
 
@@ -91,7 +92,7 @@ def lower(g: IR, parts: Parts, backend: str = "auto", two_phase: bool = True,
         root.expand_streams, root.write_streams = StreamExpand(aggs[0].streams), StreamWrite()
     emitter = _Emitter(parts, fuse_norms=backend != "eager")
     graph = emitter.emit(g, plan)
-    gm = fx.GraphModule(root, graph, class_name="RestopoModel")
+    gm = Lowered(root, graph, class_name="RestopoModel")
     _order_as_called(gm, graph)
     # GraphModule copies only what the graph calls; keep whole containers so every
     # aggregation (also ones lowered as plain adds) is in the module and its state_dict.
@@ -103,6 +104,48 @@ def lower(g: IR, parts: Parts, backend: str = "auto", two_phase: bool = True,
     gm.backend = backend
     if share:
         _share_logits(gm, g, plan)
+    return gm
+
+
+# The attributes restopo keeps on a lowered model beside its modules: the IR, the spec and
+# its overrides, the backend, the shared-logits state, the recompute mode, ...
+KEPT_PREFIX, KEPT = "restopo_", ("backend", "spec_text")
+
+
+class Lowered(fx.GraphModule):
+    """The lowered model: an fx.GraphModule whose copies keep restopo's attributes.
+
+    GraphModule's deepcopy rebuilds the module from what its graph calls and drops every
+    other attribute, and its unpickling rebuilds a plain GraphModule: a copy of a compiled
+    model (copy.deepcopy for an EMA or an evaluation twin, torch.save of the module) then
+    lost its IR and spec, and decoding, export or recompute refused it. Here a deep copy
+    takes the deep copies GraphModule made of them (in the same memo, so a copied
+    shared-logits state refers to the copied modules), and an unpickled model is a Lowered
+    again."""
+
+    def __deepcopy__(self, memo):
+        res = super().__deepcopy__(memo)
+        copied = memo.get(id(self.__dict__), {})  # GraphModule deep-copied our __dict__
+        for k, v in self.__dict__.items():
+            if (k.startswith(KEPT_PREFIX) or k in KEPT) and k not in res.__dict__:
+                setattr(res, k, copied[k] if k in copied else copy.deepcopy(v, memo))
+        return res
+
+    def __reduce__(self):
+        rebuild, args = super().__reduce__()
+        return _lowered_again, (rebuild, args)
+
+
+def _lowered_again(rebuild, args) -> Lowered:
+    """Unpickling: GraphModule's rebuild (a plain GraphModule with all our attributes) made
+    a Lowered again, its forward regenerated on its own class as GraphModule does."""
+    gm = rebuild(*args)
+    # named as GraphModule names the class it makes per instance, which its __new__ looks
+    # past (a copy's class must derive from Lowered, not from this instance's class)
+    impl = type("GraphModuleImpl", (Lowered,), {})
+    impl.__name__ = type(gm).__name__
+    gm.__class__ = impl
+    gm.recompile()
     return gm
 
 

@@ -954,6 +954,9 @@ class Head(nn.Module):
 
 # ---- aggregation modules (restopo.nn.aggregate)
 
+FIXED_FOR = [None]  # no decoding sequence here (restopo.decode)
+
+
 def own(module: nn.Module, name: str):
     """The parameter (or submodule) `name` of `module`, read from its own dict: a plain
     `module.name` goes through nn.Module.__getattr__, about a microsecond a lookup, and a
@@ -965,20 +968,38 @@ def own(module: nn.Module, name: str):
     return getattr(module, name) if got is None else got
 
 
-def derived(owner: nn.Module, params: tuple[torch.Tensor, ...], make, slot: str = "_derived"):
-    """make(), kept on `owner` (under `slot`) while `params` are unchanged, for calls
+def derived(owner: nn.Module, params: tuple[torch.Tensor, ...], make, slot: str = "derived"):
+    """make(), kept on `owner` (in its Kept, under `slot`) while `params` are unchanged, for calls
     autograd does not record (decoding, evaluation). There, remaking a pseudo-query's gained
     form at every aggregation point of every step is pure dispatch cost. The key is each
     parameter's storage, dtype, device and version (bumped by every in-place update: an
-    optimizer step, load_state_dict), so a changed parameter is never served a stale value."""
+    optimizer step, load_state_dict), so a changed parameter is never served a stale value;
+    within a decoding sequence (FIXED_FOR) it is checked at the sequence's first step only
+    (touching every parameter's storage and version counter costs more than the kernel
+    there, once the step's matmuls have pushed them out of the caches)."""
     if torch.compiler.is_compiling() or (
             torch.is_grad_enabled() and any(p.requires_grad for p in params)):
         return make()
+    cache = owner.__dict__.get("_kept")
+    if cache is None:
+        cache = owner.__dict__["_kept"] = Kept()
+    kept, sequence = cache.get(slot), FIXED_FOR[0]
+    if kept is not None and sequence is not None and kept[2] is sequence:
+        return kept[1]
     key = tuple((p.data_ptr(), p.dtype, p.device, p._version) for p in params)
-    kept = owner.__dict__.get(slot)
     if kept is None or kept[0] != key:
-        kept = owner.__dict__[slot] = (key, make())
+        kept = (key, make(), sequence)
+    cache[slot] = (kept[0], kept[1], sequence)
     return kept[1]
+
+
+class Kept(dict):
+    """What derived() keeps on a module, by slot: a cache, so a copy or a pickle of the
+    module (copy.deepcopy, torch.save) starts with an empty one; what it holds (bound
+    kernel calls, closures) can be neither copied nor pickled."""
+
+    def __reduce__(self):
+        return Kept, ()
 
 
 def unrecorded() -> bool:
@@ -1023,7 +1044,7 @@ class Attend(nn.Module):
                               norm_eps)
         if (self.query_proj is None and self.gate == "softmax" and logits is None
                 and unrecorded()):
-            return self._bound("_attend", (), lambda q, gain, key_norm:
+            return self._bound("attend", (), lambda q, gain, key_norm:
                                ops.bind_depth_attention(q, gain, EPS, key_norm=key_norm,
                                                         heads=self.heads,
                                                         backend=self.backend))(sources)
@@ -1078,7 +1099,7 @@ class Attend(nn.Module):
         o1, m1, s1 = phase1
         if unrecorded():
             extra = () if norm_weight is None else (norm_weight,)
-            call = self._bound("_merge", extra, lambda q, gain, key_norm: ops.bind_phase2(
+            call = self._bound("merge", extra, lambda q, gain, key_norm: ops.bind_phase2(
                 q, gain, EPS, norm_weight=norm_weight, norm_eps=norm_eps, key_norm=key_norm,
                 keep_h=False, backend=self.backend))
             got = call(o1[slot], m1[slot], s1[slot], partial)
