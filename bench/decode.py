@@ -8,9 +8,9 @@ drift and other processes on the machine hit them alike. Turns of one token meas
 step just after three other models' steps: on the CPU their weights (150 MB each at the
 default size, four models past a 480 MB last-level cache) have then pushed this model's
 weights and its Python objects out of the cache, which one model decoding alone never
-sees; `--turn 16` measures that steady state, still interleaved. Per topology, the per-token latency is a round's decode time
-over `--new`; the fastest round is reported (other load only ever adds time) with the
-median beside it, each also as a ratio to the standard residual. Modes: eager, and
+sees; `--turn 16` measures that steady state, still interleaved. Per topology, the
+per-token latency is a round's decode time over `--new`; the fastest round is reported
+(other load only ever adds time) with the median beside it, each also as a ratio to the standard residual. Modes: eager, and
 torch.compile of the one-token step (fixed shapes: the cache attended over its full,
 masked length).
 
