@@ -14,6 +14,11 @@ Shapes: `sources` [n, *batch, d] or a sequence of n [*batch, d] tensors, `query`
 [*batch, d] for an input-dependent query, which the fused kernels do not take: such calls
 run eagerly on every backend). A sequence reaches either backend as it is: neither stacks
 it (the fused kernels read the sources through a table of their addresses).
+
+`bind_phase1`, `bind_depth_attention` and `bind_phase2` return those calls with everything
+but the per-token tensors bound, for calls autograd does not record (decoding, evaluation),
+kept by the aggregation modules while their parameters are unchanged: on the cpu backend a
+bound call is its kernel with its constants (backends/cpu/bound.py).
 """
 from __future__ import annotations
 
