@@ -368,11 +368,22 @@ def test_bound_calls_hand_what_the_kernel_does_not_take_to_the_general_path(monk
         mixed = src[:-1] + [src[-1].float()]
         assert torch.equal(bound(mixed)[0][0], ops.phase1(mixed, q, backend="cpu")[0][0])
         merge = ops.bind_phase2(q[0], None, 1e-6, key_norm=True, backend="cpu")
-        o1, m1, s1 = torch.randn(3, 4, 8, **D64), torch.randn(3, 4, 1, **D64), torch.rand(3, 4, 1, **D64) + 1
+        o1, m1 = torch.randn(3, 4, 8, **D64), torch.randn(3, 4, 1, **D64)
+        s1 = torch.rand(3, 4, 1, **D64) + 1
         p = torch.randn(3, 4, 8, **D64)
         want = ops.phase2(o1, m1, s1, p, q[0], None, 1e-6, backend="eager")
         assert torch.allclose(merge(o1, m1, s1, p), want, atol=1e-12)
-        assert torch.equal(merge(o1, m1, None, None), ops.phase2(o1, m1, None, None, q[0], None, 1e-6, backend="cpu"))
+        assert torch.equal(merge(o1, m1, None, None),
+                           ops.phase2(o1, m1, None, None, q[0], None, 1e-6, backend="cpu"))
+        nw = torch.rand(8, **D64) + 0.5
+        for keep_h in (True, False):  # a block's first sublayer: no merge, then the PreNorm
+            first = ops.bind_phase2(q[0], None, 1e-6, norm_weight=nw, norm_eps=1e-5,
+                                    key_norm=True, keep_h=keep_h, backend="cpu")
+            want = ops.phase2_norm(o1, m1, None, None, q[0], None, 1e-6, norm_weight=nw,
+                                   norm_eps=1e-5, keep_h=keep_h, backend="cpu")
+            got = first(o1, m1, None, None)
+            assert (got[0] is None) == (not keep_h) and torch.equal(got[1], want[1])
+            assert not keep_h or torch.equal(got[0], want[0])
     # the strided sources' general path copies them row-major for the kernel (once bound,
     # once as the reference), the other dtypes' runs eagerly; the unnormalised state is
     # normalised, then merged by the kernel (the reference is the eager backend's)

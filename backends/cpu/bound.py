@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from ..eager.rmsnorm import rms_norm
 from .functions import _kernel, _ptr, _ptrs, _rows
 
 
@@ -60,6 +61,7 @@ class Phase2Call:
                  norm_weight: torch.Tensor | None, norm_eps: float | None, keep_h: bool,
                  general):
         self.q = _rows(gained.detach())
+        self.norm_weight = norm_weight
         self.g = None if norm_weight is None else _rows(norm_weight.detach())
         self.d, self.dtype, self.general = self.q.shape[-1], gained.dtype, general
         self.fn = _kernel("phase2_fwd", self.dtype)
@@ -69,6 +71,10 @@ class Phase2Call:
         self.keep_h = keep_h or not self.with_norm
 
     def __call__(self, o1, m1, s1, partial):
+        if partial is None and s1 is None:  # a block's first sublayer: h = h1, no merge
+            if not self.with_norm:
+                return o1
+            return (o1 if self.keep_h else None), rms_norm(o1, self.norm_weight, self.norm_eps)
         dt = self.dtype
         if (s1 is not None or partial is None or partial.shape[-1] != self.d
                 or not _fits((o1, partial), dt, partial.shape) or not m1.is_cpu
