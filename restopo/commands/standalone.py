@@ -195,7 +195,8 @@ def _aggregation_code(model) -> str:
     code = "\n\n".join(_source(c) for c in order if c in used)
     if aggregate.Attend in used:  # its no-grad path keeps the gained query (derived)
         code = "\n\n".join([*(_source(f) for f in (aggregate.own, aggregate.derived,
-                                                     aggregate.Kept, aggregate.unrecorded)),
+                                                     aggregate.trusted, aggregate.Kept,
+                                                     aggregate.unrecorded)),
                               code])
         code = "FIXED_FOR = [None]  # no decoding sequence here (restopo.decode)\n\n\n" + code
     if _multi_stream(model):  # restopo.nn.streams whole: its classes share helpers

@@ -993,6 +993,16 @@ def derived(owner: nn.Module, params: tuple[torch.Tensor, ...], make, slot: str 
     return kept[1]
 
 
+def trusted(owner: nn.Module, slot: str):
+    """What derived() keeps on `owner` under `slot` when it was checked in the decoding
+    sequence now running (FIXED_FOR), else None: a step after the sequence's first then
+    skips even gathering the parameters a check would read."""
+    sequence = FIXED_FOR[0]
+    cache = None if sequence is None else owner.__dict__.get("_kept")
+    kept = None if cache is None else cache.get(slot)
+    return kept[1] if kept is not None and kept[2] is sequence else None
+
+
 class Kept(dict):
     """What derived() keeps on a module, by slot: a cache, so a copy or a pickle of the
     module (copy.deepcopy, torch.save) starts with an empty one; what it holds (bound
@@ -1064,6 +1074,9 @@ class Attend(nn.Module):
     def _bound(self, slot: str, extra: tuple, bind):
         """bind(pseudo_query, key-norm gain or None, key_norm), kept under `slot` while those
         and the `extra` tensors it binds are unchanged (see derived)."""
+        got = trusted(self, slot)
+        if got is not None:
+            return got
         q, norm = own(self, "pseudo_query"), own(self, "key_norm")
         gain = None if norm is None else own(norm, "weight")
         params = (q,) + extra if gain is None else (q, gain) + extra
@@ -1135,8 +1148,10 @@ class TwoPhase(nn.Module):
 
     def forward(self, *completed: torch.Tensor, logits=None):
         if logits is None and unrecorded():
-            o1, m1, s1 = self._bound()(completed)
-            return tuple(x if isinstance(x, tuple) else x.unbind(0) for x in (o1, m1, s1))
+            got = self._bound()(completed)
+            if type(got[0]) is tuple:  # the cpu backend's bound call: tuples already
+                return got
+            return tuple(x if isinstance(x, tuple) else x.unbind(0) for x in got)
         queries, gains = self._queries()
         o1, m1, s1 = ops.phase1(completed, queries, gains, EPS, key_norm=self.has_key_norm,
                                 heads=self.heads, backend=self.backend, logits=logits)
@@ -1148,6 +1163,9 @@ class TwoPhase(nn.Module):
 
     def _bound(self):
         """ops.bind_phase1 for the members' queries, kept while they are unchanged."""
+        got = trusted(self, "derived")
+        if got is not None:
+            return got
         members = self.members
         if self.has_key_norm:
             params = tuple(p for m in members for p in (own(m, "pseudo_query"),

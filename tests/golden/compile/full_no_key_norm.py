@@ -992,6 +992,16 @@ def derived(owner: nn.Module, params: tuple[torch.Tensor, ...], make, slot: str 
     return kept[1]
 
 
+def trusted(owner: nn.Module, slot: str):
+    """What derived() keeps on `owner` under `slot` when it was checked in the decoding
+    sequence now running (FIXED_FOR), else None: a step after the sequence's first then
+    skips even gathering the parameters a check would read."""
+    sequence = FIXED_FOR[0]
+    cache = None if sequence is None else owner.__dict__.get("_kept")
+    kept = None if cache is None else cache.get(slot)
+    return kept[1] if kept is not None and kept[2] is sequence else None
+
+
 class Kept(dict):
     """What derived() keeps on a module, by slot: a cache, so a copy or a pickle of the
     module (copy.deepcopy, torch.save) starts with an empty one; what it holds (bound
@@ -1063,6 +1073,9 @@ class Attend(nn.Module):
     def _bound(self, slot: str, extra: tuple, bind):
         """bind(pseudo_query, key-norm gain or None, key_norm), kept under `slot` while those
         and the `extra` tensors it binds are unchanged (see derived)."""
+        got = trusted(self, slot)
+        if got is not None:
+            return got
         q, norm = own(self, "pseudo_query"), own(self, "key_norm")
         gain = None if norm is None else own(norm, "weight")
         params = (q,) + extra if gain is None else (q, gain) + extra
