@@ -10,9 +10,9 @@ default size, four models past a 480 MB last-level cache) have then pushed this 
 weights and its Python objects out of the cache, which one model decoding alone never
 sees; `--turn 16` measures that steady state, still interleaved. Per topology, the
 per-token latency is a round's decode time over `--new`; the fastest round is reported
-(other load only ever adds time) with the median beside it, each also as a ratio to the standard residual. Modes: eager, and
-torch.compile of the one-token step (fixed shapes: the cache attended over its full,
-masked length).
+(other load only ever adds time) with the median beside it, each also as a ratio to the
+standard residual. Modes: eager, and torch.compile of the one-token step (fixed shapes:
+the cache attended over its full, masked length).
 
 The standard model is also built a second time (`standard'`, the same weights in other
 memory) and timed like the others: its ratio to the first is this run's noise floor. On a

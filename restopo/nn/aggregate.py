@@ -46,14 +46,15 @@ FIXED_FOR: list = [None]
 
 
 def derived(owner: nn.Module, params: tuple[torch.Tensor, ...], make, slot: str = "derived"):
-    """make(), kept on `owner` (in its Kept, under `slot`) while `params` are unchanged, for calls
-    autograd does not record (decoding, evaluation). There, remaking a pseudo-query's gained
-    form at every aggregation point of every step is pure dispatch cost. The key is each
-    parameter's storage, dtype, device and version (bumped by every in-place update: an
-    optimizer step, load_state_dict), so a changed parameter is never served a stale value;
-    within a decoding sequence (FIXED_FOR) it is checked at the sequence's first step only
-    (touching every parameter's storage and version counter costs more than the kernel
-    there, once the step's matmuls have pushed them out of the caches)."""
+    """make(), kept on `owner` (in its Kept, under `slot`) while `params` are unchanged,
+    for calls autograd does not record (decoding, evaluation). There, remaking a
+    pseudo-query's gained form at every aggregation point of every step is pure dispatch
+    cost. The key is each parameter's storage, dtype, device and version (bumped by every
+    in-place update: an optimizer step, load_state_dict), so a changed parameter is never
+    served a stale value; within a decoding sequence (FIXED_FOR) it is checked at the
+    sequence's first step only (touching every parameter's storage and version counter
+    costs more than the kernel there, once the step's matmuls have pushed them out of the
+    caches)."""
     if torch.compiler.is_compiling() or (
             torch.is_grad_enabled() and any(p.requires_grad for p in params)):
         return make()
