@@ -252,8 +252,8 @@ def bind_phase1(queries: torch.Tensor, key_norm_weights: torch.Tensor | None = N
     def general(completed):
         return phase1(completed, gained, None, eps, key_norm=key_norm, heads=heads,
                       backend=backend)
-    return _bind(backend, queries, "bind_phase1", general, gained, None, eps,
-                 key_norm=key_norm, heads=heads)
+    return _bind(backend, queries, "bind_phase1", general, gained, eps, key_norm=key_norm,
+                 heads=heads)
 
 
 def bind_depth_attention(query: torch.Tensor, key_norm_weight: torch.Tensor | None = None,
@@ -266,7 +266,7 @@ def bind_depth_attention(query: torch.Tensor, key_norm_weight: torch.Tensor | No
     def general(sources):
         return depth_attention(sources, gained, None, eps, key_norm=key_norm, heads=heads,
                                backend=backend)
-    return _bind(backend, query, "bind_phase1", general, gained[None], None, eps,
+    return _bind(backend, query, "bind_phase1", general, gained[None], eps,
                  key_norm=key_norm, heads=heads, single=True)
 
 
@@ -286,14 +286,14 @@ def bind_phase2(query: torch.Tensor, key_norm_weight: torch.Tensor | None = None
         return phase2_norm(o1, m1, s1, partial, gained, None, eps, norm_weight=norm_weight,
                            norm_eps=norm_eps, key_norm=key_norm, keep_h=keep_h,
                            backend=backend)
-    return _bind(backend, query, "bind_phase2", general, gained, None, eps,
-                 norm_weight=norm_weight, norm_eps=norm_eps, key_norm=key_norm, keep_h=keep_h)
+    return _bind(backend, query, "bind_phase2", general, gained, eps, norm_weight=norm_weight,
+                 norm_eps=norm_eps, key_norm=key_norm, keep_h=keep_h)
 
 
 def _folded(query: torch.Tensor, gain: torch.Tensor | None, key_norm: bool) -> torch.Tensor:
-    """The query with its key-norm gain folded in (w . (g * k) = (g * w) . k), once at bind
-    time rather than at every call."""
-    return query if gain is None or not key_norm else query * gain
+    """The query with its key-norm gain folded in (the eager backend's `gained`), once at
+    bind time rather than at every call."""
+    return _eager().gained(query, gain, key_norm)
 
 
 def _bind(backend: str, like: torch.Tensor, name: str, general, *args, **kwargs):

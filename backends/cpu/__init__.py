@@ -63,10 +63,6 @@ def _recording(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def _gained(queries: torch.Tensor, gains: torch.Tensor | None, key_norm: bool) -> torch.Tensor:
-    return queries if gains is None or not key_norm else queries * gains
-
-
 def _sources(sources) -> list[torch.Tensor]:
     return list(sources.unbind(0) if isinstance(sources, torch.Tensor) else sources)
 
@@ -85,7 +81,7 @@ def depth_attention(sources, query: torch.Tensor, key_norm_weight: torch.Tensor 
     _eager._check_heads(src[0].shape[-1], heads)
     if logits is not None:
         return _attend(heads, logits, src)
-    q = _gained(query, key_norm_weight, key_norm)[None]
+    q = _eager.gained(query, key_norm_weight, key_norm)[None]
     if not _recording(query, key_norm_weight, *src):
         return phase1_nograd(q, float(eps), bool(key_norm), heads, src)[0][0]
     return Phase1.apply(q, float(eps), bool(key_norm), heads, *src)[0]
@@ -126,7 +122,7 @@ def phase1(completed, queries: torch.Tensor, key_norm_weights: torch.Tensor | No
         z = torch.stack(tuple(logits))
         h1 = _weighted(torch.softmax(z, dim=0), src, S)
         return h1, torch.logsumexp(z, dim=0).unbind(0), (None,) * S
-    q = _gained(queries, key_norm_weights, key_norm)
+    q = _eager.gained(queries, key_norm_weights, key_norm)
     if not _recording(queries, key_norm_weights, *src):
         h1, lse = phase1_nograd(q, float(eps), bool(key_norm), heads, src)
         return h1, lse, (None,) * S
@@ -142,7 +138,7 @@ def _merge(o1, m1, s1, partial, query, key_norm_weight, eps, key_norm, norm_weig
     if (partial is None or partial.shape != h1.shape or lse.dim() != h1.dim()
             or h1.shape[-1] % lse.shape[-1] or not _takes(*tensors)):
         return None
-    q = _gained(query, key_norm_weight, key_norm)
+    q = _eager.gained(query, key_norm_weight, key_norm)
     args = (float(eps), bool(key_norm), norm_eps, keep_h)
     if not _recording(*tensors):
         return phase2_nograd(h1, lse, partial, q, norm_weight, *args)
@@ -182,23 +178,22 @@ def depth_weights(sources, query, key_norm_weight=None, eps: float = 1e-6, *,
                                 gate=gate, heads=heads)
 
 
-def bind_phase1(queries: torch.Tensor, key_norm_weights: torch.Tensor | None, eps: float, *,
-                key_norm: bool, heads: int, general, single: bool = False):
-    """phase1 (or, `single`, depth attention with one query [1, d]) with the queries and
-    settings bound, for calls autograd does not record (bound.py); `general(completed)`
-    where the kernel does not take the sources, or here where it takes no such queries."""
-    if not _takes(queries, key_norm_weights) or queries.dim() != 2 or queries.shape[-1] % heads:
+def bind_phase1(gained: torch.Tensor, eps: float, *, key_norm: bool, heads: int, general,
+                single: bool = False):
+    """phase1 (or, `single`, depth attention with one query [1, d]) with the queries (their
+    key-norm gains folded in, restopo.ops.bind_phase1) and settings bound, for calls
+    autograd does not record (bound.py); `general(completed)` where the kernel does not
+    take the sources, or here where it takes no such queries."""
+    if not _takes(gained) or gained.dim() != 2 or gained.shape[-1] % heads:
         return general
-    return Phase1Call(_gained(queries, key_norm_weights, key_norm), eps, key_norm, heads,
-                      general, single)
+    return Phase1Call(gained, eps, key_norm, heads, general, single)
 
 
-def bind_phase2(query: torch.Tensor, key_norm_weight: torch.Tensor | None, eps: float, *,
-                norm_weight: torch.Tensor | None, norm_eps: float | None, key_norm: bool,
-                keep_h: bool, general):
-    """phase2 (norm_eps None) or phase2_norm with the query, gains and settings bound, for
-    calls autograd does not record (bound.py); `general(o1, m1, s1, partial)` elsewhere."""
-    if not _takes(query, key_norm_weight, norm_weight) or query.dim() != 1:
+def bind_phase2(gained: torch.Tensor, eps: float, *, norm_weight: torch.Tensor | None,
+                norm_eps: float | None, key_norm: bool, keep_h: bool, general):
+    """phase2 (norm_eps None) or phase2_norm with the query (its gain folded in) and
+    settings bound, for calls autograd does not record (bound.py); `general(o1, m1, s1,
+    partial)` elsewhere."""
+    if not _takes(gained, norm_weight) or gained.dim() != 1:
         return general
-    return Phase2Call(_gained(query, key_norm_weight, key_norm), eps, key_norm, norm_weight,
-                      norm_eps, keep_h, general)
+    return Phase2Call(gained, eps, key_norm, norm_weight, norm_eps, keep_h, general)

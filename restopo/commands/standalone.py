@@ -193,6 +193,8 @@ def _aggregation_code(model) -> str:
     order = (aggregate.Attend, aggregate.TwoPhase, aggregate.Sum, aggregate.Scalars,
              aggregate.ReZero, aggregate.LayerScale, aggregate.Highway, aggregate.StreamStart)
     code = "\n\n".join(_source(c) for c in order if c in used)
+    if aggregate.TwoPhase in used:  # its members' slices of phase 1
+        code += "\n\n" + _source(aggregate._per_member)
     if aggregate.Attend in used:  # its no-grad path keeps the gained query (derived)
         code = "\n\n".join([*(_source(f) for f in (aggregate.own, aggregate.derived,
                                                      aggregate.trusted, aggregate.Kept,

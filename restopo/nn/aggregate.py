@@ -226,18 +226,11 @@ class TwoPhase(nn.Module):
 
     def forward(self, *completed: torch.Tensor, logits=None):
         if logits is None and unrecorded():
-            got = self._bound()(completed)
-            if type(got[0]) is tuple:  # the cpu backend's bound call: tuples already
-                return got
-            return tuple(x if isinstance(x, tuple) else x.unbind(0) for x in got)
+            return _per_member(self._bound()(completed))
         queries, gains = self._queries()
-        o1, m1, s1 = ops.phase1(completed, queries, gains, EPS, key_norm=self.has_key_norm,
-                                heads=self.heads, backend=self.backend, logits=logits)
-        # Each member takes its own slice: split once here, so autograd gathers each
-        # output's gradient in one piece rather than zero-filling all of it for every
-        # member (the fused backend's o1 is already a tuple).
-        # (s1 is S Nones for the eager backend's normalised form, see ops.phase1)
-        return tuple(x if isinstance(x, tuple) else x.unbind(0) for x in (o1, m1, s1))
+        return _per_member(ops.phase1(completed, queries, gains, EPS,
+                                      key_norm=self.has_key_norm, heads=self.heads,
+                                      backend=self.backend, logits=logits))
 
     def _bound(self):
         """ops.bind_phase1 for the members' queries, kept while they are unchanged."""
@@ -263,6 +256,16 @@ class TwoPhase(nn.Module):
 
     def extra_repr(self) -> str:
         return f"members={len(self.members)}"
+
+
+def _per_member(state: tuple) -> tuple:
+    """Phase 1's (o1, m1, s1), each a tuple of the members' slices. Split once here, so
+    autograd gathers each output's gradient in one piece rather than zero-filling all of it
+    for every member (the fused backends' o1 is already a tuple; s1 is S Nones for the
+    normalised form, see ops.phase1)."""
+    if all(type(x) is tuple for x in state):
+        return state
+    return tuple(x if isinstance(x, tuple) else x.unbind(0) for x in state)
 
 
 class Sum(nn.Module):
