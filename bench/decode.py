@@ -12,8 +12,8 @@ sees; `--turn 16` measures that steady state, still interleaved. Per topology, t
 per-token latency is a round's decode time over `--new`; the fastest round is reported
 (other load only ever adds time) with the median beside it, each also as a ratio to the
 standard residual; and each round's own ratio (the models interleaved within it), its
-median and range over the rounds. Modes: eager, and torch.compile of the one-token step (fixed shapes:
-the cache attended over its full, masked length).
+median and range over the rounds. Modes: eager, and torch.compile of the one-token step
+(fixed shapes: the cache attended over its full, masked length).
 
 The standard model is also built a second time (`standard'`, the same weights in other
 memory) and timed like the others: its ratio to the first is this run's noise floor. On a
