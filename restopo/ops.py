@@ -241,19 +241,30 @@ def depth_weights(sources, query: torch.Tensor, key_norm_weight: torch.Tensor | 
 
 def bind_phase1(queries: torch.Tensor, key_norm_weights: torch.Tensor | None = None,
                 eps: float = 1e-6, *, key_norm: bool = True, heads: int = 1,
-                backend: str = "eager"):
+                backend: str = "eager", norm_weight: torch.Tensor | None = None,
+                norm_eps: float | None = None):
     """phase1 with everything but the completed sources bound: f(completed) ==
     phase1(completed, queries, ...), for calls autograd does not record (decoding,
     evaluation), made once while the parameters are unchanged (restopo.nn.aggregate). On
     the cpu backend the kernel and its constants are bound (backends/cpu/bound.py): a
-    call is a few checks, the outputs' allocation and the kernel; elsewhere it is phase1."""
+    call is a few checks, the outputs' allocation and the kernel; elsewhere it is phase1.
+    With `norm_eps`, the state has a fourth item, (y0, norm_weight, norm_eps): the first
+    query's output's RMSNorm with gain `norm_weight`, which is phase2_norm's y for it with
+    no partial (a block's first sublayer's PreNorm, made in the same kernel call)."""
     gained = _folded(queries, key_norm_weights, key_norm)
 
     def general(completed):
-        return phase1(completed, gained, None, eps, key_norm=key_norm, heads=heads,
-                      backend=backend)
+        state = phase1(completed, gained, None, eps, key_norm=key_norm, heads=heads,
+                       backend=backend)
+        if norm_eps is None:
+            return state
+        o1, m1, s1 = (x[0] for x in state)
+        y0 = phase2_norm(o1, m1, s1, None, gained[0], None, eps, norm_weight=norm_weight,
+                         norm_eps=norm_eps, key_norm=key_norm, keep_h=False,
+                         backend=backend)[1]
+        return (*state, (y0, norm_weight, norm_eps))
     return _bind(backend, queries, "bind_phase1", general, gained, eps, key_norm=key_norm,
-                 heads=heads)
+                 heads=heads, norm_weight=norm_weight, norm_eps=norm_eps)
 
 
 def bind_depth_attention(query: torch.Tensor, key_norm_weight: torch.Tensor | None = None,

@@ -419,6 +419,47 @@ def test_a_bound_call_follows_its_parameters(monkeypatch):
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_phase1_makes_the_first_members_prenorm_without_autograd(dtype, monkeypatch):
+    """Without autograd, a group's phase 1 also makes its first member's PreNorm in the same
+    kernel call (TwoPhase.fuse_first_norm) and the member hands it on as its output: the
+    RMSNorm of its h, as the recorded path's phase 2 makes it; another gain, or a changed
+    one, is never served the kept value."""
+    from restopo.nn.aggregate import Attend, TwoPhase
+    torch.manual_seed(4)
+    tol = dict(atol=1e-12) if dtype == torch.float64 else dict(atol=1e-5, rtol=1e-5)
+    members = [Attend(8, backend="cpu").to(dtype) for _ in range(2)]
+    for m in members:
+        m.pseudo_query.data.normal_()
+    phase = TwoPhase(members, backend="cpu")
+    norm = torch.nn.RMSNorm(8, eps=1e-5).to(dtype)
+    norm.weight.data.uniform_(0.5, 1.5)
+    phase.fuse_first_norm(norm)
+    src = [torch.randn(2, 3, 8, dtype=dtype) for _ in range(3)]
+
+    def first(state, gain):
+        return members[0](phase1=state, slot=0, norm_weight=gain, norm_eps=1e-5)
+    with torch.enable_grad():  # the recorded path: phase 1, then phase 2's PreNorm
+        want = first(phase(*src), norm.weight).detach()
+    calls = _count_kernels(monkeypatch)
+    with torch.no_grad():
+        state = phase(*src)
+        assert len(state) == 4 and calls == {"phase1_fwd": 1}
+        got = first(state, norm.weight)
+        assert got is state[3][0] and calls == {"phase1_fwd": 1}  # no call of its own
+        assert torch.allclose(got, want, **tol)
+        assert torch.allclose(got, F.rms_norm(state[0][0], (8,), norm.weight, 1e-5), **tol)
+        other = first(state, norm.weight * 2)  # not the gain phase 1 was given
+        assert other is not got and torch.allclose(other, 2 * want, **tol)
+        norm.weight.mul_(3)  # an in-place update: phase 1 binds the new gain
+        assert torch.allclose(first(phase(*src), norm.weight), 3 * want, **tol)
+        norm.weight = torch.nn.Parameter(norm.weight * 2)  # replaced: bound again, still fused
+        state = phase(*src)
+        got = first(state, norm.weight)
+        assert got is state[3][0] and torch.allclose(got, 6 * want, **tol)
+
+
+@needs_kernels
 def test_cpu_block_model_runs_its_phases_through_the_kernels(monkeypatch):
     """Block AttnRes on backend cpu calls the fused kernels for phase 1 and phase 2 while
     training (the test above could pass with everything on the eager path)."""

@@ -179,14 +179,17 @@ def depth_weights(sources, query, key_norm_weight=None, eps: float = 1e-6, *,
 
 
 def bind_phase1(gained: torch.Tensor, eps: float, *, key_norm: bool, heads: int, general,
-                single: bool = False):
+                single: bool = False, norm_weight: torch.Tensor | None = None,
+                norm_eps: float | None = None):
     """phase1 (or, `single`, depth attention with one query [1, d]) with the queries (their
     key-norm gains folded in, restopo.ops.bind_phase1) and settings bound, for calls
     autograd does not record (bound.py); `general(completed)` where the kernel does not
-    take the sources, or here where it takes no such queries."""
-    if not _takes(gained) or gained.dim() != 2 or gained.shape[-1] % heads:
+    take the sources, or here where it takes no such queries. With `norm_eps`, also the
+    first query's PreNorm (restopo.ops.bind_phase1)."""
+    if (not _takes(gained, norm_weight) or gained.dim() != 2 or gained.shape[-1] % heads
+            or (norm_weight is not None and norm_weight.shape != gained.shape[-1:])):
         return general
-    return Phase1Call(gained, eps, key_norm, heads, general, single)
+    return Phase1Call(gained, eps, key_norm, heads, general, single, norm_weight, norm_eps)
 
 
 def bind_phase2(gained: torch.Tensor, eps: float, *, norm_weight: torch.Tensor | None,

@@ -8,7 +8,11 @@ sits in the processor's caches. A bound call keeps the gained queries, the PreNo
 kernel and its scalar arguments, and per call checks that its tensors fit the kernel (on the
 CPU, row-major, its dtype and shapes), allocates the outputs and calls it. Anything that does
 not fit goes to `general`, the unbound path with the same arguments. The kernels are the
-ones the general path calls, with the same arguments, so the results are the same bits.
+ones the general path calls, with the same arguments, so the results are the same bits;
+but for a block's first PreNorm, which phase 1's kernel makes in its own call (the general
+path: phase 2's eager PreNorm with no partial), equal to rounding: a call saved shows in
+an eager decoding step at batch 1 (bench/decode.py), whose matmuls leave each call's Python
+and data out of the processor's caches.
 
 Made by restopo.ops.bind_* and kept by the aggregation modules while their parameters are
 unchanged (restopo.nn.aggregate.derived).
@@ -28,16 +32,20 @@ def _fits(tensors, dtype: torch.dtype, shape: torch.Size) -> bool:
 
 class Phase1Call:
     """phase1(completed) for S bound queries [S, d] (key-norm gains folded in): (h1, lse,
-    S Nones), each a tuple of S tensors; with `single`, depth attention: h1[0]."""
+    S Nones), each a tuple of S tensors; with `single`, depth attention: h1[0]. With
+    `norm_eps`, a fourth item (y0, norm_weight, norm_eps): the first output's PreNorm."""
 
     def __init__(self, gained: torch.Tensor, eps: float, key_norm: bool, heads: int,
-                 general, single: bool = False):
+                 general, single: bool = False, norm_weight: torch.Tensor | None = None,
+                 norm_eps: float | None = None):
         self.q = _rows(gained.detach())
         self.S, self.d = self.q.shape
         self.dtype, self.heads, self.single, self.general = gained.dtype, heads, single, general
         self.fn = _kernel("phase1_fwd", self.dtype)
         self.eps, self.key_norm = float(eps), int(key_norm)
         self.nones = (None,) * self.S
+        self.norm_weight, self.norm_eps = norm_weight, norm_eps
+        self.g = None if norm_weight is None else _rows(norm_weight.detach())
 
     def __call__(self, completed):
         first = completed[0]
@@ -47,10 +55,16 @@ class Phase1Call:
         S, d, H = self.S, self.d, self.heads
         h1 = tuple(torch.empty_like(first) for _ in range(S))
         lse = tuple(first.new_empty((*shape[:-1], H)) for _ in range(S))
+        norm_eps = self.norm_eps
+        y0 = None if norm_eps is None else torch.empty_like(first)
         self.fn(len(completed), _ptrs(completed), S, first.numel() // d, d, H,
                 self.q.data_ptr(), self.eps, self.key_norm, _ptrs(h1), _ptrs(lse), None, None,
-                torch.get_num_threads())
-        return h1[0] if self.single else (h1, lse, self.nones)
+                _ptr(self.g), norm_eps or 0.0, _ptr(y0), torch.get_num_threads())
+        if self.single:
+            return h1[0]
+        if y0 is None:
+            return h1, lse, self.nones
+        return h1, lse, self.nones, (y0, self.norm_weight, norm_eps)
 
 
 class Phase2Call:

@@ -108,7 +108,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     P, L, D, I = ctypes.c_void_p, ctypes.c_long, ctypes.c_double, ctypes.c_int
     for _, suffix, *_ in TYPES:
         getattr(lib, f"phase1_fwd_{suffix}").argtypes = [L, P, L, L, L, L, P, D, I, P, P, P,
-                                                         P, I]
+                                                         P, P, D, P, I]
         getattr(lib, f"phase1_bwd_{suffix}").argtypes = [L, P, L, L, L, L, P, I, P, P, P, P,
                                                          P, P, P, P, I]
         getattr(lib, f"phase2_fwd_{suffix}").argtypes = [L, L, L, P, P, P, P, D, I, P, D, P,

@@ -49,7 +49,7 @@ def _phase1_forward(q, eps, key_norm, heads, src, h1_rows, lse_rows, z=None, r=N
     S, d = q.shape
     _kernel("phase1_fwd", q.dtype)(len(src), _ptrs(src), S, src[0].numel() // d, d, heads,
                                    q.data_ptr(), eps, int(key_norm), h1_rows, lse_rows,
-                                   _ptr(z), _ptr(r), torch.get_num_threads())
+                                   _ptr(z), _ptr(r), None, 0.0, None, torch.get_num_threads())
 
 
 def phase1_nograd(queries, eps, key_norm, heads, sources):

@@ -148,10 +148,13 @@ static inline void NAME(row_dots)(const REAL *v, const REAL *q, long S, long d, 
 
 /* Phase 1 forward: h1[s] (S pointers to [M, d]) and lse[s] (S pointers to [M, H]); the
  * logits zs [M, n, S*H] and rstds rs [M, n] are kept for the backward (both NULL: not
- * kept, without autograd). */
+ * kept, without autograd). y0 not NULL (without autograd): also the first member's
+ * PreNorm, y0 = h1[0] rstd(h1[0]) g0 (g0 may be NULL: no gain), as phase2_fwd writes y,
+ * since that member has no partial to merge (one call less per block in decoding). */
 void NAME(phase1_fwd)(long n, const REAL *const *src, long S, long M, long d, long H,
                       const REAL *q, double eps, int key_norm, REAL *const *h1,
-                      REAL *const *lse, REAL *zs, REAL *rs, int threads) {
+                      REAL *const *lse, REAL *zs, REAL *rs, const REAL *g0, double norm_eps,
+                      REAL *y0, int threads) {
     long c = d / H, SH = S * H, tiles = (M + TILE - 1) / TILE;
 #pragma omp parallel num_threads(threads)
     {
@@ -201,24 +204,37 @@ void NAME(phase1_fwd)(long n, const REAL *const *src, long S, long M, long d, lo
                         for (long k = 0; k < d; k += SPAN)
                             NAME(span_sum)(h1[s] + (t0 + u) * d + k, src, n, (t0 + u) * d + k,
                                            a + u * n * SH + s * H + k / c, SH);
-                continue;
-            }
-            for (long i = 0; i < n; i++)  /* the weighted sums, source by source */
-                for (long u = 0; u < tn; u++) {
-                    long t = t0 + u;
-                    const REAL *at = a + (u * n + i) * SH;
-                    for (long s = 0; s < S; s++)
-                        for (long h = 0; h < H; h++) {
-                            REAL *o = h1[s] + t * d + h * c, al = at[s * H + h];
-                            const REAL *v = src[i] + t * d + h * c;
-                            if (i == 0) {
+            } else {
+                for (long i = 0; i < n; i++)  /* the weighted sums, source by source */
+                    for (long u = 0; u < tn; u++) {
+                        long t = t0 + u;
+                        const REAL *at = a + (u * n + i) * SH;
+                        for (long s = 0; s < S; s++)
+                            for (long h = 0; h < H; h++) {
+                                REAL *o = h1[s] + t * d + h * c, al = at[s * H + h];
+                                const REAL *v = src[i] + t * d + h * c;
+                                if (i == 0) {
 #pragma omp simd
-                                for (long k = 0; k < c; k++) o[k] = al * v[k];
-                            } else {
+                                    for (long k = 0; k < c; k++) o[k] = al * v[k];
+                                } else {
 #pragma omp simd
-                                for (long k = 0; k < c; k++) o[k] += al * v[k];
+                                    for (long k = 0; k < c; k++) o[k] += al * v[k];
+                                }
                             }
-                        }
+                    }
+            }
+            if (y0)
+                for (long u = 0; u < tn; u++) {
+                    const REAL *hr = h1[0] + (t0 + u) * d;
+                    REAL r2 = NAME(inv_rms)(NAME(dot)(hr, hr, d), d, norm_eps);
+                    REAL *yt = y0 + (t0 + u) * d;
+                    if (g0) {
+#pragma omp simd
+                        for (long k = 0; k < d; k++) yt[k] = hr[k] * r2 * g0[k];
+                    } else {
+#pragma omp simd
+                        for (long k = 0; k < d; k++) yt[k] = hr[k] * r2;
+                    }
                 }
         }
         free(a);

@@ -187,7 +187,11 @@ class Attend(nn.Module):
         pre-update partial (None for the first sublayer of a block). With `norm_eps`, the
         next sublayer's PreNorm (gain `norm_weight`) in the same op: returns RMSNorm(h),
         the sublayer's normalised input, not h."""
-        o1, m1, s1 = phase1
+        o1, m1, s1 = phase1[:3]
+        if len(phase1) > 3 and partial is None and slot == 0:
+            y0, gain, eps = phase1[3]  # phase 1 made this PreNorm (TwoPhase.fuse_first_norm)
+            if gain is norm_weight and eps == norm_eps:
+                return y0
         if unrecorded():
             extra = () if norm_weight is None else (norm_weight,)
             call = self._bound("merge", extra, lambda q, gain, key_norm: ops.bind_phase2(
@@ -220,9 +224,18 @@ class TwoPhase(nn.Module):
         if len({(m.key_norm is None, m.heads) for m in members}) != 1:
             raise ValueError("a two-phase group needs members with one key norm and head count")
         self.__dict__["members"] = tuple(members)  # plain attribute: not a submodule
+        self.__dict__["first_norm"] = None
         self.heads = members[0].heads
         self.has_key_norm = members[0].key_norm is not None
         self.backend = backend
+
+    def fuse_first_norm(self, norm: nn.RMSNorm) -> None:
+        """The PreNorm of the first member's sublayer, which the lowering fused into that
+        member's phase 2 (restopo.fx.lower). That member has no partial to merge, so phase 2
+        is its PreNorm alone; without autograd, phase 1's kernel then makes it in the same
+        call and hands it on in the state, `(o1, m1, s1, (y0, gain, eps))` (a decoding step
+        makes one call less a block). Referenced, not registered: the sublayer owns it."""
+        self.__dict__["first_norm"] = norm
 
     def forward(self, *completed: torch.Tensor, logits=None):
         if logits is None and unrecorded():
@@ -237,15 +250,18 @@ class TwoPhase(nn.Module):
         got = trusted(self, "derived")
         if got is not None:
             return got
-        members = self.members
+        members, norm = self.members, self.first_norm
         if self.has_key_norm:
             params = tuple(p for m in members for p in (own(m, "pseudo_query"),
                                                         own(own(m, "key_norm"), "weight")))
         else:
             params = tuple(own(m, "pseudo_query") for m in members)
+        gain = None if norm is None else own(norm, "weight")
+        params += () if gain is None else (gain,)
         return derived(self, params, lambda: ops.bind_phase1(
             *self._queries(), EPS, key_norm=self.has_key_norm, heads=self.heads,
-            backend=self.backend))
+            backend=self.backend, norm_weight=gain,
+            norm_eps=None if norm is None else float(norm.eps)))
 
     def _queries(self):
         """(the members' pseudo-queries [S, d], their key-norm gains [S, d] or None)."""

@@ -772,7 +772,10 @@ class ops:
 
     # calls bound once per parameter version (restopo.ops.bind_*): here the plain calls
     @staticmethod
-    def bind_phase1(*args, backend=None, **kwargs):
+    def bind_phase1(*args, backend=None, norm_weight=None, norm_eps=None, **kwargs):
+        # no first PreNorm to make here: only restopo's lowering fuses one into phase 1
+        # (TwoPhase.fuse_first_norm), and this file's forward was written without it
+        assert norm_eps is None, "a standalone TwoPhase has no first_norm"
         return lambda completed: phase1(completed, *args, **kwargs)
 
     @staticmethod
@@ -1109,7 +1112,11 @@ class Attend(nn.Module):
         pre-update partial (None for the first sublayer of a block). With `norm_eps`, the
         next sublayer's PreNorm (gain `norm_weight`) in the same op: returns RMSNorm(h),
         the sublayer's normalised input, not h."""
-        o1, m1, s1 = phase1
+        o1, m1, s1 = phase1[:3]
+        if len(phase1) > 3 and partial is None and slot == 0:
+            y0, gain, eps = phase1[3]  # phase 1 made this PreNorm (TwoPhase.fuse_first_norm)
+            if gain is norm_weight and eps == norm_eps:
+                return y0
         if unrecorded():
             extra = () if norm_weight is None else (norm_weight,)
             call = self._bound("merge", extra, lambda q, gain, key_norm: ops.bind_phase2(
