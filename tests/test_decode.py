@@ -270,6 +270,12 @@ def test_a_model_copies_and_pickles_after_decoding(topology, backend):
     copies = (twin, loaded, copy.deepcopy(loaded))
     for other in copies:
         assert other.restopo_spec.text == model.restopo_spec.text
+        # a group's fused first PreNorm (TwoPhase.fuse_first_norm) is the copy's own norm
+        norms = [s.norm for s in other.sublayers]
+        assert all(p.first_norm is None or any(p.first_norm is n for n in norms)
+                   for p in other.phases)
+        assert [p.first_norm is None for p in other.phases] == \
+            [p.first_norm is None for p in model.phases]
         torch.testing.assert_close(Decoder(other, idx.shape[0], idx.shape[1] + 1)(idx), first,
                                    rtol=0, atol=0)
     for m in (model, *copies):
