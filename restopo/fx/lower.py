@@ -92,8 +92,8 @@ def lower(g: IR, parts: Parts, backend: str = "auto", two_phase: bool = True,
         root.expand_streams, root.write_streams = StreamExpand(aggs[0].streams), StreamWrite()
     emitter = _Emitter(parts, fuse_norms=backend != "eager")
     graph = emitter.emit(g, plan)
-    for k, norm in emitter.first_norms.items():
-        root.phases[k].fuse_first_norm(norm)
+    for name, norm in emitter.first_norms.items():
+        root.get_submodule(name).fuse_first_norm(norm)
     gm = Lowered(root, graph, class_name="RestopoModel")
     _order_as_called(gm, graph)
     # GraphModule copies only what the graph calls; keep whole containers so every
@@ -195,10 +195,9 @@ class _Emitter(Visitor):
         self.context: list[fx.Node] = []
         self.context_names: tuple[str, ...] | None = None
         self.pending: list[fx.Node] = []  # made since the last _step
-        # phase 1 node -> its group's index; the index -> the PreNorm of the group's first
-        # member, fused into phase 2 (phase 1 then makes it when autograd does not record)
-        self.group_of: dict[fx.Node, int] = {}
-        self.first_norms: dict[int, nn.RMSNorm] = {}
+        # a phase-1 module's name -> the PreNorm of its group's first member, fused into
+        # phase 2 (phase 1 then makes it when autograd does not record)
+        self.first_norms: dict[str, nn.RMSNorm] = {}
 
     def node(self, op: str, target, args=(), kwargs=None, name: str | None = None) -> fx.Node:
         n = self.graph.create_node(op, target, tuple(args), kwargs or {}, name=name)
@@ -251,9 +250,7 @@ class _Emitter(Visitor):
 
     def phase1(self, k: int, group: PhaseGroup, completed: list[fx.Node]) -> fx.Node:
         block = self.g.node(group.members[0]).block
-        n = self.node("call_module", f"phases.{k}", completed, name=f"block{block}_phase1")
-        self.group_of[n] = k
-        return n
+        return self.node("call_module", f"phases.{k}", completed, name=f"block{block}_phase1")
 
     def phase2(self, agg: Aggregation, phase1: fx.Node, slot: int,
                partial: fx.Node | None) -> fx.Node:
@@ -266,7 +263,7 @@ class _Emitter(Visitor):
             kwargs["norm_eps"] = float(norm.eps)
             self.normed.add(agg.index)
             if slot == 0 and partial is None:
-                self.first_norms[self.group_of[phase1]] = norm
+                self.first_norms[phase1.target] = norm
             name += "_normed"
         return self.node("call_module", _target(agg), [] if partial is None else [partial],
                          kwargs, name=name)
