@@ -1,5 +1,5 @@
 """The eager backend's hand-written backwards (backends/eager/weighted.py, unstacked.py's
-_Rstd and _Merge) and the logits shared by a source's readers (restopo.nn.shared_sources):
+_Rstd, _Logits and _Lerp) and the logits shared by a source's readers (restopo.nn.shared_sources):
 gradcheck in float64, float32 against float64 references written here, all-zero rows at
 eps 1e-30, and whole models against tests/reference.py's loop, gradients included."""
 from types import SimpleNamespace
@@ -138,6 +138,61 @@ def test_logits_against_is_each_query_by_hand(heads, key_norm):
         torch.testing.assert_close(got[r], (key * qs[r]).unflatten(-1, (heads, -1)).sum(-1))
     assert torch.autograd.gradcheck(
         lambda v, qs: ops.logits_against(v, qs, 1e-6, key_norm=key_norm, heads=heads), (v, qs))
+
+
+def _logits_fp64(v, qs, eps, key_norm, heads):
+    key = v.double() * _rstd_fp64(v, eps) if key_norm else v.double()
+    return torch.stack([(key * q).unflatten(-1, (heads, -1)).sum(-1) for q in qs.double()])
+
+
+@pytest.mark.parametrize("heads,key_norm", [(1, True), (2, True), (2, False)])
+@pytest.mark.parametrize("logits_first", [True, False])
+def test_gathered_logits_add_their_gradient_into_the_sources_buffer(heads, key_norm,
+                                                                    logits_first):
+    """The logits of a gathered source (Full AttnRes's, restopo.nn.shared_sources) add
+    their part of its gradient into the readers' buffer in place, whether their backward
+    runs before the weighted sums' or after; the source's gradient equals plain autograd's,
+    another op reading it too, and a second backward through the graph carries nothing."""
+    v, w, qs = _rand(2, 3, 8), _rand(2, 3, 8), _rand(3, 8)
+    a = _rand(2, 2, 3, heads)
+
+    def run(share):
+        g = weighted.gathered(v) if share else v
+        mix = weighted.weighted_sum if share else (lambda a, s: _loop_sum(a, s))
+        if logits_first:  # made after the weighted sum: autograd runs their backward first
+            out = mix(a, (g, w)).sin().sum()
+            z = (ops.logits_against(g, qs, 1e-6, key_norm=key_norm, heads=heads) if share
+                 else _logits_fp64(v, qs, 1e-6, key_norm, heads))
+            return out + z.exp().sum() + v.square().sum()
+        z = (ops.logits_against(g, qs, 1e-6, key_norm=key_norm, heads=heads) if share
+             else _logits_fp64(v, qs, 1e-6, key_norm, heads))
+        # the weights made from the logits, as a reader does: its backward runs first
+        return (mix(torch.softmax(z[:2], 0) * a, (g, w)).sin().sum() + v.square().sum())
+
+    inputs = (v, w, qs, a)
+    for got, want in zip(torch.autograd.grad(run(True), inputs),
+                         torch.autograd.grad(run(False), inputs)):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    loss = run(True)
+    first = torch.autograd.grad(loss, inputs, retain_graph=True)
+    for x, y in zip(first, torch.autograd.grad(loss, inputs)):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+    assert torch.autograd.gradcheck(
+        lambda v, qs: ops.logits_against(weighted.gathered(v), qs, 1e-6, key_norm=key_norm,
+                                         heads=heads), (v, qs))
+
+
+@pytest.mark.parametrize("scale", [0.0, 1e-20, 1.0])
+def test_logits_backward_of_tiny_rows_in_float32(scale):
+    """As _Rstd's: the logits' backward through the key norm never forms rstd^3 (which
+    overflows fp32 for an all-zero row at eps 1e-30)."""
+    v = (torch.randn(4, 16) * scale).requires_grad_()
+    qs, grad = torch.randn(3, 16), torch.randn(3, 4, 1)
+    got, = torch.autograd.grad(ops.logits_against(v, qs, 1e-30), v, grad)
+    v64 = v.detach().double().requires_grad_()
+    want, = torch.autograd.grad(_logits_fp64(v64, qs, 1e-30, True, 1), v64, grad.double())
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-30)
 
 
 # -- whole models: the shared logits and gradient buffers against tests/reference.py -------

@@ -6,7 +6,8 @@ and recomputes v_i's RMS every time. With static queries they are one matmul:
 z_i = (v_i @ [g_l * w_l]_l) * rstd_i (ops.logits_against), made at the first read of v_i; each
 later reader takes its column, and autograd sums the readers' gradients once, in one unbind.
 The readers' weighted sums likewise add their parts of v_i's gradient into one buffer in
-place (ops.gathered) rather than each handing autograd a new d-sized tensor to add up.
+place (ops.gathered) rather than each handing autograd a new d-sized tensor to add up, and
+so do the logits, made from the same gathered view.
 
 `SharedSources` is built by the lowering from the IR: which readers (static-query Attend
 modules lowered directly, and two-phase groups, whose phase 1 reads the completed blocks) read
@@ -261,11 +262,12 @@ class SharedSources:
                 return v, ops.gathered(v), None, {}
         queries = self._queries(records, kind, readers)
         key_norm, heads = kind
-        z = ops.logits_against(v, queries, self.eps, key_norm=key_norm, heads=heads)
+        view = ops.gathered(v)  # the logits' gradient, too, is added into its buffer
+        z = ops.logits_against(view, queries, self.eps, key_norm=key_norm, heads=heads)
         starts, at = {}, 0
         for r in readers:
             starts[r.module], at = at, at + r.queries
-        return v, ops.gathered(v), z.unbind(0), starts
+        return v, view, z.unbind(0), starts
 
     def _queries(self, records: dict, kind, readers: list[Reader]) -> torch.Tensor:
         """The stacked queries of `readers`: rows of every reader's, stacked once a scope."""

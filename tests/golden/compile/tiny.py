@@ -317,11 +317,63 @@ def _unstacked_logits_against(v: torch.Tensor, gained_queries: torch.Tensor, eps
         z = (v.unflatten(-1, (heads, -1)) * q).sum(-1, dtype=acc)
     else:  # [R*H, tokens] = W^T v^T: one matmul, its output already query-major
         w = _unstacked_query_matrix(gained_queries, heads).to(v.dtype)
-        z = (w.t() @ v.reshape(-1, v.shape[-1]).t()).to(acc)
-        z = z.view(R, heads, *v.shape[:-1]).movedim(1, -1)
+        if torch.is_grad_enabled() and (v.requires_grad or w.requires_grad):
+            z = _Logits.apply(v, w, eps, key_norm)
+        else:
+            z = (w.t() @ v.reshape(-1, v.shape[-1]).t()).to(acc)
+            if key_norm:
+                z = z * _unstacked__rstd_value(v, eps).view(1, -1)
+        return z.view(R, heads, *v.shape[:-1]).movedim(1, -1)
     if key_norm:
         z = z * _unstacked__rstd(v, eps)
     return z
+
+
+class _Logits(torch.autograd.Function):
+    """z = (W^T v^T) * rstd(v), [R*H, tokens] in at least fp32 (rstd 1 without key norm),
+    in one node whose backward writes v's gradient in place: a matmul and, with the key
+    norm, one multiply-add of v (d rstd / dv = -rstd^3 v / d), into the source's shared
+    gradient buffer when v is a gathered view (weighted.gathered: Full AttnRes's sources).
+    Autograd's own ops wrote three d-sized tensors a source (the matmul's and two for the
+    rstd's backward) and then added them to the buffer's sum, two passes more."""
+
+    @staticmethod
+    def forward(ctx, v, w, eps, key_norm):
+        acc = _weighted__acc(v)
+        u = (w.t() @ v.reshape(-1, v.shape[-1]).t()).to(acc)      # [R*H, M]
+        r = _unstacked__rstd_value(v, eps).view(1, -1) if key_norm else None  # [1, M]
+        ctx.save_for_backward(v, w, u if key_norm else None, r)
+        ctx.sink = getattr(v, "restopo_sink", None)
+        return u * r if key_norm else u
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dz):
+        v, w, u, r = ctx.saved_tensors
+        v2 = v.reshape(-1, v.shape[-1])
+        du = (dz * r if r is not None else dz).to(v.dtype)          # [R*H, M]
+        dw = (du @ v2).t() if ctx.needs_input_grad[1] else None
+        if not ctx.needs_input_grad[0]:
+            return None, dw, None, None
+        # v's gradient: added in place to the readers' sum when v is gathered (handed on
+        # by the view, see weighted._Sink), else a tensor of its own
+        buf, summed = (None, False) if ctx.sink is None else ctx.sink.buffer(v)
+        inside = buf is not None and buf.is_contiguous()  # (a source always is)
+        dv = buf.view(v2.shape) if inside else torch.empty_like(v2)
+        if inside and summed:
+            dv.addmm_(du.t(), w.t())
+        else:
+            torch.mm(du.t(), w.t(), out=dv)
+        if r is not None:  # r^2 times the rest: finite for an all-zero row (u = 0 there)
+            scale = (dz * u).sum(0) * r[0] * (-1.0 / v.shape[-1])
+            dv.addcmul_(v2, (r[0] * r[0] * scale).to(v.dtype).unsqueeze(-1))
+        if buf is None:
+            return dv.view(v.shape), dw, None, None
+        if not inside and summed:
+            buf.add_(dv.view(v.shape))
+        elif not inside:
+            buf.copy_(dv.view(v.shape))
+        return None, dw, None, None
 
 
 def _unstacked_depth_attention(sources: Sequence[torch.Tensor], query: torch.Tensor,
