@@ -532,6 +532,37 @@ def test_kernels_thread_count_changes_only_rounding():
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+@needs_kernels
+@pytest.mark.parametrize("heads", [1, 2])
+def test_phase2_backward_over_several_tiles_and_threads(heads):
+    """Phase 2's backward sums the query's and the gain's gradients over tiles of tokens
+    (in REAL, then in double): over 300 tokens (an uneven last tile) and one or two
+    threads, both kernels equal the eager backend in float64, float32 to its rounding."""
+    torch.manual_seed(0)
+    inputs = [torch.randn(300, 32, **D64), torch.randn(300, heads, **D64),
+              torch.randn(300, 32, **D64), torch.randn(32, **D64), torch.randn(32, **D64)]
+    weight = torch.randn(300, 32, **D64)
+    a = [t.clone().requires_grad_() for t in inputs]
+    h1, lse, p, q, g = a
+    y = get_backend("eager").phase2_norm(h1, lse, None, p, q, None, 1e-6, norm_weight=g,
+                                         norm_eps=1e-5, key_norm=True, keep_h=False)[1]
+    got = [torch.autograd.grad((y * weight).sum(), a)]
+    for dtype, threads in ((torch.float64, 1), (torch.float64, 2), (torch.float32, 1),
+                           (torch.float32, 2)):
+        prev = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            a = [t.to(dtype).requires_grad_() for t in inputs]
+            y = Phase2.apply(*a, 1e-6, True, 1e-5, False)[1]
+            got.append(torch.autograd.grad((y * weight.to(dtype)).sum(), a))
+        finally:
+            torch.set_num_threads(prev)
+    for grads in got[1:]:
+        for g, want in zip(grads, got[0]):
+            assert torch.allclose(g.double(), want, rtol=1e-4,
+                                  atol=1e-5 * want.abs().max().item())
+
+
 def _run(code: str, **env) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env={**os.environ, **env}, timeout=300)

@@ -488,7 +488,6 @@ void NAME(wsum_bwd)(long n, const REAL *const *src, long S, const REAL *alpha, l
     }
 }
 #undef SPAN
-#undef TILE
 
 /* Phase 2, fused with the next sublayer's PreNorm: for each token,
  *   w = sigmoid(rstd(p) (q . p) - lse) per head,  h = h1 + w (p - h1),
@@ -539,64 +538,77 @@ void NAME(phase2_bwd)(long M, long d, long H, const REAL *h1, const REAL *lse, c
 #ifdef _OPENMP
         me = omp_get_thread_num();
 #endif
-        double *dqa = part + (size_t)me * 2 * d, *dga = dqa + d;
-        REAL *hrow = (REAL *)malloc(sizeof(REAL) * (2 * d + 2 * H));
+        double *dqp = part + (size_t)me * 2 * d, *dgp = dqp + d;
+        REAL *hrow = (REAL *)malloc(sizeof(REAL) * (4 * d + 2 * H));
         REAL *grow = hrow + d, *z2 = grow + d, *dz2 = z2 + H;
+        /* dq and dg summed in REAL over a tile of tokens, then in double (as phase1_bwd's
+         * dq): a double sum a token converted and added 2 d numbers every token (the
+         * kernel alone at M = 2048, d = 64: 0.177 -> 0.145 ms) */
+        REAL *dqa = dz2 + H, *dga = dqa + d;
+        long tiles = (M + TILE - 1) / TILE;
 #pragma omp for schedule(static)
-        for (long t = 0; t < M; t++) {
-            const REAL *pt = p + t * d, *ht = h1 + t * d, *wt = w + t * H;
-            REAL r = NAME(rstd)(pt, d, eps, key_norm);
-            for (long h = 0; h < H; h++) {
-                z2[h] = r * NAME(dot)(q + h * c, pt + h * c, c);
+        for (long tile = 0; tile < tiles; tile++) {
+            long tend = M - tile * TILE < TILE ? M : (tile + 1) * TILE;
+            memset(dqa, 0, sizeof(REAL) * 2 * d);
+            for (long t = tile * TILE; t < tend; t++) {
+                const REAL *pt = p + t * d, *ht = h1 + t * d, *wt = w + t * H;
+                REAL r = NAME(rstd)(pt, d, eps, key_norm);
+                for (long h = 0; h < H; h++) {
+                    z2[h] = r * NAME(dot)(q + h * c, pt + h * c, c);
 #pragma omp simd
-                for (long k = h * c; k < (h + 1) * c; k++)
-                    hrow[k] = ht[k] + wt[h] * (pt[k] - ht[k]);
-            }
-            /* the gradient of h: its own, plus the norm's backward */
-            if (gh) memcpy(grow, gh + t * d, sizeof(REAL) * d);
-            else memset(grow, 0, sizeof(REAL) * d);
-            if (gy) {
-                const REAL *gyt = gy + t * d;
-                REAL r2 = rstd2[t], dot = 0;
-                if (g) {
+                    for (long k = h * c; k < (h + 1) * c; k++)
+                        hrow[k] = ht[k] + wt[h] * (pt[k] - ht[k]);
+                }
+                /* the gradient of h: its own, plus the norm's backward */
+                if (gh) memcpy(grow, gh + t * d, sizeof(REAL) * d);
+                else memset(grow, 0, sizeof(REAL) * d);
+                if (gy) {
+                    const REAL *gyt = gy + t * d;
+                    REAL r2 = rstd2[t], dot = 0;
+                    if (g) {
 #pragma omp simd reduction(+ : dot)
-                    for (long k = 0; k < d; k++) dot += gyt[k] * g[k] * hrow[k];
-                } else {
-                    dot = NAME(dot)(gyt, hrow, d);
-                }
-                REAL cf = -dot * r2 * r2 / (REAL)d;  /* rstd^2 here, the last rstd below */
-                if (g) {
-#pragma omp simd
-                    for (long k = 0; k < d; k++) {
-                        grow[k] += r2 * (gyt[k] * g[k] + cf * hrow[k]);
-                        dga[k] += (double)(gyt[k] * hrow[k] * r2);
+                        for (long k = 0; k < d; k++) dot += gyt[k] * g[k] * hrow[k];
+                    } else {
+                        dot = NAME(dot)(gyt, hrow, d);
                     }
-                } else {
+                    REAL cf = -dot * r2 * r2 / (REAL)d;  /* rstd^2 here, the last rstd below */
+                    if (g) {
 #pragma omp simd
-                    for (long k = 0; k < d; k++) grow[k] += r2 * (gyt[k] + cf * hrow[k]);
+                        for (long k = 0; k < d; k++) {
+                            grow[k] += r2 * (gyt[k] * g[k] + cf * hrow[k]);
+                            dga[k] += gyt[k] * hrow[k] * r2;
+                        }
+                    } else {
+#pragma omp simd
+                        for (long k = 0; k < d; k++) grow[k] += r2 * (gyt[k] + cf * hrow[k]);
+                    }
                 }
-            }
-            REAL coef = 0;
-            for (long h = 0; h < H; h++) {
-                REAL wh = wt[h];
-                REAL dw = 0;
+                REAL coef = 0;
+                for (long h = 0; h < H; h++) {
+                    REAL wh = wt[h];
+                    REAL dw = 0;
 #pragma omp simd reduction(+ : dw)
-                for (long k = h * c; k < (h + 1) * c; k++) dw += grow[k] * (pt[k] - ht[k]);
-                dz2[h] = dw * wh * (1 - wh);
-                dlse[t * H + h] = -dz2[h];
-                coef += dz2[h] * z2[h];
-            }
-            coef = key_norm ? -coef * r * r / (REAL)d : 0;
-            REAL *dh1t = dh1 + t * d, *dpt = dp + t * d;
-            for (long h = 0; h < H; h++) {
-                REAL wh = wt[h], du = dz2[h] * r;
-                double *dqh = dqa + h * c;
-#pragma omp simd
-                for (long k = h * c; k < (h + 1) * c; k++) {
-                    dh1t[k] = grow[k] * (1 - wh);
-                    dpt[k] = grow[k] * wh + du * q[k] + coef * pt[k];
-                    dqh[k - h * c] += (double)(du * pt[k]);
+                    for (long k = h * c; k < (h + 1) * c; k++) dw += grow[k] * (pt[k] - ht[k]);
+                    dz2[h] = dw * wh * (1 - wh);
+                    dlse[t * H + h] = -dz2[h];
+                    coef += dz2[h] * z2[h];
                 }
+                coef = key_norm ? -coef * r * r / (REAL)d : 0;
+                REAL *dh1t = dh1 + t * d, *dpt = dp + t * d;
+                for (long h = 0; h < H; h++) {
+                    REAL wh = wt[h], du = dz2[h] * r;
+                    REAL *dqh = dqa + h * c;
+#pragma omp simd
+                    for (long k = h * c; k < (h + 1) * c; k++) {
+                        dh1t[k] = grow[k] * (1 - wh);
+                        dpt[k] = grow[k] * wh + du * q[k] + coef * pt[k];
+                        dqh[k - h * c] += du * pt[k];
+                    }
+                }
+            }
+            for (long k = 0; k < d; k++) {
+                dqp[k] += (double)dqa[k];
+                dgp[k] += (double)dga[k];
             }
         }
         free(hrow);
@@ -612,3 +624,4 @@ void NAME(phase2_bwd)(long M, long d, long H, const REAL *h1, const REAL *lse, c
     }
     free(part);
 }
+#undef TILE
