@@ -147,6 +147,11 @@ def depth_attention(sources: torch.Tensor, query: torch.Tensor,
     sources, the fused kernels make their own."""
     if isinstance(sources, torch.Tensor) and sources.dim() < 2:
         raise ValueError(f"sources must be [n, *batch, d]; got shape {tuple(sources.shape)}")
+    if logits is not None and gate == "softmax" and len(logits) == 1 and len(sources) == 1:
+        # a softmax over one logit is 1 exactly: the source itself (a grouped Full AttnRes
+        # reader that reads nothing besides its group's phase 1, restopo.nn.shared_sources;
+        # the logit, already made, gets no gradient from it either way)
+        return sources[0]
     # Per-token (input-dependent) queries have no fused kernel: they run eagerly.
     picked = _pick(backend, _first(sources)) if query.dim() == 1 else "eager"
     if picked == "triton":

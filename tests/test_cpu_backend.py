@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from restopo import ops
 from restopo import topology as T
 from restopo.api import build_model
 from restopo.registry import get_backend
@@ -269,6 +270,24 @@ def test_full_readers_in_groups_equal_each_reader_alone(window, monkeypatch):
     assert torch.allclose(out["grouped"][0], out["alone"][0], atol=1e-12)
     for n, g in out["alone"][1].items():
         assert torch.allclose(out["grouped"][1][n], g, atol=1e-11), n
+
+
+@pytest.mark.parametrize("backend", ["eager", "cpu"])
+def test_softmax_over_one_given_logit_is_the_source_itself(backend):
+    """A grouped Full AttnRes reader that reads nothing besides its group's phase 1 attends
+    over one source with a given logit: that is the source itself (weight 1 exactly), not
+    a weighted sum's copy of it; with the sigmoid gate it is not, and two sources still
+    take their softmax."""
+    if backend == "cpu" and not cpu.available()[0]:
+        pytest.skip("the cpu kernels do not build here")
+    v, w, q = torch.randn(2, 5, 8, **D64), torch.randn(2, 5, 8, **D64), torch.randn(8, **D64)
+    z, zw = (ops.logits_against(x, q[None], 1e-6)[0] for x in (v, w))  # as shared ones are
+    assert ops.depth_attention([v], q, None, 1e-6, backend=backend, logits=[z]) is v
+    assert ops.depth_attention([v], q, None, 1e-6, gate="sigmoid", backend=backend,
+                               logits=[z]) is not v
+    two = ops.depth_attention([v, w], q, None, 1e-6, backend=backend, logits=[z, zw])
+    a = torch.softmax(torch.stack([z, zw]), 0)
+    torch.testing.assert_close(two, a[0] * v + a[1] * w)
 
 
 @needs_kernels
