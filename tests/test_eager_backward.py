@@ -195,6 +195,22 @@ def test_logits_backward_of_tiny_rows_in_float32(scale):
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-30)
 
 
+def test_a_shared_buffer_is_row_major_or_not_handed_out():
+    """_Sink.buffer hands out a row-major buffer whatever the source's layout (a kernel or a
+    matmul writes it whole), and none where the readers' sum so far took a gradient's
+    strides (the caller then returns its part to autograd); that sum stays as it was."""
+    sink = weighted._Sink()
+    buf, summed = sink.buffer(torch.empty(8, 6).t())
+    assert buf.is_contiguous() and not summed
+    sink = weighted._Sink()
+    g = torch.randn(3, 4, 2, 5).transpose(0, 1)                   # [4, 3, H=2, c=5]
+    sink.add(g, torch.ones(4, 3, 2, 1))
+    assert not sink.grad.is_contiguous()
+    kept = sink.grad.clone()
+    assert sink.buffer(torch.empty(4, 3, 10)) == (None, False)
+    assert torch.equal(sink.grad, kept)
+
+
 # -- whole models: the shared logits and gradient buffers against tests/reference.py -------
 
 def _cfg(depth):

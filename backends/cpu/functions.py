@@ -90,14 +90,12 @@ def phase2_nograd(h1, lse, p, q, g, eps, key_norm, norm_eps, keep_h):
 def _gradient_buffers(src, wanted, sinks):
     """(where the kernel writes each source's gradient, whether it adds there, whether that
     buffer is the source's shared one (restopo.nn.shared_sources), so autograd gets None).
-    A shared buffer that is not row-major is not written: that part goes back to autograd."""
+    A shared sum that is not row-major is not written: that part goes back to autograd."""
     bufs, add, sunk = [], (ctypes.c_int * len(src))(), []
     for i, (v, w, sink) in enumerate(zip(src, wanted, sinks)):
         buf = None
         if sink is not None and w:
             buf, add[i] = sink.buffer(v)
-            if not buf.is_contiguous():
-                buf, add[i] = None, 0
         sunk.append(buf is not None)
         if buf is None and w:
             buf = torch.empty_like(v, memory_format=torch.contiguous_format)

@@ -90,9 +90,8 @@ def logits_against(v: torch.Tensor, gained_queries: torch.Tensor, eps: float, ke
         if torch.is_grad_enabled() and (v.requires_grad or w.requires_grad):
             z = _Logits.apply(v, w, eps, key_norm)
         else:
-            z = (w.t() @ v.reshape(-1, v.shape[-1]).t()).to(acc)
-            if key_norm:
-                z = z * _rstd_value(v, eps).view(1, -1)
+            u, r = _logit_parts(v, w, eps, key_norm)
+            z = u if r is None else u * r
         return z.view(R, heads, *v.shape[:-1]).movedim(1, -1)
     if key_norm:
         z = z * _rstd(v, eps)
@@ -109,12 +108,10 @@ class _Logits(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, v, w, eps, key_norm):
-        acc = _acc(v)
-        u = (w.t() @ v.reshape(-1, v.shape[-1]).t()).to(acc)      # [R*H, M]
-        r = _rstd_value(v, eps).view(1, -1) if key_norm else None  # [1, M]
+        u, r = _logit_parts(v, w, eps, key_norm)
         ctx.save_for_backward(v, w, u if key_norm else None, r)
         ctx.sink = getattr(v, "restopo_sink", None)
-        return u * r if key_norm else u
+        return u if r is None else u * r
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -128,22 +125,22 @@ class _Logits(torch.autograd.Function):
         # v's gradient: added in place to the readers' sum when v is gathered (handed on
         # by the view, see weighted._Sink), else a tensor of its own
         buf, summed = (None, False) if ctx.sink is None else ctx.sink.buffer(v)
-        inside = buf is not None and buf.is_contiguous()  # (a source always is)
-        dv = buf.view(v2.shape) if inside else torch.empty_like(v2)
-        if inside and summed:
+        dv = torch.empty_like(v2) if buf is None else buf.view(v2.shape)
+        if summed:
             dv.addmm_(du.t(), w.t())
         else:
             torch.mm(du.t(), w.t(), out=dv)
         if r is not None:  # r^2 times the rest: finite for an all-zero row (u = 0 there)
             scale = (dz * u).sum(0) * r[0] * (-1.0 / v.shape[-1])
             dv.addcmul_(v2, (r[0] * r[0] * scale).to(v.dtype).unsqueeze(-1))
-        if buf is None:
-            return dv.view(v.shape), dw, None, None
-        if not inside and summed:
-            buf.add_(dv.view(v.shape))
-        elif not inside:
-            buf.copy_(dv.view(v.shape))
-        return None, dw, None, None
+        return (dv.view(v.shape) if buf is None else None), dw, None, None
+
+
+def _logit_parts(v, w, eps, key_norm):
+    """(u = W^T v^T [R*H, tokens] in at least fp32, rstd(v) [1, tokens] or None without
+    key norm): the logits are u * rstd."""
+    u = (w.t() @ v.reshape(-1, v.shape[-1]).t()).to(_acc(v))
+    return u, (_rstd_value(v, eps).view(1, -1) if key_norm else None)
 
 
 def depth_attention(sources: Sequence[torch.Tensor], query: torch.Tensor,

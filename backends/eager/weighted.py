@@ -43,15 +43,18 @@ class _Sink:
         else:
             self.grad.unflatten(-1, g.shape[-2:]).addcmul_(g, a)
 
-    def buffer(self, like: torch.Tensor) -> tuple[torch.Tensor, bool]:
-        """(this pass's gradient buffer, shaped as `like`; whether it holds a sum already),
-        for a kernel that writes its part there itself (the cpu backend): it writes the
-        buffer when False and adds to it when True."""
+    def buffer(self, like: torch.Tensor) -> tuple[torch.Tensor | None, bool]:
+        """(this pass's gradient buffer, row-major and shaped as `like`; whether it holds a
+        sum already), for a kernel or matmul that writes its part there itself: it writes
+        the buffer when False and adds to it when True. (None, False) where the sum so far
+        is not row-major (add's product can take a gradient's strides): the caller then
+        hands its part to autograd instead."""
         task = torch._C._current_graph_task_id()
         if self.grad is None or self.task != task:
-            self.grad, self.task = torch.empty_like(like), task
+            self.grad = torch.empty_like(like, memory_format=torch.contiguous_format)
+            self.task = task
             return self.grad, False
-        return self.grad, True
+        return (self.grad, True) if self.grad.is_contiguous() else (None, False)
 
     def take(self) -> torch.Tensor | None:
         """This pass's sum (None if nothing was added in it); the sink is emptied."""

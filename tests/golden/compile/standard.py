@@ -63,15 +63,18 @@ class _Sink:
         else:
             self.grad.unflatten(-1, g.shape[-2:]).addcmul_(g, a)
 
-    def buffer(self, like: torch.Tensor) -> tuple[torch.Tensor, bool]:
-        """(this pass's gradient buffer, shaped as `like`; whether it holds a sum already),
-        for a kernel that writes its part there itself (the cpu backend): it writes the
-        buffer when False and adds to it when True."""
+    def buffer(self, like: torch.Tensor) -> tuple[torch.Tensor | None, bool]:
+        """(this pass's gradient buffer, row-major and shaped as `like`; whether it holds a
+        sum already), for a kernel or matmul that writes its part there itself: it writes
+        the buffer when False and adds to it when True. (None, False) where the sum so far
+        is not row-major (add's product can take a gradient's strides): the caller then
+        hands its part to autograd instead."""
         task = torch._C._current_graph_task_id()
         if self.grad is None or self.task != task:
-            self.grad, self.task = torch.empty_like(like), task
+            self.grad = torch.empty_like(like, memory_format=torch.contiguous_format)
+            self.task = task
             return self.grad, False
-        return self.grad, True
+        return (self.grad, True) if self.grad.is_contiguous() else (None, False)
 
     def take(self) -> torch.Tensor | None:
         """This pass's sum (None if nothing was added in it); the sink is emptied."""
@@ -314,9 +317,8 @@ def _unstacked_logits_against(v: torch.Tensor, gained_queries: torch.Tensor, eps
         if torch.is_grad_enabled() and (v.requires_grad or w.requires_grad):
             z = _Logits.apply(v, w, eps, key_norm)
         else:
-            z = (w.t() @ v.reshape(-1, v.shape[-1]).t()).to(acc)
-            if key_norm:
-                z = z * _unstacked__rstd_value(v, eps).view(1, -1)
+            u, r = _unstacked__logit_parts(v, w, eps, key_norm)
+            z = u if r is None else u * r
         return z.view(R, heads, *v.shape[:-1]).movedim(1, -1)
     if key_norm:
         z = z * _unstacked__rstd(v, eps)
@@ -333,12 +335,10 @@ class _Logits(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, v, w, eps, key_norm):
-        acc = _weighted__acc(v)
-        u = (w.t() @ v.reshape(-1, v.shape[-1]).t()).to(acc)      # [R*H, M]
-        r = _unstacked__rstd_value(v, eps).view(1, -1) if key_norm else None  # [1, M]
+        u, r = _unstacked__logit_parts(v, w, eps, key_norm)
         ctx.save_for_backward(v, w, u if key_norm else None, r)
         ctx.sink = getattr(v, "restopo_sink", None)
-        return u * r if key_norm else u
+        return u if r is None else u * r
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -352,22 +352,22 @@ class _Logits(torch.autograd.Function):
         # v's gradient: added in place to the readers' sum when v is gathered (handed on
         # by the view, see weighted._Sink), else a tensor of its own
         buf, summed = (None, False) if ctx.sink is None else ctx.sink.buffer(v)
-        inside = buf is not None and buf.is_contiguous()  # (a source always is)
-        dv = buf.view(v2.shape) if inside else torch.empty_like(v2)
-        if inside and summed:
+        dv = torch.empty_like(v2) if buf is None else buf.view(v2.shape)
+        if summed:
             dv.addmm_(du.t(), w.t())
         else:
             torch.mm(du.t(), w.t(), out=dv)
         if r is not None:  # r^2 times the rest: finite for an all-zero row (u = 0 there)
             scale = (dz * u).sum(0) * r[0] * (-1.0 / v.shape[-1])
             dv.addcmul_(v2, (r[0] * r[0] * scale).to(v.dtype).unsqueeze(-1))
-        if buf is None:
-            return dv.view(v.shape), dw, None, None
-        if not inside and summed:
-            buf.add_(dv.view(v.shape))
-        elif not inside:
-            buf.copy_(dv.view(v.shape))
-        return None, dw, None, None
+        return (dv.view(v.shape) if buf is None else None), dw, None, None
+
+
+def _unstacked__logit_parts(v, w, eps, key_norm):
+    """(u = W^T v^T [R*H, tokens] in at least fp32, rstd(v) [1, tokens] or None without
+    key norm): the logits are u * rstd."""
+    u = (w.t() @ v.reshape(-1, v.shape[-1]).t()).to(_weighted__acc(v))
+    return u, (_unstacked__rstd_value(v, eps).view(1, -1) if key_norm else None)
 
 
 def _unstacked_depth_attention(sources: Sequence[torch.Tensor], query: torch.Tensor,
@@ -477,7 +477,7 @@ def _unstacked__rstd_value(v: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.rsqrt(ms / v.shape[-1] + eps)
 
 
-unstacked = SimpleNamespace(_rstd=_unstacked__rstd, _rstd_value=_unstacked__rstd_value, depth_attention=_unstacked_depth_attention, logits_against=_unstacked_logits_against, normalised=_unstacked_normalised, phase1=_unstacked_phase1, phase2=_unstacked_phase2, query_matrix=_unstacked_query_matrix, source_logits=_unstacked_source_logits)
+unstacked = SimpleNamespace(_logit_parts=_unstacked__logit_parts, _rstd=_unstacked__rstd, _rstd_value=_unstacked__rstd_value, depth_attention=_unstacked_depth_attention, logits_against=_unstacked_logits_against, normalised=_unstacked_normalised, phase1=_unstacked_phase1, phase2=_unstacked_phase2, query_matrix=_unstacked_query_matrix, source_logits=_unstacked_source_logits)
 
 
 _EPS = {}  # each (epsilon, device) as a 0-dim tensor, made once
