@@ -500,6 +500,35 @@ def test_cpu_block_model_runs_its_phases_through_the_kernels(monkeypatch):
 
 
 @needs_kernels
+@pytest.mark.parametrize("backend", ["cpu", "eager"])
+def test_a_lone_reader_makes_its_own_logits_on_the_cpu_backend(backend, monkeypatch):
+    """Block AttnRes's output aggregation is the only Attend to read the block sums (their
+    other readers are phase 1s): on the cpu backend it makes their logits in its fused
+    kernel (phase 1 with one query), with no logits made apart; on the eager backend, and
+    in Full AttnRes, whose readers all share sources, the logits are still shared."""
+    from restopo.fx.lower import lowered
+    from restopo.nn import shared_sources
+    made, fused = [], []
+    real = shared_sources.ops.logits_against
+    monkeypatch.setattr(shared_sources.ops, "logits_against",
+                        lambda v, q, *a, **k: made.append(q.shape[0]) or real(v, q, *a, **k))
+    fwd = Phase1.forward
+    monkeypatch.setattr(Phase1, "forward", staticmethod(
+        lambda ctx, q, *a: fused.append(q.shape[0]) or fwd(ctx, q, *a)))
+    block = _model(T.block_attnres(T.sublayer_kinds(4), blocks=2), backend, torch.float32)
+    assert len(lowered(block).restopo_shared.alone) == 1
+    block(torch.randint(0, 64, (2, 8))).sum().backward()
+    if backend == "cpu":
+        assert made == [] and fused.count(1) == 1  # the output's one query
+    else:
+        # the embedding and the two block sums, each against all its readers' queries: the
+        # phase 1s' (4 each) and the output's
+        assert made == [9, 5, 1] and fused == []
+    full = _model(T.full_attnres(T.sublayer_kinds(4)), backend, torch.float32)
+    assert lowered(full).restopo_shared.alone == frozenset()
+
+
+@needs_kernels
 @pytest.mark.parametrize("scale", [1.0, 30.0])
 def test_float32_kernels_match_float64(scale):
     """The float kernels, whose exp is their own (vectorised), against the double ones

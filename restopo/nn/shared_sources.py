@@ -25,6 +25,8 @@ reads besides, by the same softmax over [lse, its other logits]. The eager backe
 weighted sums read a source once per output either way, so it computes each reader alone.
 Each reader's h1 lives from its run's start to its call, and autograd keeps it: one more
 d-sized tensor per reader, for a pass per source per run instead of per reader.
+A reader that shares no source's logits with another (`_alone`: Block AttnRes's output
+aggregation) makes its own there, in its fused kernel.
 
 A region that torch.utils.checkpoint recomputes (restopo.fx.recompute) must make the same
 ops in its forward and in its recomputation, in backward, where the model's scope is closed.
@@ -111,6 +113,7 @@ class SharedSources:
         for r in readers:
             for s in dict.fromkeys(r.sources):
                 self.by_source.setdefault((s, _kind(r.module)), []).append(r)
+        self.alone = _alone(readers)
         self.groups = _groups(readers)
         self.group_of = {r.module: g for g in self.groups for r in g.members}
         self._records: dict | None = None  # what this forward shares so far (None: none open)
@@ -257,7 +260,8 @@ class SharedSources:
         readers = [r for r in self.by_source[(sid, kind)]
                    if self._within is None or r.module in self._within]
         if ops.picked(readers[0].module.backend, v) == "cpu":  # its phase 1 is fused
-            readers = [r for r in readers if not hasattr(r.module, "members")]
+            readers = [r for r in readers if not hasattr(r.module, "members")
+                       and r.module not in self.alone]
             if not readers:
                 return v, ops.gathered(v), None, {}
         queries = self._queries(records, kind, readers)
@@ -279,6 +283,21 @@ class SharedSources:
         if rows == list(range(rows[0], rows[0] + len(rows))):
             return every[rows[0]:rows[0] + len(rows)]
         return every[torch.tensor(rows, device=every.device)]
+
+
+def _alone(readers: list[Reader]) -> frozenset:
+    """The Attend readers that share no source's logits with another Attend reader (Block
+    AttnRes's output aggregation, the only one to read the block sums besides their phase
+    1s). On the cpu backend such a reader makes its own logits in its fused kernel, in the
+    same pass as its weighted sum, rather than taking them made apart, a matmul, an rstd
+    and an autograd node a source, forward and backward, for no reader to share."""
+    count: dict[tuple, int] = {}
+    attend = [r for r in readers if not hasattr(r.module, "members")]
+    for r in attend:
+        for s in dict.fromkeys(r.sources):
+            count[(s, _kind(r.module))] = count.get((s, _kind(r.module)), 0) + 1
+    return frozenset(r.module for r in attend
+                     if all(count[(s, _kind(r.module))] == 1 for s in r.sources))
 
 
 def _groups(readers: list[Reader]) -> list[Group]:
