@@ -167,7 +167,8 @@ def phase1(completed: torch.Tensor, queries: torch.Tensor,
     """Phase 1 for one block: (o1 [S, *batch, d], m1 [S, *batch, heads], s1 [S, *batch, heads]).
     `completed` is [n, *batch, d] or a sequence of n [*batch, d] tensors. The fused backend
     returns o1 as a tuple of S tensors (o1[s] is the same either way). `logits`: each
-    block's [S, *batch, heads] against the queries, already made (as in depth_attention).
+    block's [S, *batch, heads] against the queries (or its S columns [*batch, heads]),
+    already made (as in depth_attention).
     The eager backend returns the normalised form instead: o1 / s1, m1 + log s1, and s1
     as S Nones (s1[s] is None). phase2 takes both forms."""
     picked = _pick(backend, _first(completed))

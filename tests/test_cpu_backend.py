@@ -22,7 +22,7 @@ from restopo.registry import get_backend
 cpu = get_backend("cpu")
 needs_kernels = pytest.mark.skipif(not cpu.available()[0],
                                    reason=f"cpu kernels unavailable: {cpu.available()[1]}")
-from restopo.backends.cpu.functions import Phase1, Phase2, WeightedSum  # noqa: E402
+from restopo.backends.cpu.functions import AttendGiven, Phase1, Phase2  # noqa: E402
 from restopo.backends.eager.rmsnorm import _RMSNorm, rms_norm  # noqa: E402
 
 D64 = dict(dtype=torch.float64)
@@ -125,8 +125,6 @@ def test_weighted_sum_kernel_and_attend_given_logits(heads, n):
         assert torch.equal(cpu.depth_attention(src, q, None, heads=heads, logits=z), got)
     assert torch.autograd.gradcheck(
         lambda *t: cpu.depth_attention(t[n:], q, None, heads=heads, logits=t[:n]), (*z, *src))
-    alpha = torch.rand(n, 2, 3, heads, **D64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda a, *s: WeightedSum.apply(a, None, *s), (alpha, *src))
 
 
 @needs_kernels
@@ -149,6 +147,13 @@ def test_phase1_given_logits_equals_eager(heads):
     got, want = f(cpu, *z, *src), f(eager, *z, *src)
     for a, b in zip(got, want):
         assert torch.allclose(a, b, atol=1e-12)
+    # each source's logits as its S columns (as restopo.nn.shared_sources hands a group's),
+    # on both backends: the same values
+    for backend in (cpu, eager):
+        h1, lse, _ = backend.phase1(src, q, None, heads=heads,
+                                    logits=[tuple(z_i.unbind(0)) for z_i in z])
+        for a, b in zip((*h1, *lse), want):
+            assert torch.allclose(a, b, atol=1e-12)
     with torch.no_grad():
         for a, b in zip(f(cpu, *z, *src), got):
             assert torch.equal(a, b)
@@ -159,16 +164,19 @@ def test_phase1_given_logits_equals_eager(heads):
 @pytest.mark.parametrize("heads", [1, 4])
 @pytest.mark.parametrize("width", [16, 24, 32])
 def test_weighted_sum_kernel_gradcheck_with_outputs(heads, width):
-    """S outputs (a group's phase 1) and one, in float64, by gradcheck: with one head and
-    a width that is a multiple of a span (16 doubles with 256-bit registers, 32 with
-    512-bit) each output row is summed in registers, otherwise term by term into the
-    output."""
+    """The weighted sums given logits (functions.AttendGiven: a softmax, the kernel's sums
+    and, for S outputs, the lse) with S outputs (a group's phase 1) and one, in float64, by
+    gradcheck: with one head and a width that is a multiple of a span (16 doubles with
+    256-bit registers, 32 with 512-bit) each output row is summed in registers, otherwise
+    term by term into the output."""
     torch.manual_seed(heads)
-    src = [torch.randn(3, width, **D64, requires_grad=True) for _ in range(4)]
-    for outputs, lead in ((None, ()), (3, (3,))):
-        alpha = torch.rand(4, *lead, 3, heads, **D64, requires_grad=True)
+    n = 4
+    src = [torch.randn(3, width, **D64, requires_grad=True) for _ in range(n)]
+    for outputs, lse in ((None, False), (3, False), (3, True)):
+        cols = [torch.randn(3, heads, **D64, requires_grad=True)
+                for _ in range(n * (outputs or 1))]
         assert torch.autograd.gradcheck(
-            lambda a, *s: WeightedSum.apply(a, outputs, *s), (alpha, *src))
+            lambda *t: AttendGiven.apply(n, outputs, lse, *t), (*cols, *src))
 
 
 @needs_kernels
@@ -178,6 +186,7 @@ def test_weighted_sum_kernel_over_several_tiles_and_threads(heads):
     eager backend's weighted sum, forward and backward, to rounding; the same bits on one
     thread as on two (each token's sum is its own). One head: each output row is summed in
     registers; four: term by term."""
+    from restopo.backends.cpu.functions import _weighted_sum, _weighted_sum_backward
     from restopo.backends.eager.weighted import weighted_sum
     torch.manual_seed(0)
     src = [torch.randn(1100, 64, requires_grad=True) for _ in range(3)]
@@ -186,11 +195,12 @@ def test_weighted_sum_kernel_over_several_tiles_and_threads(heads):
     got, want = {}, None
     threads = torch.get_num_threads()
     try:
-        for t in (1, 2):
+        for t in (1, 2):  # the kernels themselves, forward and backward
             torch.set_num_threads(t)
-            out = WeightedSum.apply(alpha, None, *src)
-            grads = torch.autograd.grad(out, (alpha, *src), g)
-            got[t] = (out, *grads)
+            out = _weighted_sum(alpha.detach(), [v.detach() for v in src], 1)[0]
+            d_alpha, d_src = _weighted_sum_backward(alpha.detach(), [v.detach() for v in src],
+                                                    1, [g], [True] * 3, [None] * 3)
+            got[t] = (out, d_alpha, *d_src)
     finally:
         torch.set_num_threads(threads)
     want = weighted_sum(alpha, src)

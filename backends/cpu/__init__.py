@@ -32,7 +32,7 @@ from ..eager import depth as _eager
 from ..eager import unstacked as _unstacked
 from . import build
 from .bound import Phase1Call, Phase2Call
-from .functions import (Phase1, Phase2, WeightedSum, phase1_nograd, phase2_nograd,
+from .functions import (AttendGiven, Phase1, Phase2, phase1_nograd, phase2_nograd,
                         weighted_sum_nograd)
 
 __all__ = ["available", "bind_phase1", "bind_phase2", "depth_attention", "depth_weights",
@@ -95,39 +95,46 @@ def _attend(heads: int, logits, src: list[torch.Tensor]) -> torch.Tensor:
         raise ValueError(f"depth attention over {len(src)} sources of shape "
                          f"{tuple(src[0].shape)} needs one logit tensor of shape {shape} a "
                          f"source; got {[tuple(z.shape) for z in logits]}")
-    return _weighted(torch.softmax(torch.stack(tuple(logits)), dim=0), src, None)
-
-
-def _weighted(alpha: torch.Tensor, src: list[torch.Tensor], outputs: int | None):
-    """The kernel's weighted sum(s) of `src` by `alpha` (see functions.WeightedSum)."""
-    if not _recording(alpha, *src):
-        return weighted_sum_nograd(alpha, src, outputs)
-    return WeightedSum.apply(alpha, outputs, *src)
+    if not _recording(*logits, *src):
+        return weighted_sum_nograd(torch.softmax(torch.stack(tuple(logits)), dim=0), src)
+    return AttendGiven.apply(len(src), None, False, *logits, *src)[0]
 
 
 def phase1(completed, queries: torch.Tensor, key_norm_weights: torch.Tensor | None = None,
            eps: float = 1e-6, *, key_norm: bool = True, heads: int = 1, logits=None):
     """(h1, lse, S Nones), each a tuple over the S queries [S, d]: phase 1's normalised
     state over the completed blocks (see the eager backend's phase1). Given each block's
-    `logits` (a group of Full AttnRes readers, restopo.nn.shared_sources), torch's softmax
-    over them and the kernel's S weighted sums in one pass over the blocks."""
+    `logits` (a group of Full AttnRes readers, restopo.nn.shared_sources; [S, *batch, H]
+    or its S columns), their softmax and the kernel's S weighted sums in one pass over the
+    blocks, one autograd node (functions.AttendGiven)."""
     src = _sources(completed)
+    cols = None if logits is None else _columns(logits)
     if (len({v.shape for v in src}) != 1
-            or not _takes(queries, key_norm_weights, *src, *(logits or ()))):
+            or not _takes(queries, key_norm_weights, *src, *(cols or ()))):
         return _eager.phase1(completed, queries, key_norm_weights, eps, key_norm=key_norm,
                              heads=heads, logits=logits)
     _eager._check_heads(src[0].shape[-1], heads)
     S = queries.shape[0]
-    if logits is not None:  # each source's [S, *batch, H], made once for all its readers
-        z = torch.stack(tuple(logits))
-        h1 = _weighted(torch.softmax(z, dim=0), src, S)
-        return h1, torch.logsumexp(z, dim=0).unbind(0), (None,) * S
+    if cols is not None:  # each source's S columns, made once for all their readers
+        if not _recording(*cols, *src):
+            z = torch.stack(cols).view(len(src), S, *cols[0].shape)
+            h1 = weighted_sum_nograd(torch.softmax(z, dim=0), src, S)
+            return h1, torch.logsumexp(z, dim=0).unbind(0), (None,) * S
+        out = AttendGiven.apply(len(src), S, True, *cols, *src)
+        return out[:S], out[S:], (None,) * S
     q = _eager.gained(queries, key_norm_weights, key_norm)
     if not _recording(queries, key_norm_weights, *src):
         h1, lse = phase1_nograd(q, float(eps), bool(key_norm), heads, src)
         return h1, lse, (None,) * S
     out = Phase1.apply(q, float(eps), bool(key_norm), heads, *src)
     return out[:S], out[S:], (None,) * S
+
+
+def _columns(logits) -> list[torch.Tensor]:
+    """Phase 1's given logits as n * S columns [*batch, H], source-major: each block's come
+    as one [S, *batch, H] tensor or as its S columns (restopo.nn.shared_sources hands the
+    columns it has, rather than stacking them for the kernel to take apart)."""
+    return [z for zs in logits for z in (zs.unbind(0) if isinstance(zs, torch.Tensor) else zs)]
 
 
 def _merge(o1, m1, s1, partial, query, key_norm_weight, eps, key_norm, norm_weight,

@@ -1,6 +1,6 @@
 """Autograd around the C kernels (kernels.c): phase 1 (and depth attention, its one-query
-case), phase 2 fused with the next sublayer's PreNorm, and the weighted sum over sources
-that depth attention given shared logits ends in (Full AttnRes's readers).
+case), phase 2 fused with the next sublayer's PreNorm, and the softmax over given logits
+with the weighted sum by it (AttendGiven: Full AttnRes's readers, given shared logits).
 
 Each call hands the kernels raw addresses of contiguous float32 or float64 tensors and the
 thread count torch uses (torch.get_num_threads()). Autograd keeps the sources, phase 2's
@@ -198,32 +198,62 @@ def _weighted_sum(alpha, src, S):
     return out
 
 
-class WeightedSum(torch.autograd.Function):
-    """out_s = sum_i alpha_{i,s} v_i per head: alpha [n, *batch, H] with outputs None (one
-    output, [*batch, d]) or [n, S, *batch, H] with outputs S (a tuple of S), n sources
-    [*batch, d]; the eager backend's WeightedSum in one pass a source each way."""
+def _weighted_sum_backward(alpha, src, S, grads, wanted, sinks):
+    """(d_alpha, each source's gradient for autograd: None where it was added into the
+    source's shared buffer or is not `wanted`) from the S sums' gradients `grads`."""
+    d_src, add, sunk = _gradient_buffers(src, wanted, sinks)
+    d_alpha = torch.empty_like(alpha)
+    d = src[0].shape[-1]
+    g = [None if x is None else _rows(x) for x in grads]
+    _kernel("wsum_bwd", alpha.dtype)(len(src), _ptrs(src), S, alpha.data_ptr(),
+                                     src[0].numel() // d, d, alpha.shape[-1], _ptrs(g),
+                                     d_alpha.data_ptr(), _ptrs(d_src), add,
+                                     torch.get_num_threads())
+    return d_alpha, [None if s else x for x, s in zip(d_src, sunk)]
+
+
+class AttendGiven(torch.autograd.Function):
+    """The softmax over given logits and the weighted sum(s) by it, in one autograd node:
+    out_s = sum_i alpha_{i,s} v_i per head, alpha_s = softmax_i(z_{i,s}), and with `lse`
+    also lse_s = logsumexp_i z_{i,s} (phase 1's state). The logits come as n * S columns
+    [*batch, H], source-major (z_{i,s} at i * S + s), each a piece of its source's shared
+    logits (restopo.nn.shared_sources); the n sources [*batch, d] follow. Stacked and
+    softmaxed inside, untracked: autograd records one node, where a stack, a softmax (and
+    a logsumexp) and a weighted sum were four, and the stack's backward split the
+    gradient again piece by piece. Returns the S sums (outputs None: the one sum) and, with
+    `lse`, the S lse [*batch, H]."""
 
     @staticmethod
-    def forward(ctx, alpha, outputs, *sources):
+    def forward(ctx, n, outputs, lse, *inputs):
+        if lse and outputs is None:
+            raise ValueError("AttendGiven: lse is phase 1's, with outputs S")
         ctx.set_materialize_grads(False)
-        alpha, src = _rows(alpha), [_rows(v) for v in sources]
+        S = outputs or 1
+        cols, sources = inputs[:n * S], inputs[n * S:]
+        z = torch.stack(cols)
+        z = z if outputs is None else z.view(n, S, *z.shape[1:])
+        alpha = torch.softmax(z, dim=0)
+        src = [_rows(v) for v in sources]
         ctx.save_for_backward(alpha, *src)
         ctx.sinks = [getattr(v, "restopo_sink", None) for v in sources]
-        ctx.S = outputs or 1
-        out = _weighted_sum(alpha, src, ctx.S)
-        return out[0] if outputs is None else out
+        ctx.n, ctx.S, ctx.one = n, S, outputs is None
+        out = _weighted_sum(alpha, src, S)
+        out = out[:1] if outputs is None else out
+        return (*out, *torch.logsumexp(z, dim=0).unbind(0)) if lse else out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, *grads):
         alpha, *src = ctx.saved_tensors
-        d_src, add, sunk = _gradient_buffers(src, ctx.needs_input_grad[2:], ctx.sinks)
-        d_alpha = torch.empty_like(alpha)
-        d = src[0].shape[-1]
-        g = [None if x is None else _rows(x) for x in grads]
-        _kernel("wsum_bwd", alpha.dtype)(len(src), _ptrs(src), ctx.S, alpha.data_ptr(),
-                                         src[0].numel() // d, d, alpha.shape[-1], _ptrs(g),
-                                         d_alpha.data_ptr(), _ptrs(d_src), add,
-                                         torch.get_num_threads())
-        return (d_alpha if ctx.needs_input_grad[0] else None, None,
-                *[None if s else x for x, s in zip(d_src, sunk)])
+        n, S = ctx.n, ctx.S
+        d_alpha, d_src = _weighted_sum_backward(alpha, src, S, grads[:S],
+                                                ctx.needs_input_grad[3 + n * S:], ctx.sinks)
+        # the softmax's backward, and the lse's (d lse_s / d z_{i,s} = alpha_{i,s}):
+        # dz = alpha * (d_alpha - sum_j alpha_j d_alpha_j + d_lse), in place
+        dz = d_alpha.sub_(torch.linalg.vecdot(alpha, d_alpha, dim=0).unsqueeze(0))
+        for s, g_lse in enumerate(grads[S:]):
+            if g_lse is not None:
+                dz.select(1, s).add_(g_lse)
+        dz.mul_(alpha)
+        cols = (dz if ctx.one else dz.flatten(0, 1)).unbind(0)
+        return (None, None, None, *cols, *d_src)

@@ -96,7 +96,8 @@ def phase1(completed: torch.Tensor | Sequence[torch.Tensor], queries: torch.Tens
     and the sum s1 of e^(z_i - m1). This backend returns it normalised, as (h1, lse,
     S Nones): h1 = o1 / s1 and lse = m1 + log s1 (the same state with s1 = 1, and fewer ops
     for phase 2); phase2 takes either form (s1[s] None: the normalised one).
-    `logits`: each block's logits [S, *batch, heads] against the queries, if already made.
+    `logits`: each block's logits [S, *batch, heads] against the queries (or their S
+    columns [*batch, heads]), if already made.
     """
     # One implementation for both forms: a stacked tensor is read as its n views. (A fused
     # einsum over the stack was tried: its bf16 backward under torch.compile trips a

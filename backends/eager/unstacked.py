@@ -163,10 +163,12 @@ def phase1(completed: Sequence[torch.Tensor], gained_queries: torch.Tensor, eps:
     its log-sum-exp: the online-softmax state (o1, m1, s1) = (h1, lse, 1), so a block's
     first sublayer reads h1 as it is and phase 2 merges by one lerp (no division by s1
     anywhere). s1 is S Nones, so s1[slot] reads as with the other forms.
-    `logits`: each block's logits [S, *batch, H] against the S queries, if already made."""
+    `logits`: each block's logits [S, *batch, H] against the S queries (or their S
+    [*batch, H] columns), if already made."""
     if logits is None:
         logits = [logits_against(v, gained_queries, eps, key_norm, heads) for v in completed]
-    z = torch.stack(tuple(logits))                 # [n, S, *batch, H]
+    z = torch.stack([zs if isinstance(zs, torch.Tensor) else torch.stack(tuple(zs))
+                     for zs in logits])            # [n, S, *batch, H]
     alpha, S = torch.softmax(z, dim=0), gained_queries.shape[0]
     return weighted_sum(alpha, completed, outputs=S), torch.logsumexp(z, dim=0), (None,) * S
 

@@ -39,6 +39,7 @@ are shared among its own readers only.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -69,15 +70,30 @@ class Group:
     members: tuple[Reader, ...]
     common: tuple[str, ...]
 
+    @functools.cached_property
+    def slot(self) -> dict:
+        """Each member module's place in the group."""
+        return {m.module: k for k, m in enumerate(self.members)}
+
+    @functools.cached_property
+    def besides(self) -> dict:
+        """The sources each member module reads besides the common ones, in its order."""
+        return {m.module: tuple(s for s in m.sources if s not in self.common)
+                for m in self.members}
+
 
 def _members(module: nn.Module) -> tuple:
     return getattr(module, "members", (module,))
 
 
-def gained_queries(module: nn.Module) -> torch.Tensor:
-    """[R, d]: a reader's queries with their key-norm gains folded in."""
-    return torch.stack([m.pseudo_query if m.gain is None else m.pseudo_query * m.gain
-                        for m in _members(module)])
+def gained_queries(*modules: nn.Module) -> torch.Tensor:
+    """[R, d]: the queries of readers `modules`, in order, with their key-norm gains folded
+    in (one multiply for all: readers of one kind all have a gain or none)."""
+    members = [m for module in modules for m in _members(module)]
+    queries = torch.stack([m.pseudo_query for m in members])
+    if members[0].gain is None:
+        return queries
+    return queries * torch.stack([m.gain for m in members])
 
 
 def _kind(module: nn.Module) -> tuple[bool, int]:
@@ -116,6 +132,10 @@ class SharedSources:
         self.alone = _alone(readers)
         self.groups = _groups(readers)
         self.group_of = {r.module: g for g in self.groups for r in g.members}
+        # What a forward would otherwise re-derive at every read, fixed by the IR: each
+        # reader's kind, and (`_plan`) each source's readers and their rows of the queries.
+        self.kind = {r.module: _kind(r.module) for r in readers}
+        self._plans: dict[tuple, tuple] = {}
         self._records: dict | None = None  # what this forward shares so far (None: none open)
         self._within: frozenset | None = None  # a region's readers, inside region()
         self._given: frozenset = frozenset()  # the keys of the records it was given
@@ -208,7 +228,7 @@ class SharedSources:
         group = self.group_of.get(module)
         if group is not None and picked == "cpu" and self._within is None:
             return self._grouped(records, group, reader, sources)
-        kind = _kind(module)
+        kind = self.kind[module]
         shared, logits = [], []
         for sid, v in zip(reader.sources, sources):
             _, view, columns, starts = self._record(records, (sid, kind), v)
@@ -217,15 +237,16 @@ class SharedSources:
                 logits = None
                 continue
             start = starts[module]
-            got = columns[start:start + reader.queries]
-            logits.append(got[0] if not hasattr(module, "members") else torch.stack(got))
+            logits.append(columns[start] if reader.queries == 1 and module not in self.phase1s
+                          else torch.stack(columns[start:start + reader.queries]))
         return tuple(shared), logits
 
     def _grouped(self, records: dict, group: Group, reader: Reader, sources):
         """(h1 of `reader`'s slot and the views of the sources it reads besides the group's
         common ones, their logits: lse and the shared columns). The group's phase 1 is made
         at its first member's call, from the common sources' shared logits."""
-        kind, module = _kind(reader.module), reader.module
+        module = reader.module
+        kind = self.kind[module]
         given = dict(zip(reader.sources, sources))
         state = records.get(("group", group.index))
         if state is None:
@@ -233,18 +254,17 @@ class SharedSources:
             for sid in group.common:
                 _, view, columns, starts = self._record(records, (sid, kind), given[sid])
                 views.append(view)
-                logits.append(torch.stack([columns[starts[m.module]] for m in group.members]))
-            queries = self._queries(records, kind, list(group.members))  # (their shapes)
+                logits.append(tuple(columns[starts[m.module]] for m in group.members))
+            queries = self._queries(records, kind, group.members)  # (their shapes)
             h1, lse, _ = ops.phase1(views, queries, None, self.eps, key_norm=kind[0],
                                     heads=kind[1], backend=module.backend, logits=logits)
             state = records[("group", group.index)] = (h1, lse)
-        slot = next(k for k, m in enumerate(group.members) if m.module is module)
+        slot = group.slot[module]
         views, logits = [state[0][slot]], [state[1][slot]]
-        for sid in reader.sources:
-            if sid not in group.common:
-                _, view, columns, starts = self._record(records, (sid, kind), given[sid])
-                views.append(view)
-                logits.append(columns[starts[module]])
+        for sid in group.besides[module]:
+            _, view, columns, starts = self._record(records, (sid, kind), given[sid])
+            views.append(view)
+            logits.append(columns[starts[module]])
         return tuple(views), logits
 
     def _record(self, records: dict, key: tuple, v: torch.Tensor):
@@ -257,31 +277,60 @@ class SharedSources:
 
     def _make(self, records: dict, sid: str, kind: tuple[bool, int], v: torch.Tensor):
         """(v, its gathered view, its logits' columns, each reader's first column)."""
-        readers = [r for r in self.by_source[(sid, kind)]
-                   if self._within is None or r.module in self._within]
-        if ops.picked(readers[0].module.backend, v) == "cpu":  # its phase 1 is fused
-            readers = [r for r in readers if not hasattr(r.module, "members")
-                       and r.module not in self.alone]
-            if not readers:
-                return v, ops.gathered(v), None, {}
-        queries = self._queries(records, kind, readers)
+        readers = self.by_source[(sid, kind)]
+        fused = ops.picked(readers[0].module.backend, v) == "cpu"  # its phase 1 is fused
+        readers, rows, starts = self._plan(sid, kind, fused)
+        if not readers:
+            return v, ops.gathered(v), None, {}
+        queries = self._queries(records, kind, readers, rows)
         key_norm, heads = kind
         view = ops.gathered(v)  # the logits' gradient, too, is added into its buffer
         z = ops.logits_against(view, queries, self.eps, key_norm=key_norm, heads=heads)
+        return v, view, z.unbind(0), starts
+
+    def _plan(self, sid: str, kind: tuple, fused: bool):
+        """(the readers that take source `sid`'s logits, their rows in the kind's stacked
+        queries (a slice where consecutive), each one's first column): fixed by the IR,
+        derived once; inside a recomputed region, for its readers only."""
+        key = (sid, kind, fused, self._within)
+        plan = self._plans.get(key)
+        if plan is not None:
+            return plan
+        readers = [r for r in self.by_source[(sid, kind)]
+                   if self._within is None or r.module in self._within]
+        if fused:  # phase 1s make their own logits, and so does a reader alone
+            readers = [r for r in readers
+                       if r.module not in self.phase1s and r.module not in self.alone]
+        rows = [self.row[r.module] + k for r in readers for k in range(r.queries)]
+        if rows and rows == list(range(rows[0], rows[0] + len(rows))):
+            rows = slice(rows[0], rows[0] + len(rows))
         starts, at = {}, 0
         for r in readers:
             starts[r.module], at = at, at + r.queries
-        return v, view, z.unbind(0), starts
+        plan = self._plans[key] = (readers, rows, starts)
+        return plan
 
-    def _queries(self, records: dict, kind, readers: list[Reader]) -> torch.Tensor:
-        """The stacked queries of `readers`: rows of every reader's, stacked once a scope."""
+    @property
+    def phase1s(self) -> frozenset:
+        """The readers that are two-phase groups (their phase 1 reads the sources)."""
+        got = self.__dict__.get("_phase1s")
+        if got is None:
+            got = self._phase1s = frozenset(m for m in self.readers if hasattr(m, "members"))
+        return got
+
+    def _queries(self, records: dict, kind, readers, rows=None) -> torch.Tensor:
+        """The stacked queries of `readers` (at `rows` of the kind's, where known): rows of
+        every reader's, stacked once a scope, in one multiply by their gains."""
         every = records.get(("queries", kind))
         if every is None:
-            every = records[("queries", kind)] = torch.cat(
-                [gained_queries(r.module) for r in self.order[kind]])
-        rows = [self.row[r.module] + k for r in readers for k in range(r.queries)]
-        if rows == list(range(rows[0], rows[0] + len(rows))):
-            return every[rows[0]:rows[0] + len(rows)]
+            every = records[("queries", kind)] = gained_queries(
+                *(r.module for r in self.order[kind]))
+        if rows is None:
+            rows = [self.row[r.module] + k for r in readers for k in range(r.queries)]
+            if rows == list(range(rows[0], rows[0] + len(rows))):
+                rows = slice(rows[0], rows[0] + len(rows))
+        if isinstance(rows, slice):
+            return every[rows]
         return every[torch.tensor(rows, device=every.device)]
 
 

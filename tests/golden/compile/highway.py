@@ -390,10 +390,12 @@ def _unstacked_phase1(completed: Sequence[torch.Tensor], gained_queries: torch.T
     its log-sum-exp: the online-softmax state (o1, m1, s1) = (h1, lse, 1), so a block's
     first sublayer reads h1 as it is and phase 2 merges by one lerp (no division by s1
     anywhere). s1 is S Nones, so s1[slot] reads as with the other forms.
-    `logits`: each block's logits [S, *batch, H] against the S queries, if already made."""
+    `logits`: each block's logits [S, *batch, H] against the S queries (or their S
+    [*batch, H] columns), if already made."""
     if logits is None:
         logits = [_unstacked_logits_against(v, gained_queries, eps, key_norm, heads) for v in completed]
-    z = torch.stack(tuple(logits))                 # [n, S, *batch, H]
+    z = torch.stack([zs if isinstance(zs, torch.Tensor) else torch.stack(tuple(zs))
+                     for zs in logits])            # [n, S, *batch, H]
     alpha, S = torch.softmax(z, dim=0), gained_queries.shape[0]
     return _weighted_weighted_sum(alpha, completed, outputs=S), torch.logsumexp(z, dim=0), (None,) * S
 
@@ -747,7 +749,8 @@ def phase1(completed: torch.Tensor | Sequence[torch.Tensor], queries: torch.Tens
     and the sum s1 of e^(z_i - m1). This backend returns it normalised, as (h1, lse,
     S Nones): h1 = o1 / s1 and lse = m1 + log s1 (the same state with s1 = 1, and fewer ops
     for phase 2); phase2 takes either form (s1[s] None: the normalised one).
-    `logits`: each block's logits [S, *batch, heads] against the queries, if already made.
+    `logits`: each block's logits [S, *batch, heads] against the queries (or their S
+    columns [*batch, heads]), if already made.
     """
     # One implementation for both forms: a stacked tensor is read as its n views. (A fused
     # einsum over the stack was tried: its bf16 backward under torch.compile trips a
