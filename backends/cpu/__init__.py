@@ -33,7 +33,7 @@ from ..eager import unstacked as _unstacked
 from . import build
 from .bound import Phase1Call, Phase2Call
 from .functions import (AttendGiven, Phase1, Phase2, phase1_nograd, phase2_nograd,
-                        weighted_sum_nograd)
+                        softmax_given, weighted_sum_nograd)
 
 __all__ = ["available", "bind_phase1", "bind_phase2", "depth_attention", "depth_weights",
            "phase1", "phase2", "phase2_norm"]
@@ -117,9 +117,8 @@ def phase1(completed, queries: torch.Tensor, key_norm_weights: torch.Tensor | No
     S = queries.shape[0]
     if cols is not None:  # each source's S columns, made once for all their readers
         if not _recording(*cols, *src):
-            z = torch.stack(cols).view(len(src), S, *cols[0].shape)
-            h1 = weighted_sum_nograd(torch.softmax(z, dim=0), src, S)
-            return h1, torch.logsumexp(z, dim=0).unbind(0), (None,) * S
+            alpha, lse = softmax_given(torch.stack(cols).view(len(src), S, *cols[0].shape), True)
+            return weighted_sum_nograd(alpha, src, S), lse.unbind(0), (None,) * S
         out = AttendGiven.apply(len(src), S, True, *cols, *src)
         return out[:S], out[S:], (None,) * S
     q = _eager.gained(queries, key_norm_weights, key_norm)

@@ -198,6 +198,15 @@ def _weighted_sum(alpha, src, S):
     return out
 
 
+def softmax_given(z: torch.Tensor, lse: bool):
+    """(softmax over sources (dim 0) of the logits z, and with `lse` their log-sum-exp, else
+    None): with it, the weights as exp(z - lse), one pass where a softmax would be two."""
+    if not lse:
+        return torch.softmax(z, dim=0), None
+    m = torch.logsumexp(z, dim=0)
+    return (z - m).exp_(), m
+
+
 def _weighted_sum_backward(alpha, src, S, grads, wanted, sinks):
     """(d_alpha, each source's gradient for autograd: None where it was added into the
     source's shared buffer or is not `wanted`) from the S sums' gradients `grads`."""
@@ -232,14 +241,14 @@ class AttendGiven(torch.autograd.Function):
         cols, sources = inputs[:n * S], inputs[n * S:]
         z = torch.stack(cols)
         z = z if outputs is None else z.view(n, S, *z.shape[1:])
-        alpha = torch.softmax(z, dim=0)
+        alpha, m = softmax_given(z, lse)
         src = [_rows(v) for v in sources]
         ctx.save_for_backward(alpha, *src)
         ctx.sinks = [getattr(v, "restopo_sink", None) for v in sources]
         ctx.n, ctx.S, ctx.one = n, S, outputs is None
         out = _weighted_sum(alpha, src, S)
         out = out[:1] if outputs is None else out
-        return (*out, *torch.logsumexp(z, dim=0).unbind(0)) if lse else out
+        return (*out, *m.unbind(0)) if lse else out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
