@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
+from . import rmsnorm
 from .weighted import _acc, weighted_sum
 
 
@@ -92,6 +93,8 @@ def logits_against(v: torch.Tensor, gained_queries: torch.Tensor, eps: float, ke
         else:
             u, r = _logit_parts(v, w, eps, key_norm)
             z = u if r is None else u * r
+        if heads == 1:  # the same layout without a permuted view (one autograd node less)
+            return z.view(R, *v.shape[:-1], 1)
         return z.view(R, heads, *v.shape[:-1]).movedim(1, -1)
     if key_norm:
         z = z * _rstd(v, eps)
@@ -247,6 +250,6 @@ class _Lerp(torch.autograd.Function):
 
 
 def _rstd_value(v: torch.Tensor, eps: float) -> torch.Tensor:
-    """1 / RMS(v), [*batch, 1], without autograd (for a hand-written backward)."""
-    ms = torch.linalg.vector_norm(v, 2, dim=-1, keepdim=True, dtype=_acc(v)) ** 2
-    return torch.rsqrt(ms / v.shape[-1] + eps)
+    """1 / RMS(v), [*batch, 1], without autograd (for a hand-written backward): the
+    sublayer norms' (rmsnorm._rstd), one pass over v and three in place on the result."""
+    return rmsnorm._rstd(v, eps)

@@ -210,10 +210,14 @@ def _rmsnorm_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) 
 
 
 def _rmsnorm__rstd(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """[*batch, 1]: 1 / RMS(x) over channels, in at least fp32 (one pass over x)."""
-    xa = x if x.dtype == _weighted__acc(x) else x.to(_weighted__acc(x))
-    ms = torch.linalg.vecdot(xa, xa).unsqueeze(-1)
-    return ms.div_(x.shape[-1]).add_(eps).rsqrt_()
+    """[*batch, 1]: 1 / RMS(x) over channels, in at least fp32 (one pass over x: torch's
+    2-norm, faster on the CPU than a dot of x with itself, 17 against 23 us at [2048, 64]),
+    the rest in place on [*batch, 1] where autograd does not record it (torch.compile's
+    traced eager forms do)."""
+    norm = torch.linalg.vector_norm(x, 2, dim=-1, keepdim=True, dtype=_weighted__acc(x))
+    if torch.is_grad_enabled() and x.requires_grad:
+        return torch.rsqrt(norm.square() / x.shape[-1] + eps)
+    return norm.square_().div_(x.shape[-1]).add_(eps).rsqrt_()
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -325,6 +329,8 @@ def _unstacked_logits_against(v: torch.Tensor, gained_queries: torch.Tensor, eps
         else:
             u, r = _unstacked__logit_parts(v, w, eps, key_norm)
             z = u if r is None else u * r
+        if heads == 1:  # the same layout without a permuted view (one autograd node less)
+            return z.view(R, *v.shape[:-1], 1)
         return z.view(R, heads, *v.shape[:-1]).movedim(1, -1)
     if key_norm:
         z = z * _unstacked__rstd(v, eps)
@@ -480,9 +486,9 @@ class _Lerp(torch.autograd.Function):
 
 
 def _unstacked__rstd_value(v: torch.Tensor, eps: float) -> torch.Tensor:
-    """1 / RMS(v), [*batch, 1], without autograd (for a hand-written backward)."""
-    ms = torch.linalg.vector_norm(v, 2, dim=-1, keepdim=True, dtype=_weighted__acc(v)) ** 2
-    return torch.rsqrt(ms / v.shape[-1] + eps)
+    """1 / RMS(v), [*batch, 1], without autograd (for a hand-written backward): the
+    sublayer norms' (rmsnorm._rstd), one pass over v and three in place on the result."""
+    return rmsnorm._rstd(v, eps)
 
 
 unstacked = SimpleNamespace(_logit_parts=_unstacked__logit_parts, _rstd=_unstacked__rstd, _rstd_value=_unstacked__rstd_value, depth_attention=_unstacked_depth_attention, logits_against=_unstacked_logits_against, normalised=_unstacked_normalised, phase1=_unstacked_phase1, phase2=_unstacked_phase2, query_matrix=_unstacked_query_matrix, source_logits=_unstacked_source_logits)
