@@ -177,6 +177,9 @@ def test_weighted_sum_kernel_gradcheck_with_outputs(heads, width):
                 for _ in range(n * (outputs or 1))]
         assert torch.autograd.gradcheck(
             lambda *t: AttendGiven.apply(n, outputs, lse, *t), (*cols, *src))
+    # some outputs and lse without a gradient (None into the backward kernels)
+    assert torch.autograd.gradcheck(
+        lambda *t: AttendGiven.apply(n, 3, True, *t)[1::3], (*cols, *src))
 
 
 @needs_kernels
@@ -208,6 +211,42 @@ def test_weighted_sum_kernel_over_several_tiles_and_threads(heads):
     for a, b, w in zip(got[1], got[2], want):
         assert torch.equal(a, b)
         assert torch.allclose(a, w, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("heads", [1, 4])
+def test_given_softmax_kernel_over_several_chunks_and_threads(heads):
+    """The softmax over given logit columns (functions.softmax_given: 256 positions a
+    chunk) and its lse, forward, and the gradient of the columns (AttendGiven's backward):
+    torch's softmax and logsumexp in float64, and the same bits on one thread as on two."""
+    from restopo.backends.cpu.functions import softmax_given
+    torch.manual_seed(heads)
+    n, S = 5, 3
+    cols = [torch.randn(300, heads, **D64, requires_grad=True) for _ in range(n * S)]
+    src = [torch.randn(300, 8, **D64) for _ in range(n)]
+    z = torch.stack(cols).view(n, S, 300, heads)
+    want_alpha, want_lse = torch.softmax(z, 0), torch.logsumexp(z, 0)
+    g = [torch.randn(300, 8, **D64) for _ in range(S)] + [torch.randn(300, heads, **D64)] * S
+    sums = torch.einsum("nsth,nthc->sthc", want_alpha,
+                        torch.stack(src).view(n, 300, heads, -1)).flatten(-2)
+    want_dz = torch.autograd.grad((sums, want_lse), cols,
+                                  (torch.stack(g[:S]), torch.stack(g[S:])))
+    got = {}
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            alpha, lse = softmax_given([c.detach() for c in cols], n, S, True)
+            out = AttendGiven.apply(n, S, True, *cols, *src)
+            got[t] = (alpha, *lse, *torch.autograd.grad(out, cols, g))
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(got[1], got[2]):
+        assert torch.equal(a, b)
+    torch.testing.assert_close(got[1][0], want_alpha, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(torch.stack(got[1][1:1 + S]), want_lse, rtol=1e-12, atol=1e-14)
+    for a, w in zip(got[1][1 + S:], want_dz):
+        torch.testing.assert_close(a, w, rtol=1e-10, atol=1e-12)
 
 
 @needs_kernels

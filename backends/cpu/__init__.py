@@ -96,7 +96,7 @@ def _attend(heads: int, logits, src: list[torch.Tensor]) -> torch.Tensor:
                          f"{tuple(src[0].shape)} needs one logit tensor of shape {shape} a "
                          f"source; got {[tuple(z.shape) for z in logits]}")
     if not _recording(*logits, *src):
-        return weighted_sum_nograd(torch.softmax(torch.stack(tuple(logits)), dim=0), src)
+        return weighted_sum_nograd(softmax_given(logits, len(src), None, False)[0], src)
     return AttendGiven.apply(len(src), None, False, *logits, *src)[0]
 
 
@@ -117,8 +117,8 @@ def phase1(completed, queries: torch.Tensor, key_norm_weights: torch.Tensor | No
     S = queries.shape[0]
     if cols is not None:  # each source's S columns, made once for all their readers
         if not _recording(*cols, *src):
-            alpha, lse = softmax_given(torch.stack(cols).view(len(src), S, *cols[0].shape), True)
-            return weighted_sum_nograd(alpha, src, S), lse.unbind(0), (None,) * S
+            alpha, lse = softmax_given(cols, len(src), S, True)
+            return weighted_sum_nograd(alpha, src, S), lse, (None,) * S
         out = AttendGiven.apply(len(src), S, True, *cols, *src)
         return out[:S], out[S:], (None,) * S
     q = _eager.gained(queries, key_norm_weights, key_norm)

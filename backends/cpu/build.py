@@ -117,8 +117,10 @@ def _declare(lib: ctypes.CDLL) -> None:
                                                          P, P, P, P, P, P, P, I]
         getattr(lib, f"wsum_fwd_{suffix}").argtypes = [L, P, L, P, L, L, L, P, I]
         getattr(lib, f"wsum_bwd_{suffix}").argtypes = [L, P, L, P, L, L, L, P, P, P, P, I]
+        getattr(lib, f"given_softmax_{suffix}").argtypes = [L, L, P, L, L, P, P, I]
+        getattr(lib, f"given_softmax_bwd_{suffix}").argtypes = [L, L, P, P, P, L, L, P, I]
         for name in ("phase1_fwd", "phase1_bwd", "phase2_fwd", "phase2_bwd", "wsum_fwd",
-                     "wsum_bwd"):
+                     "wsum_bwd", "given_softmax", "given_softmax_bwd"):
             getattr(lib, f"{name}_{suffix}").restype = None
 
 

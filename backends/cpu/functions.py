@@ -198,13 +198,20 @@ def _weighted_sum(alpha, src, S):
     return out
 
 
-def softmax_given(z: torch.Tensor, lse: bool):
-    """(softmax over sources (dim 0) of the logits z, and with `lse` their log-sum-exp, else
-    None): with it, the weights as exp(z - lse), one pass where a softmax would be two."""
-    if not lse:
-        return torch.softmax(z, dim=0), None
-    m = torch.logsumexp(z, dim=0)
-    return (z - m).exp_(), m
+def softmax_given(cols, n: int, outputs: int | None, lse: bool):
+    """The softmax over n sources of given logit columns (n * S of them, source-major, each
+    [*batch, H]) in one kernel pass: (alpha [n, *batch, H] for outputs None, else
+    [n, S, *batch, H]; with `lse` the S log-sum-exps [*batch, H], else None)."""
+    S = outputs or 1
+    z = [_rows(c) for c in cols]
+    shape = z[0].shape
+    alpha = z[0].new_empty((n, *shape) if outputs is None else (n, S, *shape))
+    m = z[0].new_empty((S, *shape)) if lse else None
+    H = shape[-1]
+    _kernel("given_softmax", alpha.dtype)(n, S, _ptrs(z), z[0].numel() // H, H,
+                                          alpha.data_ptr(), _rows_of(m, S) if lse else None,
+                                          torch.get_num_threads())
+    return alpha, (m.unbind(0) if lse else None)
 
 
 def _weighted_sum_backward(alpha, src, S, grads, wanted, sinks):
@@ -226,11 +233,13 @@ class AttendGiven(torch.autograd.Function):
     out_s = sum_i alpha_{i,s} v_i per head, alpha_s = softmax_i(z_{i,s}), and with `lse`
     also lse_s = logsumexp_i z_{i,s} (phase 1's state). The logits come as n * S columns
     [*batch, H], source-major (z_{i,s} at i * S + s), each a piece of its source's shared
-    logits (restopo.nn.shared_sources); the n sources [*batch, d] follow. Stacked and
-    softmaxed inside, untracked: autograd records one node, where a stack, a softmax (and
-    a logsumexp) and a weighted sum were four, and the stack's backward split the
-    gradient again piece by piece. Returns the S sums (outputs None: the one sum) and, with
-    `lse`, the S lse [*batch, H]."""
+    logits (restopo.nn.shared_sources); the n sources [*batch, d] follow. The kernels read
+    the columns where they are (a table of addresses) for the softmax (given_softmax) and
+    write their gradients in one piece, its backward: autograd records one node, where a
+    stack, a softmax (and a logsumexp) and a weighted sum were four, torch's softmax passed
+    five times over the logits each way, and the stack's backward split the gradient again
+    piece by piece. Returns the S sums (outputs None: the one sum) and, with `lse`, the S
+    lse [*batch, H]."""
 
     @staticmethod
     def forward(ctx, n, outputs, lse, *inputs):
@@ -239,16 +248,14 @@ class AttendGiven(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         S = outputs or 1
         cols, sources = inputs[:n * S], inputs[n * S:]
-        z = torch.stack(cols)
-        z = z if outputs is None else z.view(n, S, *z.shape[1:])
-        alpha, m = softmax_given(z, lse)
+        alpha, m = softmax_given(cols, n, outputs, lse)
         src = [_rows(v) for v in sources]
         ctx.save_for_backward(alpha, *src)
         ctx.sinks = [getattr(v, "restopo_sink", None) for v in sources]
         ctx.n, ctx.S, ctx.one = n, S, outputs is None
         out = _weighted_sum(alpha, src, S)
         out = out[:1] if outputs is None else out
-        return (*out, *m.unbind(0)) if lse else out
+        return (*out, *m) if lse else out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -258,11 +265,12 @@ class AttendGiven(torch.autograd.Function):
         d_alpha, d_src = _weighted_sum_backward(alpha, src, S, grads[:S],
                                                 ctx.needs_input_grad[3 + n * S:], ctx.sinks)
         # the softmax's backward, and the lse's (d lse_s / d z_{i,s} = alpha_{i,s}):
-        # dz = alpha * (d_alpha - sum_j alpha_j d_alpha_j + d_lse), in place
-        dz = d_alpha.sub_(torch.linalg.vecdot(alpha, d_alpha, dim=0).unsqueeze(0))
-        for s, g_lse in enumerate(grads[S:]):
-            if g_lse is not None:
-                dz.select(1, s).add_(g_lse)
-        dz.mul_(alpha)
-        cols = (dz if ctx.one else dz.flatten(0, 1)).unbind(0)
+        # dz = alpha * (d_alpha - sum_j alpha_j d_alpha_j + d_lse), in place on d_alpha
+        glse = [None if g is None else _rows(g) for g in grads[S:]]
+        shape = alpha.shape[1 if ctx.one else 2:]
+        H = shape[-1]
+        _kernel("given_softmax_bwd", alpha.dtype)(
+            n, S, alpha.data_ptr(), d_alpha.data_ptr(), _ptrs(glse) if glse else None,
+            alpha[0].numel() // (S * H), H, d_alpha.data_ptr(), torch.get_num_threads())
+        cols = d_alpha.view(n * S, *shape).unbind(0)
         return (None, None, None, *cols, *d_src)

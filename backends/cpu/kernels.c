@@ -399,11 +399,92 @@ void NAME(phase1_bwd)(long n, const REAL *const *src, long S, long M, long d, lo
     free(dq_part);
 }
 
+/* Positions (token, head) a chunk of the given softmax: its rows of every logit column and
+ * of alpha stay in L1 across the passes over them. */
+#define CHUNK 256
+
+/* The softmax over n sources of given logits, S of them (a group of readers' columns,
+ * source-major: z[i * S + s], each [M, H], a piece of its source's shared logits):
+ * alpha [n, S, M, H] and, where lse is not NULL, lse[s] ([M, H]) = log sum_i e^z. One
+ * pass over the columns where torch's stack, softmax and logsumexp (over a non-last dim)
+ * made five. */
+void NAME(given_softmax)(long n, long S, const REAL *const *z, long M, long H, REAL *alpha,
+                         REAL *const *lse, int threads) {
+    long MH = M * H, chunks = (MH + CHUNK - 1) / CHUNK;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (long chunk = 0; chunk < chunks; chunk++) {
+        long p0 = chunk * CHUNK, np = MH - p0 < CHUNK ? MH - p0 : CHUNK;
+        REAL mx[CHUNK], sum[CHUNK];
+        for (long s = 0; s < S; s++) {
+            memcpy(mx, z[s] + p0, sizeof(REAL) * np);
+            for (long i = 1; i < n; i++) {
+                const REAL *zi = z[i * S + s] + p0;
+                for (long p = 0; p < np; p++) mx[p] = zi[p] > mx[p] ? zi[p] : mx[p];
+            }
+            memset(sum, 0, sizeof(REAL) * np);
+            for (long i = 0; i < n; i++) {
+                const REAL *zi = z[i * S + s] + p0;
+                REAL *a = alpha + (i * S + s) * MH + p0;
+#pragma omp simd
+                for (long p = 0; p < np; p++) a[p] = zi[p] - mx[p];
+                NAME(exp_all)(a, np);
+#pragma omp simd
+                for (long p = 0; p < np; p++) sum[p] += a[p];
+            }
+            if (lse)
+                for (long p = 0; p < np; p++) lse[s][p0 + p] = mx[p] + LOG(sum[p]);
+#pragma omp simd
+            for (long p = 0; p < np; p++) sum[p] = 1 / sum[p];
+            for (long i = 0; i < n; i++) {
+                REAL *a = alpha + (i * S + s) * MH + p0;
+#pragma omp simd
+                for (long p = 0; p < np; p++) a[p] *= sum[p];
+            }
+        }
+    }
+}
+
+/* given_softmax's backward: dz = alpha (dalpha - sum_i alpha_i dalpha_i + glse) per (s,
+ * position), from alpha's gradient dalpha (both [n, S, M, H]) and lse's glse[s] ([M, H];
+ * the array or an entry NULL: none); dz ([n, S, M, H]) may be dalpha itself. */
+void NAME(given_softmax_bwd)(long n, long S, const REAL *alpha, const REAL *dalpha,
+                             const REAL *const *glse, long M, long H, REAL *dz,
+                             int threads) {
+    long MH = M * H, chunks = (MH + CHUNK - 1) / CHUNK;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (long chunk = 0; chunk < chunks; chunk++) {
+        long p0 = chunk * CHUNK, np = MH - p0 < CHUNK ? MH - p0 : CHUNK;
+        REAL dot[CHUNK];
+        for (long s = 0; s < S; s++) {
+            const REAL *gl = glse ? glse[s] : NULL;
+            if (gl) {
+                for (long p = 0; p < np; p++) dot[p] = -gl[p0 + p];
+            } else {
+                memset(dot, 0, sizeof(REAL) * np);
+            }
+            for (long i = 0; i < n; i++) {
+                const REAL *a = alpha + (i * S + s) * MH + p0, *g = dalpha + (i * S + s) * MH + p0;
+#pragma omp simd
+                for (long p = 0; p < np; p++) dot[p] += a[p] * g[p];
+            }
+            for (long i = 0; i < n; i++) {
+                long at = (i * S + s) * MH + p0;
+                const REAL *a = alpha + at, *g = dalpha + at;
+                REAL *o = dz + at;
+#pragma omp simd
+                for (long p = 0; p < np; p++) o[p] = a[p] * (g[p] - dot[p]);
+            }
+        }
+    }
+}
+#undef CHUNK
+
 /* The weighted sums over sources, out_s = sum_i alpha_{i,s} v_i per head for S outputs,
  * with alpha [n, S, M, H] given: Full AttnRes's readers, whose logits are made once per
- * source for all its readers (restopo.nn.shared_sources) and whose softmax torch makes in
- * a few vectorised passes (a scalar exp per source, token and head here cost more than the
- * whole sum); S > 1 for a group of readers over the sources they all read (its phase 1).
+ * source for all its readers (restopo.nn.shared_sources) and whose softmax given_softmax
+ * makes in vectorised passes over a chunk of positions (a scalar exp per source, token and
+ * head inside this loop cost more than the whole sum); S > 1 for a group of readers over
+ * the sources they all read (its phase 1).
  * Against torch's multiply-adds it reads each source once for all S outputs and writes
  * each output once, their tiles in L2. A tile is 256 KiB of output rows: each source's
  * rows of it are one long run for the prefetcher (at 32 tokens a tile, 8 KiB runs from 33
