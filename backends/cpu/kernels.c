@@ -116,6 +116,32 @@ static inline void NAME(store_span)(REAL *o, NAME(vec) v0, NAME(vec) v1, NAME(ve
     memcpy(o + 3 * L, &v3, sizeof v3);
 }
 
+/* the sum of a register's lanes: its halves added down to 128 bits, then the last two or
+ * four lanes pairwise (a tree, where a loop over the lanes would be a chain of adds) */
+typedef REAL NAME(v128) __attribute__((vector_size(16)));
+#if VEC_BYTES == 64
+typedef REAL NAME(v256) __attribute__((vector_size(32)));
+#endif
+static inline REAL NAME(hsum)(NAME(vec) v) {
+#if VEC_BYTES == 64
+    NAME(v256) lo, hi;
+    memcpy(&lo, &v, sizeof lo);
+    memcpy(&hi, (const char *)&v + sizeof lo, sizeof hi);
+    lo += hi;
+#else
+    NAME(vec) lo = v;
+#endif
+    NAME(v128) x, y;
+    memcpy(&x, &lo, sizeof x);
+    memcpy(&y, (const char *)&lo + sizeof x, sizeof y);
+    x += y;
+#if FLOAT32
+    return (x[0] + x[2]) + (x[1] + x[3]);
+#else
+    return x[0] + x[1];
+#endif
+}
+
 /* o[0, SPAN) = sum_i a[i * stride] src[i][at, at + SPAN), in registers */
 static inline void NAME(span_sum)(REAL *o, const REAL *const *src, long n, long at,
                                   const REAL *a, long stride) {
@@ -520,6 +546,45 @@ void NAME(wsum_fwd)(long n, const REAL *const *src, long S, const REAL *alpha, l
             }
     }
 }
+/* One token's row of one source in wsum_bwd where a head is one span (c == SPAN): for each
+ * head, the row's span v and its gradient's span stay in registers while each output's
+ * gradient span is loaded once for both its dot with v (alpha's gradient) and its term of
+ * v's gradient. `a` and `da` point at (s = 0, head 0) of this token, `step` apart per s;
+ * dv NULL: v's gradient not wanted, written (add 0) or added to. */
+static inline void NAME(span_bwd)(const REAL *v, REAL *dv, int add, const REAL *const *g,
+                                  long at, const REAL *a, REAL *da, long step, long S,
+                                  long H) {
+    const long L = SPAN / 4;
+    for (long h = 0; h < H; h++) {
+        const REAL *vh = v + h * SPAN;
+        NAME(vec) v0 = NAME(load)(vh), v1 = NAME(load)(vh + L), v2 = NAME(load)(vh + 2 * L),
+                  v3 = NAME(load)(vh + 3 * L);
+        NAME(vec) o0 = {0}, o1 = {0}, o2 = {0}, o3 = {0};
+        if (dv && add) {
+            o0 = NAME(load)(dv + h * SPAN);
+            o1 = NAME(load)(dv + h * SPAN + L);
+            o2 = NAME(load)(dv + h * SPAN + 2 * L);
+            o3 = NAME(load)(dv + h * SPAN + 3 * L);
+        }
+        for (long s = 0; s < S; s++) {
+            if (!g[s]) {
+                da[s * step + h] = 0;
+                continue;
+            }
+            const REAL *gs = g[s] + at + h * SPAN;
+            NAME(vec) g0 = NAME(load)(gs), g1 = NAME(load)(gs + L), g2 = NAME(load)(gs + 2 * L),
+                      g3 = NAME(load)(gs + 3 * L);
+            da[s * step + h] = NAME(hsum)((g0 * v0 + g1 * v1) + (g2 * v2 + g3 * v3));
+            REAL al = a[s * step + h];
+            o0 += al * g0;
+            o1 += al * g1;
+            o2 += al * g2;
+            o3 += al * g3;
+        }
+        if (dv) NAME(store_span)(dv + h * SPAN, o0, o1, o2, o3);
+    }
+}
+
 /* wsum_fwd's backward: from the outputs' gradients g[s] ([M, d]; NULL: none), alpha's
  * (dalpha [n, S, M, H], the dots g_s . v_i per head) and each source's (dsrc[i] [M, d],
  * NULL: not wanted), written or added to where add[i], in one pass over each source while
@@ -535,6 +600,12 @@ void NAME(wsum_bwd)(long n, const REAL *const *src, long S, const REAL *alpha, l
         for (long i = 0; i < n; i++)
             for (long t = t0; t < t1; t++) {
                 const REAL *v = src[i] + t * d;
+                if (c == SPAN) {  /* a head is one span: its dots and its row in registers */
+                    NAME(span_bwd)(v, dsrc[i] ? dsrc[i] + t * d : NULL, add[i], g, t * d,
+                                   alpha + (i * S * M + t) * H, dalpha + (i * S * M + t) * H,
+                                   M * H, S, H);
+                    continue;
+                }
                 for (long s = 0; s < S; s++)
                     for (long h = 0; h < H; h++)
                         dalpha[((i * S + s) * M + t) * H + h] =
