@@ -142,6 +142,24 @@ static inline REAL NAME(hsum)(NAME(vec) v) {
 #endif
 }
 
+/* out[s * stride + h] = x_s . v over head h for S rows x_s = x + s * xs (c == SPAN: a head
+ * is one span), v's spans loaded once for all S, each dot summed by a register tree */
+static inline void NAME(span_dots)(const REAL *v, const REAL *x, long xs, long S, long H,
+                                   REAL *out, long stride) {
+    const long L = SPAN / 4;
+    for (long h = 0; h < H; h++) {
+        const REAL *vh = v + h * SPAN;
+        NAME(vec) v0 = NAME(load)(vh), v1 = NAME(load)(vh + L), v2 = NAME(load)(vh + 2 * L),
+                  v3 = NAME(load)(vh + 3 * L);
+        for (long s = 0; s < S; s++) {
+            const REAL *xh = x + s * xs + h * SPAN;
+            out[s * stride + h] = NAME(hsum)((NAME(load)(xh) * v0 + NAME(load)(xh + L) * v1) +
+                                             (NAME(load)(xh + 2 * L) * v2 +
+                                              NAME(load)(xh + 3 * L) * v3));
+        }
+    }
+}
+
 /* o[0, SPAN) = sum_i a[i * stride] src[i][at, at + SPAN), in registers */
 static inline void NAME(span_sum)(REAL *o, const REAL *const *src, long n, long at,
                                   const REAL *a, long stride) {
@@ -183,6 +201,10 @@ static inline void NAME(row_dots)(const REAL *v, const REAL *q, long S, long d, 
                                   REAL *z, REAL *ss) {
     long c = d / H;
     *ss = NAME(dot)(v, v, d);
+    if (c == SPAN) {
+        NAME(span_dots)(v, q, d, S, H, z, H);
+        return;
+    }
     for (long s = 0; s < S; s++)
         for (long h = 0; h < H; h++) z[s * H + h] = NAME(dot)(q + s * d + h * c, v + h * c, c);
 }
@@ -316,6 +338,15 @@ void NAME(phase1_bwd)(long n, const REAL *const *src, long S, long M, long d, lo
                 for (long u = 0; u < tn; u++) {
                     long t = t0 + u, at = (u * n + i) * SH;
                     const REAL *v = src[i] + t * d;
+                    if (c == SPAN) {  /* a head is one span: v's loaded once for all S */
+                        for (long s = 0; s < S; s++)
+                            if (gh1[s]) {
+                                NAME(span_dots)(v, gh1[s] + t * d, 0, 1, H, dz + at + s * H, 1);
+                            } else {
+                                for (long h = 0; h < H; h++) dz[at + s * H + h] = 0;
+                            }
+                        continue;
+                    }
                     for (long s = 0; s < S; s++)
                         for (long h = 0; h < H; h++)
                             dz[at + s * H + h] = gh1[s] ? NAME(dot)(gh1[s] + t * d + h * c,
