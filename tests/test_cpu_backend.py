@@ -172,14 +172,18 @@ def test_weighted_sum_kernel_gradcheck_with_outputs(heads, width):
     torch.manual_seed(heads)
     n = 4
     src = [torch.randn(3, width, **D64, requires_grad=True) for _ in range(n)]
-    for outputs, lse in ((None, False), (3, False), (3, True)):
-        cols = [torch.randn(3, heads, **D64, requires_grad=True)
-                for _ in range(n * (outputs or 1))]
+    # each source's logits: its S rows [S, 3, H]; one row [3, H], or [1, 3, H] as a split
+    # of its shared logits hands it
+    for outputs, lse, lead in ((None, False, ()), (None, False, (1,)), (3, False, (3,)),
+                               (3, True, (3,))):
+        z = [torch.randn(*lead, 3, heads, **D64, requires_grad=True) for _ in range(n)]
         assert torch.autograd.gradcheck(
-            lambda *t: AttendGiven.apply(n, outputs, lse, *t), (*cols, *src))
+            lambda *t: AttendGiven.apply(n, outputs, lse, *t), (*z, *src))
     # some outputs and lse without a gradient (None into the backward kernels)
     assert torch.autograd.gradcheck(
-        lambda *t: AttendGiven.apply(n, 3, True, *t)[1::3], (*cols, *src))
+        lambda *t: AttendGiven.apply(n, 3, True, *t)[1::3], (*z, *src))
+    with pytest.raises(ValueError, match="logits"):  # not a row of logits a token each
+        AttendGiven.apply(n, 3, True, *[x[:2] for x in z], *src)
 
 
 @needs_kernels
@@ -216,29 +220,29 @@ def test_weighted_sum_kernel_over_several_tiles_and_threads(heads):
 @needs_kernels
 @pytest.mark.parametrize("heads", [1, 4])
 def test_given_softmax_kernel_over_several_chunks_and_threads(heads):
-    """The softmax over given logit columns (functions.softmax_given: 256 positions a
-    chunk) and its lse, forward, and the gradient of the columns (AttendGiven's backward):
+    """The softmax over given logits (functions.softmax_given: 256 positions a chunk) and
+    its lse, forward, and the gradient of the logits (AttendGiven's backward):
     torch's softmax and logsumexp in float64, and the same bits on one thread as on two."""
     from restopo.backends.cpu.functions import softmax_given
     torch.manual_seed(heads)
     n, S = 5, 3
-    cols = [torch.randn(300, heads, **D64, requires_grad=True) for _ in range(n * S)]
+    rows = [torch.randn(S, 300, heads, **D64, requires_grad=True) for _ in range(n)]
     src = [torch.randn(300, 8, **D64) for _ in range(n)]
-    z = torch.stack(cols).view(n, S, 300, heads)
+    z = torch.stack(rows)
     want_alpha, want_lse = torch.softmax(z, 0), torch.logsumexp(z, 0)
     g = [torch.randn(300, 8, **D64) for _ in range(S)] + [torch.randn(300, heads, **D64)] * S
     sums = torch.einsum("nsth,nthc->sthc", want_alpha,
                         torch.stack(src).view(n, 300, heads, -1)).flatten(-2)
-    want_dz = torch.autograd.grad((sums, want_lse), cols,
+    want_dz = torch.autograd.grad((sums, want_lse), rows,
                                   (torch.stack(g[:S]), torch.stack(g[S:])))
     got = {}
     threads = torch.get_num_threads()
     try:
         for t in (1, 2):
             torch.set_num_threads(t)
-            alpha, lse = softmax_given([c.detach() for c in cols], n, S, True)
-            out = AttendGiven.apply(n, S, True, *cols, *src)
-            got[t] = (alpha, *lse, *torch.autograd.grad(out, cols, g))
+            alpha, lse = softmax_given([x.detach() for x in rows], z.shape[2:], S, True)
+            out = AttendGiven.apply(n, S, True, *rows, *src)
+            got[t] = (alpha, *lse, *torch.autograd.grad(out, rows, g))
     finally:
         torch.set_num_threads(threads)
     for a, b in zip(got[1], got[2]):

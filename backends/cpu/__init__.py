@@ -88,15 +88,16 @@ def depth_attention(sources, query: torch.Tensor, key_norm_weight: torch.Tensor 
 
 
 def _attend(heads: int, logits, src: list[torch.Tensor]) -> torch.Tensor:
-    """Depth attention over `src` given their logits, one [*batch, H] tensor a source:
-    torch's softmax (vectorised), then the kernel's weighted sum."""
-    shape = (*src[0].shape[:-1], heads)
-    if len(logits) != len(src) or any(z.shape != shape for z in logits):
+    """Depth attention over `src` given their logits, one [*batch, H] tensor a source (or
+    [1, *batch, H], a split's piece): the kernels' softmax and weighted sum."""
+    shape = torch.Size((*src[0].shape[:-1], heads))
+    if len(logits) != len(src) or any(z.shape != shape and z.shape != (1, *shape)
+                                       for z in logits):
         raise ValueError(f"depth attention over {len(src)} sources of shape "
-                         f"{tuple(src[0].shape)} needs one logit tensor of shape {shape} a "
-                         f"source; got {[tuple(z.shape) for z in logits]}")
+                         f"{tuple(src[0].shape)} needs one logit tensor of shape "
+                         f"{tuple(shape)} a source; got {[tuple(z.shape) for z in logits]}")
     if not _recording(*logits, *src):
-        return weighted_sum_nograd(softmax_given(logits, len(src), None, False)[0], src)
+        return weighted_sum_nograd(softmax_given(logits, shape, None, False)[0], src)
     return AttendGiven.apply(len(src), None, False, *logits, *src)[0]
 
 
@@ -108,18 +109,18 @@ def phase1(completed, queries: torch.Tensor, key_norm_weights: torch.Tensor | No
     or its S columns), their softmax and the kernel's S weighted sums in one pass over the
     blocks, one autograd node (functions.AttendGiven)."""
     src = _sources(completed)
-    cols = None if logits is None else _columns(logits)
+    rows = None if logits is None else _rows_given(logits)
     if (len({v.shape for v in src}) != 1
-            or not _takes(queries, key_norm_weights, *src, *(cols or ()))):
+            or not _takes(queries, key_norm_weights, *src, *(rows or ()))):
         return _eager.phase1(completed, queries, key_norm_weights, eps, key_norm=key_norm,
                              heads=heads, logits=logits)
     _eager._check_heads(src[0].shape[-1], heads)
     S = queries.shape[0]
-    if cols is not None:  # each source's S columns, made once for all their readers
-        if not _recording(*cols, *src):
-            alpha, lse = softmax_given(cols, len(src), S, True)
+    if rows is not None:  # each source's S rows, made once for all their readers
+        if not _recording(*rows, *src):
+            alpha, lse = softmax_given(rows, rows[0].shape[1:], S, True)
             return weighted_sum_nograd(alpha, src, S), lse, (None,) * S
-        out = AttendGiven.apply(len(src), S, True, *cols, *src)
+        out = AttendGiven.apply(len(src), S, True, *rows, *src)
         return out[:S], out[S:], (None,) * S
     q = _eager.gained(queries, key_norm_weights, key_norm)
     if not _recording(queries, key_norm_weights, *src):
@@ -129,11 +130,11 @@ def phase1(completed, queries: torch.Tensor, key_norm_weights: torch.Tensor | No
     return out[:S], out[S:], (None,) * S
 
 
-def _columns(logits) -> list[torch.Tensor]:
-    """Phase 1's given logits as n * S columns [*batch, H], source-major: each block's come
-    as one [S, *batch, H] tensor or as its S columns (restopo.nn.shared_sources hands the
-    columns it has, rather than stacking them for the kernel to take apart)."""
-    return [z for zs in logits for z in (zs.unbind(0) if isinstance(zs, torch.Tensor) else zs)]
+def _rows_given(logits) -> list[torch.Tensor]:
+    """Phase 1's given logits as one [S, *batch, H] tensor a block: as given (a split's
+    piece of the block's shared logits, restopo.nn.shared_sources), or its S columns
+    stacked."""
+    return [zs if isinstance(zs, torch.Tensor) else torch.stack(tuple(zs)) for zs in logits]
 
 
 def _merge(o1, m1, s1, partial, query, key_norm_weight, eps, key_norm, norm_weight,

@@ -198,18 +198,23 @@ def _weighted_sum(alpha, src, S):
     return out
 
 
-def softmax_given(cols, n: int, outputs: int | None, lse: bool):
-    """The softmax over n sources of given logit columns (n * S of them, source-major, each
-    [*batch, H]) in one kernel pass: (alpha [n, *batch, H] for outputs None, else
-    [n, S, *batch, H]; with `lse` the S log-sum-exps [*batch, H], else None)."""
-    S = outputs or 1
-    z = [_rows(c) for c in cols]
-    shape = z[0].shape
-    alpha = z[0].new_empty((n, *shape) if outputs is None else (n, S, *shape))
-    m = z[0].new_empty((S, *shape)) if lse else None
-    H = shape[-1]
-    _kernel("given_softmax", alpha.dtype)(n, S, _ptrs(z), z[0].numel() // H, H,
-                                          alpha.data_ptr(), _rows_of(m, S) if lse else None,
+def softmax_given(logits, batch: torch.Size, outputs: int | None, lse: bool):
+    """The softmax over n sources of their given logits in one kernel pass. `logits` are n
+    tensors of `batch` = [*batch, H] logits a row: each source's S rows (outputs S: [S,
+    *batch, H]) or its one row (outputs None: [*batch, H], or [1, *batch, H] as a split
+    hands it), read in place as n * S columns through a table of their addresses. Returns
+    (alpha [n, *batch, H] for outputs None, else [n, S, *batch, H]; with `lse` the S
+    log-sum-exps [*batch, H], else None)."""
+    n, S = len(logits), outputs or 1
+    z = [_rows(x) for x in logits]
+    cols, H = batch.numel(), batch[-1]
+    step = cols * z[0].element_size()
+    table = (ctypes.c_void_p * (n * S))(*[x.data_ptr() + s * step for x in z
+                                          for s in range(S)])
+    alpha = z[0].new_empty((n, *batch) if outputs is None else (n, S, *batch))
+    m = z[0].new_empty((S, *batch)) if lse else None
+    _kernel("given_softmax", alpha.dtype)(n, S, table, cols // H, H, alpha.data_ptr(),
+                                          _rows_of(m, S) if lse else None,
                                           torch.get_num_threads())
     return alpha, (m.unbind(0) if lse else None)
 
@@ -231,11 +236,12 @@ def _weighted_sum_backward(alpha, src, S, grads, wanted, sinks):
 class AttendGiven(torch.autograd.Function):
     """The softmax over given logits and the weighted sum(s) by it, in one autograd node:
     out_s = sum_i alpha_{i,s} v_i per head, alpha_s = softmax_i(z_{i,s}), and with `lse`
-    also lse_s = logsumexp_i z_{i,s} (phase 1's state). The logits come as n * S columns
-    [*batch, H], source-major (z_{i,s} at i * S + s), each a piece of its source's shared
-    logits (restopo.nn.shared_sources); the n sources [*batch, d] follow. The kernels read
-    the columns where they are (a table of addresses) for the softmax (given_softmax) and
-    write their gradients in one piece, its backward: autograd records one node, where a
+    also lse_s = logsumexp_i z_{i,s} (phase 1's state). The logits come as n tensors, each
+    source's S rows [S, *batch, H] (for one output, [*batch, H] or [1, *batch, H]), each a
+    piece of its source's shared logits (restopo.nn.shared_sources); the n sources
+    [*batch, d] follow. The kernels read the logits where they are (a table of addresses)
+    for the softmax (given_softmax) and write their gradients in one piece, its backward:
+    autograd records one node, where a
     stack, a softmax (and a logsumexp) and a weighted sum were four, torch's softmax passed
     five times over the logits each way, and the stack's backward split the gradient again
     piece by piece. Returns the S sums (outputs None: the one sum) and, with `lse`, the S
@@ -247,12 +253,17 @@ class AttendGiven(torch.autograd.Function):
             raise ValueError("AttendGiven: lse is phase 1's, with outputs S")
         ctx.set_materialize_grads(False)
         S = outputs or 1
-        cols, sources = inputs[:n * S], inputs[n * S:]
-        alpha, m = softmax_given(cols, n, outputs, lse)
+        logits, sources = inputs[:n], inputs[n:]
+        batch = torch.Size((*sources[0].shape[:-1], logits[0].shape[-1]))
+        if len(sources) != n or any(z.numel() != S * batch.numel() for z in logits):
+            raise ValueError(f"AttendGiven: {n} sources {tuple(sources[0].shape)} need {n} "
+                             f"logits of {S} rows {tuple(batch)}; got "
+                             f"{[tuple(z.shape) for z in logits]}")
+        alpha, m = softmax_given(logits, batch, outputs, lse)
         src = [_rows(v) for v in sources]
         ctx.save_for_backward(alpha, *src)
         ctx.sinks = [getattr(v, "restopo_sink", None) for v in sources]
-        ctx.n, ctx.S, ctx.one = n, S, outputs is None
+        ctx.n, ctx.S, ctx.given = n, S, [z.shape for z in logits]
         out = _weighted_sum(alpha, src, S)
         out = out[:1] if outputs is None else out
         return (*out, *m) if lse else out
@@ -263,14 +274,15 @@ class AttendGiven(torch.autograd.Function):
         alpha, *src = ctx.saved_tensors
         n, S = ctx.n, ctx.S
         d_alpha, d_src = _weighted_sum_backward(alpha, src, S, grads[:S],
-                                                ctx.needs_input_grad[3 + n * S:], ctx.sinks)
+                                                ctx.needs_input_grad[3 + n:], ctx.sinks)
         # the softmax's backward, and the lse's (d lse_s / d z_{i,s} = alpha_{i,s}):
         # dz = alpha * (d_alpha - sum_j alpha_j d_alpha_j + d_lse), in place on d_alpha
         glse = [None if g is None else _rows(g) for g in grads[S:]]
-        shape = alpha.shape[1 if ctx.one else 2:]
-        H = shape[-1]
+        H = alpha.shape[-1]
         _kernel("given_softmax_bwd", alpha.dtype)(
             n, S, alpha.data_ptr(), d_alpha.data_ptr(), _ptrs(glse) if glse else None,
             alpha[0].numel() // (S * H), H, d_alpha.data_ptr(), torch.get_num_threads())
-        cols = d_alpha.view(n * S, *shape).unbind(0)
-        return (None, None, None, *cols, *d_src)
+        # each source's logits' gradient in the shape they were given
+        dz = [g if g.shape == shape else g.view(shape)
+              for g, shape in zip(d_alpha.unbind(0), ctx.given)]
+        return (None, None, None, *dz, *d_src)

@@ -26,7 +26,8 @@ weighted sums read a source once per output either way, so it computes each read
 Each reader's h1 lives from its run's start to its call, and autograd keeps it: one more
 d-sized tensor per reader, for a pass per source per run instead of per reader.
 A reader that shares no source's logits with another (`_alone`: Block AttnRes's output
-aggregation) makes its own there, in its fused kernel.
+aggregation) makes its own there, in its fused kernel. There a source's logits are split
+rather than unbound (`_pieces`): a run takes its members' rows, consecutive, as one piece.
 
 A region that torch.utils.checkpoint recomputes (restopo.fx.recompute) must make the same
 ops in its forward and in its recomputation, in backward, where the model's scope is closed.
@@ -155,7 +156,7 @@ class SharedSources:
             if ops.picked(module.backend, v) not in SHARING:
                 continue
             key = (self.readers[module].sources[i], _kind(module))
-            got[key] = self._record(records, key, v)
+            got[key] = self._record(records, key, v, split=False)  # rows for the region's
         got.update((k, q) for k, q in records.items() if k[0] == "queries")
         return got
 
@@ -254,7 +255,9 @@ class SharedSources:
             for sid in group.common:
                 _, view, columns, starts = self._record(records, (sid, kind), given[sid])
                 views.append(view)
-                logits.append(tuple(columns[starts[m.module]] for m in group.members))
+                piece = starts.get(("group", group.index))  # the members' rows, one piece
+                logits.append(columns[piece] if piece is not None else
+                              tuple(columns[starts[m.module]] for m in group.members))
             queries = self._queries(records, kind, group.members)  # (their shapes)
             h1, lse, _ = ops.phase1(views, queries, None, self.eps, key_norm=kind[0],
                                     heads=kind[1], backend=module.backend, logits=logits)
@@ -267,32 +270,37 @@ class SharedSources:
             logits.append(columns[starts[module]])
         return tuple(views), logits
 
-    def _record(self, records: dict, key: tuple, v: torch.Tensor):
+    def _record(self, records: dict, key: tuple, v: torch.Tensor, split: bool = True):
         """The record of source `key` = (id, kind) holding value `v`, made if this scope has
-        none for `v` yet (a region's given records stand for their sources, see region)."""
+        none for `v` yet (a region's given records stand for their sources, see region).
+        `split` False: its logits a row a reader (for a recomputed region's readers, which
+        read each source alone), never a group's piece."""
         record = records.get(key)
         if record is None or (record[0] is not v and key not in self._given):
-            record = records[key] = self._make(records, key[0], key[1], v)
+            record = records[key] = self._make(records, key[0], key[1], v, split)
         return record
 
-    def _make(self, records: dict, sid: str, kind: tuple[bool, int], v: torch.Tensor):
-        """(v, its gathered view, its logits' columns, each reader's first column)."""
+    def _make(self, records: dict, sid: str, kind: tuple[bool, int], v: torch.Tensor,
+              split: bool = True):
+        """(v, its gathered view, its logits' columns or pieces, each consumer's first
+        column or its piece)."""
         readers = self.by_source[(sid, kind)]
         fused = ops.picked(readers[0].module.backend, v) == "cpu"  # its phase 1 is fused
-        readers, rows, starts = self._plan(sid, kind, fused)
+        readers, rows, starts, sizes = self._plan(sid, kind, fused, split)
         if not readers:
             return v, ops.gathered(v), None, {}
         queries = self._queries(records, kind, readers, rows)
         key_norm, heads = kind
         view = ops.gathered(v)  # the logits' gradient, too, is added into its buffer
         z = ops.logits_against(view, queries, self.eps, key_norm=key_norm, heads=heads)
-        return v, view, z.unbind(0), starts
+        return v, view, (z.unbind(0) if sizes is None else z.split(sizes)), starts
 
-    def _plan(self, sid: str, kind: tuple, fused: bool):
+    def _plan(self, sid: str, kind: tuple, fused: bool, split: bool = True):
         """(the readers that take source `sid`'s logits, their rows in the kind's stacked
-        queries (a slice where consecutive), each one's first column): fixed by the IR,
-        derived once; inside a recomputed region, for its readers only."""
-        key = (sid, kind, fused, self._within)
+        queries (a slice where consecutive), each consumer's first row or (`_pieces`) its
+        piece, the pieces' sizes or None): fixed by the IR, derived once; inside a
+        recomputed region, for its readers only."""
+        key = (sid, kind, fused, self._within, split)
         plan = self._plans.get(key)
         if plan is not None:
             return plan
@@ -307,8 +315,32 @@ class SharedSources:
         starts, at = {}, 0
         for r in readers:
             starts[r.module], at = at, at + r.queries
-        plan = self._plans[key] = (readers, rows, starts)
+        pieces = (self._pieces(sid, readers) if fused and split and self._within is None
+                  else None)
+        if pieces is not None:
+            starts = pieces[1]
+        plan = self._plans[key] = (readers, rows, starts, pieces and pieces[0])
         return plan
+
+    def _pieces(self, sid: str, readers: list[Reader]):
+        """(split sizes, each consumer's piece) of source `sid`'s logits on the cpu backend:
+        a group that reads it in common takes its members' rows as one piece [S, *batch,
+        H] (the rows of consecutive readers), every other reader its own row [1, *batch,
+        H], so a group's phase 1 takes one tensor a source where it took S columns, S
+        autograd edges each way. None where a group's rows are not consecutive."""
+        sizes, index = [], {}
+        for r in readers:
+            group = self.group_of.get(r.module)
+            who = (("group", group.index) if group is not None and sid in group.common
+                   else r.module)
+            if who in index and index[who] != len(sizes) - 1:
+                return None
+            if who in index:
+                sizes[-1] += r.queries
+            else:
+                index[who] = len(sizes)
+                sizes.append(r.queries)
+        return sizes, index
 
     @property
     def phase1s(self) -> frozenset:
