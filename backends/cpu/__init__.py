@@ -71,11 +71,14 @@ def depth_attention(sources, query: torch.Tensor, key_norm_weight: torch.Tensor 
                     eps: float = 1e-6, *, key_norm: bool = True, gate: str = "softmax",
                     heads: int = 1, logits=None) -> torch.Tensor:
     """h = sum_i softmax_i(w . RMSNorm(v_i)) v_i: phase 1 with one query, or, given each
-    source's `logits` ([*batch, H] each: restopo.nn.shared_sources makes them once for all
-    of a source's readers, as in Full AttnRes), the softmax and weighted sum over them."""
+    source's `logits` ([*batch, H] or [1, *batch, H] each: restopo.nn.shared_sources makes
+    them once for all of a source's readers, as in Full AttnRes), the softmax and weighted
+    sum over them."""
     src = _sources(sources)
     if (gate != "softmax" or query.dim() != 1 or len({v.shape for v in src}) != 1
             or not _takes(query, key_norm_weight, *src, *(logits or ()))):
+        if logits is not None:  # the eager backend takes [*batch, H], not a split's piece
+            logits = [z.squeeze(0) if z.dim() > src[0].dim() else z for z in logits]
         return _eager.depth_attention(sources, query, key_norm_weight, eps, key_norm=key_norm,
                                       gate=gate, heads=heads, logits=logits)
     _eager._check_heads(src[0].shape[-1], heads)
