@@ -178,12 +178,12 @@ def test_weighted_sum_kernel_gradcheck_with_outputs(heads, width):
                                (3, True, (3,))):
         z = [torch.randn(*lead, 3, heads, **D64, requires_grad=True) for _ in range(n)]
         assert torch.autograd.gradcheck(
-            lambda *t: AttendGiven.apply(n, outputs, lse, *t), (*z, *src))
+            lambda *t: AttendGiven.apply(heads, outputs, lse, *t), (*z, *src))
     # some outputs and lse without a gradient (None into the backward kernels)
     assert torch.autograd.gradcheck(
-        lambda *t: AttendGiven.apply(n, 3, True, *t)[1::3], (*z, *src))
+        lambda *t: AttendGiven.apply(heads, 3, True, *t)[1::3], (*z, *src))
     with pytest.raises(ValueError, match="logits"):  # not a row of logits a token each
-        AttendGiven.apply(n, 3, True, *[x[:2] for x in z], *src)
+        AttendGiven.apply(heads, 3, True, *[x[:2] for x in z], *src)
 
 
 @needs_kernels
@@ -240,8 +240,8 @@ def test_given_softmax_kernel_over_several_chunks_and_threads(heads):
     try:
         for t in (1, 2):
             torch.set_num_threads(t)
-            alpha, lse = softmax_given([x.detach() for x in rows], z.shape[2:], S, True)
-            out = AttendGiven.apply(n, S, True, *rows, *src)
+            alpha, lse = softmax_given([x.detach() for x in rows], src, heads, S, True)
+            out = AttendGiven.apply(heads, S, True, *rows, *src)
             got[t] = (alpha, *lse, *torch.autograd.grad(out, rows, g))
     finally:
         torch.set_num_threads(threads)

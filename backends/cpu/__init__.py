@@ -92,16 +92,11 @@ def depth_attention(sources, query: torch.Tensor, key_norm_weight: torch.Tensor 
 
 def _attend(heads: int, logits, src: list[torch.Tensor]) -> torch.Tensor:
     """Depth attention over `src` given their logits, one [*batch, H] tensor a source (or
-    [1, *batch, H], a split's piece): the kernels' softmax and weighted sum."""
-    shape = torch.Size((*src[0].shape[:-1], heads))
-    if len(logits) != len(src) or any(z.shape != shape and z.shape != (1, *shape)
-                                       for z in logits):
-        raise ValueError(f"depth attention over {len(src)} sources of shape "
-                         f"{tuple(src[0].shape)} needs one logit tensor of shape "
-                         f"{tuple(shape)} a source; got {[tuple(z.shape) for z in logits]}")
+    [1, *batch, H], a split's piece): the kernels' softmax and weighted sum (the logits'
+    shapes checked by softmax_given)."""
     if not _recording(*logits, *src):
-        return weighted_sum_nograd(softmax_given(logits, shape, None, False)[0], src)
-    return AttendGiven.apply(len(src), None, False, *logits, *src)[0]
+        return weighted_sum_nograd(softmax_given(logits, src, heads, None, False)[0], src)
+    return AttendGiven.apply(heads, None, False, *logits, *src)[0]
 
 
 def phase1(completed, queries: torch.Tensor, key_norm_weights: torch.Tensor | None = None,
@@ -112,7 +107,7 @@ def phase1(completed, queries: torch.Tensor, key_norm_weights: torch.Tensor | No
     or its S columns), their softmax and the kernel's S weighted sums in one pass over the
     blocks, one autograd node (functions.AttendGiven)."""
     src = _sources(completed)
-    rows = None if logits is None else _rows_given(logits)
+    rows = None if logits is None else [_unstacked.block_logits(zs) for zs in logits]
     if (len({v.shape for v in src}) != 1
             or not _takes(queries, key_norm_weights, *src, *(rows or ()))):
         return _eager.phase1(completed, queries, key_norm_weights, eps, key_norm=key_norm,
@@ -121,9 +116,9 @@ def phase1(completed, queries: torch.Tensor, key_norm_weights: torch.Tensor | No
     S = queries.shape[0]
     if rows is not None:  # each source's S rows, made once for all their readers
         if not _recording(*rows, *src):
-            alpha, lse = softmax_given(rows, rows[0].shape[1:], S, True)
+            alpha, lse = softmax_given(rows, src, heads, S, True)
             return weighted_sum_nograd(alpha, src, S), lse, (None,) * S
-        out = AttendGiven.apply(len(src), S, True, *rows, *src)
+        out = AttendGiven.apply(heads, S, True, *rows, *src)
         return out[:S], out[S:], (None,) * S
     q = _eager.gained(queries, key_norm_weights, key_norm)
     if not _recording(queries, key_norm_weights, *src):
@@ -131,13 +126,6 @@ def phase1(completed, queries: torch.Tensor, key_norm_weights: torch.Tensor | No
         return h1, lse, (None,) * S
     out = Phase1.apply(q, float(eps), bool(key_norm), heads, *src)
     return out[:S], out[S:], (None,) * S
-
-
-def _rows_given(logits) -> list[torch.Tensor]:
-    """Phase 1's given logits as one [S, *batch, H] tensor a block: as given (a split's
-    piece of the block's shared logits, restopo.nn.shared_sources), or its S columns
-    stacked."""
-    return [zs if isinstance(zs, torch.Tensor) else torch.stack(tuple(zs)) for zs in logits]
 
 
 def _merge(o1, m1, s1, partial, query, key_norm_weight, eps, key_norm, norm_weight,

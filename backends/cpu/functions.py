@@ -198,14 +198,21 @@ def _weighted_sum(alpha, src, S):
     return out
 
 
-def softmax_given(logits, batch: torch.Size, outputs: int | None, lse: bool):
-    """The softmax over n sources of their given logits in one kernel pass. `logits` are n
-    tensors of `batch` = [*batch, H] logits a row: each source's S rows (outputs S: [S,
-    *batch, H]) or its one row (outputs None: [*batch, H], or [1, *batch, H] as a split
-    hands it), read in place as n * S columns through a table of their addresses. Returns
-    (alpha [n, *batch, H] for outputs None, else [n, S, *batch, H]; with `lse` the S
-    log-sum-exps [*batch, H], else None)."""
-    n, S = len(logits), outputs or 1
+def softmax_given(logits, src, heads: int, outputs: int | None, lse: bool):
+    """The softmax over the n sources `src` ([*batch, d] each) of their given logits, in
+    one kernel pass. `logits` are n tensors of H = `heads` logits a token: each source's S
+    rows [S, *batch, H] (outputs S), or its one row (outputs None: [*batch, H], or
+    [1, *batch, H] as a split hands it), read in place as n * S columns through a table of
+    their addresses, so their shapes are checked here (ValueError). Returns (alpha
+    [n, *batch, H] for outputs None, else [n, S, *batch, H]; with `lse` the S log-sum-exps
+    [*batch, H], else None)."""
+    n, S = len(src), outputs or 1
+    batch = torch.Size((*src[0].shape[:-1], heads))
+    rows = ((batch, (1, *batch)) if outputs is None else ((S, *batch),))
+    if len(logits) != n or any(z.shape not in rows for z in logits):
+        raise ValueError(f"depth attention over {n} sources of shape {tuple(src[0].shape)} "
+                         f"needs one logit tensor of shape {tuple(rows[-1])} a source (its "
+                         f"logits' rows); got {[tuple(z.shape) for z in logits]}")
     z = [_rows(x) for x in logits]
     cols, H = batch.numel(), batch[-1]
     step = cols * z[0].element_size()
@@ -235,31 +242,26 @@ def _weighted_sum_backward(alpha, src, S, grads, wanted, sinks):
 
 class AttendGiven(torch.autograd.Function):
     """The softmax over given logits and the weighted sum(s) by it, in one autograd node:
-    out_s = sum_i alpha_{i,s} v_i per head, alpha_s = softmax_i(z_{i,s}), and with `lse`
-    also lse_s = logsumexp_i z_{i,s} (phase 1's state). The logits come as n tensors, each
-    source's S rows [S, *batch, H] (for one output, [*batch, H] or [1, *batch, H]), each a
-    piece of its source's shared logits (restopo.nn.shared_sources); the n sources
-    [*batch, d] follow. The kernels read the logits where they are (a table of addresses)
-    for the softmax (given_softmax) and write their gradients in one piece, its backward:
-    autograd records one node, where a
-    stack, a softmax (and a logsumexp) and a weighted sum were four, torch's softmax passed
-    five times over the logits each way, and the stack's backward split the gradient again
+    out_s = sum_i alpha_{i,s} v_i per head (H = `heads`), alpha_s = softmax_i(z_{i,s}),
+    and with `lse` also lse_s = logsumexp_i z_{i,s} (phase 1's state). The logits come as
+    n tensors, each source's S rows [S, *batch, H] (for one output, [*batch, H] or
+    [1, *batch, H]), each a piece of its source's shared logits
+    (restopo.nn.shared_sources); the n sources [*batch, d] follow. The kernels read the
+    logits where they are (a table of addresses) for the softmax (given_softmax) and write
+    their gradients in one piece, its backward: autograd records one node, where a stack,
+    a softmax (and a logsumexp) and a weighted sum were four, torch's softmax passed five
+    times over the logits each way, and the stack's backward split the gradient again
     piece by piece. Returns the S sums (outputs None: the one sum) and, with `lse`, the S
     lse [*batch, H]."""
 
     @staticmethod
-    def forward(ctx, n, outputs, lse, *inputs):
+    def forward(ctx, heads, outputs, lse, *inputs):
         if lse and outputs is None:
             raise ValueError("AttendGiven: lse is phase 1's, with outputs S")
         ctx.set_materialize_grads(False)
-        S = outputs or 1
+        S, n = outputs or 1, len(inputs) // 2
         logits, sources = inputs[:n], inputs[n:]
-        batch = torch.Size((*sources[0].shape[:-1], logits[0].shape[-1]))
-        if len(sources) != n or any(z.numel() != S * batch.numel() for z in logits):
-            raise ValueError(f"AttendGiven: {n} sources {tuple(sources[0].shape)} need {n} "
-                             f"logits of {S} rows {tuple(batch)}; got "
-                             f"{[tuple(z.shape) for z in logits]}")
-        alpha, m = softmax_given(logits, batch, outputs, lse)
+        alpha, m = softmax_given(logits, sources, heads, outputs, lse)
         src = [_rows(v) for v in sources]
         ctx.save_for_backward(alpha, *src)
         ctx.sinks = [getattr(v, "restopo_sink", None) for v in sources]

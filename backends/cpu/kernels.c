@@ -338,7 +338,7 @@ void NAME(phase1_bwd)(long n, const REAL *const *src, long S, long M, long d, lo
                 for (long u = 0; u < tn; u++) {
                     long t = t0 + u, at = (u * n + i) * SH;
                     const REAL *v = src[i] + t * d;
-                    if (c == SPAN) {  /* a head is one span: v's loaded once for all S */
+                    if (c == SPAN) {  /* a head is one span: each dot by a register tree */
                         for (long s = 0; s < S; s++)
                             if (gh1[s]) {
                                 NAME(span_dots)(v, gh1[s] + t * d, 0, 1, H, dz + at + s * H, 1);

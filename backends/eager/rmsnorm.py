@@ -32,21 +32,31 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return _RMSNorm.apply(x, weight, eps)
 
 
-def _rstd(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """[*batch, 1]: 1 / RMS(x) over channels, in at least fp32 (one pass over x: torch's
-    2-norm, faster on the CPU than a dot of x with itself, 17 against 23 us at [2048, 64]),
-    the rest in place on [*batch, 1] where autograd does not record it (torch.compile's
-    traced eager forms do)."""
-    norm = torch.linalg.vector_norm(x, 2, dim=-1, keepdim=True, dtype=_acc(x))
-    if torch.is_grad_enabled() and x.requires_grad:
-        return torch.rsqrt(norm.square() / x.shape[-1] + eps)
-    return norm.square_().div_(x.shape[-1]).add_(eps).rsqrt_()
+_EPS = {}  # each (epsilon, device) as a 0-dim tensor, made once
+
+
+def rstd(v: torch.Tensor, eps: float) -> torch.Tensor:
+    """[*batch, 1]: 1 / RMS(v) over channels, in at least fp32, as rsqrt(eps + |v|^2 / d):
+    a norm and two ops, one pass over v (the sublayer norms', the key norm's of both forms
+    of depth attention). For the tiny tensors of a decoding step each op's dispatch, not its
+    arithmetic, is the cost: a mean of squares takes several ops, and a Python number
+    handed to an in-place op is wrapped into a tensor and copied first (two dispatches
+    more each), where addcmul takes 1/d as its scalar `value` and eps as a kept tensor (a
+    0-dim tensor does not change the result's dtype or device)."""
+    n = torch.linalg.vector_norm(v, dim=-1, keepdim=True, dtype=_acc(v))
+    if torch.compiler.is_compiling():
+        return torch.rsqrt(n * n / v.shape[-1] + eps)
+    key = (eps, n.device)
+    e = _EPS.get(key)
+    if e is None:
+        e = _EPS[key] = torch.tensor(eps, dtype=torch.float64, device=n.device)
+    return torch.addcmul(e, n, n, value=1.0 / v.shape[-1]).rsqrt_()
 
 
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps):
-        r = _rstd(x, eps)
+        r = rstd(x, eps)
         y = torch.mul(x, r)                       # in at least fp32: r is
         if weight is not None:
             y.mul_(weight)

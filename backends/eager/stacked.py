@@ -16,27 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from .rmsnorm import rstd
 from .weighted import _acc
-
-
-_EPS = {}  # each (epsilon, device) as a 0-dim tensor, made once
-
-
-def _rstd(v: torch.Tensor, eps: float) -> torch.Tensor:
-    """[*batch, 1]: 1 / RMS(v) over channels, in at least fp32, as rsqrt(eps + |v|^2 / d):
-    a norm and two ops. For the tiny tensors of a decoding step each op's dispatch, not its
-    arithmetic, is the cost: a mean of squares takes several ops, and a Python number
-    handed to an in-place op is wrapped into a tensor and copied first (two dispatches
-    more each), where addcmul takes 1/d as its scalar `value` and eps as a kept tensor (a
-    0-dim tensor does not change the result's dtype or device)."""
-    n = torch.linalg.vector_norm(v, dim=-1, keepdim=True, dtype=_acc(v))
-    if torch.compiler.is_compiling():
-        return torch.rsqrt(n * n / v.shape[-1] + eps)
-    key = (eps, n.device)
-    e = _EPS.get(key)
-    if e is None:
-        e = _EPS[key] = torch.tensor(eps, dtype=torch.float64, device=n.device)
-    return torch.addcmul(e, n, n, value=1.0 / v.shape[-1]).rsqrt_()
 
 
 def _as(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -68,7 +49,7 @@ def _by_head(v3: torch.Tensor, heads: int) -> torch.Tensor:
 
 def _scaled(z: torch.Tensor, v3: torch.Tensor, eps: float, heads: int) -> torch.Tensor:
     """Logits z [M*H, n, k] of keys RMSNorm(v) from raw v [M, n, d]: times 1 / RMS(v_i)."""
-    r = _rstd(v3, eps)                                      # [M, n, 1]
+    r = rstd(v3, eps)                                      # [M, n, 1]
     return z.mul_(r if heads == 1 else r.repeat_interleave(heads, 0))
 
 
@@ -110,7 +91,7 @@ def _depth_attention_loops(v3, batch, gained_query, eps, key_norm, gate, heads):
     q = q.reshape(M, 1, heads, -1) if q.dim() > 2 else q    # a query per token
     z = (_as(v4, acc) * q).sum(-1)                          # [M, n, H]
     if key_norm:
-        z = z * _rstd(v3, eps)
+        z = z * rstd(v3, eps)
     alpha = torch.softmax(z, dim=1) if gate == "softmax" else torch.sigmoid(z)
     h = (_as(alpha, v3.dtype).unsqueeze(-1) * v4).sum(1)    # [M, H, c]
     return h.view(*batch, d)
@@ -157,7 +138,7 @@ def _phase1_loops(v3, batch, gained_queries, eps, key_norm, heads):
     q = _as(gained_queries, acc).view(S, heads, -1)         # [S, H, c]
     z = (_as(v5, acc) * q).sum(-1)                          # [M, n, S, H]
     if key_norm:
-        z = z * _rstd(v3, eps).unsqueeze(-1)
+        z = z * rstd(v3, eps).unsqueeze(-1)
     lse = torch.logsumexp(z, 1)                             # [M, S, H]
     e = torch.exp(z - lse.unsqueeze(1))                     # [M, n, S, H]: normalised
     h1 = (_as(e, v3.dtype).unsqueeze(-1) * v5).sum(1)       # [M, S, H, c]
@@ -196,7 +177,7 @@ def phase2(h1: torch.Tensor, lse: torch.Tensor, partial: torch.Tensor | None,
     else:
         z2 = (p @ _as(gained_query, p.dtype)).unsqueeze(-1)
     if key_norm:
-        z2 = z2.mul_(_rstd(p, eps))
+        z2 = z2.mul_(rstd(p, eps))
     w = _as(torch.sigmoid_(z2.sub_(lse)), h1.dtype)
     h = torch.lerp(by_head(h1), by_head(partial), per_head(w))
     return h.flatten(-2) if split else h

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from . import rmsnorm
+from .rmsnorm import rstd
 from .weighted import _acc, weighted_sum
 
 
@@ -29,7 +29,7 @@ class _Rstd(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, v, eps):
-        r = _rstd_value(v, eps)
+        r = rstd(v, eps)
         ctx.save_for_backward(v, r)
         return r
 
@@ -45,7 +45,7 @@ class _Rstd(torch.autograd.Function):
 def _rstd(v: torch.Tensor, eps: float) -> torch.Tensor:
     """[*batch, 1]: 1 / RMS(v) over channels, in at least fp32."""
     if torch.compiler.is_compiling():  # autograd's ops: inductor fuses them with the logits
-        return _rstd_value(v, eps)
+        return rstd(v, eps)
     return _Rstd.apply(v, eps)
 
 
@@ -143,7 +143,7 @@ def _logit_parts(v, w, eps, key_norm):
     """(u = W^T v^T [R*H, tokens] in at least fp32, rstd(v) [1, tokens] or None without
     key norm): the logits are u * rstd."""
     u = (w.t() @ v.reshape(-1, v.shape[-1]).t()).to(_acc(v))
-    return u, (_rstd_value(v, eps).view(1, -1) if key_norm else None)
+    return u, (rstd(v, eps).view(1, -1) if key_norm else None)
 
 
 def depth_attention(sources: Sequence[torch.Tensor], query: torch.Tensor,
@@ -170,10 +170,14 @@ def phase1(completed: Sequence[torch.Tensor], gained_queries: torch.Tensor, eps:
     [*batch, H] columns), if already made."""
     if logits is None:
         logits = [logits_against(v, gained_queries, eps, key_norm, heads) for v in completed]
-    z = torch.stack([zs if isinstance(zs, torch.Tensor) else torch.stack(tuple(zs))
-                     for zs in logits])            # [n, S, *batch, H]
+    z = torch.stack([block_logits(zs) for zs in logits])  # [n, S, *batch, H]
     alpha, S = torch.softmax(z, dim=0), gained_queries.shape[0]
     return weighted_sum(alpha, completed, outputs=S), torch.logsumexp(z, dim=0), (None,) * S
+
+
+def block_logits(zs) -> torch.Tensor:
+    """One block's given logits [S, *batch, H]: as given, or its S columns stacked."""
+    return zs if isinstance(zs, torch.Tensor) else torch.stack(tuple(zs))
 
 
 def normalised(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor | None):
@@ -217,7 +221,7 @@ class _Lerp(torch.autograd.Function):
         acc = _acc(p)
         u = (p.reshape(-1, p.shape[-1]) @ query_matrix(q[None], heads).to(p.dtype)).to(acc)
         u = u.view(lse.shape)                                     # q . p per head
-        r = _rstd_value(p, eps) if key_norm else None
+        r = rstd(p, eps) if key_norm else None
         z2 = u * r if key_norm else u
         w = torch.sigmoid(z2 - lse)
         out = torch.lerp(h1.unflatten(-1, (heads, -1)), p.unflatten(-1, (heads, -1)),
@@ -247,9 +251,3 @@ class _Lerp(torch.autograd.Function):
             d_p.addcmul_(ph, dr.unsqueeze(-1).to(p.dtype))
         d_q = torch.einsum("...h,...hc->hc", du.to(p.dtype), ph).flatten()
         return d_h1.flatten(-2), -dz2, d_p.flatten(-2), d_q, None, None
-
-
-def _rstd_value(v: torch.Tensor, eps: float) -> torch.Tensor:
-    """1 / RMS(v), [*batch, 1], without autograd (for a hand-written backward): the
-    sublayer norms' (rmsnorm._rstd), one pass over v and three in place on the result."""
-    return rmsnorm._rstd(v, eps)

@@ -136,6 +136,7 @@ class SharedSources:
         # What a forward would otherwise re-derive at every read, fixed by the IR: each
         # reader's kind, and (`_plan`) each source's readers and their rows of the queries.
         self.kind = {r.module: _kind(r.module) for r in readers}
+        self.phase1s = frozenset(r.module for r in readers if hasattr(r.module, "members"))
         self._plans: dict[tuple, tuple] = {}
         self._records: dict | None = None  # what this forward shares so far (None: none open)
         self._within: frozenset | None = None  # a region's readers, inside region()
@@ -309,9 +310,7 @@ class SharedSources:
         if fused:  # phase 1s make their own logits, and so does a reader alone
             readers = [r for r in readers
                        if r.module not in self.phase1s and r.module not in self.alone]
-        rows = [self.row[r.module] + k for r in readers for k in range(r.queries)]
-        if rows and rows == list(range(rows[0], rows[0] + len(rows))):
-            rows = slice(rows[0], rows[0] + len(rows))
+        rows = self._rows(readers)
         starts, at = {}, 0
         for r in readers:
             starts[r.module], at = at, at + r.queries
@@ -342,13 +341,12 @@ class SharedSources:
                 sizes.append(r.queries)
         return sizes, index
 
-    @property
-    def phase1s(self) -> frozenset:
-        """The readers that are two-phase groups (their phase 1 reads the sources)."""
-        got = self.__dict__.get("_phase1s")
-        if got is None:
-            got = self._phase1s = frozenset(m for m in self.readers if hasattr(m, "members"))
-        return got
+    def _rows(self, readers) -> slice | list[int]:
+        """`readers`' rows in their kind's stacked queries: a slice where consecutive."""
+        rows = [self.row[r.module] + k for r in readers for k in range(r.queries)]
+        if rows and rows == list(range(rows[0], rows[0] + len(rows))):
+            return slice(rows[0], rows[0] + len(rows))
+        return rows
 
     def _queries(self, records: dict, kind, readers, rows=None) -> torch.Tensor:
         """The stacked queries of `readers` (at `rows` of the kind's, where known): rows of
@@ -357,10 +355,7 @@ class SharedSources:
         if every is None:
             every = records[("queries", kind)] = gained_queries(
                 *(r.module for r in self.order[kind]))
-        if rows is None:
-            rows = [self.row[r.module] + k for r in readers for k in range(r.queries)]
-            if rows == list(range(rows[0], rows[0] + len(rows))):
-                rows = slice(rows[0], rows[0] + len(rows))
+        rows = self._rows(readers) if rows is None else rows
         if isinstance(rows, slice):
             return every[rows]
         return every[torch.tensor(rows, device=every.device)]

@@ -203,21 +203,31 @@ def _rmsnorm_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) 
     return _RMSNorm.apply(x, weight, eps)
 
 
-def _rmsnorm__rstd(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """[*batch, 1]: 1 / RMS(x) over channels, in at least fp32 (one pass over x: torch's
-    2-norm, faster on the CPU than a dot of x with itself, 17 against 23 us at [2048, 64]),
-    the rest in place on [*batch, 1] where autograd does not record it (torch.compile's
-    traced eager forms do)."""
-    norm = torch.linalg.vector_norm(x, 2, dim=-1, keepdim=True, dtype=_weighted__acc(x))
-    if torch.is_grad_enabled() and x.requires_grad:
-        return torch.rsqrt(norm.square() / x.shape[-1] + eps)
-    return norm.square_().div_(x.shape[-1]).add_(eps).rsqrt_()
+_EPS = {}  # each (epsilon, device) as a 0-dim tensor, made once
+
+
+def _rmsnorm_rstd(v: torch.Tensor, eps: float) -> torch.Tensor:
+    """[*batch, 1]: 1 / RMS(v) over channels, in at least fp32, as rsqrt(eps + |v|^2 / d):
+    a norm and two ops, one pass over v (the sublayer norms', the key norm's of both forms
+    of depth attention). For the tiny tensors of a decoding step each op's dispatch, not its
+    arithmetic, is the cost: a mean of squares takes several ops, and a Python number
+    handed to an in-place op is wrapped into a tensor and copied first (two dispatches
+    more each), where addcmul takes 1/d as its scalar `value` and eps as a kept tensor (a
+    0-dim tensor does not change the result's dtype or device)."""
+    n = torch.linalg.vector_norm(v, dim=-1, keepdim=True, dtype=_weighted__acc(v))
+    if torch.compiler.is_compiling():
+        return torch.rsqrt(n * n / v.shape[-1] + eps)
+    key = (eps, n.device)
+    e = _EPS.get(key)
+    if e is None:
+        e = _EPS[key] = torch.tensor(eps, dtype=torch.float64, device=n.device)
+    return torch.addcmul(e, n, n, value=1.0 / v.shape[-1]).rsqrt_()
 
 
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps):
-        r = _rmsnorm__rstd(x, eps)
+        r = _rmsnorm_rstd(x, eps)
         y = torch.mul(x, r)                       # in at least fp32: r is
         if weight is not None:
             y.mul_(weight)
@@ -235,7 +245,7 @@ class _RMSNorm(torch.autograd.Function):
         rows, cols = gx.reshape(-1, d), r.reshape(1, -1)
         d_weight = None
         if weight is not None and ctx.needs_input_grad[1]:
-            d_weight = (cols @ rows).view(d).to(weight.dtype)  # sum over tokens of gy x rstd
+            d_weight = (cols @ rows).view(d).to(weight.dtype)  # sum over tokens of gy x _rmsnorm_rstd
         if not ctx.needs_input_grad[0]:
             return None, d_weight, None
         if weight is None:
@@ -243,23 +253,23 @@ class _RMSNorm(torch.autograd.Function):
         else:
             w = weight.to(acc)
             dot = (rows @ w).view(r.shape)                    # sum over channels of gy g x
-        # d rstd / dx = -rstd^3 x / d: as rstd^2 here (finite at a zero row) and the last
-        # rstd after the sum
+        # d _rmsnorm_rstd / dx = -_rmsnorm_rstd^3 x / d: as _rmsnorm_rstd^2 here (finite at a zero row) and the last
+        # _rmsnorm_rstd after the sum
         c = dot.mul_(r).mul_(r).mul_(-1.0 / d)
         dx = torch.addcmul(gy, xa, c) if weight is None else torch.mul(gy, w).addcmul_(xa, c)
         dx.mul_(r)
         return dx.to(x.dtype), d_weight, None
 
 
-rmsnorm = SimpleNamespace(_rstd=_rmsnorm__rstd, rms_norm=_rmsnorm_rms_norm)
+rmsnorm = SimpleNamespace(rms_norm=_rmsnorm_rms_norm, rstd=_rmsnorm_rstd)
 
 
 class _Rstd(torch.autograd.Function):
-    """1 / RMS(v) over channels with a one-pass backward: d rstd / dv = -rstd^3 v / d."""
+    """1 / RMS(v) over channels with a one-pass backward: d _rmsnorm_rstd / dv = -_rmsnorm_rstd^3 v / d."""
 
     @staticmethod
     def forward(ctx, v, eps):
-        r = _unstacked__rstd_value(v, eps)
+        r = _rmsnorm_rstd(v, eps)
         ctx.save_for_backward(v, r)
         return r
 
@@ -267,7 +277,7 @@ class _Rstd(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         v, r = ctx.saved_tensors
-        # rstd^2 * v stays finite for an all-zero row (rstd^3 alone overflows at eps 1e-30)
+        # _rmsnorm_rstd^2 * v stays finite for an all-zero row (_rmsnorm_rstd^3 alone overflows at eps 1e-30)
         scale = (grad * r * (-1.0 / v.shape[-1])).to(v.dtype)
         return v * (r * r).to(v.dtype) * scale, None
 
@@ -275,7 +285,7 @@ class _Rstd(torch.autograd.Function):
 def _unstacked__rstd(v: torch.Tensor, eps: float) -> torch.Tensor:
     """[*batch, 1]: 1 / RMS(v) over channels, in at least fp32."""
     if torch.compiler.is_compiling():  # autograd's ops: inductor fuses them with the logits
-        return _unstacked__rstd_value(v, eps)
+        return _rmsnorm_rstd(v, eps)
     return _Rstd.apply(v, eps)
 
 
@@ -332,12 +342,12 @@ def _unstacked_logits_against(v: torch.Tensor, gained_queries: torch.Tensor, eps
 
 
 class _Logits(torch.autograd.Function):
-    """z = (W^T v^T) * rstd(v), [R*H, tokens] in at least fp32 (rstd 1 without key norm),
+    """z = (W^T v^T) * _rmsnorm_rstd(v), [R*H, tokens] in at least fp32 (_rmsnorm_rstd 1 without key norm),
     in one node whose backward writes v's gradient in place: a matmul and, with the key
-    norm, one multiply-add of v (d rstd / dv = -rstd^3 v / d), into the source's shared
+    norm, one multiply-add of v (d _rmsnorm_rstd / dv = -_rmsnorm_rstd^3 v / d), into the source's shared
     gradient buffer when v is a gathered view (weighted.gathered: Full AttnRes's sources).
     Autograd's own ops wrote three d-sized tensors a source (the matmul's and two for the
-    rstd's backward) and then added them to the buffer's sum, two passes more."""
+    _rmsnorm_rstd's backward) and then added them to the buffer's sum, two passes more."""
 
     @staticmethod
     def forward(ctx, v, w, eps, key_norm):
@@ -370,10 +380,10 @@ class _Logits(torch.autograd.Function):
 
 
 def _unstacked__logit_parts(v, w, eps, key_norm):
-    """(u = W^T v^T [R*H, tokens] in at least fp32, rstd(v) [1, tokens] or None without
-    key norm): the logits are u * rstd."""
+    """(u = W^T v^T [R*H, tokens] in at least fp32, _rmsnorm_rstd(v) [1, tokens] or None without
+    key norm): the logits are u * _rmsnorm_rstd."""
     u = (w.t() @ v.reshape(-1, v.shape[-1]).t()).to(_weighted__acc(v))
-    return u, (_unstacked__rstd_value(v, eps).view(1, -1) if key_norm else None)
+    return u, (_rmsnorm_rstd(v, eps).view(1, -1) if key_norm else None)
 
 
 def _unstacked_depth_attention(sources: Sequence[torch.Tensor], query: torch.Tensor,
@@ -400,10 +410,14 @@ def _unstacked_phase1(completed: Sequence[torch.Tensor], gained_queries: torch.T
     [*batch, H] columns), if already made."""
     if logits is None:
         logits = [_unstacked_logits_against(v, gained_queries, eps, key_norm, heads) for v in completed]
-    z = torch.stack([zs if isinstance(zs, torch.Tensor) else torch.stack(tuple(zs))
-                     for zs in logits])            # [n, S, *batch, H]
+    z = torch.stack([_unstacked_block_logits(zs) for zs in logits])  # [n, S, *batch, H]
     alpha, S = torch.softmax(z, dim=0), gained_queries.shape[0]
     return _weighted_weighted_sum(alpha, completed, outputs=S), torch.logsumexp(z, dim=0), (None,) * S
+
+
+def _unstacked_block_logits(zs) -> torch.Tensor:
+    """One block's given logits [S, *batch, H]: as given, or its S columns stacked."""
+    return zs if isinstance(zs, torch.Tensor) else torch.stack(tuple(zs))
 
 
 def _unstacked_normalised(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor | None):
@@ -437,7 +451,7 @@ def _unstacked_phase2(h1: torch.Tensor, lse: torch.Tensor, partial: torch.Tensor
 
 class _Lerp(torch.autograd.Function):
     """Phase 2 with a partial, h = lerp(h1, p, w), w = sigmoid(z2 - lse), z2 = q . p *
-    rstd(p), in one node with its backward written out: autograd's ops take some twenty
+    _rmsnorm_rstd(p), in one node with its backward written out: autograd's ops take some twenty
     small per-token ops and nodes each way per sublayer, and pass over d-sized tensors
     more often than this does (three passes forward, eight backward)."""
 
@@ -447,7 +461,7 @@ class _Lerp(torch.autograd.Function):
         acc = _weighted__acc(p)
         u = (p.reshape(-1, p.shape[-1]) @ _unstacked_query_matrix(q[None], heads).to(p.dtype)).to(acc)
         u = u.view(lse.shape)                                     # q . p per head
-        r = _unstacked__rstd_value(p, eps) if key_norm else None
+        r = _rmsnorm_rstd(p, eps) if key_norm else None
         z2 = u * r if key_norm else u
         w = torch.sigmoid(z2 - lse)
         out = torch.lerp(h1.unflatten(-1, (heads, -1)), p.unflatten(-1, (heads, -1)),
@@ -471,41 +485,15 @@ class _Lerp(torch.autograd.Function):
         d_p = g * wv                                               # the value's part
         du = dz2 * r if ctx.key_norm else dz2
         d_p.addcmul_(du.unsqueeze(-1).to(g.dtype), q.unflatten(-1, (heads, -1)))  # the logit's
-        if ctx.key_norm:  # through rstd: d rstd / dp = -rstd^3 p / d, and u * rstd = z2:
-            # (dz2 . u) rstd^3 = (dz2 . z2) rstd^2, finite where rstd^3 overflows
+        if ctx.key_norm:  # through _rmsnorm_rstd: d _rmsnorm_rstd / dp = -_rmsnorm_rstd^3 p / d, and u * _rmsnorm_rstd = z2:
+            # (dz2 . u) _rmsnorm_rstd^3 = (dz2 . z2) _rmsnorm_rstd^2, finite where _rmsnorm_rstd^3 overflows
             dr = (dz2 * z2).sum(-1, keepdim=True) * (r * r) * (-1.0 / p.shape[-1])
             d_p.addcmul_(ph, dr.unsqueeze(-1).to(p.dtype))
         d_q = torch.einsum("...h,...hc->hc", du.to(p.dtype), ph).flatten()
         return d_h1.flatten(-2), -dz2, d_p.flatten(-2), d_q, None, None
 
 
-def _unstacked__rstd_value(v: torch.Tensor, eps: float) -> torch.Tensor:
-    """1 / RMS(v), [*batch, 1], without autograd (for a hand-written backward): the
-    sublayer norms' (rmsnorm._rstd), one pass over v and three in place on the result."""
-    return rmsnorm._rstd(v, eps)
-
-
-unstacked = SimpleNamespace(_logit_parts=_unstacked__logit_parts, _rstd=_unstacked__rstd, _rstd_value=_unstacked__rstd_value, depth_attention=_unstacked_depth_attention, logits_against=_unstacked_logits_against, normalised=_unstacked_normalised, phase1=_unstacked_phase1, phase2=_unstacked_phase2, query_matrix=_unstacked_query_matrix, source_logits=_unstacked_source_logits)
-
-
-_EPS = {}  # each (epsilon, device) as a 0-dim tensor, made once
-
-
-def _stacked__rstd(v: torch.Tensor, eps: float) -> torch.Tensor:
-    """[*batch, 1]: 1 / RMS(v) over channels, in at least fp32, as rsqrt(eps + |v|^2 / d):
-    a norm and two ops. For the tiny tensors of a decoding step each op's dispatch, not its
-    arithmetic, is the cost: a mean of squares takes several ops, and a Python number
-    handed to an in-place op is wrapped into a tensor and copied first (two dispatches
-    more each), where addcmul takes 1/d as its scalar `value` and eps as a kept tensor (a
-    0-dim tensor does not change the result's dtype or device)."""
-    n = torch.linalg.vector_norm(v, dim=-1, keepdim=True, dtype=_weighted__acc(v))
-    if torch.compiler.is_compiling():
-        return torch.rsqrt(n * n / v.shape[-1] + eps)
-    key = (eps, n.device)
-    e = _EPS.get(key)
-    if e is None:
-        e = _EPS[key] = torch.tensor(eps, dtype=torch.float64, device=n.device)
-    return torch.addcmul(e, n, n, value=1.0 / v.shape[-1]).rsqrt_()
+unstacked = SimpleNamespace(_logit_parts=_unstacked__logit_parts, _rstd=_unstacked__rstd, block_logits=_unstacked_block_logits, depth_attention=_unstacked_depth_attention, logits_against=_unstacked_logits_against, normalised=_unstacked_normalised, phase1=_unstacked_phase1, phase2=_unstacked_phase2, query_matrix=_unstacked_query_matrix, source_logits=_unstacked_source_logits)
 
 
 def _stacked__as(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -537,7 +525,7 @@ def _stacked__by_head(v3: torch.Tensor, heads: int) -> torch.Tensor:
 
 def _stacked__scaled(z: torch.Tensor, v3: torch.Tensor, eps: float, heads: int) -> torch.Tensor:
     """Logits z [M*H, n, k] of keys RMSNorm(v) from raw v [M, n, d]: times 1 / RMS(v_i)."""
-    r = _stacked__rstd(v3, eps)                                      # [M, n, 1]
+    r = _rmsnorm_rstd(v3, eps)                                      # [M, n, 1]
     return z.mul_(r if heads == 1 else r.repeat_interleave(heads, 0))
 
 
@@ -579,7 +567,7 @@ def _stacked__depth_attention_loops(v3, batch, gained_query, eps, key_norm, gate
     q = q.reshape(M, 1, heads, -1) if q.dim() > 2 else q    # a query per token
     z = (_stacked__as(v4, acc) * q).sum(-1)                          # [M, n, H]
     if key_norm:
-        z = z * _stacked__rstd(v3, eps)
+        z = z * _rmsnorm_rstd(v3, eps)
     alpha = torch.softmax(z, dim=1) if gate == "softmax" else torch.sigmoid(z)
     h = (_stacked__as(alpha, v3.dtype).unsqueeze(-1) * v4).sum(1)    # [M, H, c]
     return h.view(*batch, d)
@@ -626,7 +614,7 @@ def _stacked__phase1_loops(v3, batch, gained_queries, eps, key_norm, heads):
     q = _stacked__as(gained_queries, acc).view(S, heads, -1)         # [S, H, c]
     z = (_stacked__as(v5, acc) * q).sum(-1)                          # [M, n, S, H]
     if key_norm:
-        z = z * _stacked__rstd(v3, eps).unsqueeze(-1)
+        z = z * _rmsnorm_rstd(v3, eps).unsqueeze(-1)
     lse = torch.logsumexp(z, 1)                             # [M, S, H]
     e = torch.exp(z - lse.unsqueeze(1))                     # [M, n, S, H]: normalised
     h1 = (_stacked__as(e, v3.dtype).unsqueeze(-1) * v5).sum(1)       # [M, S, H, c]
@@ -665,13 +653,13 @@ def _stacked_phase2(h1: torch.Tensor, lse: torch.Tensor, partial: torch.Tensor |
     else:
         z2 = (p @ _stacked__as(gained_query, p.dtype)).unsqueeze(-1)
     if key_norm:
-        z2 = z2.mul_(_stacked__rstd(p, eps))
+        z2 = z2.mul_(_rmsnorm_rstd(p, eps))
     w = _stacked__as(torch.sigmoid_(z2.sub_(lse)), h1.dtype)
     h = torch.lerp(by_head(h1), by_head(partial), per_head(w))
     return h.flatten(-2) if split else h
 
 
-stacked = SimpleNamespace(_as=_stacked__as, _beside=_stacked__beside, _by_head=_stacked__by_head, _depth_attention_loops=_stacked__depth_attention_loops, _loops=_stacked__loops, _phase1_loops=_stacked__phase1_loops, _rstd=_stacked__rstd, _scaled=_stacked__scaled, depth_attention=_stacked_depth_attention, phase1=_stacked_phase1, phase2=_stacked_phase2, without_grad=_stacked_without_grad)
+stacked = SimpleNamespace(_as=_stacked__as, _beside=_stacked__beside, _by_head=_stacked__by_head, _depth_attention_loops=_stacked__depth_attention_loops, _loops=_stacked__loops, _phase1_loops=_stacked__phase1_loops, _scaled=_stacked__scaled, depth_attention=_stacked_depth_attention, phase1=_stacked_phase1, phase2=_stacked_phase2, without_grad=_stacked_without_grad)
 
 
 def keys(sources: torch.Tensor, eps: float, key_norm: bool = True) -> torch.Tensor:
