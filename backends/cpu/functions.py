@@ -165,6 +165,9 @@ class Phase2(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, g_h, g_y):
         h1, lse, p, q, g, w, rstd2 = ctx.saved_tensors
+        # held here while the kernel reads them: a temporary copy passed as _ptr(_rows(x))
+        # is freed once its address is read, and the next copy may take its memory
+        g_y, g_h = (None if x is None else _rows(x) for x in (g_y, g_h))
         d, H = p.shape[-1], lse.shape[-1]
         dh1, dp, dlse = torch.empty_like(h1), torch.empty_like(p), torch.empty_like(lse)  # rows
         dq = torch.empty_like(q)
@@ -172,8 +175,7 @@ class Phase2(torch.autograd.Function):
         _kernel("phase2_bwd", p.dtype)(p.numel() // d, d, H, h1.data_ptr(), lse.data_ptr(),
                                        p.data_ptr(), q.data_ptr(), ctx.eps, int(ctx.key_norm),
                                        _ptr(g), w.data_ptr(), _ptr(rstd2),
-                                       _ptr(None if g_y is None else _rows(g_y)),
-                                       _ptr(None if g_h is None else _rows(g_h)),
+                                       _ptr(g_y), _ptr(g_h),
                                        dh1.data_ptr(), dp.data_ptr(), dlse.data_ptr(),
                                        dq.data_ptr(), _ptr(dg), torch.get_num_threads())
         need = ctx.needs_input_grad
