@@ -52,10 +52,11 @@ def _loop_phase1(sources, queries, eps, key_norm, heads):
 @pytest.mark.parametrize("heads", [1, 2])
 @pytest.mark.parametrize("key_norm", [True, False])
 @pytest.mark.parametrize("n,S", [(1, 1), (4, 3)])
-@pytest.mark.parametrize("width", [8, 32])
+@pytest.mark.parametrize("width", [8, 32, 128])
 def test_phase1_kernel_gradcheck_and_loop(heads, key_norm, n, S, width):
     """Width 32 with one head: each row's spans summed in registers (16 doubles to a span
-    with 256-bit registers, 32 with 512-bit); width 8: term by term."""
+    with 256-bit registers, 32 with 512-bit); width 8: term by term; width 128: a row of
+    several spans (its square sum by dot_spans)."""
     torch.manual_seed(n + S + heads)
     src = [torch.randn(2, 3, width, **D64, requires_grad=True) for _ in range(n)]
     q = torch.randn(S, width, **D64, requires_grad=True)
@@ -100,6 +101,26 @@ def test_phase2_kernel_gradcheck_and_formula(heads, key_norm, norm, keep_h):
     for a, b in zip(got, want):
         assert torch.allclose(a, b, atol=1e-12)
     assert torch.autograd.gradcheck(f, (h1, lse, p, q, *([g] if g is not None else [])))
+
+
+@needs_kernels
+def test_phase2_backward_takes_output_gradients_that_are_not_rows():
+    """Gradients that are not contiguous (a sum's, expanded from a scalar) reach the kernel
+    as contiguous copies that live through its call: each held by the caller, not freed
+    once its address is read, where the next copy could take its memory."""
+    torch.manual_seed(0)
+    h1, p = (torch.randn(4, 8, **D64, requires_grad=True) for _ in range(2))
+    lse = torch.randn(4, 1, **D64, requires_grad=True)
+    q = torch.randn(8, **D64, requires_grad=True)
+    g = torch.rand(8, **D64) + 0.5
+    inputs = (h1, lse, p, q)
+    h, y = Phase2.apply(h1, lse, p, q, g, 1e-6, True, 1e-5, True)
+    expanded = torch.autograd.grad(2 * y.sum() + 3 * h.sum(), inputs)
+    h, y = Phase2.apply(h1, lse, p, q, g, 1e-6, True, 1e-5, True)
+    rows = torch.autograd.grad((h, y), inputs, (torch.full_like(h, 3.0),
+                                                torch.full_like(y, 2.0)))
+    for a, b in zip(expanded, rows):
+        assert torch.equal(a, b)
 
 
 @needs_kernels
@@ -587,18 +608,21 @@ def test_a_lone_reader_makes_its_own_logits_on_the_cpu_backend(backend, monkeypa
 
 @needs_kernels
 @pytest.mark.parametrize("scale", [1.0, 30.0])
-def test_float32_kernels_match_float64(scale):
+@pytest.mark.parametrize("width", [32, 256])
+def test_float32_kernels_match_float64(scale, width):
     """The float kernels, whose exp is their own (vectorised), against the double ones
     (libm's exp), forward and backward; at scale 30 the logits spread past the range of a
-    float exp (|z| up to about 170), so weights underflow to nothing as they should."""
+    float exp (|z| up to about 170), so weights underflow to nothing as they should. Width
+    256: rows of several spans in both precisions (square sums by dot_spans)."""
     torch.manual_seed(0)
-    phase1_in = [torch.randn(3, 32, **D64) * scale] + [torch.randn(64, 32, **D64)
-                                                        for _ in range(5)]
-    phase2_in = [torch.randn(64, 32, **D64), torch.randn(64, 1, **D64) * scale,
-                 torch.randn(64, 32, **D64), torch.randn(32, **D64) * scale,
-                 torch.randn(32, **D64)]                  # h1, lse, partial, query, gain
-    weights = [torch.randn(64, 32, **D64) for _ in range(4)] + [torch.randn(64, 1, **D64)
-                                                                for _ in range(3)]
+    d = width
+    phase1_in = [torch.randn(3, d, **D64) * scale] + [torch.randn(64, d, **D64)
+                                                       for _ in range(5)]
+    phase2_in = [torch.randn(64, d, **D64), torch.randn(64, 1, **D64) * scale,
+                 torch.randn(64, d, **D64), torch.randn(d, **D64) * scale,
+                 torch.randn(d, **D64)]                   # h1, lse, partial, query, gain
+    weights = [torch.randn(64, d, **D64) for _ in range(4)] + [torch.randn(64, 1, **D64)
+                                                               for _ in range(3)]
     got = {}
     for dtype in (torch.float64, torch.float32):
         a1 = [t.to(dtype).requires_grad_() for t in phase1_in]

@@ -55,37 +55,6 @@ static inline void NAME(exp_all)(REAL *e, long count) {
     for (long k = 0; k < count; k++) e[k] = EXP_VEC(e[k]);
 }
 
-/* a . b in eight lanes, added pairwise at the end (a plain reduction loop ends in sixteen
- * dependent scalar adds that keep the order of a vector's lanes, several times the cost of
- * the multiplies for the short rows here, c = 64) */
-static inline REAL NAME(dot)(const REAL *a, const REAL *b, long n) {
-    REAL acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    long k = 0;
-    for (; k + 8 <= n; k += 8)
-        for (int j = 0; j < 8; j++) acc[j] += a[k + j] * b[k + j];
-    for (int j = 0; k < n; k++, j++) acc[j & 7] += a[k] * b[k];
-    for (int j = 0; j < 4; j++) acc[j] += acc[j + 4];
-    return (acc[0] + acc[2]) + (acc[1] + acc[3]);
-}
-
-/* 1 / RMS of a row of d numbers whose squares sum to ss */
-static inline REAL NAME(inv_rms)(REAL ss, long d, double eps) {
-    return 1 / SQRT(ss / (REAL)d + (REAL)eps);
-}
-
-/* o = a v (set) or o += a v (else) over n numbers. `restrict`: o is never v, which is
- * what lets the compiler vectorise it (without, it measured scalar and 2.5x slower) */
-static inline void NAME(axpy)(REAL *restrict o, REAL a, const REAL *restrict v, long n,
-                              int set) {
-    if (set) {
-#pragma omp simd
-        for (long k = 0; k < n; k++) o[k] = a * v[k];
-    } else {
-#pragma omp simd
-        for (long k = 0; k < n; k++) o[k] += a * v[k];
-    }
-}
-
 /* A register's worth of REAL, and four of them: the span of one output row that phase 1
  * and wsum_fwd sum over every source in registers, reading each source's span once, where
  * adding source by source into the output row reads and writes that row once per source.
@@ -140,6 +109,53 @@ static inline REAL NAME(hsum)(NAME(vec) v) {
 #else
     return x[0] + x[1];
 #endif
+}
+
+/* a . b for a row of whole spans longer than one (d = 512): four registers of partial sums,
+ * one lane tree at the end. The eight-lane `dot` below is one chain of dependent adds, an
+ * add's latency per eight numbers: 64 in a row at d = 512 (phase 1's key norm). */
+static inline REAL NAME(dot_spans)(const REAL *a, const REAL *b, long n) {
+    const long L = SPAN / 4;
+    NAME(vec) s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
+    for (long k = 0; k < n; k += SPAN) {
+        s0 += NAME(load)(a + k) * NAME(load)(b + k);
+        s1 += NAME(load)(a + k + L) * NAME(load)(b + k + L);
+        s2 += NAME(load)(a + k + 2 * L) * NAME(load)(b + k + 2 * L);
+        s3 += NAME(load)(a + k + 3 * L) * NAME(load)(b + k + 3 * L);
+    }
+    return NAME(hsum)((s0 + s1) + (s2 + s3));
+}
+
+/* a . b in eight lanes, added pairwise at the end (a plain reduction loop ends in sixteen
+ * dependent scalar adds that keep the order of a vector's lanes, several times the cost of
+ * the multiplies for the short rows here, c = 64) */
+static inline REAL NAME(dot)(const REAL *a, const REAL *b, long n) {
+    if (n > SPAN && n % SPAN == 0) return NAME(dot_spans)(a, b, n);
+    REAL acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    long k = 0;
+    for (; k + 8 <= n; k += 8)
+        for (int j = 0; j < 8; j++) acc[j] += a[k + j] * b[k + j];
+    for (int j = 0; k < n; k++, j++) acc[j & 7] += a[k] * b[k];
+    for (int j = 0; j < 4; j++) acc[j] += acc[j + 4];
+    return (acc[0] + acc[2]) + (acc[1] + acc[3]);
+}
+
+/* 1 / RMS of a row of d numbers whose squares sum to ss */
+static inline REAL NAME(inv_rms)(REAL ss, long d, double eps) {
+    return 1 / SQRT(ss / (REAL)d + (REAL)eps);
+}
+
+/* o = a v (set) or o += a v (else) over n numbers. `restrict`: o is never v, which is
+ * what lets the compiler vectorise it (without, it measured scalar and 2.5x slower) */
+static inline void NAME(axpy)(REAL *restrict o, REAL a, const REAL *restrict v, long n,
+                              int set) {
+    if (set) {
+#pragma omp simd
+        for (long k = 0; k < n; k++) o[k] = a * v[k];
+    } else {
+#pragma omp simd
+        for (long k = 0; k < n; k++) o[k] += a * v[k];
+    }
 }
 
 /* out[s * stride + h] = x_s . v over head h for S rows x_s = x + s * xs (c == SPAN: a head
