@@ -6,9 +6,7 @@ Same signatures as the eager backend's ops plus `backend=`:
   cpu     fused C kernels for the CPU (built with the machine's C compiler on first use)
   auto    triton when the tensors are on CUDA and the triton backend imports; on the CPU
           the cpu backend when its kernels build (else eager, and it says why once);
-          under torch.compile on the CPU, the cpu backend's kernels as custom ops where
-          autograd records and the width is COMPILED_CPU_WIDTH or more, else the eager
-          forms (inductor fuses them); `cpu` itself takes the custom ops under compile
+          eager under torch.compile on the CPU (inductor fuses the eager forms)
 Each backend is found by name in the registry (`get_backend`, restopo.registry), which loads
 it on first use; `register_backend` replaces one.
 
@@ -117,24 +115,6 @@ def picked(backend: str, tensor: torch.Tensor) -> str:
     return _pick(backend, tensor)
 
 
-# Under torch.compile, `auto` runs the C kernels (as custom ops) from this width on: there
-# they beat inductor's code for the eager forms, which passes over phase 2's partial three
-# times and h1 twice where the kernel reads each row once. Below it the kernels' share of a
-# narrow step is as large and inductor's fusion of the small ops around them wins.
-# Compiled Block AttnRes (bench/overhead.py --compile-only --backend eager,cpu, depth 12,
-# 8 blocks, batch 4, context 256, 2 threads; x standard): width 512, eager forms 1.068
-# against kernels 1.053; width 256, 1.132 against 1.101; and at the examples' width 64
-# (depth 16, batch 16, context 128, one thread), 1.195 against 1.224.
-COMPILED_CPU_WIDTH = 256
-
-
-def _compiled_cpu(tensor: torch.Tensor) -> bool:
-    """Whether `auto` under torch.compile takes the cpu backend for `tensor`: training at
-    COMPILED_CPU_WIDTH or more. Without autograd (decoding, evaluation) the eager forms
-    stay: inductor fuses a one-token step's small ops into few kernels."""
-    return torch.is_grad_enabled() and tensor.shape[-1] >= COMPILED_CPU_WIDTH
-
-
 def _pick(backend: str, tensor: torch.Tensor) -> str:
     """The backend one call runs on."""
     if backend == "eager":
@@ -145,8 +125,8 @@ def _pick(backend: str, tensor: torch.Tensor) -> str:
     check_backend(backend)
     if tensor.is_cuda and triton_unavailable_reason(tensor.device) is None:
         return "triton"
-    if (tensor.device.type == "cpu" and tensor.dtype in (torch.float32, torch.float64)
-            and (not torch.compiler.is_compiling() or _compiled_cpu(tensor)) and _cpu_ok()):
+    if (tensor.device.type == "cpu" and not torch.compiler.is_compiling()
+            and tensor.dtype in (torch.float32, torch.float64) and _cpu_ok()):
         return "cpu"
     return "eager"
 

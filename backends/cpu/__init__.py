@@ -11,10 +11,8 @@ with one query), forward and backward.
 - Covered: float32 and float64 tensors on the CPU, static queries, the softmax gate, with
   or without the key RMSNorm, any number of depth heads; with autograd through autograd
   Functions (functions.py), without it (decoding, evaluation) by one call that keeps
-  nothing; under torch.compile, which cannot trace a foreign call, as custom ops
-  (custom_ops.py) that the compiled graph calls. Anything else (bf16, the sigmoid gate,
-  input-dependent queries, given logits under torch.compile) goes to the eager backend:
-  the same results, unfused.
+  nothing. Anything else (bf16, the sigmoid gate, input-dependent queries, torch.compile,
+  which traces the eager forms) goes to the eager backend: the same results, unfused.
   Depth attention fed shared logits (Full AttnRes's readers in training,
   restopo.nn.shared_sources) is a softmax and weighted sum over them, one pass a source
   forward and one backward, which adds into the source's shared gradient buffer.
@@ -32,7 +30,7 @@ import torch
 
 from ..eager import depth as _eager
 from ..eager import unstacked as _unstacked
-from . import build, custom_ops
+from . import build
 from .bound import Phase1Call, Phase2Call
 from .functions import (AttendGiven, Phase1, Phase2, phase1_nograd, phase2_nograd,
                         softmax_given, weighted_sum_nograd)
@@ -50,13 +48,12 @@ def available(device=None) -> tuple[bool, str]:
     return True, ""
 
 
-def _takes(*tensors: torch.Tensor | None, compiled: bool = False) -> bool:
-    """True when the kernels take these tensors: on the CPU, float32 or float64, one dtype;
-    under torch.compile only where `compiled` (a call with a custom op, custom_ops.py)."""
+def _takes(*tensors: torch.Tensor | None) -> bool:
+    """True when the kernels take these tensors: on the CPU, float32 or float64, one dtype,
+    and not under torch.compile (which cannot trace a foreign call)."""
     ts = [t for t in tensors if t is not None]
     dtype = ts[0].dtype
-    return ((compiled or not torch.compiler.is_compiling())
-            and dtype in (torch.float32, torch.float64)
+    return (not torch.compiler.is_compiling() and dtype in (torch.float32, torch.float64)
             and all(t.device.type == "cpu" and t.dtype == dtype for t in ts)
             and build.library() is not None)
 
@@ -79,8 +76,7 @@ def depth_attention(sources, query: torch.Tensor, key_norm_weight: torch.Tensor 
     sum over them."""
     src = _sources(sources)
     if (gate != "softmax" or query.dim() != 1 or len({v.shape for v in src}) != 1
-            or not _takes(query, key_norm_weight, *src, *(logits or ()),
-                          compiled=logits is None)):
+            or not _takes(query, key_norm_weight, *src, *(logits or ()))):
         if logits is not None:  # the eager backend takes [*batch, H], not a split's piece
             logits = [z.squeeze(0) if z.dim() > src[0].dim() else z for z in logits]
         return _eager.depth_attention(sources, query, key_norm_weight, eps, key_norm=key_norm,
@@ -89,8 +85,6 @@ def depth_attention(sources, query: torch.Tensor, key_norm_weight: torch.Tensor 
     if logits is not None:
         return _attend(heads, logits, src)
     q = _eager.gained(query, key_norm_weight, key_norm)[None]
-    if torch.compiler.is_compiling():
-        return custom_ops.phase1(q, float(eps), bool(key_norm), heads, src)[0][0]
     if not _recording(query, key_norm_weight, *src):
         return phase1_nograd(q, float(eps), bool(key_norm), heads, src)[0][0]
     return Phase1.apply(q, float(eps), bool(key_norm), heads, *src)[0]
@@ -115,8 +109,7 @@ def phase1(completed, queries: torch.Tensor, key_norm_weights: torch.Tensor | No
     src = _sources(completed)
     rows = None if logits is None else [_unstacked.block_logits(zs) for zs in logits]
     if (len({v.shape for v in src}) != 1
-            or not _takes(queries, key_norm_weights, *src, *(rows or ()),
-                          compiled=rows is None)):
+            or not _takes(queries, key_norm_weights, *src, *(rows or ()))):
         return _eager.phase1(completed, queries, key_norm_weights, eps, key_norm=key_norm,
                              heads=heads, logits=logits)
     _eager._check_heads(src[0].shape[-1], heads)
@@ -128,9 +121,6 @@ def phase1(completed, queries: torch.Tensor, key_norm_weights: torch.Tensor | No
         out = AttendGiven.apply(heads, S, True, *rows, *src)
         return out[:S], out[S:], (None,) * S
     q = _eager.gained(queries, key_norm_weights, key_norm)
-    if torch.compiler.is_compiling():
-        h1, lse = custom_ops.phase1(q, float(eps), bool(key_norm), heads, src)
-        return h1, lse, (None,) * S
     if not _recording(queries, key_norm_weights, *src):
         h1, lse = phase1_nograd(q, float(eps), bool(key_norm), heads, src)
         return h1, lse, (None,) * S
@@ -144,12 +134,10 @@ def _merge(o1, m1, s1, partial, query, key_norm_weight, eps, key_norm, norm_weig
     h1, lse = _unstacked.normalised(o1, m1, s1)
     tensors = (h1, lse, partial, query, key_norm_weight, norm_weight)
     if (partial is None or partial.shape != h1.shape or lse.dim() != h1.dim()
-            or h1.shape[-1] % lse.shape[-1] or not _takes(*tensors, compiled=True)):
+            or h1.shape[-1] % lse.shape[-1] or not _takes(*tensors)):
         return None
     q = _eager.gained(query, key_norm_weight, key_norm)
     args = (float(eps), bool(key_norm), norm_eps, keep_h)
-    if torch.compiler.is_compiling():
-        return custom_ops.phase2(h1, lse, partial, q, norm_weight, *args)
     if not _recording(*tensors):
         return phase2_nograd(h1, lse, partial, q, norm_weight, *args)
     return Phase2.apply(h1, lse, partial, q, norm_weight, *args)
