@@ -13,6 +13,9 @@ with one query), forward and backward.
   Functions (functions.py), without it (decoding, evaluation) by one call that keeps
   nothing. Anything else (bf16, the sigmoid gate, input-dependent queries, torch.compile,
   which traces the eager forms) goes to the eager backend: the same results, unfused.
+  (The kernels as torch custom ops under compile, commit 388eec1, measured no faster than
+  inductor's code for the eager forms: compiled Block AttnRes at width 512 1.064 against
+  1.066x standard, Full 1.266 against 1.169.)
   Depth attention fed shared logits (Full AttnRes's readers in training,
   restopo.nn.shared_sources) is a softmax and weighted sum over them, one pass a source
   forward and one backward, which adds into the source's shared gradient buffer.
