@@ -130,7 +130,6 @@ static inline REAL NAME(dot_spans)(const REAL *a, const REAL *b, long n) {
  * dependent scalar adds that keep the order of a vector's lanes, several times the cost of
  * the multiplies for the short rows here, c = 64) */
 static inline REAL NAME(dot)(const REAL *a, const REAL *b, long n) {
-    if (n > SPAN && n % SPAN == 0) return NAME(dot_spans)(a, b, n);
     REAL acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     long k = 0;
     for (; k + 8 <= n; k += 8)
@@ -138,6 +137,15 @@ static inline REAL NAME(dot)(const REAL *a, const REAL *b, long n) {
     for (int j = 0; k < n; k++, j++) acc[j & 7] += a[k] * b[k];
     for (int j = 0; j < 4; j++) acc[j] += acc[j + 4];
     return (acc[0] + acc[2]) + (acc[1] + acc[3]);
+}
+
+/* a . b over a row of n numbers (a token's whole row, or a head's slice of it, the whole
+ * row with one depth head): by spans where it is several (dot_spans), else `dot`. The
+ * branch lives here, not in `dot`, and this is inlined by force: gcc -O2 otherwise left
+ * either as a call, which cost phase 2's backward at d = 64 about a tenth. */
+static inline __attribute__((always_inline)) REAL NAME(row_dot)(const REAL *a, const REAL *b,
+                                                                 long n) {
+    return n > SPAN && n % SPAN == 0 ? NAME(dot_spans)(a, b, n) : NAME(dot)(a, b, n);
 }
 
 /* 1 / RMS of a row of d numbers whose squares sum to ss */
@@ -194,12 +202,12 @@ static inline void NAME(span_sum)(REAL *o, const REAL *const *src, long n, long 
 
 /* 1 / RMS(v) (1 without key norm) */
 static inline REAL NAME(rstd)(const REAL *v, long d, double eps, int key_norm) {
-    return key_norm ? NAME(inv_rms)(NAME(dot)(v, v, d), d, eps) : 1;
+    return key_norm ? NAME(inv_rms)(NAME(row_dot)(v, v, d), d, eps) : 1;
 }
 
 /* y = h rstd(h) g, a sublayer's PreNorm of one row (g may be NULL: no gain); its rstd */
 static inline REAL NAME(prenorm)(const REAL *h, const REAL *g, long d, double eps, REAL *y) {
-    REAL r = NAME(inv_rms)(NAME(dot)(h, h, d), d, eps);
+    REAL r = NAME(inv_rms)(NAME(row_dot)(h, h, d), d, eps);
     if (g) {
 #pragma omp simd
         for (long k = 0; k < d; k++) y[k] = h[k] * r * g[k];
@@ -216,13 +224,13 @@ static inline REAL NAME(prenorm)(const REAL *h, const REAL *g, long d, double ep
 static inline void NAME(row_dots)(const REAL *v, const REAL *q, long S, long d, long H,
                                   REAL *z, REAL *ss) {
     long c = d / H;
-    *ss = NAME(dot)(v, v, d);
+    *ss = NAME(row_dot)(v, v, d);
     if (c == SPAN) {
         NAME(span_dots)(v, q, d, S, H, z, H);
         return;
     }
     for (long s = 0; s < S; s++)
-        for (long h = 0; h < H; h++) z[s * H + h] = NAME(dot)(q + s * d + h * c, v + h * c, c);
+        for (long h = 0; h < H; h++) z[s * H + h] = NAME(row_dot)(q + s * d + h * c, v + h * c, c);
 }
 
 /* Tokens a tile: each source's rows of a tile are one contiguous run (8 KiB at d = 64 in
@@ -365,7 +373,7 @@ void NAME(phase1_bwd)(long n, const REAL *const *src, long S, long M, long d, lo
                     }
                     for (long s = 0; s < S; s++)
                         for (long h = 0; h < H; h++)
-                            dz[at + s * H + h] = gh1[s] ? NAME(dot)(gh1[s] + t * d + h * c,
+                            dz[at + s * H + h] = gh1[s] ? NAME(row_dot)(gh1[s] + t * d + h * c,
                                                                     v + h * c, c) : 0;
                 }
             for (long u = 0; u < tn; u++) {  /* softmax's and logsumexp's backward */
@@ -656,7 +664,7 @@ void NAME(wsum_bwd)(long n, const REAL *const *src, long S, const REAL *alpha, l
                 for (long s = 0; s < S; s++)
                     for (long h = 0; h < H; h++)
                         dalpha[((i * S + s) * M + t) * H + h] =
-                            g[s] ? NAME(dot)(g[s] + t * d + h * c, v + h * c, c) : 0;
+                            g[s] ? NAME(row_dot)(g[s] + t * d + h * c, v + h * c, c) : 0;
                 REAL *dv = dsrc[i] ? dsrc[i] + t * d : NULL;
                 if (!dv) continue;
                 if (c % SPAN == 0) {  /* the S terms of each span summed in registers */
@@ -715,7 +723,7 @@ void NAME(phase2_fwd)(long M, long d, long H, const REAL *h1, const REAL *lse, c
             const REAL *pt = p + t * d, *ht = h1 + t * d;
             REAL r = NAME(rstd)(pt, d, eps, key_norm);
             for (long h = 0; h < H; h++) {
-                REAL z2 = r * NAME(dot)(q + h * c, pt + h * c, c) - lse[t * H + h];
+                REAL z2 = r * NAME(row_dot)(q + h * c, pt + h * c, c) - lse[t * H + h];
                 REAL wh = 1 / (1 + EXP_VEC(-z2));
                 if (w) w[t * H + h] = wh;
 #pragma omp simd
@@ -762,7 +770,7 @@ void NAME(phase2_bwd)(long M, long d, long H, const REAL *h1, const REAL *lse, c
                 const REAL *pt = p + t * d, *ht = h1 + t * d, *wt = w + t * H;
                 REAL r = NAME(rstd)(pt, d, eps, key_norm);
                 for (long h = 0; h < H; h++) {
-                    z2[h] = r * NAME(dot)(q + h * c, pt + h * c, c);
+                    z2[h] = r * NAME(row_dot)(q + h * c, pt + h * c, c);
 #pragma omp simd
                     for (long k = h * c; k < (h + 1) * c; k++)
                         hrow[k] = ht[k] + wt[h] * (pt[k] - ht[k]);
@@ -777,7 +785,7 @@ void NAME(phase2_bwd)(long M, long d, long H, const REAL *h1, const REAL *lse, c
 #pragma omp simd reduction(+ : dot)
                         for (long k = 0; k < d; k++) dot += gyt[k] * g[k] * hrow[k];
                     } else {
-                        dot = NAME(dot)(gyt, hrow, d);
+                        dot = NAME(row_dot)(gyt, hrow, d);
                     }
                     REAL cf = -dot * r2 * r2 / (REAL)d;  /* rstd^2 here, the last rstd below */
                     if (g) {
