@@ -73,14 +73,17 @@ def test_phase1_kernel_gradcheck_and_loop(heads, key_norm, n, S, width):
 @pytest.mark.parametrize("key_norm", [True, False])
 @pytest.mark.parametrize("norm", ["gain", "no gain", "none"])
 @pytest.mark.parametrize("keep_h", [True, False])
-def test_phase2_kernel_gradcheck_and_formula(heads, key_norm, norm, keep_h):
+@pytest.mark.parametrize("width", [8, 32])
+def test_phase2_kernel_gradcheck_and_formula(heads, key_norm, norm, keep_h, width):
+    """Width 32 with one head: a row is one span of doubles with 512-bit registers (the
+    backward's register path, phase2_bwd_span); width 8: the general loop."""
     if norm == "none" and not keep_h:
         pytest.skip("without the norm, h is the output")
     torch.manual_seed(heads)
-    h1, p = (torch.randn(2, 3, 8, **D64, requires_grad=True) for _ in range(2))
+    h1, p = (torch.randn(2, 3, width, **D64, requires_grad=True) for _ in range(2))
     lse = torch.randn(2, 3, heads, **D64, requires_grad=True)
-    q = torch.randn(8, **D64, requires_grad=True)
-    g = torch.randn(8, **D64, requires_grad=True) if norm == "gain" else None
+    q = torch.randn(width, **D64, requires_grad=True)
+    g = torch.randn(width, **D64, requires_grad=True) if norm == "gain" else None
     norm_eps = None if norm == "none" else 1e-5
 
     def f(h1, lse, p, q, *g):
@@ -608,12 +611,14 @@ def test_a_lone_reader_makes_its_own_logits_on_the_cpu_backend(backend, monkeypa
 
 @needs_kernels
 @pytest.mark.parametrize("scale", [1.0, 30.0])
-@pytest.mark.parametrize("width", [32, 256])
+@pytest.mark.parametrize("width", [32, 64, 256])
 def test_float32_kernels_match_float64(scale, width):
     """The float kernels, whose exp is their own (vectorised), against the double ones
     (libm's exp), forward and backward; at scale 30 the logits spread past the range of a
-    float exp (|z| up to about 170), so weights underflow to nothing as they should. Width
-    256: rows of several spans in both precisions (square sums by dot_spans)."""
+    float exp (|z| up to about 170), so weights underflow to nothing as they should. Widths
+    32 and 64: a row is one span in one precision and not in the other (with 512-bit
+    registers), so the register paths meet the general ones; 256: rows of several spans in
+    both (square sums by dot_spans)."""
     torch.manual_seed(0)
     d = width
     phase1_in = [torch.randn(3, d, **D64) * scale] + [torch.randn(64, d, **D64)

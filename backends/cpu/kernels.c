@@ -702,8 +702,6 @@ void NAME(wsum_bwd)(long n, const REAL *const *src, long S, const REAL *alpha, l
             }
     }
 }
-#undef SPAN
-#undef VEC_BYTES
 
 /* Phase 2, fused with the next sublayer's PreNorm: for each token,
  *   w = sigmoid(rstd(p) (q . p) - lse) per head,  h = h1 + w (p - h1),
@@ -739,6 +737,74 @@ void NAME(phase2_fwd)(long M, long d, long H, const REAL *h1, const REAL *lse, c
     }
 }
 
+/* phase2_bwd's tokens [t0, t1) where a row is one span (d == SPAN: width 64 in float with
+ * one depth head, on AVX-512): each row's p, h1, h and gradients stay in registers, the
+ * four dots of a token (|p|^2, q . p, the norm's, w's) each a register tree, and dq and dg
+ * summed in registers over the tokens, added to dqa and dga at the end. The general loop
+ * wrote h and its gradient to a scratch row and read them back, and summed each dot in one
+ * chain. */
+static void NAME(phase2_bwd_span)(long t0, long t1, const REAL *h1, const REAL *p,
+                                  const REAL *q, double eps, int key_norm, const REAL *g,
+                                  const REAL *w, const REAL *rstd2, const REAL *gy,
+                                  const REAL *gh, REAL *dh1, REAL *dp, REAL *dlse, REAL *dqa,
+                                  REAL *dga) {
+    const long L = SPAN / 4;
+    const NAME(vec) zero = {0};
+    NAME(vec) q0 = NAME(load)(q), q1 = NAME(load)(q + L), q2 = NAME(load)(q + 2 * L),
+              q3 = NAME(load)(q + 3 * L);
+    NAME(vec) dq0 = zero, dq1 = zero, dq2 = zero, dq3 = zero;
+    NAME(vec) dg0 = zero, dg1 = zero, dg2 = zero, dg3 = zero;
+    for (long t = t0; t < t1; t++) {
+        const REAL *pt = p + t * SPAN, *ht = h1 + t * SPAN;
+        NAME(vec) p0 = NAME(load)(pt), p1 = NAME(load)(pt + L), p2 = NAME(load)(pt + 2 * L),
+                  p3 = NAME(load)(pt + 3 * L);
+        NAME(vec) a0 = NAME(load)(ht), a1 = NAME(load)(ht + L), a2 = NAME(load)(ht + 2 * L),
+                  a3 = NAME(load)(ht + 3 * L);
+        NAME(vec) e0 = p0 - a0, e1 = p1 - a1, e2 = p2 - a2, e3 = p3 - a3;
+        REAL wt = w[t];  /* h = h1 + w (p - h1), as the forward made it */
+        NAME(vec) x0 = a0 + wt * e0, x1 = a1 + wt * e1, x2 = a2 + wt * e2, x3 = a3 + wt * e3;
+        REAL r = key_norm ? NAME(inv_rms)(NAME(hsum)((p0 * p0 + p1 * p1) +
+                                                     (p2 * p2 + p3 * p3)), SPAN, eps) : 1;
+        REAL z2 = r * NAME(hsum)((q0 * p0 + q1 * p1) + (q2 * p2 + q3 * p3));
+        NAME(vec) G0 = zero, G1 = zero, G2 = zero, G3 = zero;  /* the gradient of h */
+        if (gh) {
+            const REAL *gt = gh + t * SPAN;
+            G0 = NAME(load)(gt), G1 = NAME(load)(gt + L), G2 = NAME(load)(gt + 2 * L),
+            G3 = NAME(load)(gt + 3 * L);
+        }
+        if (gy) {  /* the norm's backward: r2 (gy g - (gy g . h) r2^2 h / d) */
+            const REAL *yt = gy + t * SPAN;
+            NAME(vec) y0 = NAME(load)(yt), y1 = NAME(load)(yt + L), y2 = NAME(load)(yt + 2 * L),
+                      y3 = NAME(load)(yt + 3 * L);
+            REAL r2 = rstd2[t];
+            if (g) {
+                NAME(vec) yg0 = y0 * NAME(load)(g), yg1 = y1 * NAME(load)(g + L),
+                          yg2 = y2 * NAME(load)(g + 2 * L), yg3 = y3 * NAME(load)(g + 3 * L);
+                dg0 += r2 * y0 * x0, dg1 += r2 * y1 * x1, dg2 += r2 * y2 * x2,
+                dg3 += r2 * y3 * x3;
+                y0 = yg0, y1 = yg1, y2 = yg2, y3 = yg3;
+            }
+            REAL cf = -NAME(hsum)((y0 * x0 + y1 * x1) + (y2 * x2 + y3 * x3)) * r2 * r2 /
+                      (REAL)SPAN;
+            G0 += r2 * (y0 + cf * x0), G1 += r2 * (y1 + cf * x1), G2 += r2 * (y2 + cf * x2),
+            G3 += r2 * (y3 + cf * x3);
+        }
+        REAL dz2 = NAME(hsum)((G0 * e0 + G1 * e1) + (G2 * e2 + G3 * e3)) * wt * (1 - wt);
+        dlse[t] = -dz2;
+        REAL coef = key_norm ? -dz2 * z2 * r * r / (REAL)SPAN : 0, du = dz2 * r;
+        NAME(store_span)(dh1 + t * SPAN, (1 - wt) * G0, (1 - wt) * G1, (1 - wt) * G2,
+                         (1 - wt) * G3);
+        NAME(store_span)(dp + t * SPAN, wt * G0 + du * q0 + coef * p0,
+                         wt * G1 + du * q1 + coef * p1, wt * G2 + du * q2 + coef * p2,
+                         wt * G3 + du * q3 + coef * p3);
+        dq0 += du * p0, dq1 += du * p1, dq2 += du * p2, dq3 += du * p3;
+    }
+    NAME(store_span)(dqa, NAME(load)(dqa) + dq0, NAME(load)(dqa + L) + dq1,
+                     NAME(load)(dqa + 2 * L) + dq2, NAME(load)(dqa + 3 * L) + dq3);
+    NAME(store_span)(dga, NAME(load)(dga) + dg0, NAME(load)(dga + L) + dg1,
+                     NAME(load)(dga + 2 * L) + dg2, NAME(load)(dga + 3 * L) + dg3);
+}
+
 /* Phase 2's backward. gy (the norm's output gradient) and gh (h's own) may be NULL. Writes
  * dh1, dp ([M, d]), dlse ([M, H]), dq ([d]) and dg ([d], where g and dg are not NULL). */
 void NAME(phase2_bwd)(long M, long d, long H, const REAL *h1, const REAL *lse, const REAL *p,
@@ -766,7 +832,10 @@ void NAME(phase2_bwd)(long M, long d, long H, const REAL *h1, const REAL *lse, c
         for (long tile = 0; tile < tiles; tile++) {
             long tend = M - tile * TILE < TILE ? M : (tile + 1) * TILE;
             memset(dqa, 0, sizeof(REAL) * 2 * d);
-            for (long t = tile * TILE; t < tend; t++) {
+            if (d == SPAN && H == 1)
+                NAME(phase2_bwd_span)(tile * TILE, tend, h1, p, q, eps, key_norm, g, w, rstd2,
+                                      gy, gh, dh1, dp, dlse, dqa, dga);
+            else for (long t = tile * TILE; t < tend; t++) {
                 const REAL *pt = p + t * d, *ht = h1 + t * d, *wt = w + t * H;
                 REAL r = NAME(rstd)(pt, d, eps, key_norm);
                 for (long h = 0; h < H; h++) {
@@ -841,3 +910,5 @@ void NAME(phase2_bwd)(long M, long d, long H, const REAL *h1, const REAL *lse, c
     free(part);
 }
 #undef TILE
+#undef SPAN
+#undef VEC_BYTES
