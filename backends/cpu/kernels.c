@@ -703,6 +703,42 @@ void NAME(wsum_bwd)(long n, const REAL *const *src, long S, const REAL *alpha, l
     }
 }
 
+/* phase2_fwd's tokens [t0, t1) where a row is one span (d == SPAN, one depth head, as
+ * phase2_bwd_span): p, h1 and h in registers, each dot a register tree. */
+static void NAME(phase2_fwd_span)(long t0, long t1, const REAL *h1, const REAL *lse,
+                                  const REAL *p, const REAL *q, double eps, int key_norm,
+                                  const REAL *g, double norm_eps, REAL *out_h, REAL *out_y,
+                                  REAL *w, REAL *rstd2) {
+    const long L = SPAN / 4;
+    NAME(vec) q0 = NAME(load)(q), q1 = NAME(load)(q + L), q2 = NAME(load)(q + 2 * L),
+              q3 = NAME(load)(q + 3 * L);
+    for (long t = t0; t < t1; t++) {
+        const REAL *pt = p + t * SPAN, *ht = h1 + t * SPAN;
+        NAME(vec) p0 = NAME(load)(pt), p1 = NAME(load)(pt + L), p2 = NAME(load)(pt + 2 * L),
+                  p3 = NAME(load)(pt + 3 * L);
+        NAME(vec) a0 = NAME(load)(ht), a1 = NAME(load)(ht + L), a2 = NAME(load)(ht + 2 * L),
+                  a3 = NAME(load)(ht + 3 * L);
+        REAL r = key_norm ? NAME(inv_rms)(NAME(hsum)((p0 * p0 + p1 * p1) +
+                                                     (p2 * p2 + p3 * p3)), SPAN, eps) : 1;
+        REAL z2 = r * NAME(hsum)((q0 * p0 + q1 * p1) + (q2 * p2 + q3 * p3)) - lse[t];
+        REAL wt = 1 / (1 + EXP_VEC(-z2));
+        if (w) w[t] = wt;
+        NAME(vec) x0 = a0 + wt * (p0 - a0), x1 = a1 + wt * (p1 - a1), x2 = a2 + wt * (p2 - a2),
+                  x3 = a3 + wt * (p3 - a3);
+        if (out_h) NAME(store_span)(out_h + t * SPAN, x0, x1, x2, x3);
+        if (!out_y) continue;
+        REAL r2 = NAME(inv_rms)(NAME(hsum)((x0 * x0 + x1 * x1) + (x2 * x2 + x3 * x3)), SPAN,
+                                norm_eps);
+        if (rstd2) rstd2[t] = r2;
+        x0 *= r2, x1 *= r2, x2 *= r2, x3 *= r2;  /* y = h rstd g, in prenorm's order */
+        if (g) {
+            x0 *= NAME(load)(g), x1 *= NAME(load)(g + L), x2 *= NAME(load)(g + 2 * L),
+            x3 *= NAME(load)(g + 3 * L);
+        }
+        NAME(store_span)(out_y + t * SPAN, x0, x1, x2, x3);
+    }
+}
+
 /* Phase 2, fused with the next sublayer's PreNorm: for each token,
  *   w = sigmoid(rstd(p) (q . p) - lse) per head,  h = h1 + w (p - h1),
  *   y = h rstd(h) g  (norm_eps >= 0; g may be NULL: no gain).
@@ -716,6 +752,14 @@ void NAME(phase2_fwd)(long M, long d, long H, const REAL *h1, const REAL *lse, c
 #pragma omp parallel num_threads(threads)
     {
         REAL *hrow = (REAL *)malloc(sizeof(REAL) * d);
+        long tiles = (M + TILE - 1) / TILE;
+        if (d == SPAN && H == 1) {
+#pragma omp for schedule(static)
+            for (long tile = 0; tile < tiles; tile++)
+                NAME(phase2_fwd_span)(tile * TILE, M - tile * TILE < TILE ? M : (tile + 1) * TILE,
+                                      h1, lse, p, q, eps, key_norm, g, norm_eps, out_h, out_y,
+                                      w, rstd2);
+        } else
 #pragma omp for schedule(static)
         for (long t = 0; t < M; t++) {
             const REAL *pt = p + t * d, *ht = h1 + t * d;
