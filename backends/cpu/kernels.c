@@ -85,6 +85,11 @@ static inline void NAME(store_span)(REAL *o, NAME(vec) v0, NAME(vec) v1, NAME(ve
     memcpy(o + 3 * L, &v3, sizeof v3);
 }
 
+/* NAME(vec) x0, x1, x2, x3: the span at ptr, in four registers */
+#define LOAD_SPAN(x, ptr)                                                                   \
+    NAME(vec) x##0 = NAME(load)(ptr), x##1 = NAME(load)((ptr) + SPAN / 4),                 \
+              x##2 = NAME(load)((ptr) + SPAN / 2), x##3 = NAME(load)((ptr) + 3 * SPAN / 4)
+
 /* the sum of a register's lanes: its halves added down to 128 bits, then the last two or
  * four lanes pairwise (a tree, where a loop over the lanes would be a chain of adds) */
 typedef REAL NAME(v128) __attribute__((vector_size(16)));
@@ -173,8 +178,7 @@ static inline void NAME(span_dots)(const REAL *v, const REAL *x, long xs, long S
     const long L = SPAN / 4;
     for (long h = 0; h < H; h++) {
         const REAL *vh = v + h * SPAN;
-        NAME(vec) v0 = NAME(load)(vh), v1 = NAME(load)(vh + L), v2 = NAME(load)(vh + 2 * L),
-                  v3 = NAME(load)(vh + 3 * L);
+        LOAD_SPAN(v, vh);
         for (long s = 0; s < S; s++) {
             const REAL *xh = x + s * xs + h * SPAN;
             out[s * stride + h] = NAME(hsum)((NAME(load)(xh) * v0 + NAME(load)(xh + L) * v1) +
@@ -400,9 +404,7 @@ void NAME(phase1_bwd)(long n, const REAL *const *src, long S, long M, long d, lo
                         REAL *out = dsrc[i] ? dsrc[i] + t * d : NULL;
                         for (long k = 0; k < d; k += SPAN) {
                             long h = k / c;
-                            NAME(vec) v0 = NAME(load)(v + k), v1 = NAME(load)(v + k + L),
-                                      v2 = NAME(load)(v + k + 2 * L),
-                                      v3 = NAME(load)(v + k + 3 * L);
+                            LOAD_SPAN(v, v + k);
                             NAME(vec) o0 = coef * v0, o1 = coef * v1, o2 = coef * v2,
                                       o3 = coef * v3;
                             for (long s = 0; s < S; s++) {
@@ -612,8 +614,7 @@ static inline void NAME(span_bwd)(const REAL *v, REAL *dv, int add, const REAL *
     const long L = SPAN / 4;
     for (long h = 0; h < H; h++) {
         const REAL *vh = v + h * SPAN;
-        NAME(vec) v0 = NAME(load)(vh), v1 = NAME(load)(vh + L), v2 = NAME(load)(vh + 2 * L),
-                  v3 = NAME(load)(vh + 3 * L);
+        LOAD_SPAN(v, vh);
         NAME(vec) o0 = {0}, o1 = {0}, o2 = {0}, o3 = {0};
         if (dv && add) {
             o0 = NAME(load)(dv + h * SPAN);
@@ -627,8 +628,7 @@ static inline void NAME(span_bwd)(const REAL *v, REAL *dv, int add, const REAL *
                 continue;
             }
             const REAL *gs = g[s] + at + h * SPAN;
-            NAME(vec) g0 = NAME(load)(gs), g1 = NAME(load)(gs + L), g2 = NAME(load)(gs + 2 * L),
-                      g3 = NAME(load)(gs + 3 * L);
+            LOAD_SPAN(g, gs);
             da[s * step + h] = NAME(hsum)((g0 * v0 + g1 * v1) + (g2 * v2 + g3 * v3));
             REAL al = a[s * step + h];
             o0 += al * g0;
@@ -710,14 +710,11 @@ static void NAME(phase2_fwd_span)(long t0, long t1, const REAL *h1, const REAL *
                                   const REAL *g, double norm_eps, REAL *out_h, REAL *out_y,
                                   REAL *w, REAL *rstd2) {
     const long L = SPAN / 4;
-    NAME(vec) q0 = NAME(load)(q), q1 = NAME(load)(q + L), q2 = NAME(load)(q + 2 * L),
-              q3 = NAME(load)(q + 3 * L);
+    LOAD_SPAN(q, q);
     for (long t = t0; t < t1; t++) {
         const REAL *pt = p + t * SPAN, *ht = h1 + t * SPAN;
-        NAME(vec) p0 = NAME(load)(pt), p1 = NAME(load)(pt + L), p2 = NAME(load)(pt + 2 * L),
-                  p3 = NAME(load)(pt + 3 * L);
-        NAME(vec) a0 = NAME(load)(ht), a1 = NAME(load)(ht + L), a2 = NAME(load)(ht + 2 * L),
-                  a3 = NAME(load)(ht + 3 * L);
+        LOAD_SPAN(p, pt);
+        LOAD_SPAN(a, ht);
         REAL r = key_norm ? NAME(inv_rms)(NAME(hsum)((p0 * p0 + p1 * p1) +
                                                      (p2 * p2 + p3 * p3)), SPAN, eps) : 1;
         REAL z2 = r * NAME(hsum)((q0 * p0 + q1 * p1) + (q2 * p2 + q3 * p3)) - lse[t];
@@ -794,16 +791,13 @@ static void NAME(phase2_bwd_span)(long t0, long t1, const REAL *h1, const REAL *
                                   REAL *dga) {
     const long L = SPAN / 4;
     const NAME(vec) zero = {0};
-    NAME(vec) q0 = NAME(load)(q), q1 = NAME(load)(q + L), q2 = NAME(load)(q + 2 * L),
-              q3 = NAME(load)(q + 3 * L);
+    LOAD_SPAN(q, q);
     NAME(vec) dq0 = zero, dq1 = zero, dq2 = zero, dq3 = zero;
     NAME(vec) dg0 = zero, dg1 = zero, dg2 = zero, dg3 = zero;
     for (long t = t0; t < t1; t++) {
         const REAL *pt = p + t * SPAN, *ht = h1 + t * SPAN;
-        NAME(vec) p0 = NAME(load)(pt), p1 = NAME(load)(pt + L), p2 = NAME(load)(pt + 2 * L),
-                  p3 = NAME(load)(pt + 3 * L);
-        NAME(vec) a0 = NAME(load)(ht), a1 = NAME(load)(ht + L), a2 = NAME(load)(ht + 2 * L),
-                  a3 = NAME(load)(ht + 3 * L);
+        LOAD_SPAN(p, pt);
+        LOAD_SPAN(a, ht);
         NAME(vec) e0 = p0 - a0, e1 = p1 - a1, e2 = p2 - a2, e3 = p3 - a3;
         REAL wt = w[t];  /* h = h1 + w (p - h1), as the forward made it */
         NAME(vec) x0 = a0 + wt * e0, x1 = a1 + wt * e1, x2 = a2 + wt * e2, x3 = a3 + wt * e3;
@@ -818,8 +812,7 @@ static void NAME(phase2_bwd_span)(long t0, long t1, const REAL *h1, const REAL *
         }
         if (gy) {  /* the norm's backward: r2 (gy g - (gy g . h) r2^2 h / d) */
             const REAL *yt = gy + t * SPAN;
-            NAME(vec) y0 = NAME(load)(yt), y1 = NAME(load)(yt + L), y2 = NAME(load)(yt + 2 * L),
-                      y3 = NAME(load)(yt + 3 * L);
+            LOAD_SPAN(y, yt);
             REAL r2 = rstd2[t];
             if (g) {
                 NAME(vec) yg0 = y0 * NAME(load)(g), yg1 = y1 * NAME(load)(g + L),
@@ -956,3 +949,4 @@ void NAME(phase2_bwd)(long M, long d, long H, const REAL *h1, const REAL *lse, c
 #undef TILE
 #undef SPAN
 #undef VEC_BYTES
+#undef LOAD_SPAN
