@@ -73,10 +73,11 @@ def test_phase1_kernel_gradcheck_and_loop(heads, key_norm, n, S, width):
 @pytest.mark.parametrize("key_norm", [True, False])
 @pytest.mark.parametrize("norm", ["gain", "no gain", "none"])
 @pytest.mark.parametrize("keep_h", [True, False])
-@pytest.mark.parametrize("width", [8, 32])
+@pytest.mark.parametrize("width", [8, 16, 32])
 def test_phase2_kernel_gradcheck_and_formula(heads, key_norm, norm, keep_h, width):
-    """Width 32 with one head: a row is one span of doubles with 512-bit registers (the
-    backward's register path, phase2_bwd_span); width 8: the general loop."""
+    """With one head, a row is one span of doubles at width 32 with 512-bit registers and
+    at width 16 with 256-bit ones (the register paths, phase2_fwd_span and
+    phase2_bwd_span); width 8: the general loop."""
     if norm == "none" and not keep_h:
         pytest.skip("without the norm, h is the output")
     torch.manual_seed(heads)
