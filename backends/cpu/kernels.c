@@ -89,6 +89,8 @@ static inline void NAME(store_span)(REAL *o, NAME(vec) v0, NAME(vec) v1, NAME(ve
 #define LOAD_SPAN(x, ptr)                                                                   \
     NAME(vec) x##0 = NAME(load)(ptr), x##1 = NAME(load)((ptr) + SPAN / 4),                 \
               x##2 = NAME(load)((ptr) + SPAN / 2), x##3 = NAME(load)((ptr) + 3 * SPAN / 4)
+/* the dot of two spans held in registers x0..x3 and y0..y3: a register tree, then hsum */
+#define SPAN_DOT(x, y) NAME(hsum)((x##0 * y##0 + x##1 * y##1) + (x##2 * y##2 + x##3 * y##3))
 
 /* the sum of a register's lanes: its halves added down to 128 bits, then the last two or
  * four lanes pairwise (a tree, where a loop over the lanes would be a chain of adds) */
@@ -175,15 +177,12 @@ static inline void NAME(axpy)(REAL *restrict o, REAL a, const REAL *restrict v, 
  * is one span), v's spans loaded once for all S, each dot summed by a register tree */
 static inline void NAME(span_dots)(const REAL *v, const REAL *x, long xs, long S, long H,
                                    REAL *out, long stride) {
-    const long L = SPAN / 4;
     for (long h = 0; h < H; h++) {
         const REAL *vh = v + h * SPAN;
         LOAD_SPAN(v, vh);
         for (long s = 0; s < S; s++) {
-            const REAL *xh = x + s * xs + h * SPAN;
-            out[s * stride + h] = NAME(hsum)((NAME(load)(xh) * v0 + NAME(load)(xh + L) * v1) +
-                                             (NAME(load)(xh + 2 * L) * v2 +
-                                              NAME(load)(xh + 3 * L) * v3));
+            LOAD_SPAN(x, x + s * xs + h * SPAN);
+            out[s * stride + h] = SPAN_DOT(x, v);
         }
     }
 }
@@ -629,7 +628,7 @@ static inline void NAME(span_bwd)(const REAL *v, REAL *dv, int add, const REAL *
             }
             const REAL *gs = g[s] + at + h * SPAN;
             LOAD_SPAN(g, gs);
-            da[s * step + h] = NAME(hsum)((g0 * v0 + g1 * v1) + (g2 * v2 + g3 * v3));
+            da[s * step + h] = SPAN_DOT(g, v);
             REAL al = a[s * step + h];
             o0 += al * g0;
             o1 += al * g1;
@@ -715,17 +714,15 @@ static void NAME(phase2_fwd_span)(long t0, long t1, const REAL *h1, const REAL *
         const REAL *pt = p + t * SPAN, *ht = h1 + t * SPAN;
         LOAD_SPAN(p, pt);
         LOAD_SPAN(a, ht);
-        REAL r = key_norm ? NAME(inv_rms)(NAME(hsum)((p0 * p0 + p1 * p1) +
-                                                     (p2 * p2 + p3 * p3)), SPAN, eps) : 1;
-        REAL z2 = r * NAME(hsum)((q0 * p0 + q1 * p1) + (q2 * p2 + q3 * p3)) - lse[t];
+        REAL r = key_norm ? NAME(inv_rms)(SPAN_DOT(p, p), SPAN, eps) : 1;
+        REAL z2 = r * SPAN_DOT(q, p) - lse[t];
         REAL wt = 1 / (1 + EXP_VEC(-z2));
         if (w) w[t] = wt;
         NAME(vec) x0 = a0 + wt * (p0 - a0), x1 = a1 + wt * (p1 - a1), x2 = a2 + wt * (p2 - a2),
                   x3 = a3 + wt * (p3 - a3);
         if (out_h) NAME(store_span)(out_h + t * SPAN, x0, x1, x2, x3);
         if (!out_y) continue;
-        REAL r2 = NAME(inv_rms)(NAME(hsum)((x0 * x0 + x1 * x1) + (x2 * x2 + x3 * x3)), SPAN,
-                                norm_eps);
+        REAL r2 = NAME(inv_rms)(SPAN_DOT(x, x), SPAN, norm_eps);
         if (rstd2) rstd2[t] = r2;
         x0 *= r2, x1 *= r2, x2 *= r2, x3 *= r2;  /* y = h rstd g, in prenorm's order */
         if (g) {
@@ -801,9 +798,8 @@ static void NAME(phase2_bwd_span)(long t0, long t1, const REAL *h1, const REAL *
         NAME(vec) e0 = p0 - a0, e1 = p1 - a1, e2 = p2 - a2, e3 = p3 - a3;
         REAL wt = w[t];  /* h = h1 + w (p - h1), as the forward made it */
         NAME(vec) x0 = a0 + wt * e0, x1 = a1 + wt * e1, x2 = a2 + wt * e2, x3 = a3 + wt * e3;
-        REAL r = key_norm ? NAME(inv_rms)(NAME(hsum)((p0 * p0 + p1 * p1) +
-                                                     (p2 * p2 + p3 * p3)), SPAN, eps) : 1;
-        REAL z2 = r * NAME(hsum)((q0 * p0 + q1 * p1) + (q2 * p2 + q3 * p3));
+        REAL r = key_norm ? NAME(inv_rms)(SPAN_DOT(p, p), SPAN, eps) : 1;
+        REAL z2 = r * SPAN_DOT(q, p);
         NAME(vec) G0 = zero, G1 = zero, G2 = zero, G3 = zero;  /* the gradient of h */
         if (gh) {
             const REAL *gt = gh + t * SPAN;
@@ -821,12 +817,11 @@ static void NAME(phase2_bwd_span)(long t0, long t1, const REAL *h1, const REAL *
                 dg3 += r2 * y3 * x3;
                 y0 = yg0, y1 = yg1, y2 = yg2, y3 = yg3;
             }
-            REAL cf = -NAME(hsum)((y0 * x0 + y1 * x1) + (y2 * x2 + y3 * x3)) * r2 * r2 /
-                      (REAL)SPAN;
+            REAL cf = -SPAN_DOT(y, x) * r2 * r2 / (REAL)SPAN;
             G0 += r2 * (y0 + cf * x0), G1 += r2 * (y1 + cf * x1), G2 += r2 * (y2 + cf * x2),
             G3 += r2 * (y3 + cf * x3);
         }
-        REAL dz2 = NAME(hsum)((G0 * e0 + G1 * e1) + (G2 * e2 + G3 * e3)) * wt * (1 - wt);
+        REAL dz2 = SPAN_DOT(G, e) * wt * (1 - wt);
         dlse[t] = -dz2;
         REAL coef = key_norm ? -dz2 * z2 * r * r / (REAL)SPAN : 0, du = dz2 * r;
         NAME(store_span)(dh1 + t * SPAN, (1 - wt) * G0, (1 - wt) * G1, (1 - wt) * G2,
@@ -950,3 +945,4 @@ void NAME(phase2_bwd)(long M, long d, long H, const REAL *h1, const REAL *lse, c
 #undef SPAN
 #undef VEC_BYTES
 #undef LOAD_SPAN
+#undef SPAN_DOT
