@@ -25,6 +25,9 @@ and prints each as a ratio to the standard residual.
                                              # width 64, depth 16, context 128, batch 16,
                                              # heads 4, one thread
     python bench/overhead.py --examples --regional --streams 0   # + regional compile
+    python bench/overhead.py --examples --regional --regional-all --streams 0
+                                             # + regional with the aggregation regions that
+                                             # run the C kernels compiled too
     python bench/overhead.py --examples --compile-time  # first step (compilation included)
                                              # of the Block model: whole-model against
                                              # regional, each in a fresh process and cache
@@ -71,6 +74,10 @@ def parse_args(argv=None):
     p.add_argument("--compile-only", action="store_true", help="torch.compile mode only")
     p.add_argument("--regional", action="store_true",
                    help="also each region compiled in place (restopo.train.compile)")
+    p.add_argument("--regional-all", action="store_true",
+                   help="also regional with every region compiled, the aggregation regions "
+                        "that run the fused C kernels too (restopo train --compile leaves "
+                        "those uncompiled)")
     p.add_argument("--compile-time", action="store_true",
                    help="only the first step of the Block model, whole-model against "
                         "regional compilation (fresh process and inductor cache each)")
@@ -163,7 +170,7 @@ def compiled(mode: str, model):
         return torch.compile(model), model
     from restopo.train.compile import compile_regions
 
-    compile_regions(model)
+    compile_regions(model, kernels=mode == "regional-all")
     return model, model
 
 
@@ -266,22 +273,23 @@ def main(argv=None) -> int:
     models = {name: make(args, topo) for name, topo in topologies(args).items()}
     print(setting(args))
     modes = ([] if args.compile_only else ["eager"]) + ([] if args.no_compile else ["compile"])
-    modes += ["regional"] if args.regional else []
+    modes += (["regional"] if args.regional else []) + (
+        ["regional-all"] if args.regional_all else [])
     if not modes:
         print("--no-compile and --compile-only leave nothing to measure", file=sys.stderr)
         return 2
     # regional compilation changes the modules in place: that mode gets its own (make seeds
     # the weights, so they are the same)
-    results = {mode: measure(args, mode, models if mode != "regional" else
+    results = {mode: measure(args, mode, models if not mode.startswith("regional") else
                              {name: make(args, topo) for name, topo in topologies(args).items()})
                for mode in modes}
-    print(f"\n{'mode':8} {'topology':12} {'step ms':>9} {'x std':>6} {'median ms':>10} "
+    print(f"\n{'mode':12} {'topology':12} {'step ms':>9} {'x std':>6} {'median ms':>10} "
           f"{'x std':>6} {'saved MiB':>10} {'x std':>6}   per-round x std: median "
           f"[quartiles] (range), {args.iters} rounds")
     for mode, res in results.items():
         base = res["standard"]
         for name, r in res.items():
-            print(f"{mode:8} {name:12} {1e3 * r['step']:9.1f} {r['step'] / base['step']:6.3f} "
+            print(f"{mode:12} {name:12} {1e3 * r['step']:9.1f} {r['step'] / base['step']:6.3f} "
                   f"{1e3 * r['median']:10.1f} {r['median'] / base['median']:6.3f} "
                   f"{r['saved'] / 2**20:10.1f} {r['saved'] / base['saved']:6.3f}   "
                   f"{spread(r['ratios'])}")

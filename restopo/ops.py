@@ -117,18 +117,34 @@ def picked(backend: str, tensor: torch.Tensor) -> str:
 
 def _pick(backend: str, tensor: torch.Tensor) -> str:
     """The backend one call runs on."""
+    return picked_for(backend, tensor.device, tensor.dtype, torch.compiler.is_compiling())
+
+
+def picked_for(backend: str, device: torch.device, dtype: torch.dtype,
+               compiling: bool = False) -> str:
+    """The backend a call with `backend=` on tensors of `dtype` on `device` runs on, traced
+    by torch.compile (`compiling`) or not; before any such tensor exists (regional
+    compilation decides by it which regions to compile, restopo.train.compile)."""
     if backend == "eager":
         return "eager"
     if backend in ("triton", "cpu"):
-        require_backend(backend, tensor.device)
+        require_backend(backend, device)
         return backend
     check_backend(backend)
-    if tensor.is_cuda and triton_unavailable_reason(tensor.device) is None:
+    if device.type == "cuda" and triton_unavailable_reason(device) is None:
         return "triton"
-    if (tensor.device.type == "cpu" and not torch.compiler.is_compiling()
-            and tensor.dtype in (torch.float32, torch.float64) and _cpu_ok()):
+    if (device.type == "cpu" and not compiling
+            and dtype in (torch.float32, torch.float64) and _cpu_ok()):
         return "cpu"
     return "eager"
+
+
+def cpu_kernels(backend: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether an uncompiled call with `backend=` on tensors of `dtype` on `device` runs
+    the cpu backend's fused C kernels (for the calls they cover: static queries, the
+    softmax gate)."""
+    return (dtype in (torch.float32, torch.float64)
+            and picked_for(backend, torch.device(device), dtype) == "cpu")
 
 
 def _first(sources) -> torch.Tensor:

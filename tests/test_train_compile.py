@@ -25,9 +25,9 @@ TOPOLOGIES = {"standard": standard, "block": lambda k: block_attnres(k, blocks=2
               "full": full_attnres}
 
 
-def tiny_model(kind: str, seed: int = 0):
+def tiny_model(kind: str, seed: int = 0, backend: str = "eager"):
     torch.manual_seed(seed)
-    return build_model(TINY, TOPOLOGIES[kind](TINY.kinds), backend="eager")
+    return build_model(TINY, TOPOLOGIES[kind](TINY.kinds), backend=backend)
 
 
 @pytest.fixture
@@ -58,10 +58,14 @@ def test_regions_are_the_called_modules_each_once():
     assert model.context._compiled_call_impl is None
 
 
-@pytest.mark.parametrize("kind", ["standard", "block"])
-def test_compiled_training_gives_the_eager_losses(kind, tmp_path, corpus, aot_eager):
-    train(tiny_model(kind), corpus, cfg(), tmp_path / "eager", progress=False)
-    model, n = compiled(kind)
+@pytest.mark.parametrize("kind,backend", [("standard", "eager"), ("block", "eager"),
+                                          ("block", "auto"), ("full", "auto")])
+def test_compiled_training_gives_the_eager_losses(kind, backend, tmp_path, corpus, aot_eager):
+    """backend auto: the aggregations run the C kernels uncompiled between compiled
+    sublayers (where the kernels build; else the eager forms, compiled)."""
+    train(tiny_model(kind, backend=backend), corpus, cfg(), tmp_path / "eager", progress=False)
+    model = tiny_model(kind, backend=backend)
+    n = compile_regions(model)
     train(model, corpus, cfg(), tmp_path / "compiled", progress=False, compiled=n)
     want, got = losses(tmp_path / "eager"), losses(tmp_path / "compiled")
     assert len(got) == len(want) == 20
@@ -105,6 +109,28 @@ def test_resume_of_a_compiled_run_is_bitwise(tmp_path, corpus, aot_eager):
     assert [r["step"] for r in got] == list(range(1, 21))
     for a, b in zip(want[10:], got[10:]):
         assert (b["loss"], b["val_loss"]) == (a["loss"], a["val_loss"])
+
+
+@pytest.mark.parametrize("backend", ["auto", "eager"])
+def test_aggregations_on_the_c_kernels_stay_uncompiled(backend):
+    """Regions whose calls run the cpu backend's fused kernels are left as they are (inductor
+    would trace their eager forms instead, slower on the CPU); the rest are compiled. The
+    eager backend's aggregations, and any of another dtype, are compiled."""
+    from restopo import ops
+
+    if backend == "auto" and not ops.cpu_kernels("auto", torch.device("cpu"), torch.float32):
+        pytest.skip("the cpu backend's kernels do not build here")
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.manual_seed(0)
+        model = build_model(TINY, block_attnres(TINY.kinds, blocks=2), backend=backend)
+        model.to(dtype)
+        compile_regions(model)
+        fused = backend == "auto" and dtype == torch.float32
+        assert all(m._compiled_call_impl is not None
+                   for m in (model.embed, model.head, *model.sublayers))
+        wiring = (*model.aggregations, *model.phases)  # all static softmax depth attention
+        assert len(wiring) == 7
+        assert all((m._compiled_call_impl is None) == fused for m in wiring), dtype
 
 
 def test_full_attnres_compiles_every_aggregation_point(monkeypatch):
@@ -169,9 +195,14 @@ def cli_spec(tmp_path, monkeypatch, tmp_path_factory):
 def test_cli_compiles_and_says_the_compile_time(cli_spec, tmp_path, capsys, aot_eager):
     from restopo.cli import main
 
+    from restopo import ops
+
     assert main(["train", str(cli_spec), "--out", str(tmp_path / "run"), "--no-progress"]) == 0
     err = capsys.readouterr().err
-    assert err.count("compiled 13 regions in ") == 1  # 4 sublayers, 5 aggregations, 2 phases
+    # embed, head and 4 sublayers; the 5 aggregations and 2 phases too where they would run
+    # eager forms, not the C kernels (which regional compilation leaves as they are)
+    n = 6 if ops.cpu_kernels("auto", torch.device("cpu"), torch.float32) else 13
+    assert err.count(f"compiled {n} regions in ") == 1
 
 
 def test_compile_that_cannot_run_is_one_line(cli_spec, tmp_path, capsys, monkeypatch):

@@ -23,14 +23,25 @@ and stacking the sources would cost a copy of them; so the limit is raised to wh
 regions can need at most: every region of the class in both grad modes, and shapes of
 training and evaluation (`recompile_limit`, set here once for the process).
 
-Inside a compiled region the readers of a source make their own logits (the eager sharing of
-restopo.nn.shared_sources switches itself off under compile): each Full AttnRes aggregation
-point passes over every earlier source for its logits, fused with the weighted sum. Running
-the sharing hook eagerly around compiled readers instead (their forward compiled, not their
-call; each source's logits then made once, by the eager matmul) was tried and measured no
-faster at the examples' size (regional Full 1.697x standard against 1.705x, Block 1.276x
-against 1.242x, one interleaved run each): the fused kernel's extra read of each source costs
-about what the eager logits' ops and autograd nodes cost.
+Aggregation regions whose calls run the cpu backend's fused C kernels (on the CPU, float32
+or float64, backend auto or cpu; static queries, the softmax gate: `runs_kernels`) are left
+uncompiled. Inductor would trace their eager forms instead (the kernels are foreign calls),
+and on the CPU its code for them is slower than the kernels, whose calls are each one pass
+already. `bench/overhead.py --regional --regional-all` measures both ways side by side
+(step time x standard compiled the same way, median of interleaved rounds): at the
+examples' size (`--examples`) Block AttnRes 1.25 -> 1.17 and Full 1.83 -> 1.37, and both
+then step faster than eager; at width 512, depth 12, two threads, Block 1.10 -> 1.06 and
+Full 1.31 -> 1.11. The lowered graph's shared logits (restopo.nn.shared_sources) then work as in eager
+mode. On CUDA (the triton kernels, not yet measured there) every region is compiled.
+
+Where the aggregation regions are compiled, the readers of a source make their own logits
+(the eager sharing of restopo.nn.shared_sources switches itself off under compile): each
+Full AttnRes aggregation point passes over every earlier source for its logits, fused with
+the weighted sum. Running the sharing hook eagerly around compiled readers instead (their
+forward compiled, not their call; each source's logits then made once, by the eager matmul)
+was tried and measured no faster at the examples' size (regional Full 1.697x standard
+against 1.705x, Block 1.276x against 1.242x, one interleaved run each): the fused kernel's
+extra read of each source costs about what the eager logits' ops and autograd nodes cost.
 """
 from __future__ import annotations
 
@@ -107,14 +118,19 @@ def regions(*roots: nn.Module) -> list[nn.Module]:
     return list(found.values())
 
 
-def compile_regions(model: nn.Module, stepper=None) -> int:
-    """Compile every region of `model` (and of the pipeline chunks a stepper runs) in place;
-    the number of regions. Compilation itself happens at each region's first call."""
+def compile_regions(model: nn.Module, stepper=None, *, kernels: bool = False) -> int:
+    """Compile in place every region of `model` (and of the pipeline chunks a stepper runs)
+    but the aggregation regions that run the fused C kernels (see above; `kernels`: those
+    too, for comparison); the number compiled. Compilation itself happens at each region's
+    first call."""
     roots = [lowered(model)]
     trained = getattr(stepper, "trained", None)
     if isinstance(trained, nn.ModuleList):  # pipeline chunks: their own phase-1 modules
         roots += list(trained)
     found = regions(*roots)
+    home = _home(roots)
+    if home is not None and not kernels:
+        found = [m for m in found if not _runs_kernels(m, *home)]
     per_code = Counter(type(m).forward.__code__ for m in found)
     needed = PER_REGION * max(per_code.values(), default=1)
     config = torch._dynamo.config
@@ -125,6 +141,21 @@ def compile_regions(model: nn.Module, stepper=None) -> int:
     for m in found:
         m.compile(backend=backend)
     return len(found)
+
+
+def _home(roots) -> tuple[torch.device, torch.dtype] | None:
+    """(device, dtype) of the models' floating-point parameters (None: they have none)."""
+    for root in roots:
+        for p in root.parameters():
+            if p.is_floating_point():
+                return p.device, p.dtype
+    return None
+
+
+def _runs_kernels(module: nn.Module, device, dtype) -> bool:
+    """Whether `module` is an aggregation region that runs the fused C kernels as it is."""
+    runs = getattr(module, "runs_kernels", None)
+    return runs is not None and runs(device, dtype)
 
 
 def compiled_line(n_regions: int, seconds: float) -> str:
