@@ -12,11 +12,13 @@ import pytest
 import torch
 
 from restopo.api import build_model
+from restopo.fx.lower import lowered
 from restopo.spec.objects import ModelSpec
 from restopo.topology import block_attnres, full_attnres, standard
-from restopo.train.compile import BACKEND_ENV, compile_regions, regions
+from restopo.train.compile import BACKEND_ENV, compile_model, compile_regions, regions
 from restopo.train.loop import train
 from test_train_loop import Stop, _stopping, corpus, one_thread  # noqa: F401  (fixtures)
+from test_train_processes import env  # noqa: F401  (fixture: process env, corpus ready)
 from test_train_loop import cfg as loop_cfg
 from test_train_loop import records as losses
 
@@ -89,6 +91,63 @@ def test_compiled_regions_inside_recomputed_ones_give_the_eager_losses(mode, tmp
           compiled=compile_regions(model))
     for a, b in zip(losses(tmp_path / "eager"), losses(tmp_path / "both"), strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=2e-5, abs=0)
+
+
+@pytest.mark.parametrize("kind,recompute", [("block", "none"), ("full", "none"),
+                                            ("block", "block")])
+def test_whole_model_compiled_training_gives_the_eager_losses(kind, recompute, tmp_path, corpus,
+                                                              aot_eager):
+    """train.compile: whole, the lowered model as one graph (backend auto: the eager forms
+    traced, where eager mode runs the C kernels), with and without recompute."""
+    from restopo.fx.recompute import apply
+
+    c = cfg(steps=8)
+    train(apply(tiny_model(kind, backend="auto"), recompute), corpus, c, tmp_path / "eager",
+          progress=False)
+    model = apply(tiny_model(kind, backend="auto"), recompute)
+    what = compile_model(model, None, "whole")
+    assert what == "the whole model" and lowered(model)._compiled_call_impl is not None
+    assert all(m._compiled_call_impl is None for m in model.sublayers)  # one graph, not regions
+    train(model, corpus, c, tmp_path / "whole", progress=False, compiled=what)
+    for a, b in zip(losses(tmp_path / "eager"), losses(tmp_path / "whole"), strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=2e-5, abs=0)
+
+
+def test_whole_model_compile_refuses_what_it_cannot_trace():
+    """Recompute by sublayer (torch's composable checkpoint hooks) fails inside one graph
+    (the recomputed values differ from the saved ones): refused, naming what works."""
+    from restopo.fx.recompute import apply
+    from restopo.train.compile import CompileError, check_compile
+    from restopo.train.layout import Layout
+
+    with pytest.raises(CompileError, match="recompute: sublayer.*recompute: block"):
+        compile_model(apply(tiny_model("block"), "sublayer"), None, "whole")
+    with pytest.raises(CompileError, match="recompute: sublayer"):
+        check_compile(torch.device("cpu"), "whole", Layout(1), "sublayer")
+    with pytest.raises(CompileError, match="FSDP"):
+        check_compile(torch.device("cpu"), "whole", Layout(2, data="fsdp"))
+    with pytest.raises(CompileError, match="--pipeline"):
+        check_compile(torch.device("cpu"), "whole", Layout(2, pipeline=object()))
+    check_compile(torch.device("cpu"), "whole", Layout(2, data="ddp"), "block")
+
+
+def test_resume_of_a_whole_model_compiled_run_is_bitwise(tmp_path, corpus, aot_eager):
+    c = cfg(steps=12, save_every=6, eval_every=3)
+    model = tiny_model("block")
+    train(model, corpus, c, tmp_path / "full", progress=False,
+          compiled=compile_model(model, None, "whole"))
+    part = tmp_path / "part"
+    model = tiny_model("block")
+    with pytest.raises(Stop):
+        train(_stopping(model, 6), corpus, c, part, progress=False,
+              compiled=compile_model(model, None, "whole"))
+    model = tiny_model("block", seed=123)
+    train(model, corpus, c, part, progress=False, compiled=compile_model(model, None, "whole"),
+          resume_from=part / "ckpt" / "step_000006")
+    want, got = losses(tmp_path / "full"), losses(part)
+    assert [r["step"] for r in got] == list(range(1, 13))
+    for a, b in zip(want[6:], got[6:]):
+        assert (b["loss"], b["val_loss"]) == (a["loss"], a["val_loss"])
 
 
 def test_resume_of_a_compiled_run_is_bitwise(tmp_path, corpus, aot_eager):
@@ -170,9 +229,25 @@ def test_the_flag_reaches_the_spec_and_the_workers():
     assert "--compile" not in _worker_argv(p.parse_args(["train", "x.restopo"]))
     text = "model m { vocab: 256; width: 32; depth: 2; heads: 2; context: 16 }\n" \
            "residual standard\ntrain { compile: true }\n"
-    assert parse_spec(text, "m.restopo").train.compile is True
-    assert parse_spec(text.replace("true", "false"), "m.restopo").train.compile is False
-    assert parse_spec(text, "m.restopo", ("train.compile=false",)).train.compile is False
+    assert parse_spec(text, "m.restopo").train.compile == "regional"  # true's other name
+    assert parse_spec(text.replace("true", "false"), "m.restopo").train.compile == "off"
+    assert parse_spec(text, "m.restopo", ("train.compile=false",)).train.compile == "off"
+    for mode in ("off", "regional", "whole"):
+        assert parse_spec(text, "m.restopo", (f"train.compile={mode}",)).train.compile == mode
+    assert parse_spec(text.replace("compile: true", "steps: 3"), "m.restopo").train.compile \
+        == "off"
+    from restopo.spec import SpecError
+
+    with pytest.raises(SpecError, match=r"m.restopo:3:\d+: .*unknown compile 'wholee'"):
+        parse_spec(text.replace("true", "wholee"), "m.restopo")
+    # --compile is regional: a --set saying so agrees, one saying another mode does not
+    assert "train.compile=regional" in _overrides(p.parse_args(
+        ["train", "x.restopo", "--compile", "--set", "train.compile=regional"]))
+    from restopo.commands.train import _Stop
+
+    with pytest.raises(_Stop, match="--compile and --set train.compile=whole disagree"):
+        _overrides(p.parse_args(["train", "x.restopo", "--compile", "--set",
+                                 "train.compile=whole"]))
 
 
 CLI_SPEC = """\
@@ -203,6 +278,28 @@ def test_cli_compiles_and_says_the_compile_time(cli_spec, tmp_path, capsys, aot_
     # eager forms, not the C kernels (which regional compilation leaves as they are)
     n = 6 if ops.cpu_kernels("auto", torch.device("cpu"), torch.float32) else 13
     assert err.count(f"compiled {n} regions in ") == 1
+
+
+def test_cli_compiles_the_whole_model(cli_spec, tmp_path, capsys, aot_eager):
+    from restopo.cli import main
+
+    out = tmp_path / "run"
+    assert main(["train", str(cli_spec), "--out", str(out), "--no-progress", "--set",
+                 "train.compile=whole"]) == 0
+    assert capsys.readouterr().err.count("compiled the whole model in ") == 1
+    assert (out / "ckpt" / "step_000004").is_dir()
+
+
+def test_whole_model_compile_that_cannot_run_is_one_line(cli_spec, tmp_path, capsys):
+    from restopo.cli import main
+
+    out = tmp_path / "run"
+    assert main(["train", str(cli_spec), "--out", str(out), "--no-progress", "--set",
+                 "train.compile=whole", "--recompute", "sublayer"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert "train.compile: whole" in err and "train.compile: regional" in err
+    assert not (out / "ckpt").exists()
 
 
 def test_compile_that_cannot_run_is_one_line(cli_spec, tmp_path, capsys, monkeypatch):
@@ -292,3 +389,30 @@ def test_a_lowered_model_compiles_whole_without_graph_breaks(monkeypatch):
     torch.compile(model, backend="eager")(torch.randint(0, 256, (2, 16))).mean().backward()
     assert not counters["graph_break"]
     assert counters["stats"]["unique_graphs"] == 1
+
+
+@pytest.mark.slow
+def test_whole_model_compile_under_ddp_follows_one_process(tmp_path, env):
+    """train.compile: whole with 2-process DDP (torchrun, gloo): the losses of one
+    uncompiled process with the same global batch."""
+    import json
+    import subprocess
+    import sys
+
+    spec = tmp_path / "t.restopo"
+    spec.write_text(CLI_SPEC.replace("compile: true", "compile: false"))
+
+    def run(out, *argv):
+        proc = subprocess.run([sys.executable, "-m", "restopo", "train", str(spec), "--out",
+                               str(out), "--no-progress", "--device", "cpu", *argv],
+                              env={**env, BACKEND_ENV: "aot_eager"}, capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        with open(out / "metrics.jsonl") as f:
+            return proc.stderr, [json.loads(line)["loss"] for line in f]
+
+    _, want = run(tmp_path / "one")
+    err, got = run(tmp_path / "ddp", "--nproc", "2", "--set", "train.compile=whole")
+    assert err.count("compiled the whole model in ") == 1  # rank 0 says it
+    assert len(got) == len(want) == 4
+    assert got == pytest.approx(want, rel=1e-4, abs=1e-4)

@@ -68,7 +68,9 @@ def register(subparsers) -> None:
                         "(same as --set train.recompute=MODE; default none)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile each sublayer, aggregation point and phase 1 in place "
-                        "(same as --set train.compile=true); the first step compiles")
+                        "(same as --set train.compile=regional); the first step compiles. "
+                        "--set train.compile=whole compiles the model as one graph instead: "
+                        "faster steps, a slower first step (one process or DDP)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--backend", choices=("auto", "eager", "triton", "cpu"), default="auto",
                    help="aggregation kernels (default: triton on CUDA when available, else the "
@@ -155,14 +157,16 @@ def _overrides(args) -> tuple[str, ...]:
         given[key.strip()] = value.strip()
     extra = []
     for flag, value, key in _flag_values(args):
-        if key in given and not _same(given[key], str(value)):
+        if key in given and not _same(given[key], str(value), key):
             shown = flag if flag == "--compile" else f"{flag} {value}"
             raise _Stop(f"{shown} and --set {key}={given[key]} disagree; give one of them")
         extra.append(f"{key}={value!r}" if isinstance(value, float) else f"{key}={value}")
     return tuple(args.overrides) + tuple(extra)
 
 
-def _same(a: str, b: str) -> bool:
+def _same(a: str, b: str, key: str = "") -> bool:
+    if key == "train.compile":  # `true` is regional compilation's other name
+        a, b = (("regional" if x.lower() == "true" else x) for x in (a, b))
     try:
         return float(a) == float(b)
     except ValueError:
@@ -412,10 +416,10 @@ def _train(args, out: Path) -> int:
     except RuntimeError as e:
         return _fail(str(e))
     try:
-        if spec.train.compile:
+        if spec.train.compile != "off":
             from ..train.compile import check_compile
 
-            check_compile(ctx.device)
+            check_compile(ctx.device, spec.train.compile, chosen, spec.train.recompute)
         if not ctx.is_main:
             dist.barrier(ctx)  # rank 0 prepares the cached corpus first
         corpus = runspec.open_data(spec, progress=ctx.is_main and not args.no_progress)
@@ -426,10 +430,10 @@ def _train(args, out: Path) -> int:
         except RuntimeError as e:  # a backend that cannot run here says why
             raise _Stop(str(e)) from None
         compiled = 0
-        if spec.train.compile:
-            from ..train.compile import compile_regions
+        if spec.train.compile != "off":
+            from ..train.compile import compile_model
 
-            compiled = compile_regions(model, stepper)
+            compiled = compile_model(model, stepper, spec.train.compile)
         cfg = TrainConfig.from_spec(spec.train, spec.model.context)
         if ctx.is_main:
             n_params = sum(p.numel() for p in model.parameters())

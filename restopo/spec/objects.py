@@ -98,6 +98,9 @@ class ResidualSpec:
 
 # train.recompute's modes (restopo.fx.recompute says what each recomputes)
 RECOMPUTE = ("none", "sublayer", "block")
+# train.compile's modes (restopo.train.compile): off, each region compiled in place
+# (`true` says the same), or the whole model as one graph
+COMPILE = ("off", "regional", "whole")
 
 
 @dataclass(frozen=True)
@@ -120,7 +123,7 @@ class TrainSpec:
     keep: int = 3                  # checkpoints kept on disk (the newest)
     peak_tflops: float | None = None  # one device's peak TFLOP/s for MFU (None: its default)
     recompute: str = "none"        # none | sublayer | block (restopo.fx.recompute)
-    compile: bool = False          # torch.compile each region (restopo.train.compile)
+    compile: str = "off"           # off | regional | whole (restopo.train.compile)
     pos: Pos | None = field(default=None, compare=False, repr=False)
     positions: tuple[tuple[str, Pos], ...] = field(default=(), compare=False, repr=False)
 

@@ -1,5 +1,7 @@
-"""Regional compilation (`train.compile`, `restopo train --compile`): torch.compile each
-region of the lowered model in place, as torchtitan compiles per block.
+"""Compiled training (`train.compile`). `regional` (`true`, `restopo train --compile`):
+torch.compile each region of the lowered model in place, as torchtitan compiles per block.
+`whole`: the lowered model in place as one graph (compile_model): faster steps, a slower
+first step; one process or DDP.
 
 The regions are the modules the lowered graph calls (restopo.fx.lower): `embed`, each of
 `sublayers` (attention or MLP, with its PreNorm), each of `aggregations` (one per
@@ -70,11 +72,15 @@ class CompileError(ValueError):
     """torch.compile cannot run here (said in one line naming the option)."""
 
 
-def check_compile(device) -> None:
-    """Raise CompileError when torch.compile cannot compile for `device` here: before any
-    work, rather than a traceback from inside the first step."""
+def check_compile(device, mode: str = "regional", layout=None,
+                  recompute: str = "none") -> None:
+    """Raise CompileError when torch.compile cannot compile for `device` here, or `mode`
+    cannot run in `layout` (restopo.train.layout) with `recompute`: before any work,
+    rather than a traceback from inside the first step."""
     from torch._dynamo.eval_frame import check_if_dynamo_supported
 
+    if mode == "whole":
+        _whole_runs(layout, recompute)
     drop = "drop --compile (or set train.compile: false)"
     try:
         check_if_dynamo_supported()
@@ -143,6 +149,35 @@ def compile_regions(model: nn.Module, stepper=None, *, kernels: bool = False) ->
     return len(found)
 
 
+def compile_model(model: nn.Module, stepper=None, mode: str = "regional") -> int | str:
+    """train.compile's `mode`: regional (compile_regions; the number of regions compiled),
+    or whole: the lowered model compiled in place as one graph (what bench/overhead.py
+    times as `compile`), for one process or DDP (check_compile refuses the rest). Whole
+    steps faster and compiles slower: at the examples' size a Block AttnRes step took 202
+    against 230 ms, and the first step 68 against 14 s (`bench/overhead.py --examples
+    --compile-time --rounds 1`)."""
+    if mode != "whole":
+        return compile_regions(model, stepper)
+    _whole_runs(None, getattr(lowered(model), "restopo_recompute", "none"), stepper)
+    lowered(model).compile(backend=os.environ.get(BACKEND_ENV) or "inductor")
+    return "the whole model"
+
+
+def _whole_runs(layout, recompute: str, stepper=None) -> None:
+    """Raise CompileError where train.compile: whole cannot run: a pipeline's chunks or FSDP
+    units (layout, or a stepper that runs them), or recompute by sublayer, whose
+    checkpoint hooks do not trace into one graph (block's regions do)."""
+    regional = "use train.compile: regional (--compile), which compiles what each process runs"
+    if stepper is not None or (layout is not None and (
+            layout.pipeline is not None or (layout.data == "fsdp" and layout.world > 1))):
+        raise CompileError("train.compile: whole compiles the model as one graph, for one "
+                           f"process or DDP; with --pipeline or FSDP {regional}")
+    if recompute == "sublayer":
+        raise CompileError("train.compile: whole does not combine with train.recompute: "
+                           "sublayer (its checkpoint hooks do not trace into one graph); use "
+                           "train.recompute: block, or train.compile: regional")
+
+
 def _home(roots) -> tuple[torch.device, torch.dtype] | None:
     """(device, dtype) of the models' floating-point parameters (None: they have none)."""
     for root in roots:
@@ -158,7 +193,9 @@ def _runs_kernels(module: nn.Module, device, dtype) -> bool:
     return runs is not None and runs(device, dtype)
 
 
-def compiled_line(n_regions: int, seconds: float) -> str:
-    """What rank 0 says after the first step of a compiled run."""
-    return (f"compiled {n_regions} regions in {seconds:.1f} s (the first step, compilation "
+def compiled_line(what: int | str, seconds: float) -> str:
+    """What rank 0 says after the first step of a compiled run (`what`: the number of
+    regions compiled, or what was)."""
+    what = f"{what} regions" if isinstance(what, int) else what
+    return (f"compiled {what} in {seconds:.1f} s (the first step, compilation "
             f"included; evaluation compiles its no-grad variants at its first batch)")

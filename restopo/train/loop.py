@@ -163,7 +163,7 @@ def train(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, out: str | o
           ctx: DistContext | None = None, *, meta: dict | None = None,
           resume_from: str | os.PathLike | None = None, progress: bool = True,
           stepper: Stepper | None = None, throughput: Throughput | None = None,
-          compiled: int = 0) -> dict:
+          compiled: int | str = 0) -> dict:
     """Train `model` in place; returns a summary (final loss, val loss, paths).
 
     `stepper` makes each step's gradients; by default `DataParallelStep` (one process, or
@@ -173,8 +173,9 @@ def train(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, out: str | o
     Only rank 0 writes metrics, plot and bar, and checkpoints of a whole-model layout; in a
     sharded layout every rank writes its share of each checkpoint. `meta` (spec text,
     overrides, ...) is stored in every checkpoint. `throughput`: what makes MFU of tokens/s
-    (metrics.jsonl and the bar say it when it has a peak). `compiled`: the number of regions
-    compiled (restopo.train.compile); rank 0 says after the first step how long it took.
+    (metrics.jsonl and the bar say it when it has a peak). `compiled`: what was compiled
+    (restopo.train.compile.compile_model: a number of regions, or "the whole model"; 0:
+    nothing); rank 0 says after the first step how long it took.
     """
     from tqdm import tqdm
 
