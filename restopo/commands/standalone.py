@@ -72,6 +72,10 @@ class ops:
     def depth_weights(*args, **kwargs):
         return depth_weights(*args, **kwargs)
 
+    @staticmethod
+    def cpu_kernels(backend, device, dtype):  # no fused kernels here: compile every region
+        return False
+
     # calls bound once per parameter version (restopo.ops.bind_*): here the plain calls
     @staticmethod
     def bind_phase1(*args, backend=None, norm_weight=None, norm_eps=None, **kwargs):

@@ -819,6 +819,10 @@ class ops:
     def depth_weights(*args, **kwargs):
         return depth_weights(*args, **kwargs)
 
+    @staticmethod
+    def cpu_kernels(backend, device, dtype):  # no fused kernels here: compile every region
+        return False
+
     # calls bound once per parameter version (restopo.ops.bind_*): here the plain calls
     @staticmethod
     def bind_phase1(*args, backend=None, norm_weight=None, norm_eps=None, **kwargs):
@@ -1117,6 +1121,12 @@ class Attend(nn.Module):
                                    key_norm=self.key_norm is not None, gate=self.gate,
                                    heads=self.heads, backend=self.backend, logits=logits)
 
+    def runs_kernels(self, device, dtype) -> bool:
+        """Whether this module's calls (uncompiled) run the cpu backend's fused C kernels:
+        regional compilation then leaves it uncompiled (restopo.train.compile)."""
+        return (self.query_proj is None and self.gate == "softmax"
+                and ops.cpu_kernels(self.backend, device, dtype))
+
     def _query(self, sources) -> torch.Tensor:
         q = self.pseudo_query
         if self.query_proj is not None:
@@ -1218,6 +1228,10 @@ class TwoPhase(nn.Module):
         return _per_member(ops.phase1(completed, queries, gains, EPS,
                                       key_norm=self.has_key_norm, heads=self.heads,
                                       backend=self.backend, logits=logits))
+
+    def runs_kernels(self, device, dtype) -> bool:
+        """As Attend.runs_kernels: phase 1 is static queries and the softmax gate."""
+        return ops.cpu_kernels(self.backend, device, dtype)
 
     def _bound(self):
         """ops.bind_phase1 for the members' queries, kept while they are unchanged."""

@@ -825,6 +825,10 @@ class ops:
     def depth_weights(*args, **kwargs):
         return depth_weights(*args, **kwargs)
 
+    @staticmethod
+    def cpu_kernels(backend, device, dtype):  # no fused kernels here: compile every region
+        return False
+
     # calls bound once per parameter version (restopo.ops.bind_*): here the plain calls
     @staticmethod
     def bind_phase1(*args, backend=None, norm_weight=None, norm_eps=None, **kwargs):
@@ -1122,6 +1126,12 @@ class Attend(nn.Module):
         return ops.depth_attention(sources, q, gain, EPS,
                                    key_norm=self.key_norm is not None, gate=self.gate,
                                    heads=self.heads, backend=self.backend, logits=logits)
+
+    def runs_kernels(self, device, dtype) -> bool:
+        """Whether this module's calls (uncompiled) run the cpu backend's fused C kernels:
+        regional compilation then leaves it uncompiled (restopo.train.compile)."""
+        return (self.query_proj is None and self.gate == "softmax"
+                and ops.cpu_kernels(self.backend, device, dtype))
 
     def _query(self, sources) -> torch.Tensor:
         q = self.pseudo_query
