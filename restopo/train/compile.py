@@ -29,12 +29,12 @@ Aggregation regions whose calls run the cpu backend's fused C kernels (on the CP
 or float64, backend auto or cpu; static queries, the softmax gate: `runs_kernels`) are left
 uncompiled. Inductor would trace their eager forms instead (the kernels are foreign calls),
 and on the CPU its code for them is slower than the kernels, whose calls are each one pass
-already. `bench/overhead.py --regional --regional-all` measures both ways side by side
-(step time x standard compiled the same way, median of interleaved rounds): at the
-examples' size (`--examples`) Block AttnRes 1.25 -> 1.17 and Full 1.83 -> 1.37, and both
-then step faster than eager; at width 512, depth 12, two threads, Block 1.10 -> 1.06 and
-Full 1.31 -> 1.11. The lowered graph's shared logits (restopo.nn.shared_sources) then work as in eager
-mode. On CUDA (the triton kernels, not yet measured there) every region is compiled.
+already. `bench/overhead.py --regional --regional-all --streams 0` measures both ways side
+by side (step time x standard compiled the same way, median of interleaved rounds): with
+`--examples` Block AttnRes 1.28 -> 1.18 and Full 1.81 -> 1.35, both then stepping faster
+than eager; at its default width 512 with `--threads 2`, Block 1.11 -> 1.08 and Full 1.28
+-> 1.11. The lowered graph's shared logits (restopo.nn.shared_sources) then work as in
+eager mode. On CUDA (the triton kernels, not yet measured there) every region is compiled.
 
 Where the aggregation regions are compiled, the readers of a source make their own logits
 (the eager sharing of restopo.nn.shared_sources switches itself off under compile): each
