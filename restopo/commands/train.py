@@ -19,6 +19,7 @@ examples:
   restopo train examples/tiny.restopo --nproc 2                      # 2 processes via torchrun
   restopo train examples/tiny.restopo --peak-tflops 1                # MFU against 1 TFLOP/s
   restopo train examples/tiny.restopo --compile                      # torch.compile per region
+  restopo train examples/tiny.restopo --set train.compile=whole      # one graph: faster steps
   torchrun --nproc_per_node 2 -m restopo train examples/tiny.restopo
   restopo train examples/tiny.restopo --nproc 2 --data fsdp          # shard params + AdamW
   restopo train examples/tiny.restopo --nproc 4 --pipeline 2x2       # stage-local pipeline
@@ -67,8 +68,9 @@ def register(subparsers) -> None:
                    help="activation recompute: keep less for backward, run it again there "
                         "(same as --set train.recompute=MODE; default none)")
     p.add_argument("--compile", action="store_true",
-                   help="torch.compile each sublayer, aggregation point and phase 1 in place "
-                        "(same as --set train.compile=regional); the first step compiles. "
+                   help="torch.compile the model region by region, in place: each sublayer, "
+                        "and each aggregation point and phase 1 that the fused C kernels do not "
+                        "run (same as --set train.compile=regional); the first step compiles. "
                         "--set train.compile=whole compiles the model as one graph instead: "
                         "faster steps, a slower first step (one process or DDP)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
