@@ -193,9 +193,17 @@ def _runs_kernels(module: nn.Module, device, dtype) -> bool:
     return runs is not None and runs(device, dtype)
 
 
+def _compiled(what: int | str) -> str:
+    """compile_model's answer in words: a number of regions, or what was compiled."""
+    return f"{what} regions" if isinstance(what, int) else what
+
+
+def compiling_line(what: int | str) -> str:
+    """What rank 0 says before the first step of a compiled run."""
+    return f"compiling {_compiled(what)} in the first step (seconds to minutes) ..."
+
+
 def compiled_line(what: int | str, seconds: float) -> str:
-    """What rank 0 says after the first step of a compiled run (`what`: the number of
-    regions compiled, or what was)."""
-    what = f"{what} regions" if isinstance(what, int) else what
-    return (f"compiled {what} in {seconds:.1f} s (the first step, compilation "
+    """What rank 0 says after the first step of a compiled run."""
+    return (f"compiled {_compiled(what)} in {seconds:.1f} s (the first step, compilation "
             f"included; evaluation compiles its no-grad variants at its first batch)")

@@ -236,6 +236,10 @@ def train(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, out: str | o
     t0 = time.perf_counter()
     t_log, steps_since_log = t0, 0
     raw.train()
+    if compiled and ctx.is_main:  # else a bar sits at 0 for a minute with no word why
+        from .compile import compiling_line
+
+        bar.write(compiling_line(compiled), file=sys.stderr)
     try:
         for step in range(start, cfg.steps):
             lr = lr_at(step, cfg)
