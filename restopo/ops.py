@@ -142,9 +142,10 @@ def picked_for(backend: str, device: torch.device, dtype: torch.dtype,
 def cpu_kernels(backend: str, device: torch.device, dtype: torch.dtype) -> bool:
     """Whether an uncompiled call with `backend=` on tensors of `dtype` on `device` runs
     the cpu backend's fused C kernels (for the calls they cover: static queries, the
-    softmax gate)."""
-    return (dtype in (torch.float32, torch.float64)
-            and picked_for(backend, torch.device(device), dtype) == "cpu")
+    softmax gate). Never raises: off the CPU (CUDA, a meta-built model) it is False."""
+    device = torch.device(device)
+    return (device.type == "cpu" and dtype in (torch.float32, torch.float64)
+            and picked_for(backend, device, dtype) == "cpu")
 
 
 def _first(sources) -> torch.Tensor:

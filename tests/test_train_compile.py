@@ -192,6 +192,22 @@ def test_aggregations_on_the_c_kernels_stay_uncompiled(backend):
         assert all((m._compiled_call_impl is None) == fused for m in wiring), dtype
 
 
+def test_which_regions_run_kernels_never_raises_off_the_cpu():
+    """A pipeline's whole model is built on the meta device (its chunks hold the weights):
+    the regions' device is read past it, and asking about a device the cpu backend cannot
+    run on is an answer (False), not the backend's error."""
+    from restopo import ops
+    from restopo.train.compile import _home
+
+    assert ops.cpu_kernels("cpu", torch.device("meta"), torch.float32) is False
+    assert ops.cpu_kernels("auto", "meta", torch.float32) is False
+    with torch.device("meta"):
+        meta = tiny_model("block")
+    cpu = tiny_model("block").double()
+    assert _home([meta, cpu]) == (torch.device("cpu"), torch.float64)
+    assert _home([meta]) is None
+
+
 def test_full_attnres_compiles_every_aggregation_point(monkeypatch):
     """Full AttnRes's aggregation points differ in their number of sources: one graph each
     in the cache of Attend.forward's one code object, more than dynamo's default limit of 8;
@@ -395,12 +411,22 @@ def test_a_lowered_model_compiles_whole_without_graph_breaks(monkeypatch):
 
 
 @pytest.mark.slow
-def test_whole_model_compile_under_ddp_follows_one_process(tmp_path, env):
-    """train.compile: whole with 2-process DDP (torchrun, gloo): the losses of one
-    uncompiled process with the same global batch."""
+@pytest.mark.parametrize("how", [["--set", "train.compile=whole"],
+                                 ["--compile", "--pipeline", "2x1", "--backend", "cpu"]],
+                         ids=["whole-ddp", "pipeline"])
+def test_compiled_processes_follow_one_process(tmp_path, env, how):
+    """2 processes (torchrun, gloo), compiled: train.compile: whole under DDP, and regional
+    compilation of a pipeline's stages on the cpu backend (each rank's chunk, its
+    aggregations left to the C kernels): the losses of one uncompiled process with the
+    same global batch."""
     import json
     import subprocess
     import sys
+
+    from restopo.registry import get_backend
+
+    if "cpu" in how and not get_backend("cpu").available()[0]:
+        pytest.skip("the cpu backend's kernels do not build here")
 
     spec = tmp_path / "t.restopo"
     spec.write_text(CLI_SPEC.replace("compile: true", "compile: false"))
@@ -415,7 +441,7 @@ def test_whole_model_compile_under_ddp_follows_one_process(tmp_path, env):
             return proc.stderr, [json.loads(line)["loss"] for line in f]
 
     _, want = run(tmp_path / "one")
-    err, got = run(tmp_path / "ddp", "--nproc", "2", "--set", "train.compile=whole")
-    assert err.count("compiled the whole model in ") == 1  # rank 0 says it
+    err, got = run(tmp_path / "two", "--nproc", "2", *how)
+    assert err.count("compiled ") == 1  # rank 0 says it
     assert len(got) == len(want) == 4
     assert got == pytest.approx(want, rel=1e-4, abs=1e-4)

@@ -179,10 +179,12 @@ def _whole_runs(layout, recompute: str, stepper=None) -> None:
 
 
 def _home(roots) -> tuple[torch.device, torch.dtype] | None:
-    """(device, dtype) of the models' floating-point parameters (None: they have none)."""
+    """(device, dtype) of the models' floating-point parameters (None: they have none),
+    past those on the meta device (a pipeline's whole model, whose chunks hold the real
+    ones)."""
     for root in roots:
         for p in root.parameters():
-            if p.is_floating_point():
+            if p.is_floating_point() and p.device.type != "meta":
                 return p.device, p.dtype
     return None
 
