@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from ..cli import int_range
-from ..spec.objects import RECOMPUTE
+from ..spec.objects import COMPILE_ALIASES, RECOMPUTE
 
 EXAMPLES = """\
 examples:
@@ -167,8 +167,8 @@ def _overrides(args) -> tuple[str, ...]:
 
 
 def _same(a: str, b: str, key: str = "") -> bool:
-    if key == "train.compile":  # `true` is regional compilation's other name
-        a, b = (("regional" if x.lower() == "true" else x) for x in (a, b))
+    if key == "train.compile":  # `true` is regional compilation's other name, `false` off's
+        a, b = (COMPILE_ALIASES.get(x.lower(), x) for x in (a, b))
     try:
         return float(a) == float(b)
     except ValueError:

@@ -17,7 +17,8 @@ from .fields import (EXAMPLES, MAX_DEPTH, Checker, Field, View, alts, divisors, 
 from .nodes import Call, Key, ListValue, Name, Pos, Qualified, SpecFile, String, describe
 from .limits import (check_microbatches, check_model_limits, check_source_reads,
                      check_train_limits)
-from .objects import COMPILE, RECOMPUTE, ModelSpec, ParallelSpec, Spec, SourceText, TrainSpec
+from .objects import (COMPILE, COMPILE_ALIASES, RECOMPUTE, ModelSpec, ParallelSpec, Spec,
+                      SourceText, TrainSpec)
 from .overrides import apply_overrides
 from .sections import BUILTIN_DATA, views_of
 from .wiring import check_against_model, check_residual
@@ -185,8 +186,8 @@ def check_train(view: View, c: Checker) -> TrainSpec | None:
         got["peak_tflops"] = c.real(f["peak_tflops"], "peak_tflops", 0, above=True,
                                     why="one device's peak TFLOP/s for MFU, e.g. 989")
     if "compile" in f:
-        mode = c.choice(f["compile"], "compile", ("true", "false", *COMPILE))
-        got["compile"] = {"true": "regional", "false": "off"}.get(mode, mode)
+        mode = c.choice(f["compile"], "compile", (*COMPILE_ALIASES, *COMPILE))
+        got["compile"] = COMPILE_ALIASES.get(mode, mode)
     if "schedule" in f:
         got["schedule"] = c.choice(f["schedule"], "schedule", LR_SCHEDULES)
     if "recompute" in f:

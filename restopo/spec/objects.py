@@ -101,6 +101,7 @@ RECOMPUTE = ("none", "sublayer", "block")
 # train.compile's modes (restopo.train.compile): off, each region compiled in place
 # (`true` says the same), or the whole model as one graph
 COMPILE = ("off", "regional", "whole")
+COMPILE_ALIASES = {"true": "regional", "false": "off"}  # what spec files said before
 
 
 @dataclass(frozen=True)

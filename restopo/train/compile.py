@@ -158,8 +158,9 @@ def compile_model(model: nn.Module, stepper=None, mode: str = "regional") -> int
     --compile-time --rounds 1`)."""
     if mode != "whole":
         return compile_regions(model, stepper)
-    _whole_runs(None, getattr(lowered(model), "restopo_recompute", "none"), stepper)
-    lowered(model).compile(backend=os.environ.get(BACKEND_ENV) or "inductor")
+    gm = lowered(model)
+    _whole_runs(None, getattr(gm, "restopo_recompute", "none"), stepper)
+    gm.compile(backend=os.environ.get(BACKEND_ENV) or "inductor")
     return "the whole model"
 
 
@@ -168,8 +169,7 @@ def _whole_runs(layout, recompute: str, stepper=None) -> None:
     units (layout, or a stepper that runs them), or recompute by sublayer, whose
     checkpoint hooks do not trace into one graph (block's regions do)."""
     regional = "use train.compile: regional (--compile), which compiles what each process runs"
-    if stepper is not None or (layout is not None and (
-            layout.pipeline is not None or (layout.data == "fsdp" and layout.world > 1))):
+    if stepper is not None or (layout is not None and not layout.whole):
         raise CompileError("train.compile: whole compiles the model as one graph, for one "
                            f"process or DDP; with --pipeline or FSDP {regional}")
     if recompute == "sublayer":

@@ -40,6 +40,12 @@ class Layout:
     def replicas(self) -> int:
         return self.world // self.stages
 
+    @property
+    def whole(self) -> bool:
+        """Each process builds and steps the whole model: one process, or DDP replicas
+        (no pipeline stages, no FSDP shards)."""
+        return self.pipeline is None and (self.data == "ddp" or self.world == 1)
+
     def describe(self) -> str:
         if self.world == 1 and self.pipeline is None:
             return "1 process"
@@ -123,7 +129,7 @@ def build(spec, layout: Layout, ctx, backend: str = "auto"):
     from .runspec import build_model
 
     # recompute first: DDP, FSDP and the pipeline's chunks wrap the modules it set up
-    if layout.pipeline is None and (layout.data == "ddp" or layout.world == 1):
+    if layout.whole:
         return recompute(build_model(spec, backend), spec.train.recompute), None
     model = recompute(build_model(spec, backend, meta=True), spec.train.recompute)
     if layout.pipeline is None:
