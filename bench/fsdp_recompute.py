@@ -185,4 +185,6 @@ def worker(argv) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from restopo.worker import exit_with
+
+    exit_with(main())  # its torchrun workers exit past torch's teardown

@@ -186,4 +186,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from restopo.worker import exit_with
+
+    exit_with(main())  # its torchrun workers exit past torch's teardown

@@ -1,6 +1,4 @@
 from .cli import main
-from .worker import leave
+from .worker import exit_with
 
-code = main()
-leave(code)  # a torchrun worker exits here, past torch's teardown
-raise SystemExit(code)
+exit_with(main())  # a torchrun worker exits past torch's teardown

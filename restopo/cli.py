@@ -117,5 +117,13 @@ def main(argv=None) -> int:
         return 130
 
 
+def run() -> None:
+    """The `restopo` command (console script and `python -m restopo`): main(), then, under
+    torchrun, an exit past torch's teardown (restopo.worker.leave says why)."""
+    from .worker import exit_with
+
+    exit_with(main())
+
+
 if __name__ == "__main__":  # pragma: no cover
-    raise SystemExit(main())
+    run()

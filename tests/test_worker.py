@@ -1,5 +1,10 @@
 """restopo.worker.leave: how a torchrun worker ends."""
+import ast
+import importlib.util
 import os
+import pathlib
+import re
+import tomllib
 import subprocess
 import sys
 
@@ -37,3 +42,62 @@ def test_outside_torchrun_leave_returns_and_the_process_ends_as_usual():
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 9
     assert "after leave" in proc.stderr and "teardown ran" in proc.stderr
+
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+LAUNCHERS = ("torch.distributed.run", "restopo.train.torchrun")
+
+
+def worker_scripts() -> set[pathlib.Path]:
+    """Every script the repository runs under torchrun: the `-m` module a launcher command
+    names, and a file that relaunches itself (`abspath(__file__)`) beside a launcher."""
+    found = set()
+    for path in ROOT.glob("[!.]*/**/*.py"):
+        text = path.read_text()
+        if not any(f'"{name}"' in text for name in LAUNCHERS):
+            continue
+        for module in re.findall(r'"-m",\s*"([\w.]+)"', text):
+            if module not in LAUNCHERS:
+                spec = importlib.util.find_spec(module)
+                found.add(pathlib.Path(spec.origin if not spec.submodule_search_locations
+                                       else os.path.join(spec.submodule_search_locations[0],
+                                                         "__main__.py")).resolve())
+        if "abspath(__file__)" in text and "--worker" in text:
+            found.add(path.resolve())
+    return found
+
+
+def calls_exit_with(body: list) -> bool:
+    return any(isinstance(node, ast.Call) and ast.unparse(node.func).endswith("exit_with")
+               for stmt in body for node in ast.walk(stmt))
+
+
+def ends_through_exit_with(path: pathlib.Path) -> bool:
+    """The module's top level, or its `if __name__ == "__main__":` block, calls exit_with."""
+    tree = ast.parse(path.read_text())
+    mains = [node.body for node in tree.body
+             if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test)]
+    return calls_exit_with([s for s in tree.body if not isinstance(s, ast.If)]) or any(
+        calls_exit_with(body) for body in mains)
+
+
+def test_every_script_run_under_torchrun_exits_through_leave():
+    """A torchrun worker that ends through the interpreter's teardown now and then aborts
+    (gloo, SIGABRT) after a finished run: CI once failed on bench/fsdp_recompute.py's
+    worker that way. Every script the repository launches under torchrun must end through
+    restopo.worker.exit_with."""
+    scripts = {p.relative_to(ROOT).as_posix(): p for p in worker_scripts()}
+    # the finder sees the known workers (it would pass vacuously if it saw none)
+    assert {"restopo/__main__.py", "bench/fsdp_recompute.py", "bench/memory.py",
+            "restopo/train/layoutcheck.py", "backends/pipeline/selfcheck.py"} <= set(scripts)
+    assert [n for n, p in sorted(scripts.items()) if not ends_through_exit_with(p)] == []
+
+
+def test_the_restopo_console_script_exits_through_leave():
+    """`torchrun --no-python restopo train ...` runs the console script, not -m restopo."""
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        target = tomllib.load(f)["project"]["scripts"]["restopo"]
+    module, name = target.split(":")
+    tree = ast.parse(pathlib.Path(importlib.util.find_spec(module).origin).read_text())
+    (func,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name]
+    assert calls_exit_with(func.body)

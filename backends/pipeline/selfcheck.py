@@ -170,8 +170,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from restopo.worker import leave
+    from restopo.worker import exit_with
 
-    code = main()
-    leave(code)  # a torchrun worker exits here, past torch's teardown
-    raise SystemExit(code)
+    exit_with(main())  # a torchrun worker exits past torch's teardown
