@@ -13,7 +13,13 @@ model), measured interleaved:
     python bench/aggregation.py                       # the examples' size, eager and compiled
     python bench/aggregation.py --width 512 --depth 12 --context 256 --batch 4
     python bench/aggregation.py --no-compile --only standard,block8
+    python bench/aggregation.py --backend eager       # plain torch's aggregations, eager
     python bench/aggregation.py --quick               # a CI-size smoke run
+
+Eager rows run the aggregations on `--backend`: auto (the default, as `restopo train`: the
+fused C kernels on the CPU where they build) or eager (plain torch). Compiled rows trace the
+plain-torch forms either way (inductor cannot call the C kernels): inductor's code for the
+same aggregations, to hold against the kernels' eager rows.
 
 Used to find where a compiled Block AttnRes step's extra time goes (the inductor kernels of
 phase 1's backward); the step itself is bench/overhead.py's to report.
@@ -56,6 +62,9 @@ def parse_args(argv=None):
                                               "(standard, full, blockN, mhc4)")
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--backend", default="auto", choices=("auto", "eager"),
+                   help="aggregation kernels of the eager rows (default auto: the fused C "
+                        "kernels on the CPU where they build, as restopo train runs)")
     p.add_argument("--no-compile", action="store_true", help="eager only")
     p.add_argument("--compile-only", action="store_true", help="torch.compile only")
     p.add_argument("--quick", action="store_true",
@@ -89,7 +98,7 @@ def build(args, topo) -> nn.Module:
     nn.init.normal_(embed.weight, std=0.5)
     parts = Parts(embed=embed, sublayers=nn.ModuleList(Linear(args.width) for _ in kinds),
                   kinds=kinds, head=nn.Identity())
-    model = lower(build_ir(kinds, topo, args.width), parts, backend="eager")
+    model = lower(build_ir(kinds, topo, args.width), parts, backend=args.backend)
     with torch.no_grad():  # trained-looking queries: non-uniform depth weights
         for a in model.aggregations:
             if hasattr(a, "pseudo_query"):
@@ -128,7 +137,8 @@ def main(argv=None) -> int:
     modes = ([] if args.compile_only else ["eager"]) + ([] if args.no_compile else ["compile"])
     print(f"width {args.width}, depth {args.depth} ({2 * args.depth} sublayers), context "
           f"{args.context}, batch {args.batch}; stand-in sublayers (one [d, d] matmul); "
-          f"threads {torch.get_num_threads()}, torch {torch.__version__}")
+          f"aggregation backend {args.backend} (eager rows); threads "
+          f"{torch.get_num_threads()}, torch {torch.__version__}")
     print(f"{'mode':8} {'topology':10} {'step ms':>9} {'aggregation ms':>15}   per round: "
           f"median [range], {args.rounds} rounds")
     for mode in modes:

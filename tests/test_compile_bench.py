@@ -1,6 +1,10 @@
 """bench/overhead.py and bench/aggregation.py run (CI-size smoke: eager only, tiny model) and
 print their figures against the standard residual."""
+import pytest
+import torch
 from file_modules import bench as load_bench
+
+from restopo import ops
 
 
 def test_overhead_bench_quick(capsys):
@@ -35,3 +39,18 @@ def test_aggregation_bench_quick(capsys):
             if line.startswith("eager ")]
     assert [r[1] for r in rows] == ["standard", "full", "block2", "mhc4"]
     assert float(rows[0][3]) == 0.0 and all(float(r[2]) > 0 for r in rows)
+
+
+@pytest.mark.parametrize("backend", ["auto", "eager"])
+def test_aggregation_bench_runs_the_backend_it_names(backend):
+    """The eager rows run `--backend`'s aggregations: by default (auto) the fused C kernels
+    that restopo train runs on the CPU, not plain torch (the bench once always lowered on
+    eager, so its figures were not the ones a training step pays)."""
+    cpu = torch.device("cpu")
+    if backend == "auto" and not ops.cpu_kernels("auto", cpu, torch.float32):
+        pytest.skip("the C kernels do not build here")
+    bench = load_bench("aggregation")
+    args = bench.parse_args(["--quick"] + ([] if backend == "auto" else ["--backend", backend]))
+    model = bench.build(args, bench.topologies(args)["block2"])
+    kernels = [m.runs_kernels(cpu, torch.float32) for m in model.phases]
+    assert kernels and all(k == (backend == "auto") for k in kernels)
