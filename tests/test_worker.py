@@ -4,9 +4,9 @@ import importlib.util
 import os
 import pathlib
 import re
-import tomllib
 import subprocess
 import sys
+import tomllib
 
 import pytest
 
