@@ -2,6 +2,7 @@
 `restopo inspect`'s flops_per_token, and MFU in metrics.jsonl (restopo.train.throughput)."""
 import json
 import math
+import time
 
 import pytest
 import torch
@@ -79,6 +80,28 @@ def test_mfu_in_metrics_with_a_given_peak(tmp_path):
     assert len(records) == 3
     for r in records:
         assert r["mfu"] == pytest.approx(r["tokens_per_s"] * per_token / 0.05e12, rel=1e-12)
+
+
+def test_tokens_per_s_leaves_out_evaluation_and_checkpoints(tmp_path, monkeypatch):
+    """An evaluation or a checkpoint write in a logging interval is not training: made to
+    take a second each here, tokens/s must still be a step's (each line is one 128-token
+    step, a few milliseconds; with that second counted it is under 128)."""
+    from restopo.train import loop
+
+    def slow(fn):
+        def wrapped(*args, **kwargs):
+            time.sleep(1.0)
+            return fn(*args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(loop.DataParallelStep, "evaluate",
+                        slow(loop.DataParallelStep.evaluate))
+    monkeypatch.setattr(loop, "save_checkpoint", slow(loop.save_checkpoint))
+    records = _train(tmp_path, "--set", "train.eval_every=1", "--set", "train.save_every=1",
+                     "--set", "train.keep=1")
+    assert [r["val_loss"] is not None for r in records] == [True] * 3
+    assert all(r["tokens_per_s"] > 4 * 128 for r in records), records
+    assert (tmp_path / "run" / "ckpt" / "step_000003").is_dir()
 
 
 def test_no_mfu_on_the_cpu_without_a_peak(tmp_path):

@@ -234,7 +234,9 @@ def train(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, out: str | o
     bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step", file=sys.stderr,
                disable=not (progress and ctx.is_main), dynamic_ncols=True)
     t0 = time.perf_counter()
-    t_log, steps_since_log = t0, 0
+    # tokens/s counts training steps only: `paused` is the time since the last log line
+    # spent evaluating and writing checkpoints, taken out of the interval
+    t_log, steps_since_log, paused = t0, 0, 0.0
     raw.train()
     if compiled and ctx.is_main:  # else a bar sits at 0 for a minute with no word why
         from .compile import compiling_line
@@ -263,8 +265,10 @@ def train(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, out: str | o
             val_loss = None
             # 0 turns evaluation (eval_every) and checkpoints (save_every) off
             if cfg.eval_every > 0 and (done % cfg.eval_every == 0 or done == cfg.steps):
+                t_eval = time.perf_counter()
                 val_loss = stepper.evaluate(val_batches)
                 last["val_loss"] = val_loss
+                paused += time.perf_counter() - t_eval
             if (cfg.log_every > 0 and done % cfg.log_every == 0) or done in (1, cfg.steps) \
                     or val_loss is not None:
                 loss_value = mean_over_ranks(loss.item(), ctx)
@@ -272,9 +276,9 @@ def train(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, out: str | o
                     raise TrainingError(f"the loss became {loss_value} at step {done}; lower "
                                         f"train.lr (now {cfg.lr:g}) or train.grad_clip")
                 now = time.perf_counter()
-                rate = steps_since_log * tokens_per_step / max(now - t_log, 1e-9)
+                rate = steps_since_log * tokens_per_step / max(now - t_log - paused, 1e-9)
                 mfu = throughput.mfu(rate) if throughput is not None else None
-                t_log, steps_since_log = now, 0
+                t_log, steps_since_log, paused = now, 0, 0.0
                 last["loss"] = loss_value
                 log.write({"step": done, "loss": loss_value, "val_loss": val_loss, "lr": lr,
                            "tokens_per_s": rate, "elapsed": elapsed0 + now - t0,
@@ -286,7 +290,9 @@ def train(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, out: str | o
                                     + (f" MFU {mfu:.1%}" if mfu is not None else ""),
                                     refresh=False)
             if cfg.save_every > 0 and (done % cfg.save_every == 0 or done == cfg.steps):
+                t_save = time.perf_counter()
                 save(done)
+                paused += time.perf_counter() - t_save
     finally:
         bar.close()
         log.close()
