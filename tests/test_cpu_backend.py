@@ -744,6 +744,34 @@ def test_a_compiler_that_fails_leaves_the_eager_backend(tmp_path):
     assert built == []
 
 
+
+ZEN4 = """processor\t: 0
+vendor_id\t: AuthenticAMD
+cpu family\t: 25
+model\t\t: 17
+model name\t: AMD EPYC
+stepping\t: 1
+cpu MHz\t\t: 2596.138
+flags\t\t: fpu sse2 avx2 avx512f
+"""
+
+
+def test_the_processor_key_tells_apart_models_that_share_a_name():
+    """A VM names several processor generations "AMD EPYC": the key that the kernel cache
+    and the golden checkpoints' machine are read by (backends.cpu.build.machine) must
+    still tell them apart (the golden test compared this machine's float data with another
+    EPYC's at 1e-5 and failed), and must not move with the clock."""
+    from restopo.backends.cpu import build
+
+    zen5 = ZEN4.replace("model\t\t: 17", "model\t\t: 2").replace("family\t: 25",
+                                                                     "family\t: 26")
+    reclocked = ZEN4.replace("2596.138", "3100.000")
+    assert build._cpu(ZEN4) != build._cpu(zen5)
+    assert build._cpu(ZEN4) != build._cpu(ZEN4.replace("AuthenticAMD", "GenuineIntel"))
+    assert build._cpu(ZEN4) != build._cpu(ZEN4.replace(" avx512f", ""))
+    assert build._cpu(ZEN4) == build._cpu(reclocked)
+    assert build._cpu() in build.machine()
+
 # ---- the PreNorm's RMSNorm (every topology's sublayers and final norm)
 
 def test_rms_norm_gradcheck_with_and_without_gain():

@@ -13,8 +13,11 @@ the machine: a matmul's blocking and vector width follow the CPU's instruction s
 AdamW's first step turns a gradient that is rounding noise (a query's that is zero in
 exact arithmetic, say) into a step of +-lr, so the same code's weights differ between two
 x86 machines by up to 20% in such a tensor's sum of squares, where its losses agree to 1e-7.
-Each golden file records the machine that wrote it (`machine`): on that machine the float
-data is compared by a fingerprint per tensor (sum, sum of squares, first values) at 1e-5,
+Each golden file records the machine that wrote it (`machine`: torch, its CPU capability,
+and a hash of the processor's make, family, model and flags and of the C compiler that
+builds the fused kernels, backends.cpu.build.machine; a VM's processor name alone, "AMD
+EPYC", covers generations whose float data differ): on that machine the float data is
+compared by a fingerprint per tensor (sum, sum of squares, first values) at 1e-5,
 elsewhere the losses in meta.json are (at 1e-6), and the tensors by shape and dtype. With
 RESTOPO_GOLDEN_EXACT=1 the data must also hash identically (the check to run before and
 after a refactor on one machine; regenerate on yours first).
@@ -88,8 +91,14 @@ def _machine() -> dict:
                           if line.startswith("model name")), model)
     except OSError:
         pass
+    from restopo.backends.cpu import build
+
+    # the name alone is not the machine ("AMD EPYC" covers generations whose steps differ
+    # in the float data): the processor's family, model and flags and the C kernels'
+    # compiler, hashed
+    exact = hashlib.sha256(build.machine().encode()).hexdigest()[:16]
     return {"torch": torch.__version__, "cpu": model,
-            "capability": torch.backends.cpu.get_cpu_capability()}
+            "capability": torch.backends.cpu.get_cpu_capability(), "processor_and_cc": exact}
 
 
 _FLOAT = re.compile(r"-?\d+\.\d+(?:[eE][-+]?\d+)?|-?\d+[eE][-+]?\d+")

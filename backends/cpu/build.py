@@ -59,14 +59,30 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
 
-def _cpu() -> str:
-    """What -march=native depends on: the processor's model and feature flags."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or platform.machine()
-    keep = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags", "Features"))]
+# The /proc/cpuinfo lines that say which processor this is: its make, family, model and
+# stepping (a VM's model name can be as vague as "AMD EPYC" for several generations; gcc's
+# -march=native picks its target by family and model) and its feature flags; x86, then Arm.
+CPU_LINES = ("vendor_id", "cpu family", "model", "stepping", "flags",
+             "CPU implementer", "CPU architecture", "CPU variant", "CPU part", "Features")
+
+
+def _cpu(text: str | None = None) -> str:
+    """What -march=native depends on: the processor's make, model and feature flags (from
+    `text`, else /proc/cpuinfo), without what changes while it runs (its clock)."""
+    if text is None:
+        try:
+            text = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return platform.processor() or platform.machine()
+    keep = [" ".join(ln.split()) for ln in text.splitlines() if ln.startswith(CPU_LINES)]
     return "\n".join(dict.fromkeys(keep)) + platform.machine()
+
+
+def machine() -> str:
+    """The processor and the C compiler the kernels are built for, as text: their float
+    results follow both (tests/test_golden.py keys a checkpoint's float data by it)."""
+    cc = _compiler()
+    return _cpu() + "\n" + (_version(cc) if cc else "no C compiler")
 
 
 def _version(cc: str) -> str:
