@@ -2,7 +2,7 @@
 # The fused path's GPU check, in one script (about 5-8 minutes on one H100 or H200):
 #   1. the kernel tests on CUDA: tests/triton/test_triton_device.py, each op through the
 #      in-model call path against eager, fp32 and bf16, d 2048 and 7168, up to 512k rows
-#   2. bench/kernels.py at the in-model call path: fused vs eager vs torch.compile(eager) vs
+#   2. bench/triton_depth.py at the in-model call path: fused vs eager vs torch.compile(eager) vs
 #      a copy of the same bytes (and the peer packages that import: fast-attnres, fla-core,
 #      flash-attn-res), forward+backward, bf16, 64k rows; and saved-for-backward bytes
 #   3. 50 steps of `restopo train` under bf16 autocast on CUDA, backend eager then triton
@@ -71,7 +71,7 @@ step() {  # step NAME LIMIT_S COMMAND...: run, log, record the exit status
 
 step tests "$LIMIT_TESTS" env RESTOPO_TRITON_AUTOTUNE=0 "$PY" -m pytest -q -p no:cacheprovider \
     tests/triton/test_triton_device.py --junitxml "$OUT/tests.xml"
-step kernels "$LIMIT_BENCH" "$PY" bench/kernels.py "${BENCH_ARGS[@]}" --json "$OUT/kernels.jsonl"
+step kernels "$LIMIT_BENCH" "$PY" bench/triton_depth.py "${BENCH_ARGS[@]}" --json "$OUT/kernels.jsonl"
 for backend in eager triton; do
     step "train-$backend" "$LIMIT_TRAIN" env RESTOPO_TRITON_AUTOTUNE=0 "$PY" -m restopo train \
         "$TRAIN_SPEC" "${TRAIN_ARGS[@]}" --device "$DEVICE" --backend "$backend" \
@@ -145,7 +145,7 @@ for r in bench:
             "PASS" if ok else "FAIL")
 if not bench:
     failed = True
-    row("bench/kernels.py", "no results", "runs", "FAIL")
+    row("bench/triton_depth.py", "no results", "runs", "FAIL")
 
 
 def losses(backend):

@@ -21,18 +21,32 @@ mHC with n streams) and each mode (none, sublayer, block), on the same weights, 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
+from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from overhead import make, setting, spread, topologies  # noqa: E402
-from overhead import measure as overhead_measure, parse_args as overhead_args  # noqa: E402
+from restopo import topology as T
+from restopo.fx.recompute import MODES, apply
+from restopo.nn.activations import held_bytes
 
-from restopo import topology as T  # noqa: E402
-from restopo.fx.recompute import MODES, apply  # noqa: E402
-from restopo.nn.activations import held_bytes  # noqa: E402
+
+def _sibling(name: str):
+    """bench/<name>.py, imported by its path: bench/ goes on no import path, where a
+    script's name would hide an installed package of that name from everything after."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}",
+                                                  Path(__file__).with_name(f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_overhead = _sibling("overhead")
+make, setting, spread, topologies = (_overhead.make, _overhead.setting, _overhead.spread,
+                                     _overhead.topologies)
+overhead_measure, overhead_args = _overhead.measure, _overhead.parse_args
 
 
 def parse_args(argv=None):

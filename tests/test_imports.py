@@ -1,5 +1,7 @@
 """restopo's imports: no cycles, no upward imports (tools/check_imports.py), and every
 package imports on its own in a fresh interpreter, the light ones without torch."""
+import importlib.util
+import re
 import shutil
 import subprocess
 import sys
@@ -113,3 +115,34 @@ def test_light_commands_do_not_import_torch(argv):
     torch = _fresh(f"import sys; from restopo.cli import main; assert main({argv!r}) == 0; "
                    f"print('torch' in sys.modules)")
     assert torch == "False"
+
+
+# -- the scripts beside the package: bench/ and tools/ ---------------------------------------
+
+SCRIPT_DIRS = ("bench", "tools")
+
+
+def test_no_script_is_named_like_an_importable_module():
+    """`python bench/x.py` puts bench/ first on sys.path, so a script named like an
+    installed package hides it from everything that process imports: bench/kernels.py
+    hid the `kernels` package transformers 5.25 imports, and CI failed while collecting
+    tests/test_rewire_llama.py (a test had put bench/ on the path). Neither folder is on
+    this process's path, so a name found here is somebody else's."""
+    found = {}
+    for folder in SCRIPT_DIRS:
+        for path in sorted((ROOT / folder).glob("*.py")):
+            spec = importlib.util.find_spec(path.stem)
+            if spec is not None:
+                found[f"{folder}/{path.name}"] = spec.origin
+    assert found == {}, f"rename these scripts (the name is taken): {found}"
+
+
+def test_nothing_puts_the_script_folders_on_the_import_path():
+    """Tests and benches import a script by its path (tests/file_modules.py), never by
+    putting its folder on sys.path, where its name would shadow a package for the whole
+    test session."""
+    files = [p for folder in ("tests", *SCRIPT_DIRS) for p in sorted((ROOT / folder).rglob("*.py"))]
+    offenders = [f"{p.relative_to(ROOT)}:{n}" for p in files
+                 for n, line in enumerate(p.read_text().splitlines(), 1)
+                 if re.search(r"sys\.path\.(insert|append)|sys\.path\s*\+?=", line)]
+    assert offenders == []

@@ -2,13 +2,11 @@
 train` and random byte flips in the newest checkpoint, resumed until done; every flip is
 detected and every logged loss equals the uninterrupted run's. Minutes long: -m long. The
 deterministic cases (each kind of damage, fallback, pruning) are in test_train_safety.py."""
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import kill_corrupt  # noqa: E402
+from file_modules import bench
+
+kill_corrupt = bench("kill_corrupt")
 
 
 @pytest.mark.long

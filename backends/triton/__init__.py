@@ -23,8 +23,8 @@ Layout: runtime.py (availability, launching and autotuning, tiles), sources.py (
 source addresses), single.py (single-read kernels), twophase.py (phase 1 / phase 2
 kernels), custom_ops.py (torch.library custom ops with fake implementations and autograd).
 Tests: `pytest tests/triton` (interpreter on CPU, including an offline sm_90 compile of
-every kernel); benchmark: `python bench/kernels.py` on a GPU; `bench/gpu_check.sh` runs
-the whole GPU check.
+every kernel); benchmark: `python bench/triton_depth.py` on a GPU; `bench/gpu_check.sh`
+runs the whole GPU check.
 """
 from __future__ import annotations
 

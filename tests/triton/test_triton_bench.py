@@ -1,5 +1,5 @@
-"""bench/kernels.py: without a GPU it says so and exits 0. (Its --dry-run, every case and arm
-on tiny shapes under the interpreter, runs inside bench/gpu_check.sh's dry run:
+"""bench/triton_depth.py: without a GPU it says so and exits 0. (Its --dry-run, every case
+and arm on tiny shapes under the interpreter, runs inside bench/gpu_check.sh's dry run:
 test_gpu_check_dry_run.py.)"""
 import importlib.util
 import os
@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "kernels.py")
+BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "triton_depth.py")
 
 
 def _bench():

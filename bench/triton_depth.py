@@ -1,8 +1,8 @@
 """Fused Triton depth attention against eager torch, torch.compile(eager), a copy of the same
 bytes and the peer packages that are installed, forward+backward, at the in-model call path.
 
-    python bench/kernels.py              # on a CUDA GPU: 64k rows, d 2048 and 7168, bf16
-    python bench/kernels.py --dry-run    # anywhere: tiny shapes in triton's interpreter, to
+    python bench/triton_depth.py              # on a CUDA GPU: 64k rows, d 2048 and 7168, bf16
+    python bench/triton_depth.py --dry-run    # anywhere: tiny shapes in triton's interpreter, to
                                          # exercise the script; its timings mean nothing
 
 In-model call path: every arm gets the sources as the lowered model hands them over, a list
@@ -73,8 +73,8 @@ def main(argv=None) -> int:
     args.widths = args.widths or [2048, 7168]
     import torch
     if not args.dry_run and not torch.cuda.is_available():
-        print("bench/kernels.py needs a CUDA GPU: the fused kernels are compiled by triton for "
-              "the GPU, and timings of triton's CPU interpreter mean nothing. Nothing measured. "
+        print("bench/triton_depth.py needs a CUDA GPU: the fused kernels are compiled by triton "
+              "for the GPU, and timings of triton's CPU interpreter mean nothing. Nothing measured. "
               "(`--dry-run` runs the script's logic on tiny shapes under the interpreter.)")
         return 0
     return Bench(args).run()
