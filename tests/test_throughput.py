@@ -84,13 +84,13 @@ def test_mfu_in_metrics_with_a_given_peak(tmp_path):
 
 def test_tokens_per_s_leaves_out_evaluation_and_checkpoints(tmp_path, monkeypatch):
     """An evaluation or a checkpoint write in a logging interval is not training: made to
-    take a second each here, tokens/s must still be a step's (each line is one 128-token
-    step, a few milliseconds; with that second counted it is under 128)."""
+    take half a second each here, tokens/s must still be a step's (each line is one
+    128-token step, a few milliseconds; with that half second counted it is under 256)."""
     from restopo.train import loop
 
     def slow(fn):
         def wrapped(*args, **kwargs):
-            time.sleep(1.0)
+            time.sleep(0.5)
             return fn(*args, **kwargs)
         return wrapped
 
