@@ -744,7 +744,6 @@ def test_a_compiler_that_fails_leaves_the_eager_backend(tmp_path):
     assert built == []
 
 
-
 ZEN4 = """processor\t: 0
 vendor_id\t: AuthenticAMD
 cpu family\t: 25
@@ -771,6 +770,7 @@ def test_the_processor_key_tells_apart_models_that_share_a_name():
     assert build._cpu(ZEN4) != build._cpu(ZEN4.replace(" avx512f", ""))
     assert build._cpu(ZEN4) == build._cpu(reclocked)
     assert build._cpu() in build.machine()
+
 
 # ---- the PreNorm's RMSNorm (every topology's sublayers and final norm)
 

@@ -1,20 +1,13 @@
 """bench/triton_depth.py: without a GPU it says so and exits 0. (Its --dry-run, every case
 and arm on tiny shapes under the interpreter, runs inside bench/gpu_check.sh's dry run:
 test_gpu_check_dry_run.py.)"""
-import importlib.util
-import os
-
 import pytest
 import torch
-
-BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "triton_depth.py")
+from file_modules import bench
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("restopo_bench_kernels", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return bench("triton_depth")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
