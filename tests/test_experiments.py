@@ -57,6 +57,45 @@ def test_grid_names_runs_by_what_differs():
         make_grid(["a/std.restopo", "b/std.restopo"], [0])
 
 
+def test_a_grid_that_would_collide_or_drop_a_value_is_refused():
+    for vary, said in (("model.width=32,,64", "empty value"), ("model.width=32,32", "32 twice")):
+        with pytest.raises(ValueError, match=said):
+            parse_vary(vary)
+    with pytest.raises(ValueError, match="more than once"):
+        make_grid(["a/std.restopo"], [0], [], ["model.width=32", "model.width=64"])
+    with pytest.raises(ValueError, match="repeat one"):
+        make_grid(["a/std.restopo"], [1, 1])
+
+
+def test_sweep_mistakes_are_refused_before_any_run(tmp_path, capsys):
+    specs = _specs(tmp_path)
+    out = tmp_path / "sweep"
+    for extra, said in ((["--seed-list", "a,b"], "--seed-list takes whole numbers"),
+                        (["--baseline", "nosuch"], "names no arm of this sweep"),
+                        (["--seeds", "1", "--vary", "model.width=abc,16"], "abc")):
+        assert main(["sweep", *specs, "--out", str(out), *extra]) in (1, 2)
+        assert said in capsys.readouterr().err
+        assert not out.exists()  # nothing trained, not even the folder made
+
+
+def test_a_run_trained_otherwise_is_not_taken_for_the_sweeps(tmp_path, capsys):
+    """A folder already holding a run of other settings (an override, an edited spec) is
+    refused by name, never counted as done or resumed under the new settings."""
+    spec = _specs(tmp_path)[0]
+    out = tmp_path / "sweep"
+    assert main(["train", spec, "--seed", "0", "--out", str(out / "std-s0"), "--no-progress",
+                 "--threads", "1"]) == 0
+    kept = {p: p.read_bytes() for p in (out / "std-s0").rglob("*") if p.is_file()}
+    assert main(["sweep", spec, "--out", str(out), "--set", "model.width=32"]) == 1
+    err = capsys.readouterr().err
+    assert "trained with other settings" in err
+    assert "model.width=32 now, (unset) then" in err
+    Path(spec).write_text(Path(spec).read_text().replace("steps: 5", "steps: 6"))
+    assert main(["sweep", spec, "--out", str(out), "--dry-run"]) == 1
+    assert f"{spec} has changed since" in capsys.readouterr().err
+    assert {p: p.read_bytes() for p in (out / "std-s0").rglob("*") if p.is_file()} == kept
+
+
 def test_statistics_against_hand_computation():
     assert mean_std([1.0, 2.0, 4.0]) == pytest.approx((7 / 3, math.sqrt(7 / 3)))
     assert t975(2) == 4.303 and t975(2.9) == 4.303 and t975(500) == 1.96

@@ -55,8 +55,23 @@ def register(subparsers) -> None:
 
 def _seeds(args) -> list[int]:
     if args.seed_list:
-        return [int(s) for s in args.seed_list.split(",") if s.strip()]
+        try:
+            return [int(s) for s in args.seed_list.split(",")]
+        except ValueError:
+            raise ValueError(f"--seed-list takes whole numbers separated by commas, e.g. "
+                             f"0,1,2; got {args.seed_list!r}") from None
     return list(range(args.seeds))
+
+
+def _check_baseline(name: str | None, jobs) -> None:
+    """--baseline names an arm of the grid (or the one arm of a spec), checked before any
+    run trains rather than when the runs are compared at the end (as compare picks it)."""
+    arms = list(dict.fromkeys(j.arm for j in jobs))
+    families = [Path(j.spec).stem for j in {j.arm: j for j in jobs}.values()]
+    if name is None or name in arms or families.count(name) == 1:
+        return
+    raise ValueError(f"--baseline {name!r} names no arm of this sweep (or several): the arms "
+                     f"are {', '.join(arms)}")
 
 
 def _parameters(items) -> dict:
@@ -80,20 +95,30 @@ def run(args) -> int:
             raise ValueError("--seeds and --jobs must be at least 1")
         seeds = _seeds(args)
         jobs = make_grid(args.specs, seeds, args.overrides, args.vary)
-        for job in {j.spec: j for j in jobs}.values():  # every spec checks before any run
-            load_spec(job.spec, overrides=job.overrides)
+        # every run's spec and overrides check before any run trains
+        for spec, overrides in dict.fromkeys((j.spec, j.overrides) for j in jobs):
+            load_spec(spec, overrides=overrides)
         slurm = _parameters(args.slurm)
+        _check_baseline(args.baseline, jobs)
     except ValueError as e:
         print(f"restopo sweep: error: {e}", file=sys.stderr)
         return 2
-    out.mkdir(parents=True, exist_ok=True)
+    changed = [why for j in jobs if (why := runner.changed(out, j))]
+    if changed:
+        print("restopo sweep: error: " + "\n  ".join(
+            ["these runs in the sweep's folder were trained with other settings, so they "
+             "would not be what this sweep asks for:", *changed]) + "\ngive another --out, "
+            "or delete those run folders to train them again", file=sys.stderr)
+        return 1
     states = {j.name: runner.state(out, j) for j in jobs}
     print(f"restopo sweep: {len(jobs)} runs in {out} ({sum(s == 'done' for s in states.values())}"
           f" done, {sum(s == 'resume' for s in states.values())} to resume)", file=sys.stderr)
     if args.dry_run:
         for j in jobs:
-            print(f"  {j.name:40s} {states[j.name]:7s} {' '.join(j.command(out, resume=False)[3:])}")
+            command = j.command(out, resume=states[j.name] == "resume")[3:]
+            print(f"  {j.name:40s} {states[j.name]:7s} {' '.join(command)}")
         return 0
+    out.mkdir(parents=True, exist_ok=True)
     progress = _Progress(len(jobs))
     try:
         if args.executor == "local":

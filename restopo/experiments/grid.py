@@ -31,9 +31,15 @@ class Job:
 def parse_vary(text: str) -> tuple[str, list[str]]:
     """'model.width=64,128' -> ('model.width', ['64', '128']); ValueError names the form."""
     key, eq, values = text.partition("=")
-    items = [v.strip() for v in values.split(",") if v.strip()]
-    if not eq or not key.strip() or not items:
+    items = [v.strip() for v in values.split(",")]
+    if not eq or not key.strip() or not any(items):
         raise ValueError(f"--vary takes KEY=V1,V2,... e.g. model.width=64,128; got {text!r}")
+    if not all(items):
+        raise ValueError(f"--vary {text!r} has an empty value; give each value between commas")
+    twice = sorted({v for v in items if items.count(v) > 1})
+    if twice:
+        raise ValueError(f"--vary {text!r} gives {', '.join(twice)} twice; each value is one "
+                         f"arm, so give it once")
     return key.strip(), items
 
 
@@ -53,6 +59,14 @@ def make_grid(specs, seeds, sets=(), varies=()) -> list[Job]:
         raise ValueError("two specs share a file name; run names come from file names, so "
                          "rename one")
     axes = [parse_vary(v) for v in varies]
+    keys = [key for key, _ in axes]
+    again = sorted({k for k in keys if keys.count(k) > 1})
+    if again:
+        raise ValueError(f"--vary {again[0]} is given more than once; give all its values in "
+                         f"one --vary {again[0]}=V1,V2,...")
+    if len(set(seeds)) != len(seeds):
+        raise ValueError(f"the seeds {', '.join(map(str, seeds))} repeat one; each seed is one "
+                         f"run of every arm")
     jobs = []
     for spec, stem in zip(specs, stems):
         for combo in itertools.product(*[values for _, values in axes]):

@@ -36,6 +36,38 @@ def state(out: Path, job: Job) -> str:
     return "done" if finished and info.get("status") == "done" else "resume"
 
 
+def changed(out: Path, job: Job) -> str | None:
+    """How the run already in `job`'s folder was trained differently from what `job` asks
+    (its newest checkpoint's spec text and overrides against the spec file's and the
+    job's), else None. A sweep must not count such a run as one of its own, nor resume it
+    under other settings."""
+    ckpt = latest_checkpoint(out / job.name / "ckpt")
+    if ckpt is None:
+        return None  # nothing trained yet: the run starts afresh
+    meta = read_meta(ckpt)
+    # what `restopo train` records: the job's --set values, then --seed as train.seed
+    then = _settings(meta.get("overrides", ()))
+    now = _settings((*job.overrides, f"train.seed={job.seed}"))
+    diffs = [f"{k}={now.get(k, '(unset)')} now, {then.get(k, '(unset)')} then"
+             for k in sorted(set(then) | set(now)) if then.get(k) != now.get(k)]
+    try:
+        text = Path(job.spec).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        text = None  # the spec check before this reports an unreadable spec
+    if text is not None and meta.get("spec_text") != text:
+        diffs.insert(0, f"{job.spec} has changed since")
+    return f"{out / job.name}: {'; '.join(diffs)}" if diffs else None
+
+
+def _settings(overrides) -> dict:
+    """KEY=VALUE overrides as the values they leave (the last of a key wins, as in train)."""
+    out = {}
+    for item in overrides:
+        key, _, value = str(item).partition("=")
+        out[key.strip()] = value.strip()
+    return out
+
+
 def _read(path: Path) -> dict:
     try:
         return json.loads(path.read_text())
