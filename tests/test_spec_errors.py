@@ -79,6 +79,21 @@ GOLDEN = [
      'spec.restopo', 1, 49,
      'heads (5) must divide width (64)',
      'heads that divide 64: 2, 4, 8'),
+    ('odd_head_size', M.replace("width: 64", "width: 96").replace("heads: 4", "heads: 32")
+     + "residual standard\n", (),
+     'spec.restopo', 1, 49,
+     'the head size width/heads = 3 is odd; rotary positions rotate channel pairs, so it must be even',
+     'heads giving an even head size: 16, 24, 48'),
+    ('odd_width_no_heads', M.replace("width: 64", "width: 9").replace("heads: 4", "heads: 1")
+     + "residual standard\n", (),
+     'spec.restopo', 1, 48,
+     'the head size width/heads = 9 is odd; rotary positions rotate channel pairs, so it must be even',
+     'no heads do for an odd width (9); make the width even'),
+    ('mlp_no_hidden_units', M.replace("context: 64", "context: 64; mlp: gelu(0.001x)")
+     + "residual standard\n", (),
+     'spec.restopo', 1, 75,
+     "the MLP's hidden width, ratio x width = 0.001 x 64, rounds to 0 units",
+     'give a ratio of at least 0.0156x, e.g. gelu(4x)'),
     ('depth_zero', M.replace("depth: 4", "depth: 0") + "residual standard\n", (),
      'spec.restopo', 1, 39,
      "'depth' must be at least 1, got 0",
@@ -279,6 +294,16 @@ GOLDEN = [
      'spec.restopo', 3, 9,
      "unknown key 'stpes' in train",
      "did you mean 'steps'?"),
+    ('override_warmup_longer_than_steps', M + "residual standard\ntrain { steps: 10 }\n",
+     ("train.warmup=30",),
+     '<--set 1>', 1, 20,
+     'warmup (30) is longer than steps (10)',
+     'warmup counts optimizer steps and must be at most steps'),
+    ('override_warmup_and_steps', M + "residual standard\n",
+     ("train.warmup=30", "train.steps=10"),
+     '<--set 1>', 1, 20,
+     'warmup (30) is longer than steps (10)',
+     'warmup counts optimizer steps and must be at most steps'),
     ('override_unknown_key', M + "residual standard\n", ("model.widht=64",),
      '<--set 1>', 1, 13,
      "unknown key 'widht' in model",
@@ -370,3 +395,11 @@ def test_golden_cases_are_distinct():
     assert len(GOLDEN) >= 30
     assert len({c[0] for c in GOLDEN}) == len(GOLDEN)
     assert len({c[6] for c in GOLDEN}) >= 30, "at least 30 distinct messages"
+
+
+def test_a_quick_run_may_shorten_steps_below_the_files_warmup():
+    """`--steps 10` (or --set train.steps=10) for a quick try of a spec whose warmup is
+    longer: the schedule stays in warmup, as a person trying a short run expects."""
+    spec = parse_spec(M + "residual standard\ntrain { steps: 100; warmup: 30 }\n",
+                      overrides=("train.steps=10",))
+    assert (spec.train.steps, spec.train.warmup) == (10, 30)

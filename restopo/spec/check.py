@@ -56,6 +56,16 @@ def check_model(view: View, c: Checker) -> ModelSpec | None:
         c.error(f["heads"].value.pos, f"heads ({h}) must divide width ({w})",
                 f"heads that divide {w}: {', '.join(map(str, sorted(near)))}")
         got["heads"] = None
+    elif got.get("width") and got.get("heads") and (got["width"] // got["heads"]) % 2:
+        # rotary positions rotate channel pairs within a head
+        w, h = got["width"], got["heads"]
+        even = [d for d in divisors(w) if (w // d) % 2 == 0]
+        near = sorted(even, key=lambda d: (abs(d - h), d))[:3]
+        c.error(f["heads"].value.pos, f"the head size width/heads = {w // h} is odd; rotary "
+                f"positions rotate channel pairs, so it must be even",
+                f"heads giving an even head size: {', '.join(map(str, sorted(near)))}" if near
+                else f"no heads do for an odd width ({w}); make the width even")
+        got["heads"] = None
     mlp, ratio = "swiglu", 4.0
     if "mlp" in f:
         mlp, ratio = _mlp(f["mlp"], c)
@@ -71,6 +81,12 @@ def check_model(view: View, c: Checker) -> ModelSpec | None:
     tie = True
     if "tie_embeddings" in f:
         tie = c.boolean(f["tie_embeddings"], "tie_embeddings")
+    if (mlp == "gelu" and ratio is not None and got.get("width")
+            and round(ratio * got["width"]) < 1):
+        where = f["mlp_ratio"].value if "mlp_ratio" in f else f["mlp"].value.args[0].value
+        c.error(where.pos, f"the MLP's hidden width, ratio x width = {ratio:g} x "
+                f"{got['width']}, rounds to 0 units", f"give a ratio of at least "
+                f"{1 / got['width']:.3g}x, e.g. gelu(4x)")
     if len(c.errors) > before or None in (mlp, ratio, layer, tie) or None in got.values():
         return None
     return ModelSpec(got["vocab"], got["width"], got["depth"], got["heads"], got["context"],
@@ -198,8 +214,10 @@ def check_train(view: View, c: Checker) -> TrainSpec | None:
     # A warmup longer than the run is a mistake when both are written together; when steps
     # alone is shortened on the command line (a quick `--steps 10` run) the schedule simply
     # stays in warmup, which is what a person trying a short run expects.
-    steps_alone = "steps" in f and f["steps"].value.pos.source != (
-        f["warmup"].value.pos.source if "warmup" in f else None)
+    # That is: steps from a --set, the warmup from the file (a warmup given by --set is
+    # checked as written, with whatever steps it meets).
+    steps_alone = ("steps" in f and _from_set(f["steps"])
+                   and not ("warmup" in f and _from_set(f["warmup"])))
     if ("warmup" in f and got.get("warmup") is not None and steps and got["warmup"] > steps
             and not steps_alone):
         c.error(f["warmup"].value.pos, f"warmup ({got['warmup']}) is longer than steps ({steps})",
@@ -211,6 +229,11 @@ def check_train(view: View, c: Checker) -> TrainSpec | None:
     if len(c.errors) > before or None in got.values():
         return None
     return TrainSpec(**got, pos=view.kind.pos, positions=positions(view))
+
+
+def _from_set(fl: Field) -> bool:
+    """True for a field given on the command line (--set, whose source is `<--set N>`)."""
+    return str(fl.value.pos.source).startswith("<--set ")
 
 
 def _data(fl: Field, c: Checker) -> str | None:
