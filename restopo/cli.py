@@ -77,6 +77,56 @@ def int_range(lo: int, hi: int, why: str = ""):
     return parse
 
 
+def device_arg(text: str) -> str:
+    """An argparse `type` for --device: cuda where torch sees no CUDA device is a usage
+    error that says what to give instead, not a failure deep in loading a checkpoint."""
+    if text == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            raise argparse.ArgumentTypeError("torch sees no CUDA device here; use --device cpu")
+    return text
+
+
+def output_error(out: str, *inputs: str) -> str | None:
+    """Why a command must not write its output to `out` (None: it may): `out` is one of
+    the command's own input files (the spec, the model being exported), a write-protected
+    file (the atomic rename would replace it regardless), or lies in a checkpoint, whose
+    manifest then no longer matches and which later loads pass over as damaged."""
+    from .train.checkpoint import holding_checkpoint
+
+    for given in inputs:
+        try:
+            if os.path.exists(given) and os.path.samefile(out, given):
+                return f"{out} is this command's input; write the output to another path"
+        except OSError:
+            continue
+    if os.path.isfile(out) and not os.access(out, os.W_OK):
+        return f"{out} is write-protected; remove it or write the output to another path"
+    held = holding_checkpoint(out)
+    if held is not None:
+        return (f"{out} is inside the checkpoint {held}, which restopo writes only when "
+                f"saving; write the output outside it")
+    return None
+
+
+def load_model(command: str, path: str, **kw):
+    """restopo.load(path, **kw) for `restopo COMMAND`: each newer checkpoint passed over as
+    damaged is a note on stderr, followed by the one the weights came from, so a command
+    never answers for older weights than asked without saying so."""
+    from .saved import load
+
+    notes = []
+
+    def say(line: str) -> None:
+        notes.append(line)
+        print(f"restopo {command}: note: {line}", file=sys.stderr)
+
+    model = load(path, say=say, **kw)
+    if notes:
+        print(f"restopo {command}: note: using {model.restopo_source}", file=sys.stderr)
+    return model
+
+
 def file_error(e: OSError | UnicodeDecodeError) -> str:
     """One line for a file that cannot be read."""
     if isinstance(e, UnicodeDecodeError):

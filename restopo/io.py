@@ -55,7 +55,10 @@ def atomic_path(path: str | os.PathLike) -> Iterator[str]:
         yield tmp
         fsync_file(tmp)
         os.chmod(tmp, _new_file_mode())
-        os.replace(tmp, path)
+        try:
+            os.replace(tmp, path)
+        except OSError as e:  # e.g. a folder at `path`: name it, not the temporary file
+            raise type(e)(e.errno, e.strerror or str(e), path) from None
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)

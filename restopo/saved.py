@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import warnings
 from pathlib import Path
 
 import torch
@@ -34,15 +35,22 @@ class LoadError(ValueError):
     """A path that holds no model restopo can load (the message names it and says why)."""
 
 
-def load(path: str | os.PathLike, backend: str = "auto", device: str | torch.device = "cpu"
-         ) -> nn.Module:
-    """The model saved at `path` (see the module docstring), in eval mode on `device`."""
+def load(path: str | os.PathLike, backend: str = "auto", device: str | torch.device = "cpu",
+         say=None) -> nn.Module:
+    """The model saved at `path` (see the module docstring), in eval mode on `device`. A
+    run or ckpt/ folder gives its newest checkpoint that verifies: each newer one passed
+    over (damaged) is told to `say(line)`, by default as a warning, never silently, since
+    its weights are older than the user asked for. `model.restopo_source` is the file or
+    step folder the weights came from."""
+    if say is None:
+        def say(line):
+            warnings.warn(line, stacklevel=3)
     p = Path(path)
     if not p.exists():
         raise LoadError(f"{p}: no such file or folder; give a run folder, a checkpoint "
                         f"folder, a .pt from restopo compile or a .safetensors export")
     if p.is_dir():
-        model = _from_checkpoint(p, backend, device)
+        model = _from_checkpoint(p, backend, device, say)
     elif p.suffix == ".pt":
         model = _from_pt(p, backend, device)
     elif p.suffix == ".safetensors":
@@ -50,6 +58,8 @@ def load(path: str | os.PathLike, backend: str = "auto", device: str | torch.dev
     else:
         raise LoadError(f"{p}: not a model restopo saved (expected a folder, .pt or "
                         f".safetensors); a .restopo spec is compiled with restopo.compile")
+    if p.is_file():
+        model.restopo_source = p
     return model.eval()
 
 
@@ -59,11 +69,11 @@ def _compile(spec_text: str, overrides, path: Path, backend: str) -> nn.Module:
     return compile_spec(spec, backend=backend)
 
 
-def _from_checkpoint(p: Path, backend: str, device) -> nn.Module:
+def _from_checkpoint(p: Path, backend: str, device, say=None) -> nn.Module:
     from .train.checkpoint import CheckpointError, load_checkpoint, read_meta, \
         resolve_checkpoint
     try:
-        step_dir = resolve_checkpoint(p)
+        step_dir = resolve_checkpoint(p, say=say)
         meta = read_meta(step_dir)
         if "spec_text" not in meta:
             raise LoadError(f"{step_dir}/meta.json carries no spec text")
@@ -71,6 +81,7 @@ def _from_checkpoint(p: Path, backend: str, device) -> nn.Module:
         model = compile_spec(spec_from_meta(meta), backend=backend)
         load_checkpoint(step_dir, model, map_location=device)  # strict: names what differs
         model.restopo_data_base = meta.get("data_base")  # where a relative train.data is
+        model.restopo_source = step_dir
     except CheckpointError as e:
         raise LoadError(str(e)) from None
     return model.to(device)

@@ -225,3 +225,48 @@ def test_export_command_and_mistakes(run, tmp_path, capsys):
     for command in ("generate", "eval", "export"):
         assert main([command, "--help"]) == 0
         assert f"restopo {command} " in capsys.readouterr().out
+
+
+@pytest.fixture
+def damaged_run(run, tmp_path):
+    """A copy of the run whose newest checkpoint (step 2) has a truncated weights file."""
+    import shutil
+    folder, model = run
+    shutil.copytree(folder / "run", tmp_path / "run")
+    weights = tmp_path / "run" / "ckpt" / "step_000002" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    return tmp_path / "run"
+
+
+def test_load_never_passes_over_a_damaged_checkpoint_silently(damaged_run):
+    with pytest.warns(UserWarning, match="step_000002 is damaged"):
+        model = load(damaged_run)
+    assert model.restopo_source.name == "step_000001"
+    heard = []
+    load(damaged_run, say=heard.append)  # a caller's own channel instead of the warning
+    assert len(heard) == 1 and "step_000002" in heard[0]
+
+
+@pytest.mark.parametrize("command, extra", [
+    ("eval", ["--no-progress"]), ("export", ["-o", "OUT/e.safetensors"]),
+    ("generate", ["--prompt", "d", "--max-new-tokens", "2"])])
+def test_commands_say_which_checkpoint_they_used(damaged_run, tmp_path, capsys, command,
+                                                 extra):
+    extra = [x.replace("OUT", str(tmp_path)) for x in extra]
+    assert main([command, str(damaged_run), *extra]) == 0
+    captured = capsys.readouterr()
+    said = [ln for ln in captured.err.splitlines() if ln.startswith(f"restopo {command}: note")]
+    assert "step_000002 is damaged" in said[0]
+    assert said[-1].endswith(str(damaged_run / "ckpt" / "step_000001"))
+    if command == "eval":  # the score says whose it is
+        assert captured.out.startswith(str(damaged_run / "ckpt" / "step_000001"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("command", ["eval", "generate", "diagnose", "train"])
+def test_device_cuda_without_cuda_is_a_usage_error(run, capsys, command):
+    folder, _ = run
+    target = folder / "t.restopo" if command == "train" else folder / "run"
+    assert main([command, str(target), "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert "torch sees no CUDA device here; use --device cpu" in err and "Traceback" not in err

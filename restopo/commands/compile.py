@@ -14,6 +14,8 @@ import argparse
 import os
 import sys
 
+from ..cli import output_error
+
 EXAMPLES = """\
 examples:
   restopo compile examples/tiny.restopo -o tiny_model.py      # standalone module (torch only)
@@ -53,6 +55,9 @@ def run(args) -> int:
         print(f"restopo compile: error: -o must end in .py or .pt; got {out!r}",
               file=sys.stderr)
         return 2
+    why = output_error(out, args.spec)
+    if why:
+        return _fail(why)
     from ..spec import load_spec  # SpecError and OSError (which file, why) go to the CLI
     spec = load_spec(args.spec, overrides=tuple(args.overrides))
     import torch

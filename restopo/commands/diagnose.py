@@ -5,7 +5,7 @@ import argparse
 import os
 import sys
 
-from ..cli import int_range
+from ..cli import device_arg, int_range, output_error
 
 EXAMPLES = """\
 examples:
@@ -32,7 +32,7 @@ def register(subparsers) -> None:
                    help="validation batches to average over (default 4)")
     p.add_argument("--batch-size", type=int_range(1, 4096), default=8, metavar="B",
                    help="rows per batch (default 8)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", type=device_arg)
     p.set_defaults(func=run)
 
 
@@ -45,6 +45,10 @@ def run(args) -> int:
     if args.out and os.path.exists(args.out) and not os.path.isdir(args.out):
         print(f"restopo diagnose: error: -o {args.out} is a file, not a folder; choose "
               f"another -o", file=sys.stderr)
+        return 1
+    why = args.out and output_error(args.out, args.checkpoint)
+    if why:
+        print(f"restopo diagnose: error: {why}", file=sys.stderr)
         return 1
     try:
         with cpu_threads(None):

@@ -5,6 +5,8 @@ import argparse
 import json
 import sys
 
+from ..cli import device_arg
+
 EXAMPLES = """\
 examples:
   restopo eval runs/tiny                          # the run's held-out split (its train.data)
@@ -36,7 +38,7 @@ def register(subparsers) -> None:
     p.add_argument("--batch-size", type=int, default=16, metavar="B",
                    help="windows per forward pass (default 16)")
     p.add_argument("--format", choices=("text", "json"), default="text")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", type=device_arg)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
@@ -49,13 +51,14 @@ def _fail(message: str) -> int:
 def run(args) -> int:
     import numpy as np
 
-    from ..saved import LoadError, load
+    from ..cli import load_model
+    from ..saved import LoadError
     from ..train.data import DataError, open_corpus
     from ..train.score import score
     if args.batch_size < 1:
         return _fail("--batch-size must be at least 1")
     try:
-        model = load(args.checkpoint, device=args.device)
+        model = load_model("eval", args.checkpoint, device=args.device)
         spec = model.restopo_spec
         source = args.data
         if source is None:
@@ -79,12 +82,14 @@ def run(args) -> int:
                        progress=not args.no_progress)
     except (LoadError, DataError, ValueError, RuntimeError) as e:
         return _fail(str(e))
-    result.update(data=source, split=split, byte_level=bool(corpus.byte_level))
+    result.update(data=source, split=split, byte_level=bool(corpus.byte_level),
+                  checkpoint=str(model.restopo_source))
     if args.format == "json":
         print(json.dumps(result, indent=1))
         return 0
     unit = "bits per byte" if corpus.byte_level else "bits per token"
-    print(f"{corpus.description} ({split} split, {result['tokens']} tokens)")
+    print(f"{result['checkpoint']} on {corpus.description} ({split} split, "
+          f"{result['tokens']} tokens)")
     print(f"{'loss':<16}{result['loss']:.4f} nats/token")
     print(f"{unit:<16}{result['bits_per_token']:.4f}")
     print(f"{'perplexity':<16}{result['perplexity']:.3f}")

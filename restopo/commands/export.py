@@ -38,10 +38,15 @@ def run(args) -> int:
               file=sys.stderr)
         return 2
     from ..io import write_atomic
-    from ..saved import LoadError, export, load
+    from ..cli import load_model, output_error
+    from ..saved import LoadError, export
+    why = output_error(out, args.checkpoint)
+    if why:
+        print(f"restopo export: error: {why}", file=sys.stderr)
+        return 1
     from .standalone import module_source
     try:
-        model = load(args.checkpoint)
+        model = load_model("export", args.checkpoint)
         if kind == ".py":
             name = os.path.splitext(os.path.basename(out))[0]
             write_atomic(out, module_source(model, name, os.path.basename(

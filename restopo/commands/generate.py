@@ -5,6 +5,8 @@ import argparse
 import codecs
 import sys
 
+from ..cli import device_arg
+
 EXAMPLES = """\
 examples:
   restopo generate runs/tiny --prompt "def main(" --max-new-tokens 200
@@ -41,7 +43,7 @@ def register(subparsers) -> None:
     p.add_argument("--top-p", type=float, default=None, metavar="P",
                    help="sample among the likeliest tokens holding probability P")
     p.add_argument("--seed", type=int, default=None, help="make the sampling repeatable")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", type=device_arg)
     p.add_argument("--compile", action="store_true",
                    help="run the one-token steps through torch.compile: the first new token "
                         "waits for the compile (about a minute on a CPU), the rest come "
@@ -79,11 +81,12 @@ def run(args) -> int:
     import torch
 
     from ..decode import stream
-    from ..saved import LoadError, load
+    from ..cli import load_model
+    from ..saved import LoadError
     if args.max_new_tokens < 0:
         return _fail("--max-new-tokens must be 0 or more")
     try:
-        model = load(args.checkpoint, device=args.device)
+        model = load_model("generate", args.checkpoint, device=args.device)
         vocab = model.embed.num_embeddings
         ids = prompt_tokens(args, vocab)
         idx = torch.tensor([ids], dtype=torch.long, device=args.device)

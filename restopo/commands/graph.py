@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 
+from ..cli import output_error
 from ..io import write_atomic
 
 EXAMPLES = """\
@@ -54,6 +55,10 @@ def run(args) -> int:
         print(f"restopo graph: error: cannot write {args.output!r}: the output must end in "
               f"{', '.join(FORMATS)}", file=sys.stderr)
         return 2
+    why = output_error(args.output, args.file)
+    if why:
+        print(f"restopo graph: error: {why}", file=sys.stderr)
+        return 1
     spec = load_spec(args.file, overrides=tuple(args.overrides))
     g = spec.ir()
     title = f"{os.path.basename(spec.path)}: {g.topology}"

@@ -6,7 +6,7 @@ import os
 import sys
 from pathlib import Path
 
-from ..cli import int_range
+from ..cli import device_arg, int_range
 from ..spec.objects import COMPILE_ALIASES, RECOMPUTE
 
 EXAMPLES = """\
@@ -73,7 +73,7 @@ def register(subparsers) -> None:
                         "run (same as --set train.compile=regional); the first step compiles. "
                         "--set train.compile=whole compiles the model as one graph instead: "
                         "faster steps, a slower first step (one process or DDP)")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", type=device_arg)
     p.add_argument("--backend", choices=("auto", "eager", "triton", "cpu"), default="auto",
                    help="aggregation kernels (default: triton on CUDA when available, else the "
                         "fused C kernels on the CPU where they build)")

@@ -163,6 +163,16 @@ def _verify_manifest(step_dir: Path) -> str | None:
     return None
 
 
+def holding_checkpoint(path: str | os.PathLike) -> Path | None:
+    """The checkpoint step folder that `path` is in (or is), else None: what restopo must
+    never write into from outside a save, since its manifest vouches for every byte."""
+    here = Path(os.path.abspath(path))
+    for folder in (here, *here.parents):
+        if STEP_DIR.match(folder.name) and (folder / MANIFEST).is_file():
+            return folder
+    return None
+
+
 def has_manifest(step_dir: str | os.PathLike) -> bool:
     return (Path(step_dir) / MANIFEST).exists()
 

@@ -1,0 +1,79 @@
+"""Where commands may write: never over their own input, into a checkpoint (whose manifest
+vouches for every byte) or over a write-protected file; a failed write names the user's
+path, not a temporary one."""
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+import restopo
+from restopo.cli import main
+from restopo.train.checkpoint import save_checkpoint, verify_checkpoint
+from restopo.train.runspec import run_meta
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "examples" / "tiny.restopo"
+
+
+def error(capsys, argv, code=1):
+    assert main(argv) == code
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and ".restopo-" not in err  # no temporary names
+    return err
+
+
+def test_a_spec_is_never_its_own_output(tmp_path, capsys):
+    spec = tmp_path / "spec.py"
+    shutil.copy(TINY, spec)
+    before = spec.read_bytes()
+    assert "is this command's input" in error(capsys, ["compile", str(spec), "-o", str(spec)])
+    link = tmp_path / "link.dot"
+    os.symlink(spec, link)  # the same file by another name
+    dot = tmp_path / "spec.dot"
+    shutil.copy(TINY, dot)
+    assert "is this command's input" in error(capsys, ["graph", str(dot), "-o", str(dot)])
+    assert spec.read_bytes() == before and dot.read_bytes() == before
+
+
+def test_a_folder_in_the_way_is_named(tmp_path, capsys):
+    (tmp_path / "w.png").mkdir()
+    (tmp_path / "w.py").mkdir()
+    err = error(capsys, ["graph", str(TINY), "-o", str(tmp_path / "w.png")])
+    assert f"{tmp_path / 'w.png'}: is a directory" in err
+    err = error(capsys, ["compile", str(TINY), "-o", str(tmp_path / "w.py")])
+    assert f"{tmp_path / 'w.py'}: is a directory" in err
+
+
+def test_a_write_protected_file_is_kept(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "kept.dot"
+    out.write_text("mine")
+    real = os.access
+    # root may write anywhere, so the protection is seen through os.access, as a user's
+    monkeypatch.setattr(os, "access", lambda p, mode: False if Path(p) == out else real(p, mode))
+    assert "write-protected" in error(capsys, ["graph", str(TINY), "-o", str(out)])
+    assert out.read_text() == "mine"
+
+
+def test_nothing_is_written_into_a_checkpoint(tmp_path, capsys):
+    (tmp_path / "corpus.txt").write_text("def f(x):\n    return x\n" * 50)
+    (tmp_path / "t.restopo").write_text(
+        'model t { vocab: 256; width: 16; depth: 1; heads: 2; context: 8 }\n'
+        'residual standard\ntrain { data: "corpus.txt"; steps: 2; batch: 2 }\n')
+    spec = restopo.load_spec(str(tmp_path / "t.restopo"))
+    model = restopo.compile(spec)
+    state = {"step": 1, "data": {"generator": torch.Generator().get_state()},
+             "torch_cpu": torch.get_rng_state()}
+    save_checkpoint(tmp_path / "run" / "ckpt", 1, model, None, state,
+                    run_meta(spec, str(tmp_path)))
+    step = tmp_path / "run" / "ckpt" / "step_000001"
+    weights = step / "model.safetensors"
+    for argv in (["export", str(tmp_path / "run"), "-o", str(weights)],
+                 ["export", str(tmp_path / "run"), "-o", str(step / "extra.pt")],
+                 ["compile", str(tmp_path / "t.restopo"), "-o", str(step / "m.py")],
+                 ["graph", str(tmp_path / "t.restopo"), "-o", str(step / "g.dot")],
+                 ["diagnose", str(tmp_path / "run"), "-o", str(step / "figures")]):
+        assert "inside the checkpoint" in error(capsys, argv)
+    assert verify_checkpoint(step) is None
+    assert sorted(p.name for p in step.iterdir()) == sorted(
+        ["model.safetensors", "optimizer.pt", "state.pt", "meta.json", "manifest.json"])
