@@ -162,8 +162,9 @@ def main(argv=None) -> int:
     except (OSError, UnicodeDecodeError) as e:  # a path the system refuses: one line
         print(file_error(e), file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("restopo: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:  # a stop that saved first says where it left off
+        detail = str(e)
+        print("restopo: interrupted" + (f"; {detail}" if detail else ""), file=sys.stderr)
         return 130
 
 

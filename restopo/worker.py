@@ -35,5 +35,15 @@ def leave(code: int) -> None:
 def exit_with(code: int) -> NoReturn:
     """End a script's `__main__` with `code`, through leave(): every script the repository
     runs under torchrun ends here (tests/test_worker.py finds them)."""
+    if code == 130:  # interrupted: a second Ctrl-C during teardown would print a traceback
+        _ignore_interrupts()
     leave(code)
     raise SystemExit(code)
+
+
+def _ignore_interrupts() -> None:
+    import signal
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the main thread
+        pass

@@ -124,6 +124,21 @@ def test_resume_mistakes(spec, capsys, tmp_path):
     assert "give a SPEC file" in err
 
 
+def test_a_run_without_a_checkpoint_is_pointed_at_overwrite_not_resume(spec, capsys,
+                                                                       tmp_path):
+    """A run stopped before its first checkpoint left metrics.jsonl: plain train had said
+    to --resume, and --resume to drop --resume, so neither way out was named."""
+    out = tmp_path / "stopped"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+    err = _error(capsys, ["train", str(spec), "--out", str(out)])
+    assert "saved no checkpoint" in err and "--overwrite" in err and "--resume" not in err
+    err = _error(capsys, ["train", str(spec), "--out", str(out), "--resume"])
+    assert "--overwrite in place of --resume" in err and "drop --resume" not in err
+    assert main(["train", str(spec), "--out", str(out), "--resume", "--overwrite"]) == 2
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
 def test_console_script_bad_data_has_no_traceback(spec, tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "restopo", "train", str(spec), "--set",

@@ -185,6 +185,62 @@ def test_two_runs_into_one_folder(spec, tmp_path):
         ["latest"]  # no temporary or empty folders
 
 
+def test_ctrl_c_saves_the_step_it_stops_at_and_a_second_stops_at_once(spec, tmp_path):
+    """The first Ctrl-C ends the run after the step it is in, with a checkpoint of that
+    step (save_every 1000 here: without it every step would be lost), and says where
+    --resume continues; the resumed run then goes on from that step."""
+    out = tmp_path / "run"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "restopo", "train", str(spec), "--out", str(out),
+           "--no-progress", "--steps", "100000", "--set", "train.save_every=1000"]
+    run = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (out / "metrics.jsonl").exists() and time.time() < deadline:
+        time.sleep(0.2)
+    run.send_signal(signal.SIGINT)
+    _, err = run.communicate(timeout=120)
+    assert run.returncode == 130, err
+    assert "stopping after this step" in err and "Traceback" not in err, err
+    saved = ck.latest_checkpoint(out / "ckpt")
+    assert saved is not None and ck.verify_checkpoint(saved) is None
+    assert f"--resume continues from its checkpoint {saved}" in err
+    stopped = int(saved.name.split("_")[1])
+    assert 1 <= stopped < 1000
+    assert train(spec, "--out", out, "--resume", "--steps", stopped + 2) == 0
+    assert [r["step"] for r in records(out)][-1] == stopped + 2
+
+
+def test_resume_names_what_differs_not_a_flag_given_again(spec, tmp_path, capsys):
+    """Resuming with other --steps and another width: the refusal names the width (it had
+    named the stored train.steps as the missing cause); with --steps alone, no note says
+    train.steps is not given (it is, with another value)."""
+    out = tmp_path / "run"
+    assert train(spec, "--out", out, "--steps", 4) == 0
+    capsys.readouterr()
+    assert train(spec, "--out", out, "--resume", "--steps", 6, "--set", "model.width=16") == 1
+    err = capsys.readouterr().err
+    assert "width 32 there, 16 here" in err and "train.steps=4, which" not in err
+    assert train(spec, "--out", out, "--resume", "--steps", 6) == 0
+    assert "does not give it" not in capsys.readouterr().err
+
+
+def test_a_second_ctrl_c_stops_at_once_and_the_handler_is_put_back():
+    from restopo.train.interrupt import deferred_interrupt
+    before = signal.getsignal(signal.SIGINT)
+    said = []
+    with pytest.raises(KeyboardInterrupt):
+        with deferred_interrupt(True, said.append) as stop:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.1)  # the handler runs between bytecodes
+            assert stop.asked and "stopping after this step" in said[0]
+            os.kill(os.getpid(), signal.SIGINT)  # the second: at once
+            time.sleep(1)
+            raise AssertionError("the second Ctrl-C did not stop")
+    assert signal.getsignal(signal.SIGINT) is before
+    with deferred_interrupt(False, said.append) as stop:  # several processes: as before
+        assert signal.getsignal(signal.SIGINT) is before
+
+
 # -- #5, #6: data, paths and flags --------------------------------------------------------
 def test_data_folders_are_bounded_and_data_paths_checked(spec, tmp_path, capsys, monkeypatch):
     folder = tmp_path / "texts"

@@ -77,11 +77,12 @@ def register(subparsers) -> None:
     p.add_argument("--backend", choices=("auto", "eager", "triton", "cpu"), default="auto",
                    help="aggregation kernels (default: triton on CUDA when available, else the "
                         "fused C kernels on the CPU where they build)")
-    p.add_argument("--resume", action="store_true",
-                   help="continue from the latest checkpoint in OUT/ckpt")
-    p.add_argument("--overwrite", action="store_true",
-                   help="start a new run in an OUT that holds an earlier run's checkpoints "
-                        "(they are deleted)")
+    start = p.add_mutually_exclusive_group()  # continue the run, or replace it: not both
+    start.add_argument("--resume", action="store_true",
+                       help="continue from the latest checkpoint in OUT/ckpt")
+    start.add_argument("--overwrite", action="store_true",
+                       help="start a new run in an OUT that holds an earlier run's "
+                            "checkpoints (they are deleted)")
     p.add_argument("--nproc", type=int_range(1, MAX_NPROC, "processes on this machine"),
                    metavar="N", help="launch N processes through torchrun (data parallel)")
     p.add_argument("--max-restarts", type=int_range(0, MAX_RESTARTS), default=0, metavar="R",
@@ -293,10 +294,13 @@ def _fresh_start(out: Path, overwrite: bool) -> None:
     if old is None and not found:
         return
     if not overwrite:
-        what = (f"a run (latest checkpoint {old.name})" if old is not None
-                else " and ".join(found))
-        raise _Stop(f"{out} already holds {what}; continue it with --resume, start over "
-                    f"with --overwrite (replaces it), or choose another --out")
+        if old is None:  # nothing to resume: --resume would only refuse in turn
+            raise _Stop(f"{out} already holds {' and '.join(found)} of a run that saved no "
+                        f"checkpoint; start over with --overwrite (replaces them), or "
+                        f"choose another --out")
+        raise _Stop(f"{out} already holds a run (latest checkpoint {old.name}); continue it "
+                    f"with --resume, start over with --overwrite (replaces it), or choose "
+                    f"another --out")
     if _is_writer():
         shutil.rmtree(out / "ckpt", ignore_errors=True)
 
@@ -320,8 +324,11 @@ def _resume_point(out: Path, required: bool):
     if step_dir is None and required:
         what = f"no intact checkpoint (all {len(skipped)} damaged)" if skipped else \
             "no checkpoint"
-        raise _Stop(f"--resume: {what} in {out / 'ckpt'} to resume from; drop --resume to "
-                    f"start a new run")
+        held = skipped or any((out / name).exists() for name in RUN_FILES)
+        instead = ("start a new run with --overwrite in place of --resume (replaces what is "
+                   "there), or choose another --out") if held else \
+            "drop --resume to start a new run"
+        raise _Stop(f"--resume: {what} in {out / 'ckpt'} to resume from; {instead}")
     return step_dir
 
 

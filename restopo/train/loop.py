@@ -28,9 +28,10 @@ import torch
 from ..io import write_atomic
 from ..spec.objects import TrainSpec
 from .checkpoint import (CheckpointError, is_sharded, load_checkpoint, load_into,
-                         save_checkpoint, save_sharded, tie_aliases)
+                         save_checkpoint, save_sharded, step_dir_name, tie_aliases)
 from .data import BatchSampler, Corpus, DataError, fixed_batches
 from .dist import DistContext, barrier, collectively, exchange, mean_over_ranks
+from .interrupt import deferred_interrupt
 from .plots import plot_losses, read_metrics
 from .stepper import DataParallelStep, Stepper, evaluate  # noqa: F401 (evaluate: re-export)
 from .throughput import Throughput
@@ -159,6 +160,22 @@ def resume(step_dir, stepper: Stepper, optimizer, cfg: TrainConfig, device) -> t
                      aliases=tie_aliases(model), whole=stepper.whole)
 
 
+class StoppedEarly(KeyboardInterrupt):
+    """The run stopped at Ctrl-C after step `step`; `saved`: the step of its newest
+    checkpoint (None: none yet, checkpoints being off)."""
+
+    def __init__(self, step: int, saved: int | None, ckpt_root: Path):
+        super().__init__(step)
+        self.step, self.saved, self.ckpt_root = step, saved, ckpt_root
+
+    def __str__(self) -> str:
+        if self.saved is None:
+            return (f"stopped after step {self.step}; no checkpoint (train.save_every is "
+                    f"0), so --resume has nothing to continue from")
+        return (f"stopped after step {self.step}; --resume continues from its checkpoint "
+                f"{self.ckpt_root / step_dir_name(self.saved)}")
+
+
 def train(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, out: str | os.PathLike,
           ctx: DistContext | None = None, *, meta: dict | None = None,
           resume_from: str | os.PathLike | None = None, progress: bool = True,
@@ -242,60 +259,70 @@ def train(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, out: str | o
         from .compile import compiling_line
 
         bar.write(compiling_line(compiled), file=sys.stderr)
-    try:
-        for step in range(start, cfg.steps):
-            lr = lr_at(step, cfg)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            x, y = sampler.next()
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            loss = stepper.step(x, y)
-            if cfg.grad_clip > 0:
-                stepper.clip_grad_norm_(cfg.grad_clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            done = step + 1
-            steps_since_log += 1
-            bar.update(1)
-            if compiled and step == start and ctx.is_main:
-                from .compile import compiled_line
+    saved = start if resume_from is not None else None  # the step of the newest checkpoint
 
-                bar.write(compiled_line(compiled, time.perf_counter() - t0), file=sys.stderr)
+    def say(line: str) -> None:
+        bar.write(f"restopo train: {line}", file=sys.stderr)
 
-            val_loss = None
-            # 0 turns evaluation (eval_every) and checkpoints (save_every) off
-            if cfg.eval_every > 0 and (done % cfg.eval_every == 0 or done == cfg.steps):
-                t_eval = time.perf_counter()
-                val_loss = stepper.evaluate(val_batches)
-                last["val_loss"] = val_loss
-                paused += time.perf_counter() - t_eval
-            if (cfg.log_every > 0 and done % cfg.log_every == 0) or done in (1, cfg.steps) \
-                    or val_loss is not None:
-                loss_value = mean_over_ranks(loss.item(), ctx)
-                if not math.isfinite(loss_value):
-                    raise TrainingError(f"the loss became {loss_value} at step {done}; lower "
-                                        f"train.lr (now {cfg.lr:g}) or train.grad_clip")
-                now = time.perf_counter()
-                rate = steps_since_log * tokens_per_step / max(now - t_log - paused, 1e-9)
-                mfu = throughput.mfu(rate) if throughput is not None else None
-                t_log, steps_since_log, paused = now, 0, 0.0
-                last["loss"] = loss_value
-                log.write({"step": done, "loss": loss_value, "val_loss": val_loss, "lr": lr,
-                           "tokens_per_s": rate, "elapsed": elapsed0 + now - t0,
-                           **({"mfu": mfu} if mfu is not None else {})})
-                bar.set_postfix_str(f"loss {loss_value:.3f}"
-                                    + (f" val {last['val_loss']:.3f}" if last["val_loss"]
-                                       is not None else "")
-                                    + f" {rate:,.0f} tok/s"
-                                    + (f" MFU {mfu:.1%}" if mfu is not None else ""),
-                                    refresh=False)
-            if cfg.save_every > 0 and (done % cfg.save_every == 0 or done == cfg.steps):
-                t_save = time.perf_counter()
-                save(done)
-                paused += time.perf_counter() - t_save
-    finally:
-        bar.close()
-        log.close()
+    with deferred_interrupt(ctx.world == 1, say) as stop:
+        try:
+            for step in range(start, cfg.steps):
+                lr = lr_at(step, cfg)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                x, y = sampler.next()
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                loss = stepper.step(x, y)
+                if cfg.grad_clip > 0:
+                    stepper.clip_grad_norm_(cfg.grad_clip)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                done = step + 1
+                steps_since_log += 1
+                bar.update(1)
+                if compiled and step == start and ctx.is_main:
+                    from .compile import compiled_line
+
+                    bar.write(compiled_line(compiled, time.perf_counter() - t0), file=sys.stderr)
+
+                val_loss = None
+                # 0 turns evaluation (eval_every) and checkpoints (save_every) off
+                if cfg.eval_every > 0 and (done % cfg.eval_every == 0 or done == cfg.steps):
+                    t_eval = time.perf_counter()
+                    val_loss = stepper.evaluate(val_batches)
+                    last["val_loss"] = val_loss
+                    paused += time.perf_counter() - t_eval
+                if (cfg.log_every > 0 and done % cfg.log_every == 0) or done in (1, cfg.steps) \
+                        or val_loss is not None:
+                    loss_value = mean_over_ranks(loss.item(), ctx)
+                    if not math.isfinite(loss_value):
+                        raise TrainingError(f"the loss became {loss_value} at step {done}; lower "
+                                            f"train.lr (now {cfg.lr:g}) or train.grad_clip")
+                    now = time.perf_counter()
+                    rate = steps_since_log * tokens_per_step / max(now - t_log - paused, 1e-9)
+                    mfu = throughput.mfu(rate) if throughput is not None else None
+                    t_log, steps_since_log, paused = now, 0, 0.0
+                    last["loss"] = loss_value
+                    log.write({"step": done, "loss": loss_value, "val_loss": val_loss, "lr": lr,
+                               "tokens_per_s": rate, "elapsed": elapsed0 + now - t0,
+                               **({"mfu": mfu} if mfu is not None else {})})
+                    bar.set_postfix_str(f"loss {loss_value:.3f}"
+                                        + (f" val {last['val_loss']:.3f}" if last["val_loss"]
+                                           is not None else "")
+                                        + f" {rate:,.0f} tok/s"
+                                        + (f" MFU {mfu:.1%}" if mfu is not None else ""),
+                                        refresh=False)
+                if cfg.save_every > 0 and (done % cfg.save_every == 0 or done == cfg.steps
+                                           or stop.asked):
+                    t_save = time.perf_counter()
+                    save(done)
+                    saved = done
+                    paused += time.perf_counter() - t_save
+                if stop.asked and done < cfg.steps:
+                    raise StoppedEarly(done, saved, ckpt_root)
+        finally:
+            bar.close()
+            log.close()
 
     summary = {"steps": cfg.steps, "loss": last["loss"], "val_loss": last["val_loss"],
                "out": str(out), "metrics": str(log.path), "checkpoint": None, "plot": None,

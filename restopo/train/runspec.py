@@ -5,6 +5,8 @@ resumed or diagnosed without the original file.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import os
 from pathlib import Path
 
@@ -89,7 +91,6 @@ def model_from_meta(step_dir, backend: str = "eager"):
 
 def _weights_shape(model) -> object:
     """What decides a model's parameter shapes (context only sizes rotary tables)."""
-    import dataclasses
     return dataclasses.replace(model, context=0, name=None)
 
 
@@ -100,16 +101,24 @@ def resume_notes(spec, meta: dict, step_dir) -> list[str]:
     from .loop import TrainConfig, lr_at
 
     notes = []
-    given = set(spec.overrides or ())
-    missing = [o for o in meta.get("overrides", ()) if o not in given]
+    then = spec_from_meta(meta).model
+    if _weights_shape(then) != _weights_shape(spec.model):
+        differ = [f"{f.name} {getattr(then, f.name)!r} there, {getattr(spec.model, f.name)!r} "
+                  f"here" for f in dataclasses.fields(then) if f.compare
+                  and f.name not in ("context", "name")
+                  and getattr(then, f.name) != getattr(spec.model, f.name)]
+        stored = " ".join(f"--set {o}" for o in meta.get("overrides", ()))
+        raise CheckpointError(
+            f"{step_dir}'s weights do not fit this run's model ({'; '.join(differ)}); resume "
+            "with the spec and --set values it was trained with"
+            + (f" ({stored})" if stored else "") + ", or without the spec file (restopo "
+            "train --resume --out RUN) to use the checkpoint's own spec and settings")
+    # an override of the run that this one does not give at all (by key: a key given
+    # again with another value, e.g. --steps, is a change this run asks for)
+    given = {o.partition("=")[0].strip() for o in spec.overrides or ()}
+    missing = [o for o in meta.get("overrides", ()) if o.partition("=")[0].strip() not in given]
     if missing:
         flags = " ".join(f"--set {o}" for o in missing)
-        if _weights_shape(spec_from_meta(meta).model) != _weights_shape(spec.model):
-            raise CheckpointError(
-                f"{step_dir} was trained with {flags}, which this run does not give, so its "
-                f"weights do not fit this spec's model; add the same --set values, or resume "
-                f"without the spec file (restopo train --resume --out RUN) to use the "
-                f"checkpoint's own spec and settings")
         notes.append(f"{step_dir} was trained with {flags}; this run does not give it, so "
                      f"the spec's own value applies")
     old = meta.get("config")

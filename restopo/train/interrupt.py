@@ -1,0 +1,45 @@
+"""Ctrl-C during training: the first stops the run at the end of the step it is in, after
+a checkpoint of that step, so nothing trained is lost; a second stops it at once (the
+newest checkpoint then is the last one saved).
+
+Only a run of one process defers the first Ctrl-C. Under torchrun every rank gets the
+signal, each possibly in a different step, and a save is collective: ranks that stopped
+at different steps would wait on each other forever. There the signal works as before
+(KeyboardInterrupt at once; resume from the last checkpoint).
+"""
+from __future__ import annotations
+
+import signal
+import threading
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+
+class Stop:
+    """Whether a stop was asked for (`asked`), set by the first Ctrl-C."""
+
+    def __init__(self) -> None:
+        self.asked = False
+
+
+@contextmanager
+def deferred_interrupt(enabled: bool, say: Callable[[str], None]) -> Iterator[Stop]:
+    """Within the block, the first SIGINT sets `stop.asked` (and says so) instead of
+    raising; the handler before the block is back for the second, and after the block.
+    `enabled` False (several processes, or not the main thread): nothing changes."""
+    stop = Stop()
+    if not enabled or threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+    before = signal.getsignal(signal.SIGINT)
+
+    def first(signum, frame):
+        stop.asked = True
+        signal.signal(signal.SIGINT, before)  # the second Ctrl-C stops at once
+        say("stopping after this step, with a checkpoint of it (Ctrl-C again to stop now)")
+
+    signal.signal(signal.SIGINT, first)
+    try:
+        yield stop
+    finally:
+        signal.signal(signal.SIGINT, before)
