@@ -211,15 +211,23 @@ def partition_by_size(kinds: tuple[str, ...], size: int) -> tuple[tuple[int, ...
         raise ValueError(f"block_size must be at least 1 sublayer; got {size}")
     if size > L:
         raise ValueError(f"block_size must be at most {L} (the number of sublayers); got {size}")
-    starts = set(layer_starts(kinds))
     bounds = list(range(1, L + 1, size))
-    if size != 1 and any(b not in starts for b in bounds):
-        per = len(_layers(kinds)[0])
+    if size not in allowed_block_sizes(kinds):
+        starts = set(layer_starts(kinds))
+        bad = next(b for b in bounds if b not in starts)
         raise ValueError(
-            f"block_size counts sublayers and must be a multiple of {per} (one transformer "
-            f"layer is {per} sublayers) so that blocks begin at an attention sublayer; got {size}"
-        )
+            f"block_size {size} would begin a block at sublayer {bad}, an {kinds[bad - 1]}; "
+            f"blocks must begin at an attention sublayer (block_size counts sublayers)")
     return tuple(tuple(range(b, min(b + size, L + 1))) for b in bounds)
+
+
+def allowed_block_sizes(kinds: tuple[str, ...]) -> list[int]:
+    """Values `block_size: S` may take: 1 (every sublayer its own block), and each size
+    whose blocks all begin at an attention sublayer (with one attention a layer, the
+    multiples of the layer's length)."""
+    starts = set(layer_starts(kinds))
+    L = len(kinds)
+    return [s for s in range(1, L + 1) if s == 1 or all(b in starts for b in range(1, L + 1, s))]
 
 
 def _layers(kinds: tuple[str, ...]) -> list[tuple[int, ...]]:

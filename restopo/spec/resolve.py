@@ -42,11 +42,8 @@ def _span(values: list[int]) -> str:
 
 
 def block_size_hint(kinds: tuple[str, ...]) -> str:
-    layers = T._layers(kinds)
-    per = len(layers[0])
-    sizes = [s for s in range(per, len(kinds) + 1, per)]
-    return (f"block_size counts sublayers; one transformer layer is {per} sublayers, so use a "
-            f"multiple of {per} up to {len(kinds)}, e.g. {', '.join(map(str, sizes[:4]))}")
+    return (f"for these {len(kinds)} sublayers block_size may be "
+            f"{_span(T.allowed_block_sizes(kinds))}")
 
 
 def partition(res: ResidualSpec, kinds: tuple[str, ...], src: SourceText):
