@@ -132,6 +132,30 @@ def _synthetic_run(arm, family, seed, steps, loss):
                [{"step": steps, "val_loss": loss, "elapsed": 1.0}])
 
 
+def test_runs_trained_differently_are_said_so_with_each_arms_budget():
+    """Two arms with 20 and 40 steps and another lr: the report named the first run's
+    budget for both and said nothing of the difference."""
+    text = TINY.format(residual="standard", data="c.txt")
+
+    def run(arm, steps, lr):
+        meta = {"step": steps, "spec_path": f"/x/{arm}.restopo", "spec_text": text,
+                "overrides": [f"train.steps={steps}", f"train.lr={lr}"],
+                "config": {"steps": steps, "batch": 4, "context": 16, "seed": 0}}
+        return Run(Path(f"/x/{arm}-s0"), arm, 0, meta, [{"step": steps, "val_loss": 2.0}])
+
+    arms = report.group([run("a", 20, 3e-3), run("b", 40, 1e-3)])
+    assert report.settings_differ(arms) == ["steps: 20 (a), 40 (b)", "lr: 0.003 (a), 0.001 (b)"]
+    note = report.scale_note(arms)
+    assert "a 1,280 (20 steps of 64)" in note and "b 2,560 (40 steps of 64)" in note
+    for baseline in (None, arms[0]):
+        report.compare(arms, baseline)
+        said = "\n".join(report.reading(arms, baseline))
+        assert "not trained alike" in said and "steps: 20 (a), 40 (b)" in said
+    same = report.group([run("a", 20, 3e-3), run("b", 20, 3e-3)])
+    assert report.settings_differ(same) == []
+    assert "1,280 training tokens per run (20 steps of 64 tokens)" in report.scale_note(same)
+
+
 def test_compute_equivalence_from_synthetic_runs(tmp_path):
     """The baseline follows loss = a C^-b over three sizes (two seeds each, symmetric noise);
     an arm at the middle size whose loss the baseline reaches with 1.25x its compute is

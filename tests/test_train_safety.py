@@ -124,7 +124,8 @@ def test_checkpoint_contents_that_load_but_are_wrong(spec, tmp_path, capsys):
         if (out / "ckpt" / step).exists():
             (out / "ckpt" / step / "meta.json").write_text('{"spec_text": 123}')
     err = one_line_error(capsys, ["train", "--resume", "--out", out, "--no-progress"])
-    assert "no intact checkpoint (all" in err and "drop --resume" in err
+    # not 'drop --resume': a plain train into this folder would send them back to --resume
+    assert "no intact checkpoint (all" in err and "--overwrite in place of --resume" in err
 
 
 # -- #3: documented settings ------------------------------------------------------------------

@@ -203,7 +203,9 @@ def csv_text(arms: list[Arm], baseline: Arm | None) -> str:
 def reading(arms: list[Arm], baseline: Arm | None) -> list[str]:
     """What the table says, arm by arm, and whether the seed spread allows saying it."""
     if baseline is None:
-        return ["No baseline was named (--baseline), so no arm is compared with another."]
+        return ["No baseline was named (--baseline), so no arm is compared with another."] + \
+            [f"- **The runs were not trained alike**: {'; '.join(differ)}."
+             for differ in [settings_differ(arms)] if differ]
     lines = []
     _, spread = mean_std(baseline.finals.values()) if baseline.finals else (0, 0)
     for a in arms:
@@ -228,6 +230,10 @@ def reading(arms: list[Arm], baseline: Arm | None) -> list[str]:
                      f"{max(gaps):.4f})"
                      + ("." if wider else ": at this scale the seed spread is as large as the "
                         "gaps, and the ordering of arms is not established."))
+    differ = settings_differ(arms)
+    if differ:
+        lines.append("- **The runs were not trained alike**, so their differences are not the "
+                     "topology's alone: " + "; ".join(differ) + ".")
     lines.append(timing_note([r for a in arms for r in a.runs]))
     return lines
 
@@ -252,15 +258,46 @@ def timing_note(runs) -> str:
             "`python bench/overhead.py` measures the aggregations' cost side by side.")
 
 
+# What a run's training was, besides its seed and the bookkeeping of evaluation, logging
+# and checkpoints: runs that differ in any of these differ in more than their topology.
+SETTINGS = ("data", "steps", "batch", "lr", "schedule", "warmup", "min_lr", "weight_decay",
+            "grad_clip", "accum")
+
+
+def settings_differ(arms: list[Arm]) -> list[str]:
+    """The training settings (SETTINGS, and the context) that are not the same for every
+    run, each as 'key: value (arms), value (arms)'."""
+    seen: dict[str, dict] = {}
+    for a in arms:
+        for r in a.runs:
+            if r.spec is None or r.spec.train is None:
+                continue
+            values = {k: getattr(r.spec.train, k) for k in SETTINGS}
+            values["context"] = r.spec.model.context if r.spec.model is not None else None
+            for k, v in values.items():
+                seen.setdefault(k, {}).setdefault(v, []).append(a.name)
+    return [f"{k}: " + ", ".join(f"{v} ({', '.join(dict.fromkeys(names))})"
+                                 for v, names in by.items())
+            for k, by in seen.items() if len(by) > 1]
+
+
 def scale_note(arms: list[Arm]) -> str:
     """What these runs are, in numbers, against the paper's setting."""
     r = arms[0].runs[0]
     params = [a.parameters for a in arms if a.parameters]
-    tokens = r.tokens_per_step * r.planned_steps
+    budgets = {(x.planned_steps, x.tokens_per_step) for a in arms for x in a.runs}
     data = (r.spec.train.data if r.spec is not None else "?")
+    if len(budgets) == 1:
+        budget = (f"{r.tokens_per_step * r.planned_steps:,} training tokens per run "
+                  f"({r.planned_steps} steps of {r.tokens_per_step:,} tokens)")
+    else:  # one budget per arm, never the first run's for all
+        budget = "training tokens per run differing by arm: " + "; ".join(
+            f"{a.name} " + " or ".join(sorted({f"{x.tokens_per_step * x.planned_steps:,} "
+                                                f"({x.planned_steps} steps of "
+                                                f"{x.tokens_per_step:,})" for x in a.runs}))
+            for a in arms)
     return (f"Scale: {min(params):,} to {max(params):,} parameters" if params else "Scale: ") + \
-        (f", {tokens:,} training tokens per run ({r.planned_steps} steps of "
-         f"{r.tokens_per_step:,} tokens), data `{data}`. The paper's ablation trained "
+        (f", {budget}, data `{data}`. The paper's ablation trained "
          "436M-parameter models on far more tokens and reports gaps of a few thousandths of "
          "a nat between its arms; a sign that agrees with it here is suggestive, not a "
          "replication, and a gap inside the seed spread says nothing either way.")
