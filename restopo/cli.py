@@ -77,6 +77,19 @@ def int_range(lo: int, hi: int, why: str = ""):
     return parse
 
 
+def finite_float(text: str) -> float:
+    """An argparse `type` for a real number flag: nan and inf are usage errors naming the
+    flag, not a failure deep inside sampling."""
+    import math
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(x):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return x
+
+
 def device_arg(text: str) -> str:
     """An argparse `type` for --device: cuda where torch sees no CUDA device is a usage
     error that says what to give instead, not a failure deep in loading a checkpoint."""

@@ -270,3 +270,27 @@ def test_device_cuda_without_cuda_is_a_usage_error(run, capsys, command):
     assert main([command, str(target), "--device", "cuda"]) == 2
     err = capsys.readouterr().err
     assert "torch sees no CUDA device here; use --device cpu" in err and "Traceback" not in err
+
+
+def test_diagnose_reads_an_export(run, tmp_path, capsys, monkeypatch):
+    """The README's promise: an export is one file for diagnose too (it had said 'no
+    complete checkpoint' for any file)."""
+    folder, _ = run
+    out = tmp_path / "e.safetensors"
+    assert main(["export", str(folder / "run"), "-o", str(out)]) == 0
+    monkeypatch.chdir(folder)  # the spec's data path, corpus.txt, is relative
+    assert main(["diagnose", str(out), "--batches", "1", "--batch-size", "2"]) == 0
+    figures = tmp_path / "e-diagnose"
+    assert (figures / "depth_attention.png").read_bytes()[:4] == b"\x89PNG"
+    assert json.loads((figures / "diagnose.json").read_text())["checkpoint"] == str(out)
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["--prompt", "abc", "--prompt-ids", "65 66"], "not allowed with argument"),
+    (["--temperature", "nan"], "--temperature: expected a finite number"),
+    (["--temperature", "inf"], "--temperature: expected a finite number"),
+    (["--top-p", "nan"], "--top-p: expected a finite number")])
+def test_generate_flags_that_cannot_both_hold_or_are_not_numbers(run, capsys, flags, said):
+    folder, _ = run
+    assert main(["generate", str(folder / "run"), *flags]) == 2
+    assert said in capsys.readouterr().err

@@ -5,7 +5,7 @@ import argparse
 import os
 import sys
 
-from ..cli import device_arg, int_range, output_error
+from ..cli import device_arg, int_range, load_model, output_error
 
 EXAMPLES = """\
 examples:
@@ -26,8 +26,12 @@ def register(subparsers) -> None:
                     "diagnostic figures of the Attention Residuals paper.",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", metavar="CHECKPOINT",
-                   help="a run folder, its ckpt/ folder or a ckpt/step_NNNNNN folder")
-    p.add_argument("-o", "--out", metavar="DIR", help="where the PNGs go (default RUN/diagnose)")
+                   help="a run folder, its ckpt/ folder, a ckpt/step_NNNNNN folder, or a "
+                        "model file restopo export wrote (its spec's data is read relative "
+                        "to the current folder)")
+    p.add_argument("-o", "--out", metavar="DIR",
+                   help="where the PNGs go (default RUN/diagnose, or NAME-diagnose beside a "
+                        "model file)")
     p.add_argument("--batches", type=int_range(1, 1000), default=4, metavar="N",
                    help="validation batches to average over (default 4)")
     p.add_argument("--batch-size", type=int_range(1, 4096), default=8, metavar="B",
@@ -50,13 +54,17 @@ def run(args) -> int:
     if why:
         print(f"restopo diagnose: error: {why}", file=sys.stderr)
         return 1
+    from ..saved import LoadError
     try:
         with cpu_threads(None):
+            loaded = None
+            if os.path.isfile(args.checkpoint):  # an export: restopo.load reads it
+                loaded = load_model("diagnose", args.checkpoint, backend="eager")
             result = diagnose(args.checkpoint, args.out, batches=args.batches,
                               batch_size=args.batch_size, device=args.device,
                               say=lambda line: print(f"restopo diagnose: note: {line}",
-                                                     file=sys.stderr))
-    except (CheckpointError, DataError, ValueError) as e:
+                                                     file=sys.stderr), loaded=loaded)
+    except (CheckpointError, DataError, LoadError, ValueError) as e:
         print(f"restopo diagnose: error: {e}", file=sys.stderr)
         return 1
     print(result["step0"])

@@ -5,7 +5,7 @@ import argparse
 import codecs
 import sys
 
-from ..cli import device_arg
+from ..cli import device_arg, finite_float
 
 EXAMPLES = """\
 examples:
@@ -29,18 +29,20 @@ def register(subparsers) -> None:
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", metavar="CKPT",
                    help="a run folder, checkpoint folder, .pt or .safetensors")
-    p.add_argument("--prompt", default="\n", metavar="TEXT",
-                   help="the text to continue (default: a newline)")
-    p.add_argument("--prompt-ids", metavar="IDS",
-                   help="the prompt as token ids, e.g. '5 17 3' (for a vocab other than bytes)")
+    prompt = p.add_mutually_exclusive_group()  # one prompt: text, or token ids
+    prompt.add_argument("--prompt", default="\n", metavar="TEXT",
+                        help="the text to continue (default: a newline)")
+    prompt.add_argument("--prompt-ids", metavar="IDS",
+                        help="the prompt as token ids, e.g. '5 17 3' (for a vocab other than "
+                             "bytes)")
     p.add_argument("--max-new-tokens", type=int, default=200, metavar="N",
                    help="tokens to generate (default 200; past the model's context the "
                         "window slides, keeping the last context/2 tokens)")
-    p.add_argument("--temperature", type=float, default=0.8, metavar="T",
+    p.add_argument("--temperature", type=finite_float, default=0.8, metavar="T",
                    help="sampling temperature; 0 is greedy (default 0.8)")
     p.add_argument("--top-k", type=int, default=None, metavar="K",
                    help="sample among the K likeliest tokens only")
-    p.add_argument("--top-p", type=float, default=None, metavar="P",
+    p.add_argument("--top-p", type=finite_float, default=None, metavar="P",
                    help="sample among the likeliest tokens holding probability P")
     p.add_argument("--seed", type=int, default=None, help="make the sampling repeatable")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", type=device_arg)

@@ -19,8 +19,8 @@ per source. The replay runs every aggregation directly, so the picture is the sa
 direct and two-phase lowerings. For n streams the replay rebuilds the streams from the
 captured outputs with each point's coefficients (pre, post, R) and carries, per source, its
 weight in every stream: X_{l+1} = R X_l + post v_l makes those weights R w (and post for
-v_l), and h_l = sum_i pre_i X_i gives source weights pre . w. As a check, sum_i weight_i * v_i is compared with the
-captured h_l token by token (`reconstruction_error` in diagnose.json; about 1e-6 in
+v_l), and h_l = sum_i pre_i X_i gives source weights pre . w. As a check, sum_i weight_i *
+v_i is compared with the captured h_l token by token (`reconstruction_error` in diagnose.json; about 1e-6 in
 float32).
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ from ..ir import Aggregation, BlockSum, Embedding, Partial, Sublayer
 from ..ir.walk import Visitor, walk
 from ..io import write_atomic
 from ..nn.streams import expand_streams, write_streams
-from .checkpoint import load_checkpoint, resolve_checkpoint
+from .checkpoint import CheckpointError, load_checkpoint, resolve_checkpoint
 from .plots import plot_depth_lines, plot_depth_weights, plot_stream_coefficients
 
 
@@ -312,16 +312,25 @@ def write_figures(numbers: dict, graph, out_dir: Path, title: str) -> dict[str, 
 
 def diagnose(checkpoint: str, out_dir: str | None = None, *, batches: int = 4,
              batch_size: int = 8, device: str = "cpu", data_base: str | None = None,
-             say=None) -> dict:
+             say=None, loaded=None) -> dict:
     """Load a checkpoint (its spec travels inside), measure, write the figures. `say(line)`
-    hears of damaged checkpoints passed over."""
+    hears of damaged checkpoints passed over. `loaded`: instead, a model restopo.load made
+    from a file (an export: figures beside it, data as its spec says)."""
     from .data import fixed_batches, open_corpus
     from .init_check import step0_report
     from .runspec import model_from_meta
 
-    step_dir = resolve_checkpoint(checkpoint, say=say)
-    spec, model, meta = model_from_meta(step_dir)
-    load_checkpoint(step_dir, model)
+    if loaded is not None:  # a model file the caller loaded (restopo.load: an export)
+        model = loaded
+        step_dir, spec = Path(model.restopo_source), model.restopo_spec
+        meta = {"step": None, "data_base": getattr(model, "restopo_data_base", None)}
+        if spec.train is None:
+            raise CheckpointError(f"{step_dir}: its spec has no train section, so no data "
+                                  f"to measure on")
+    else:
+        step_dir = resolve_checkpoint(checkpoint, say=say)
+        spec, model, meta = model_from_meta(step_dir)
+        load_checkpoint(step_dir, model)
     bad = [n for n, p in model.named_parameters() if not torch.isfinite(p).all()]
     if bad:
         raise ValueError(f"{step_dir} holds NaN or infinite weights ({', '.join(bad[:3])}"
@@ -341,9 +350,12 @@ def diagnose(checkpoint: str, out_dir: str | None = None, *, batches: int = 4,
     # The spec's model as training initialised it, against the standard residual.
     numbers["step0"] = step0_report(spec.model, spec.topology, graph, val[0][0],
                                     seed=spec.train.seed)
-    out = Path(out_dir) if out_dir else step_dir.parent.parent / "diagnose"
+    out = Path(out_dir) if out_dir else (
+        step_dir.parent / f"{step_dir.stem}-diagnose" if step_dir.is_file()
+        else step_dir.parent.parent / "diagnose")
     name = spec.topology.name
-    paths = write_figures(numbers, graph, out, f"{name} step {meta.get('step')}")
+    when = step_dir.name if meta.get("step") is None else f"step {meta['step']}"
+    paths = write_figures(numbers, graph, out, f"{name} {when}")
     return {"out": str(out), "paths": {k: str(p) for k, p in paths.items()},
             "reconstruction_error": numbers["reconstruction_error"],
             "step0": numbers["step0"]["line"]}
