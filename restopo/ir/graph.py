@@ -51,8 +51,10 @@ class IR(nx.DiGraph):
         self.add_node(value.id, **{_NODE: value})
 
     def node(self, node_id: str) -> Node:
-        """The typed value of node `node_id` (KeyError names the id when there is none)."""
-        return self.nodes[node_id][_NODE]
+        """The typed value of node `node_id` (KeyError names the id when there is none).
+        Read from the graph's own node dict: the analyses call this O(L^2) times for Full
+        AttnRes, and networkx's `nodes` view costs several times more per lookup."""
+        return self._node[node_id][_NODE]
 
     def values(self):
         """Every node's typed value, in insertion order."""

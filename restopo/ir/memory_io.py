@@ -35,6 +35,8 @@ Its peak is (S + N)d plus the embedding's d/S, which the paper's (S + N)d leaves
 """
 from __future__ import annotations
 
+import bisect
+
 from dataclasses import dataclass
 
 from .analyses import is_multi_stream, stream_fed, two_phase_plan
@@ -161,30 +163,42 @@ def two_phase_full(g: IR, group: int) -> ResidualIO:
     """Direct static softmax attend points run as the paper's two-phase Full AttnRes over
     consecutive groups of `group` sublayers (see the module docstring); other points as
     `residual_io` counts them."""
-    base = residual_io(g)
-    L = g.n_sublayers
-    per = list(base.per_sublayer)
-    for a in _groupable(g):
-        first = (a.index - 1) // group * group + 1  # the group's first sublayer
-        size = min(group, L - first + 1)
-        before = [s for s in a.sources if g.node(s).produced < first]
-        inside = len(a.sources) - len(before)
-        per[a.index - 1] = (per[a.index - 1] + Cost(-len(a.sources), -1)
-                            + Cost(len(before) / size, 1) + Cost(inside, 1))
-    N = -(-L // group)
-    return ResidualIO(tuple(per), base.head,
-                      f"Table 1 Full AttnRes two-phase, (S + N)d + d/S with S = {group}, N = {N}")
+    return _grouped(g, group, residual_io(g), _produced(g, _groupable(g)))
 
 
 def best_two_phase_full(g: IR) -> ResidualIO | None:
     """`two_phase_full` at the group size with the smallest peak (None when no point can
-    be grouped: the topology has no direct static softmax attention)."""
-    if not _groupable(g):
+    be grouped: the topology has no direct static softmax attention). The graph is read
+    once for all the sizes tried (each divisor of L): reading it per size made `restopo
+    inspect` of a deep Full AttnRes spec take minutes."""
+    groupable = _groupable(g)
+    if not groupable:
         return None
     L = g.n_sublayers
-    tries = [two_phase_full(g, s) for s in range(2, L + 1) if L % s == 0] or \
-        [two_phase_full(g, L)]
-    return min(tries, key=lambda r: r.peak.d)
+    base, produced = residual_io(g), _produced(g, groupable)
+    sizes = [s for s in range(2, L + 1) if L % s == 0] or [L]
+    return min((_grouped(g, s, base, produced) for s in sizes), key=lambda r: r.peak.d)
+
+
+def _produced(g: IR, points: list[Aggregation]) -> dict[int, list[int]]:
+    """Each point's sources by where they are produced (sorted), keyed by its index."""
+    return {a.index: sorted(g.node(s).produced for s in a.sources) for a in points}
+
+
+def _grouped(g: IR, group: int, base: ResidualIO, produced: dict[int, list[int]]
+             ) -> ResidualIO:
+    L = g.n_sublayers
+    per = list(base.per_sublayer)
+    for index, made in produced.items():
+        first = (index - 1) // group * group + 1  # the group's first sublayer
+        size = min(group, L - first + 1)
+        before = bisect.bisect_left(made, first)  # sources produced before the group
+        inside = len(made) - before
+        per[index - 1] = (per[index - 1] + Cost(-len(made), -1)
+                          + Cost(before / size, 1) + Cost(inside, 1))
+    N = -(-L // group)
+    return ResidualIO(tuple(per), base.head,
+                      f"Table 1 Full AttnRes two-phase, (S + N)d + d/S with S = {group}, N = {N}")
 
 
 def _groupable(g: IR) -> list[Aggregation]:
