@@ -144,7 +144,14 @@ def file_error(e: OSError | UnicodeDecodeError) -> str:
     """One line for a file that cannot be read."""
     if isinstance(e, UnicodeDecodeError):
         where = getattr(e, "restopo_path", None) or "input"
-        return f"restopo: error: {where}: not UTF-8 text (byte {e.start}); is this a .restopo file?"
+        data = e.object if isinstance(e.object, bytes) else b""
+        line = data.count(b"\n", 0, e.start) + 1  # where an editor shows the bad byte
+        col = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        return (f"restopo: error: {where}:{line}:{col}: not UTF-8 text (byte "
+                f"0x{data[e.start]:02x}); is this a .restopo file? save it as UTF-8"
+                if e.start < len(data) else
+                f"restopo: error: {where}: not UTF-8 text (byte {e.start}); is this a "
+                f".restopo file?")
     name = e.filename if e.filename is not None else ""
     name = name if str(name).isprintable() else repr(name)  # keep it one line
     what = e.strerror or str(e)

@@ -59,6 +59,21 @@ def test_check_with_override_error_names_the_set(capsys):
         "hint: did you mean 'width'?"]
 
 
+def test_check_of_several_files_says_which_one_a_set_value_fails_with(tmp_path, capsys):
+    """An override that fits one file and not another: the error (all inside --set) named
+    no file; a bad key was printed once per file."""
+    odd = tmp_path / "t18.restopo"
+    odd.write_text(Path(TINY).read_text().replace("batch: 16", "batch: 18"))
+    assert main(["check", TINY, str(odd), "--set", "parallel.stages=3"]) == 1  # 3 | 18
+    cap = capsys.readouterr()
+    assert cap.out.startswith(f"{odd}: ok")
+    assert cap.err.startswith(f"{TINY}: mistakes in the --set values, checked with this file:")
+    assert main(["check", TINY, str(odd), "--set", "model.widht=64"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("unknown key 'widht'") == 1
+    assert f"{odd}: the same mistakes in the --set values as above" in err
+
+
 @pytest.mark.parametrize("argv,code,stream,text", [
     (["check", "does-not-exist.restopo"], 1, "err", "does-not-exist.restopo: no such file"),
     (["check", str(EXAMPLES)], 1, "err", "is a directory"),
@@ -229,3 +244,11 @@ def test_graph_falls_back_when_dot_fails(tmp_path, monkeypatch, capsys):
     assert main(["graph", TINY, "-o", str(out), "--engine", "graphviz"]) == 1
     assert "dot failed: dot: broken" in capsys.readouterr().err and not out.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bin"]
+
+
+def test_text_that_is_not_utf8_is_placed_by_line_and_column(tmp_path, capsys):
+    p = tmp_path / "latin1.restopo"
+    p.write_bytes("# spec\nmodel { vocab: 256 }\n# caf\u00e9\n".encode("latin-1"))
+    assert main(["check", str(p)]) == 1
+    err = capsys.readouterr().err
+    assert f"{p}:3:6: not UTF-8 text (byte 0xe9)" in err

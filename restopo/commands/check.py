@@ -54,13 +54,21 @@ def _n(k: int, what: str) -> str:
 def run(args) -> int:
     from ..cli import file_error
     from ..spec import SpecError, load_spec
-    bad = 0
+    bad, shown = 0, set()
     for path in args.files:
         try:
             spec = load_spec(path, overrides=tuple(args.overrides))
             line = f"{path}: ok ({describe(spec)})"
         except SpecError as e:
-            print(e.render(), file=sys.stderr)
+            text = e.render()
+            if len(args.files) > 1 and str(path) not in text:  # all in --set: which file?
+                if text in shown:
+                    text = f"{path}: the same mistakes in the --set values as above"
+                else:
+                    text = f"{path}: mistakes in the --set values, checked with this file:\n" \
+                        + text
+            shown.add(e.render())
+            print(text, file=sys.stderr)
             bad += 1
             continue
         except (OSError, UnicodeDecodeError) as e:
