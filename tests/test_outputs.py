@@ -77,3 +77,15 @@ def test_nothing_is_written_into_a_checkpoint(tmp_path, capsys):
     assert verify_checkpoint(step) is None
     assert sorted(p.name for p in step.iterdir()) == sorted(
         ["model.safetensors", "optimizer.pt", "state.pt", "meta.json", "manifest.json"])
+
+
+def test_a_standalone_module_gets_a_name_it_can_be_imported_by(tmp_path, capsys):
+    """compile -o my-model.py wrote a module no import can name (its own docstring said
+    `import torch, my-model`), and -o torch.py one that hid torch from every script beside
+    it, itself included."""
+    for name, said in (("my-model", "e.g. my_model.py"), ("class", "e.g. model_class.py"),
+                       ("torch", "would shadow the torch module")):
+        out = tmp_path / f"{name}.py"
+        assert said in error(capsys, ["compile", str(TINY), "-o", str(out)])
+        assert not out.exists()
+    assert main(["compile", str(TINY), "-o", str(tmp_path / "tiny_model.py")]) == 0

@@ -55,7 +55,8 @@ def run(args) -> int:
         print(f"restopo compile: error: -o must end in .py or .pt; got {out!r}",
               file=sys.stderr)
         return 2
-    why = output_error(out, args.spec)
+    from .standalone import module_path_error
+    why = output_error(out, args.spec) or (module_path_error(out) if kind == ".py" else None)
     if why:
         return _fail(why)
     from ..spec import load_spec  # SpecError and OSError (which file, why) go to the CLI

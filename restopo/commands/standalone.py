@@ -248,6 +248,30 @@ def _init(model, spec) -> str:
     return "\n".join(lines) + "\n"
 
 
+# What the written module imports: a module of one of these names would be imported in
+# their place by any script beside it, the generated module itself included.
+IMPORTED = ("torch", "math", "collections", "types", "contextlib", "itertools", "__future__")
+
+
+def module_path_error(path: str) -> str | None:
+    """Why `path` (NAME.py) cannot be the standalone module (None: it can): NAME must be
+    importable (an identifier, not a keyword) and must not shadow a module it imports."""
+    import keyword
+    import os
+    name = os.path.splitext(os.path.basename(path))[0]
+    if not name.isidentifier() or keyword.iskeyword(name):
+        fixed = re.sub(r"\W", "_", name)
+        fixed = fixed if fixed.isidentifier() and not keyword.iskeyword(fixed) else \
+            f"model_{fixed}"
+        return (f"the module name {name!r} cannot be imported (not a Python identifier, or a "
+                f"keyword); "
+                f"name the file e.g. {fixed}.py")
+    if name in IMPORTED:
+        return (f"{name}.py would shadow the {name} module it imports, for any script beside "
+                f"it; choose another name")
+    return None
+
+
 def module_source(model, name: str, source: str) -> str:
     """The text of a standalone module that builds `model` (a restopo.compile model)."""
     from ..fx.lower import lower, parts_of
