@@ -312,6 +312,10 @@ def syntax_error(e: UnexpectedInput, text: str, path: str, what: str = "spec") -
         elif tok.type in ("RBRACE", "RPAR") and _unclosed(text, tok.start_pos) is None:
             message = f"unexpected '{tok}': nothing is open here"
             hint = f"remove it, or check the opening '{'{' if tok.type == 'RBRACE' else '('}' above"
+        elif braceless := re.search(r"(?:^|[;\n])\s*(model|parallel|train)(?:\s+\w+)?\s+"
+                                    r"(\w+)\s*:\s*$", text[:tok.start_pos]):
+            kind, key = braceless.groups()  # `train steps: 3`: a key without the braces
+            hint = f"the {kind} section's entries go in braces, e.g. '{kind} {{ {key}: {tok} }}'"
         elif text[:tok.start_pos].rstrip().endswith(":"):
             hint = f"a value is missing after ':'; {hint}"
         return SpecError(path, tok.line, tok.column, message, hint, _line(text, tok.line))
