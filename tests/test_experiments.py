@@ -264,6 +264,11 @@ def test_a_failing_run_is_reported_and_the_rest_complete(tmp_path):
 def test_compare_errors_are_one_line(tmp_path, capsys):
     assert main(["compare", str(tmp_path / "missing")]) == 1
     assert "no such folder" in capsys.readouterr().err
+    (tmp_path / "a.restopo").write_text("residual standard\n")
+    assert main(["compare", str(tmp_path / "a.restopo")]) == 1
+    assert "a.restopo is a file; give a run folder" in capsys.readouterr().err
+    assert main(["compare", str(tmp_path / "empty"), "--out", str(tmp_path / "a.restopo")]) == 1
+    assert "--out" in capsys.readouterr().err and (tmp_path / "a.restopo").is_file()
     (tmp_path / "empty").mkdir()
     assert main(["compare", str(tmp_path / "empty")]) == 1
     assert "neither a run folder nor a folder of runs" in capsys.readouterr().err

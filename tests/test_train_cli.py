@@ -137,6 +137,8 @@ def test_a_run_without_a_checkpoint_is_pointed_at_overwrite_not_resume(spec, cap
     assert "--overwrite in place of --resume" in err and "drop --resume" not in err
     assert main(["train", str(spec), "--out", str(out), "--resume", "--overwrite"]) == 2
     assert "not allowed with argument" in capsys.readouterr().err
+    err = _error(capsys, ["train", str(spec), "--out", str(out), "--max-restarts", "2"])
+    assert "--max-restarts is torchrun's, so it needs --nproc N" in err
 
 
 def test_console_script_bad_data_has_no_traceback(spec, tmp_path):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -41,6 +42,10 @@ def run(args) -> int:
     from ..experiments import report
     from ..experiments.runs import RunError, find_runs
 
+    if args.out and os.path.exists(args.out) and not os.path.isdir(args.out):
+        print(f"restopo compare: error: --out {args.out} is a file; give a folder for "
+              f"results.md, results.csv and the plots", file=sys.stderr)
+        return 1
     try:
         runs = find_runs(args.runs)
         arms = report.group(runs)

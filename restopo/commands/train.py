@@ -216,6 +216,9 @@ def run(args) -> int:
     from ..train.dist import under_torchrun
 
     try:
+        if args.max_restarts and args.nproc is None and not under_torchrun():
+            raise _Stop("--max-restarts is torchrun's, so it needs --nproc N; a run of one "
+                        "process resumes with --resume")
         with cpu_threads(args.threads):
             return _run(args)
     except (DataError, CheckpointError, TrainingError, PlanError, LayoutError, RunLocked,

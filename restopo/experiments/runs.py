@@ -119,6 +119,9 @@ def find_runs(paths) -> list[Run]:
     sweep's --out). Folders that are not runs inside a sweep folder are skipped."""
     runs = []
     for p in map(Path, paths):
+        if p.exists() and not p.is_dir():
+            raise RunError(f"{p} is a file; give a run folder (restopo train --out) or a "
+                           f"folder of runs (restopo sweep --out)")
         if not p.is_dir():
             raise RunError(f"{p}: no such folder")
         try:
