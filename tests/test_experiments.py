@@ -96,6 +96,18 @@ def test_a_run_trained_otherwise_is_not_taken_for_the_sweeps(tmp_path, capsys):
     assert {p: p.read_bytes() for p in (out / "std-s0").rglob("*") if p.is_file()} == kept
 
 
+def test_a_run_stopped_by_ctrl_c_is_recorded_as_interrupted_not_failed(tmp_path,
+                                                                      monkeypatch):
+    from restopo.experiments import runner
+    job = make_grid(["a/std.restopo"], [0])[0]
+    monkeypatch.setattr(type(job), "command", lambda self, out, resume, threads=1: [
+        sys.executable, "-c", "import sys; print('restopo train: starting'); sys.exit(130)"])
+    result = runner.run_job(job, tmp_path, resume=False)
+    info = json.loads((tmp_path / job.name / "run.json").read_text())
+    assert result["status"] == info["status"] == "interrupted"
+    assert "resumes it" in info["error"]
+
+
 def test_statistics_against_hand_computation():
     assert mean_std([1.0, 2.0, 4.0]) == pytest.approx((7 / 3, math.sqrt(7 / 3)))
     assert t975(2) == 4.303 and t975(2.9) == 4.303 and t975(500) == 1.96

@@ -22,6 +22,9 @@ from .grid import Job
 from .runs import RUN_FILE
 
 TAIL = 20  # lines of a failed run's log kept as its error
+# How a run stopped by Ctrl-C or the sweep's SIGTERM exits: restopo's 130, or the signal.
+INTERRUPTED = (130, -signal.SIGINT, -signal.SIGTERM)
+STOP_WAIT = 30.0  # seconds a run gets to finish its step and save it after Ctrl-C
 
 
 def state(out: Path, job: Job) -> str:
@@ -100,6 +103,10 @@ def run_job(job: Job, out: Path, resume: bool, threads: int = 1) -> dict:
     if code == 0:
         _record(out, job, status="done", seconds=round(seconds, 1), **load)
         return {"name": job.name, "status": "done", "seconds": seconds}
+    if code in INTERRUPTED:  # stopped by the sweep's Ctrl-C, not failed: rerun resumes it
+        why = "interrupted; the sweep resumes it from its last checkpoint when run again"
+        _record(out, job, status="interrupted", returncode=code, error=why)
+        return {"name": job.name, "status": "interrupted", "error": why, "seconds": seconds}
     lines = (folder / "train.log").read_text(errors="replace").splitlines()[-TAIL:]
     error = next((ln for ln in reversed(lines) if "error" in ln.lower()), lines[-1] if lines
                  else f"exit status {code}")
@@ -157,17 +164,29 @@ def _started(job: Job, out: Path, resume: bool, report) -> dict:
 
 
 def _stop_children() -> None:
-    """SIGTERM our child processes (each saves nothing extra: its last checkpoint stands)."""
-    try:
-        children = subprocess.run(["pgrep", "-P", str(os.getpid())], capture_output=True,
-                                  text=True).stdout.split()
-    except OSError:
-        return
-    for pid in children:
+    """Stop our child runs after a Ctrl-C: the terminal sent it to them too (one process
+    group), and a run stops after its step with a checkpoint of it, so they get STOP_WAIT
+    seconds to do that (a second SIGINT from here would stop them at once, unsaved); then
+    SIGTERM to any still running (its last checkpoint stands)."""
+    def children() -> list[int]:
         try:
-            os.kill(int(pid), signal.SIGTERM)
-        except (OSError, ValueError):
-            pass
+            found = subprocess.run(["pgrep", "-P", str(os.getpid())], capture_output=True,
+                                   text=True).stdout.split()
+        except OSError:
+            return []
+        return [int(p) for p in found if p.isdigit()]
+
+    def send(pids, sig) -> None:
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except OSError:
+                pass
+
+    deadline = time.monotonic() + STOP_WAIT
+    while children() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    send(children(), signal.SIGTERM)
 
 
 def run_submitit(jobs: list[Job], out: Path, report, *, cluster: str = "slurm",
