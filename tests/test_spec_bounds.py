@@ -192,3 +192,15 @@ def test_compile_into_a_missing_folder_names_the_folder(tmp_path, capsys):
                       str(tmp_path / "nowhere" / "m.pt")], capsys, limit=120)
     assert f"{tmp_path / 'nowhere' / 'm.pt'}: the folder to write it in does not exist" in err
     assert ".restopo-" not in err
+
+
+@pytest.mark.parametrize("override, at", [
+    ("model.mlp=swiglu(100000000x)", "swiglu("),   # the MLPs' hidden width makes them
+    ("model.vocab=1000000000", "1000000000"),        # the embedding does
+    ("model.width=1000000", "1000000")])
+def test_too_many_parameters_points_at_what_makes_them(override, at, capsys):
+    assert main(["check", str(ROOT / "examples" / "tiny.restopo"), "--set", override]) == 1
+    lines = capsys.readouterr().err.splitlines()
+    head = next(i for i, ln in enumerate(lines) if "parameters, more than" in ln)
+    source, caret = lines[head + 1], lines[head + 2]
+    assert source[caret.index("^"):].startswith(at), (source, caret)

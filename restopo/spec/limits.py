@@ -49,12 +49,27 @@ def check_model_limits(model: ModelSpec, c: Checker) -> bool:
         ok = False
     n = parameters(model)
     if n > MAX_PARAMETERS:
-        c.error(model.where("width"), f"this model has {n:,} parameters, more than the "
-                f"{MAX_PARAMETERS:,} restopo can build", "every process builds the whole "
-                "model in fp32 before a pipeline stage keeps its share; use a smaller width, "
-                "depth or vocab")
+        c.error(model.where(_largest_factor(model)), f"this model has {n:,} parameters, "
+                f"more than the {MAX_PARAMETERS:,} restopo can build", "every process "
+                "builds the whole model in fp32 before a pipeline stage keeps its share; use "
+                "a smaller width, depth, MLP ratio or vocab")
         ok = False
     return ok
+
+
+def _largest_factor(model: ModelSpec) -> str:
+    """The value to point at for too many parameters: the MLP ratio where the MLPs' hidden
+    width is what makes them (ratio past 16x), the vocab where the embedding outweighs the
+    layers, else the width."""
+    d = model.width
+    n_attn = sum(k == "attn" for k in model.kinds)
+    mlps = (len(model.kinds) - n_attn) * (3 if model.mlp == "swiglu" else 2) * \
+        int(model.mlp_ratio * d) * d
+    if model.mlp_ratio > 16 and mlps > n_attn * 4 * d * d:
+        return "mlp_ratio" if model.where("mlp_ratio") != model.pos else "mlp"
+    if model.vocab * d > n_attn * 4 * d * d + mlps:
+        return "vocab"
+    return "width"
 
 
 def check_source_reads(model: ModelSpec, reads: int, c: Checker) -> None:
@@ -63,8 +78,9 @@ def check_source_reads(model: ModelSpec, reads: int, c: Checker) -> None:
         c.error(model.where("depth"), f"the aggregations of this topology read {reads:,} "
                 f"sources in all at depth {model.depth}, more than {MAX_SOURCE_READS:,}",
                 "the IR and the lowered model hold one entry per source read (Full AttnRes "
-                "reads about L^2/2 for L sublayers); use a smaller depth, a window, or Block "
-                "AttnRes")
+                "reads about L^2/2 for L sublayers); use a smaller depth"
+                + (f" or a shorter layer: ({len(model.layer)} sublayers a layer)"
+                   if len(model.layer) > 2 else "") + ", a window, or Block AttnRes")
 
 
 def check_train_limits(train: TrainSpec, context: int | None, c: Checker) -> None:
