@@ -23,10 +23,12 @@ class Stop:
 
 
 @contextmanager
-def deferred_interrupt(enabled: bool, say: Callable[[str], None]) -> Iterator[Stop]:
+def deferred_interrupt(enabled: bool, say: Callable[[str], None],
+                       saving: bool = True) -> Iterator[Stop]:
     """Within the block, the first SIGINT sets `stop.asked` (and says so) instead of
     raising; the handler before the block is back for the second, and after the block.
-    `enabled` False (several processes, or not the main thread): nothing changes."""
+    `saving`: whether the step is saved then (checkpoints may be off). `enabled` False
+    (several processes, or not the main thread): nothing changes."""
     stop = Stop()
     if not enabled or threading.current_thread() is not threading.main_thread():
         yield stop
@@ -36,7 +38,8 @@ def deferred_interrupt(enabled: bool, say: Callable[[str], None]) -> Iterator[St
     def first(signum, frame):
         stop.asked = True
         signal.signal(signal.SIGINT, before)  # the second Ctrl-C stops at once
-        say("stopping after this step, with a checkpoint of it (Ctrl-C again to stop now)")
+        say("stopping after this step" + (", with a checkpoint of it" if saving else "")
+            + " (Ctrl-C again to stop now)")
 
     signal.signal(signal.SIGINT, first)
     try:

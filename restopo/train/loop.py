@@ -264,7 +264,7 @@ def train(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, out: str | o
     def say(line: str) -> None:
         bar.write(f"restopo train: {line}", file=sys.stderr)
 
-    with deferred_interrupt(ctx.world == 1, say) as stop:
+    with deferred_interrupt(ctx.world == 1, say, saving=cfg.save_every > 0) as stop:
         try:
             for step in range(start, cfg.steps):
                 lr = lr_at(step, cfg)
