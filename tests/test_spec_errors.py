@@ -413,3 +413,14 @@ def test_a_quick_run_may_shorten_steps_below_the_files_warmup():
     spec = parse_spec(M + "residual standard\ntrain { steps: 100; warmup: 30 }\n",
                       overrides=("train.steps=10",))
     assert (spec.train.steps, spec.train.warmup) == (10, 30)
+
+
+def test_the_caret_lands_under_its_character_past_wide_and_combining_ones():
+    """The caret was placed by characters: one column short after each CJK character (two
+    columns wide), one column long after each combining accent (none)."""
+    for before, extra in (("日本語データ", +6), ("e\u0301e\u0301e\u0301", -3), ("abc", 0)):
+        text = M + f'residual standard\ntrain {{ data: "{before}.txt"; steps: 0 }}\n'
+        with pytest.raises(SpecError) as e:
+            parse_spec(text, path="spec.restopo")
+        _, line, caret = str(e.value).splitlines()[:3]
+        assert caret.index("^") == line.index("0 }") + extra

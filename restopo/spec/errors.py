@@ -32,7 +32,7 @@ class SpecError(Exception):
         if text is not None:
             text, caret = _window(text.expandtabs(1), max(self.column - 1, 0))
             out.append(f"    {text}")
-            out.append("    " + " " * caret + "^")
+            out.append("    " + " " * _display_width(text[:caret]) + "^")
         if self.hint:
             out.append(f"hint: {self.hint}")
         return "\n".join(out)
@@ -74,6 +74,14 @@ class SpecErrors(SpecError):
 
 
 SHOWN_LINE = 100  # characters of a long source line shown around the caret
+
+
+def _display_width(text: str) -> int:
+    """The terminal columns `text` takes: wide (CJK) characters two, combining marks and
+    zero-width characters none, so the caret lands under its character."""
+    import unicodedata
+    return sum(0 if unicodedata.combining(ch) or unicodedata.category(ch) in ("Mn", "Me", "Cf")
+               else 2 if unicodedata.east_asian_width(ch) in ("W", "F") else 1 for ch in text)
 
 
 def _window(text: str, caret: int) -> tuple[str, int]:
