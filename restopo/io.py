@@ -125,8 +125,13 @@ def _mkdtemp_beside(path: str, folder: str) -> str:
 def _as_users(e: OSError, path: str, verb: str) -> OSError:
     """The error of making a temporary file or folder beside `path`, naming `path` (what
     the user gave) rather than the temporary name, and saying why in their terms."""
-    what = (f"the folder to {verb} it in does not exist"
-            if isinstance(e, FileNotFoundError) else e.strerror or str(e))
+    folder = os.path.dirname(os.path.abspath(path))
+    if isinstance(e, FileNotFoundError) and not os.path.isdir(folder):
+        what = f"the folder to {verb} it in does not exist"
+    elif isinstance(e, FileNotFoundError):  # e.g. /proc: the folder is there, not writable
+        what = f"cannot {verb} a file in {folder}"
+    else:
+        what = e.strerror or str(e)
     return type(e)(e.errno, what, path)
 
 

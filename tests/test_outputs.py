@@ -5,6 +5,7 @@ import os
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 
 import restopo
@@ -89,3 +90,11 @@ def test_a_standalone_module_gets_a_name_it_can_be_imported_by(tmp_path, capsys)
         assert said in error(capsys, ["compile", str(TINY), "-o", str(out)])
         assert not out.exists()
     assert main(["compile", str(TINY), "-o", str(tmp_path / "tiny_model.py")]) == 0
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+def test_a_folder_that_exists_but_takes_no_files_is_not_called_missing(tmp_path, capsys):
+    err = error(capsys, ["graph", str(TINY), "-o", "/proc/self/w.dot"])
+    assert "cannot write a file in /proc/self" in err and "does not exist" not in err
+    err = error(capsys, ["graph", str(TINY), "-o", str(tmp_path / "none" / "w.dot")])
+    assert "the folder to write it in does not exist" in err
