@@ -238,7 +238,7 @@ def test_bad_layout_under_torchrun_is_said_once(tmp_path):
 @pytest.mark.slow
 def test_checkpoint_that_does_not_fit_is_one_line(tmp_path):
     """A sharded checkpoint resumed by a spec whose tensors differ: one line from rank 0
-    naming the tensor and both shapes."""
+    naming what differs (the model field, found before any tensor is read)."""
     spec = tmp_path / "t.restopo"
     text = open(TINY).read().replace("width: 64", "width: 32").replace("steps: 600",
                                                                          "steps: 2")
@@ -249,5 +249,5 @@ def test_checkpoint_that_does_not_fit_is_one_line(tmp_path):
     restopo("train", spec, *base)
     spec.write_text(text.replace("width: 32", "width: 48"))
     proc = restopo("train", spec, *base, "--resume", ok=False)
-    line = _one_line(proc, "does not fit this model", "[256, 32] there, [256, 48] here")
+    line = _one_line(proc, "weights do not fit this run's model", "width 32 there, 48 here")
     print(line)

@@ -111,8 +111,8 @@ def resume_notes(spec, meta: dict, step_dir) -> list[str]:
         raise CheckpointError(
             f"{step_dir}'s weights do not fit this run's model ({'; '.join(differ)}); resume "
             "with the spec and --set values it was trained with"
-            + (f" ({stored})" if stored else "") + ", or without the spec file (restopo "
-            "train --resume --out RUN) to use the checkpoint's own spec and settings")
+            + (f" ({stored})" if stored else "") + ", or leave the spec file out to resume "
+            "with the checkpoint's own spec and settings")
     # an override of the run that this one does not give at all (by key: a key given
     # again with another value, e.g. --steps, is a change this run asks for)
     given = {o.partition("=")[0].strip() for o in spec.overrides or ()}
