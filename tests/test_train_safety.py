@@ -166,16 +166,23 @@ def test_a_held_run_folder_names_its_holder_and_frees_on_sigkill(spec, tmp_path,
     assert train(spec, "--out", out, "--steps", "2") == 0  # the kernel dropped the lock
 
 
-@pytest.mark.slow
-def test_two_runs_into_one_folder(spec, tmp_path):
-    out = tmp_path / "run"
+def started_run(spec, out, steps: str, setting: str):
+    """`restopo train` in a child process, once it has logged its first step; (the child,
+    its command, its environment)."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "restopo", "train", str(spec), "--out", str(out),
-           "--no-progress", "--steps", "200", "--set", "train.save_every=20"]
-    first = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
+           "--no-progress", "--steps", steps, "--set", setting]
+    child = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while not (out / "metrics.jsonl").exists() and time.time() < deadline:
         time.sleep(0.2)
+    return child, cmd, env
+
+
+@pytest.mark.slow
+def test_two_runs_into_one_folder(spec, tmp_path):
+    out = tmp_path / "run"
+    first, cmd, env = started_run(spec, out, "200", "train.save_every=20")
     second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     _, first_err = first.communicate(timeout=600)
     assert first.returncode == 0, first_err
@@ -186,18 +193,12 @@ def test_two_runs_into_one_folder(spec, tmp_path):
         ["latest"]  # no temporary or empty folders
 
 
-def test_ctrl_c_saves_the_step_it_stops_at_and_a_second_stops_at_once(spec, tmp_path):
+def test_ctrl_c_saves_the_step_it_stops_at(spec, tmp_path):
     """The first Ctrl-C ends the run after the step it is in, with a checkpoint of that
     step (save_every 1000 here: without it every step would be lost), and says where
     --resume continues; the resumed run then goes on from that step."""
     out = tmp_path / "run"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "restopo", "train", str(spec), "--out", str(out),
-           "--no-progress", "--steps", "100000", "--set", "train.save_every=1000"]
-    run = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
-    while not (out / "metrics.jsonl").exists() and time.time() < deadline:
-        time.sleep(0.2)
+    run, _, _ = started_run(spec, out, "100000", "train.save_every=1000")
     run.send_signal(signal.SIGINT)
     _, err = run.communicate(timeout=120)
     assert run.returncode == 130, err
