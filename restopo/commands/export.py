@@ -39,13 +39,12 @@ def run(args) -> int:
         return 2
     from ..io import write_atomic
     from ..cli import load_model, output_error
-    from .standalone import module_path_error
     from ..saved import LoadError, export
+    from .standalone import module_path_error, module_source
     why = output_error(out, args.checkpoint) or (module_path_error(out) if kind == ".py" else None)
     if why:
         print(f"restopo export: error: {why}", file=sys.stderr)
         return 1
-    from .standalone import module_source
     try:
         model = load_model("export", args.checkpoint)
         if kind == ".py":

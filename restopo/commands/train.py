@@ -154,10 +154,9 @@ def _overrides(args) -> tuple[str, ...]:
     """The --set overrides, then those the flags stand for. A flag and a --set of the same
     key that disagree are refused: the flag would win silently (a run asked for
     `--steps 20 --set train.steps=10` trained 20 steps)."""
-    given = {}
-    for o in args.overrides:
-        key, _, value = o.partition("=")
-        given[key.strip()] = value.strip()
+    from ..spec.overrides import override_values
+
+    given = override_values(args.overrides)
     extra = []
     for flag, value, key in _flag_values(args):
         if key in given and not _same(given[key], str(value), key):

@@ -202,10 +202,12 @@ def csv_text(arms: list[Arm], baseline: Arm | None) -> str:
 
 def reading(arms: list[Arm], baseline: Arm | None) -> list[str]:
     """What the table says, arm by arm, and whether the seed spread allows saying it."""
+    differ = settings_differ(arms)
+    unlike = [f"- **The runs were not trained alike**, so their differences are not the "
+              f"topology's alone: {'; '.join(differ)}."] if differ else []
     if baseline is None:
         return ["No baseline was named (--baseline), so no arm is compared with another."] + \
-            [f"- **The runs were not trained alike**: {'; '.join(differ)}."
-             for differ in [settings_differ(arms)] if differ]
+            unlike
     lines = []
     _, spread = mean_std(baseline.finals.values()) if baseline.finals else (0, 0)
     for a in arms:
@@ -230,10 +232,7 @@ def reading(arms: list[Arm], baseline: Arm | None) -> list[str]:
                      f"{max(gaps):.4f})"
                      + ("." if wider else ": at this scale the seed spread is as large as the "
                         "gaps, and the ordering of arms is not established."))
-    differ = settings_differ(arms)
-    if differ:
-        lines.append("- **The runs were not trained alike**, so their differences are not the "
-                     "topology's alone: " + "; ".join(differ) + ".")
+    lines += unlike
     lines.append(timing_note([r for a in arms for r in a.runs]))
     return lines
 

@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 from ..io import write_atomic
+from ..spec.overrides import override_values
 from ..train.checkpoint import latest_checkpoint, read_meta
 from .grid import Job
 from .runs import RUN_FILE
@@ -49,8 +50,8 @@ def changed(out: Path, job: Job) -> str | None:
         return None  # nothing trained yet: the run starts afresh
     meta = read_meta(ckpt)
     # what `restopo train` records: the job's --set values, then --seed as train.seed
-    then = _settings(meta.get("overrides", ()))
-    now = _settings((*job.overrides, f"train.seed={job.seed}"))
+    then = override_values(meta.get("overrides", ()))
+    now = override_values((*job.overrides, f"train.seed={job.seed}"))
     diffs = [f"{k}={now.get(k, '(unset)')} now, {then.get(k, '(unset)')} then"
              for k in sorted(set(then) | set(now)) if then.get(k) != now.get(k)]
     try:
@@ -60,15 +61,6 @@ def changed(out: Path, job: Job) -> str | None:
     if text is not None and meta.get("spec_text") != text:
         diffs.insert(0, f"{job.spec} has changed since")
     return f"{out / job.name}: {'; '.join(diffs)}" if diffs else None
-
-
-def _settings(overrides) -> dict:
-    """KEY=VALUE overrides as the values they leave (the last of a key wins, as in train)."""
-    out = {}
-    for item in overrides:
-        key, _, value = str(item).partition("=")
-        out[key.strip()] = value.strip()
-    return out
 
 
 def _read(path: Path) -> dict:
@@ -176,17 +168,14 @@ def _stop_children() -> None:
             return []
         return [int(p) for p in found if p.isdigit()]
 
-    def send(pids, sig) -> None:
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except OSError:
-                pass
-
     deadline = time.monotonic() + STOP_WAIT
     while children() and time.monotonic() < deadline:
         time.sleep(0.2)
-    send(children(), signal.SIGTERM)
+    for pid in children():
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except OSError:
+            pass
 
 
 def run_submitit(jobs: list[Job], out: Path, report, *, cluster: str = "slurm",

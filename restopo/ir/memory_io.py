@@ -36,7 +36,6 @@ Its peak is (S + N)d plus the embedding's d/S, which the paper's (S + N)d leaves
 from __future__ import annotations
 
 import bisect
-
 from dataclasses import dataclass
 
 from .analyses import is_multi_stream, stream_fed, two_phase_plan

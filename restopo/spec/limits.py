@@ -28,15 +28,20 @@ MAX_CONTEXT = 1 << 17
 MAX_PARAMETERS = 1 << 34
 
 
+def _parts(model: ModelSpec) -> tuple[int, int, int]:
+    """The parameters of all attention sublayers, of all MLPs, and of one vocab x width
+    table (the embedding; an untied LM head is a second)."""
+    d = model.width
+    per_mlp = (3 if model.mlp == "swiglu" else 2) * int(model.mlp_ratio * d) * d
+    n_attn = sum(k == "attn" for k in model.kinds)
+    return n_attn * 4 * d * d, (len(model.kinds) - n_attn) * per_mlp, model.vocab * d
+
+
 def parameters(model: ModelSpec) -> int:
     """The parameter count of restopo's transformer for `model` (sublayers, embedding and
     LM head; the topology's own few are left out)."""
-    d = model.width
-    hidden = int(model.mlp_ratio * d)
-    per_mlp = (3 if model.mlp == "swiglu" else 2) * hidden * d
-    n_attn = sum(k == "attn" for k in model.kinds)
-    body = n_attn * 4 * d * d + (len(model.kinds) - n_attn) * per_mlp
-    return body + model.vocab * d * (1 if model.tie_embeddings else 2)
+    attention, mlps, table = _parts(model)
+    return attention + mlps + table * (1 if model.tie_embeddings else 2)
 
 
 def check_model_limits(model: ModelSpec, c: Checker) -> bool:
@@ -61,13 +66,10 @@ def _largest_factor(model: ModelSpec) -> str:
     """The value to point at for too many parameters: the MLP ratio where the MLPs' hidden
     width is what makes them (ratio past 16x), the vocab where the embedding outweighs the
     layers, else the width."""
-    d = model.width
-    n_attn = sum(k == "attn" for k in model.kinds)
-    mlps = (len(model.kinds) - n_attn) * (3 if model.mlp == "swiglu" else 2) * \
-        int(model.mlp_ratio * d) * d
-    if model.mlp_ratio > 16 and mlps > n_attn * 4 * d * d:
+    attention, mlps, table = _parts(model)
+    if model.mlp_ratio > 16 and mlps > attention:
         return "mlp_ratio" if model.where("mlp_ratio") != model.pos else "mlp"
-    if model.vocab * d > n_attn * 4 * d * d + mlps:
+    if table > attention + mlps:
         return "vocab"
     return "width"
 

@@ -16,6 +16,16 @@ from .parse import parse_value
 from .sections import BUILTIN_DATA, SECTIONS, line_head, parallel_head
 
 
+def override_values(overrides) -> dict[str, str]:
+    """`section.key=value` texts as the value each key is left with (the last of a key
+    wins, as when they are applied), keys and values stripped; not checked."""
+    out = {}
+    for text in overrides:
+        key, _, value = str(text).partition("=")
+        out[key.strip()] = value.strip()
+    return out
+
+
 def apply_overrides(views: dict[str, View], overrides, c: Checker) -> None:
     """Apply each `section.key=value` (or `residual=VALUE`, `parallel=VALUE`) to the views,
     recording its text as the source `<--set N>` so errors can point into it."""

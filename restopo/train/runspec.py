@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from ..spec.overrides import override_values
 from .checkpoint import CheckpointError, read_meta
 
 
@@ -115,8 +116,9 @@ def resume_notes(spec, meta: dict, step_dir) -> list[str]:
             "with the checkpoint's own spec and settings")
     # an override of the run that this one does not give at all (by key: a key given
     # again with another value, e.g. --steps, is a change this run asks for)
-    given = {o.partition("=")[0].strip() for o in spec.overrides or ()}
-    missing = [o for o in meta.get("overrides", ()) if o.partition("=")[0].strip() not in given]
+    given = override_values(spec.overrides or ())
+    missing = [f"{k}={v}" for k, v in override_values(meta.get("overrides", ())).items()
+               if k not in given]
     if missing:
         flags = " ".join(f"--set {o}" for o in missing)
         notes.append(f"{step_dir} was trained with {flags}; this run does not give it, so "
