@@ -122,6 +122,11 @@ def output_error(out: str, *inputs: str) -> str | None:
     return None
 
 
+def noter(command: str):
+    """A `say` for library calls made by `restopo COMMAND`: each line a note on stderr."""
+    return lambda line: print(f"restopo {command}: note: {line}", file=sys.stderr)
+
+
 def load_model(command: str, path: str, **kw):
     """restopo.load(path, **kw) for `restopo COMMAND`: each newer checkpoint passed over as
     damaged is a note on stderr, followed by the one the weights came from, so a command
@@ -129,10 +134,11 @@ def load_model(command: str, path: str, **kw):
     from .saved import load
 
     notes = []
+    note = noter(command)
 
     def say(line: str) -> None:
         notes.append(line)
-        print(f"restopo {command}: note: {line}", file=sys.stderr)
+        note(line)
 
     model = load(path, say=say, **kw)
     if notes:

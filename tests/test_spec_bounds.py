@@ -143,6 +143,12 @@ def test_source_reads_bound_full_attnres_by_its_reads(capsys):
     with time_limit(60):  # a window keeps the reads linear: accepted at the largest depth
         assert main(["check", spec, "--set", "model.depth=4096",
                      "--set", "residual=full_attnres(window: 4)"]) == 0
+    capsys.readouterr()
+    with time_limit(60):  # a standard residual past the bound is offered only a smaller depth
+        assert main(["check", str(ROOT / "examples" / "standard.restopo"),
+                     "--set", "model.depth=4096"]) == 1
+    err = capsys.readouterr().err
+    assert "use a smaller depth" in err and "window" not in err and "Block" not in err, err
 
 
 def test_source_reads_counts_what_the_ir_reads():

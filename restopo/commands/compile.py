@@ -56,7 +56,7 @@ def run(args) -> int:
               file=sys.stderr)
         return 2
     from .standalone import module_path_error
-    why = output_error(out, args.spec) or (module_path_error(out) if kind == ".py" else None)
+    why = output_error(out, args.spec) or module_path_error(out)
     if why:
         return _fail(why)
     from ..spec import load_spec  # SpecError and OSError (which file, why) go to the CLI

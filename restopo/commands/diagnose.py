@@ -5,7 +5,7 @@ import argparse
 import os
 import sys
 
-from ..cli import device_arg, int_range, load_model, output_error
+from ..cli import device_arg, int_range, load_model, noter, output_error
 
 EXAMPLES = """\
 examples:
@@ -62,8 +62,7 @@ def run(args) -> int:
                 loaded = load_model("diagnose", args.checkpoint, backend="eager")
             result = diagnose(args.checkpoint, args.out, batches=args.batches,
                               batch_size=args.batch_size, device=args.device,
-                              say=lambda line: print(f"restopo diagnose: note: {line}",
-                                                     file=sys.stderr), loaded=loaded)
+                              say=noter("diagnose"), loaded=loaded)
     except (CheckpointError, DataError, LoadError, ValueError) as e:
         print(f"restopo diagnose: error: {e}", file=sys.stderr)
         return 1

@@ -41,7 +41,7 @@ def run(args) -> int:
     from ..cli import load_model, output_error
     from ..saved import LoadError, export
     from .standalone import module_path_error, module_source
-    why = output_error(out, args.checkpoint) or (module_path_error(out) if kind == ".py" else None)
+    why = output_error(out, args.checkpoint) or module_path_error(out)
     if why:
         print(f"restopo export: error: {why}", file=sys.stderr)
         return 1

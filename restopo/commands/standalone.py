@@ -254,11 +254,14 @@ IMPORTED = ("torch", "math", "collections", "types", "contextlib", "itertools", 
 
 
 def module_path_error(path: str) -> str | None:
-    """Why `path` (NAME.py) cannot be the standalone module (None: it can): NAME must be
-    importable (an identifier, not a keyword) and must not shadow a module it imports."""
+    """Why `path` cannot be a standalone module (None: it can, or it is no .py file):
+    NAME.py must be importable (an identifier, not a keyword) and must not shadow a module
+    it imports."""
     import keyword
     import os
-    name = os.path.splitext(os.path.basename(path))[0]
+    name, ext = os.path.splitext(os.path.basename(path))
+    if ext != ".py":
+        return None
     if not name.isidentifier() or keyword.iskeyword(name):
         fixed = re.sub(r"\W", "_", name)
         fixed = fixed if fixed.isidentifier() and not keyword.iskeyword(fixed) else \

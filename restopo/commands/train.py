@@ -6,7 +6,7 @@ import os
 import sys
 from pathlib import Path
 
-from ..cli import device_arg, int_range
+from ..cli import device_arg, int_range, noter
 from ..spec.objects import COMPILE_ALIASES, RECOMPUTE
 
 EXAMPLES = """\
@@ -247,7 +247,7 @@ def _note(message: str) -> None:
     from ..train.dist import restart_count
 
     if _is_writer() and not (os.environ.get(NOTES_SAID) and restart_count() == 0):
-        print(f"restopo train: note: {message}", file=sys.stderr)
+        noter("train")(message)
 
 
 def _out_folder(args) -> Path:

@@ -292,7 +292,8 @@ def check(file: SpecFile, text: str, overrides=()) -> Spec:
         topology = check_against_model(model, residual, c)
     if topology is not None:
         from ..ir.build import source_reads  # networkx loads only for a spec with a model
-        check_source_reads(model, source_reads(model.kinds, topology), c)
+        check_source_reads(model, source_reads(model.kinds, topology), c,
+                           attends=topology.sublayer_rule.method != "sum")
     if model is not None and parallel is not None:
         L = model.sublayers
         if parallel.chunks > L:

@@ -74,15 +74,19 @@ def _largest_factor(model: ModelSpec) -> str:
     return "width"
 
 
-def check_source_reads(model: ModelSpec, reads: int, c: Checker) -> None:
-    """The IR's size, counted in O(depth) before anything is built."""
+def check_source_reads(model: ModelSpec, reads: int, c: Checker, *,
+                       attends: bool = True) -> None:
+    """The IR's size, counted in O(depth) before anything is built. `attends`: the
+    topology attends over its sources, so a window or Block AttnRes would read fewer; a
+    sum (the standard residual) is only made smaller by depth."""
     if reads > MAX_SOURCE_READS:
+        shorter = (f" or a shorter layer ({len(model.layer)} sublayers a layer)"
+                   if len(model.layer) > 2 else "")
         c.error(model.where("depth"), f"the aggregations of this topology read {reads:,} "
                 f"sources in all at depth {model.depth}, more than {MAX_SOURCE_READS:,}",
-                "the IR and the lowered model hold one entry per source read (Full AttnRes "
-                "reads about L^2/2 for L sublayers); use a smaller depth"
-                + (f" or a shorter layer: ({len(model.layer)} sublayers a layer)"
-                   if len(model.layer) > 2 else "") + ", a window, or Block AttnRes")
+                "the IR and the lowered model hold one entry per source read (about L^2/2 "
+                "for L sublayers when every point reads all earlier outputs); use a smaller "
+                "depth" + shorter + (", a window, or Block AttnRes" if attends else ""))
 
 
 def check_train_limits(train: TrainSpec, context: int | None, c: Checker) -> None:
