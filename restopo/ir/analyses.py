@@ -179,15 +179,16 @@ def two_phase_plan(g: IR, within=None) -> list[PhaseGroup]:
     owns); default every aggregation.
     """
     groups: dict[tuple, list[Aggregation]] = {}
+    partial_ids = {v.id for v in g.values() if isinstance(v, Partial)}  # one set test a read
     for a in g.aggregations():
         if within is not None and a.index not in within:
             continue
         if a.method != "attend" or a.query != "static" or a.gate != "softmax":
             continue
         srcs = a.sources
-        partial = srcs[-1] if srcs and isinstance(g.node(srcs[-1]), Partial) else None
+        partial = srcs[-1] if srcs and srcs[-1] in partial_ids else None
         completed = srcs[:-1] if partial else srcs
-        if any(isinstance(g.node(s), Partial) for s in completed):
+        if not partial_ids.isdisjoint(completed):
             continue
         groups.setdefault((completed, a.key_norm, a.heads, a.block), []).append(a)
     plan = []
