@@ -47,3 +47,22 @@ def _ignore_interrupts() -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     except ValueError:  # not the main thread
         pass
+
+
+def die_with_parent(signum: int) -> None:
+    """Have the kernel send `signum` to this process when its parent dies (Linux; elsewhere
+    nothing). torchrun's agent asks for it: its workers run in sessions of their own, so a
+    launcher killed outright would otherwise leave the agent and the workers training,
+    unlocked, in a run folder a second run may then take."""
+    import ctypes
+    import signal
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signum), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died before the request took
+        os.kill(os.getpid(), signal.SIGTERM)

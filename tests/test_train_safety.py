@@ -166,12 +166,12 @@ def test_a_held_run_folder_names_its_holder_and_frees_on_sigkill(spec, tmp_path,
     assert train(spec, "--out", out, "--steps", "2") == 0  # the kernel dropped the lock
 
 
-def started_run(spec, out, steps: str, setting: str):
+def started_run(spec, out, steps: str, setting: str, *more: str):
     """`restopo train` in a child process, once it has logged its first step; (the child,
     its command, its environment)."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "restopo", "train", str(spec), "--out", str(out),
-           "--no-progress", "--steps", steps, "--set", setting]
+           "--no-progress", "--steps", steps, "--set", setting, *more]
     child = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while not (out / "metrics.jsonl").exists() and time.time() < deadline:
@@ -210,6 +210,47 @@ def test_ctrl_c_saves_the_step_it_stops_at(spec, tmp_path):
     assert 1 <= stopped < 1000
     assert train(spec, "--out", out, "--resume", "--steps", stopped + 2) == 0
     assert [r["step"] for r in records(out)][-1] == stopped + 2
+
+
+def processes_writing(out) -> list[str]:
+    """The command lines of live processes that name the run folder `out`."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            args = (Path("/proc") / pid / "cmdline").read_bytes().split(b"\0")
+        except OSError:  # gone meanwhile
+            continue
+        if str(out).encode() in args:
+            found.append(b" ".join(args).decode(errors="replace"))
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("how", ["SIGINT", "SIGKILL"])
+def test_stopping_the_launcher_of_nproc_stops_its_workers(spec, tmp_path, how):
+    """torchrun's workers run in sessions of their own: a signal to `restopo train --nproc`
+    alone (before: torchrun killed, the workers training on, unlocked) must stop them all,
+    SIGINT with one line saying where --resume continues, SIGKILL through the agent's
+    parent-death signal; a resume then runs to the end."""
+    out = tmp_path / "run"
+    run, _, _ = started_run(spec, out, "100000", "train.save_every=2", "--nproc", "2")
+    while not (out / "ckpt" / "latest").exists() and run.poll() is None:
+        time.sleep(0.2)
+    run.send_signal(getattr(signal, how))
+    _, err = run.communicate(timeout=120)
+    deadline = time.time() + 60  # SIGKILL: the agent then stops its workers, a moment later
+    while processes_writing(out) and time.time() < deadline:
+        time.sleep(0.5)
+    assert processes_writing(out) == []
+    saved = ck.latest_checkpoint(out / "ckpt")
+    if how == "SIGINT":
+        assert run.returncode == 130 and "Traceback" not in err, err
+        assert f"stopped (SIGINT); the workers are stopped; --resume continues from " \
+               f"{saved.name}" in err, err
+    end = int(saved.name.split("_")[1]) + 2
+    assert train(spec, "--out", out, "--resume", "--steps", end, "--nproc", "2") == 0
+    assert records(out)[-1]["step"] == end
 
 
 def test_resume_names_what_differs_not_a_flag_given_again(spec, tmp_path, capsys):

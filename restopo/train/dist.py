@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -170,6 +171,42 @@ def torchrun_command(argv: list[str], nproc: int, max_restarts: int = 0) -> list
             "-m", "restopo", *argv]
 
 
+STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")
+
+
+def _run_until_stopped(cmd: list[str], env: dict) -> tuple[int, str | None]:
+    """Run torchrun to its end: (exit code, None), or, when this process is asked to stop,
+    (its code, the signal's name) once torchrun and its workers have stopped.
+
+    torchrun runs in a session of its own, so a terminal's Ctrl-C reaches this process
+    only; each stop signal here is passed on as SIGTERM, which torchrun answers by stopping
+    its workers (in sessions of their own) and then itself. Meanwhile this process waits,
+    holding the run folder's lock, so no second run starts while a worker still writes;
+    torchrun dies with it (restopo.worker.die_with_parent) if it is killed outright."""
+    import signal
+
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    stopped_by: list[str] = []
+
+    def pass_on(signum, frame):
+        stopped_by.append(signal.Signals(signum).name)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+
+    before = {}
+    if threading.current_thread() is threading.main_thread():  # only it may set handlers
+        for name in STOP_SIGNALS:
+            sig = getattr(signal, name, None)
+            if sig is not None:
+                before[sig] = signal.signal(sig, pass_on)
+    try:
+        code = proc.wait()
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+    return code, (stopped_by[0] if stopped_by else None)
+
+
 def launch(argv: list[str], nproc: int, max_restarts: int = 0, env: dict | None = None,
            checkpoints=None) -> int:
     """Run `restopo <argv>` under torchrun (with `env` added to the environment); its exit
@@ -179,9 +216,14 @@ def launch(argv: list[str], nproc: int, max_restarts: int = 0, env: dict | None 
     # torchrun sets 1 thread per worker with a warning when unset; say it ourselves instead
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     cmd = torchrun_command(argv, nproc, max_restarts)
-    try:
-        code = subprocess.call(cmd, env=env)
-    except KeyboardInterrupt:
+    code, stopped_by = _run_until_stopped(cmd, env)
+    if stopped_by is not None:
+        from .checkpoint import latest_checkpoint
+
+        last = latest_checkpoint(checkpoints) if checkpoints is not None else None
+        print(f"restopo train: stopped ({stopped_by}); the workers are stopped"
+              + (f"; --resume continues from {last.name}" if last is not None else
+                 "; no checkpoint was saved yet"), file=sys.stderr)
         return 130
     if code == USAGE_EXIT:
         return 1

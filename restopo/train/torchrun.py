@@ -4,7 +4,8 @@ arguments, minus its own traceback when a worker fails.
 A failed worker has already printed its error (a clear line for a user mistake); torchrun
 would then print a ChildFailedError traceback and a table about it, which buries that line.
 Here the failure is only the exit status, and `restopo train --nproc` adds one line saying
-what to do (restopo.train.dist.launch).
+what to do (restopo.train.dist.launch). So is a stop: the launcher passes its signals on as
+SIGTERM, torchrun stops the workers, and this exits 128 + the signal, without a traceback.
 """
 from __future__ import annotations
 
@@ -13,10 +14,16 @@ import sys
 
 
 def main(argv=None) -> int:
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    from ..worker import die_with_parent
     from .dist import USAGE_EXIT
+
+    die_with_parent(signal.SIGTERM)  # the launcher gone: stop the workers (they shut down)
 
     quiet = _Quiet()  # a filter acts on its own logger only: give it to each of torchrun's
     for name in list(logging.root.manager.loggerDict):
@@ -31,6 +38,8 @@ def main(argv=None) -> int:
         if codes.get(0) == USAGE_EXIT or set(codes.values()) == {USAGE_EXIT}:
             return USAGE_EXIT
         return 1
+    except SignalException as e:  # stopped by the launcher: the workers are stopped too
+        return 128 + int(e.sigval)
     return 0
 
 
@@ -42,7 +51,8 @@ class _Quiet(logging.Filter):
         from .dist import USAGE_EXIT
 
         text = record.getMessage()
-        return f"exitcode: {USAGE_EXIT})" not in text and "closing signal" not in text
+        return (f"exitcode: {USAGE_EXIT})" not in text and "closing signal" not in text
+                and "death signal" not in text)  # a stop the launcher passed on
 
 
 if __name__ == "__main__":  # pragma: no cover - run as a process by dist.launch
