@@ -138,3 +138,23 @@ def test_bad_dimensions_are_clear_errors():
         build_model(cfg(heads=5), T.standard(T.sublayer_kinds(3)))
     with pytest.raises(ValueError, match="mlp must be"):
         build_model(cfg(mlp="relu"), T.standard(T.sublayer_kinds(3)))
+
+
+def test_a_float64_model_has_float64_rotary_tables():
+    """Moved to float64, the rotary tables are made again from float64 angles (they were
+    float32's values cast up, 3e-8 off, which a float64 comparison between topologies
+    then read as a difference); moved back, they are float32's own again, bit for bit."""
+    from restopo.nn.sublayers import Rotary
+    rot = Rotary(head_dim=8, context=50)
+    first = rot.cos.clone(), rot.sin.clone()
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, 8, 2, dtype=torch.float64) / 8)
+    angles = torch.outer(torch.arange(50, dtype=torch.float64), inv_freq).repeat(1, 2)
+    rot.double()
+    assert rot.cos.dtype == torch.float64
+    assert torch.equal(rot.cos, angles.cos()) and torch.equal(rot.sin, angles.sin())
+    assert (first[1].double() - angles.sin()).abs().max() > 1e-9  # what it was before
+    rot.float()
+    assert torch.equal(rot.cos, first[0]) and torch.equal(rot.sin, first[1])
+    model = build_model(cfg(), T.full_attnres(T.sublayer_kinds(3))).double()
+    tables = [m for m in model.modules() if isinstance(m, Rotary)]
+    assert tables and all(torch.equal(m.sin, angles[:12].sin()) for m in tables)

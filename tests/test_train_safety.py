@@ -267,6 +267,36 @@ def test_resume_names_what_differs_not_a_flag_given_again(spec, tmp_path, capsys
     assert "does not give it" not in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("residual, named", [
+    ("full_attnres", "full_attnres"),  # same weight shapes: was resumed without a word
+    ("block_attnres(blocks: 1)", "block_attnres(blocks: 1)"),
+    ("standard", "standard"),  # other weights: was a late list of weight names
+])
+def test_resume_under_another_topology_is_refused(spec, tmp_path, capsys, residual, named):
+    out = tmp_path / "run"
+    assert train(spec, "--out", out, "--steps", 2) == 0
+    capsys.readouterr()
+    before = (out / "metrics.jsonl").read_text()
+    err = one_line_error(capsys, ["train", spec, "--out", out, "--resume", "--steps", 4,
+                                  "--set", f"residual={residual}", "--no-progress"])
+    assert f"was trained as block_attnres(blocks: 2); this run's residual is {named}:" in err
+    assert "resuming from" not in err and (out / "metrics.jsonl").read_text() == before
+
+
+def test_resume_with_other_training_settings_names_them(spec, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert train(spec, "--out", out, "--steps", 2) == 0
+    capsys.readouterr()
+    assert train(spec, "--out", out, "--resume", "--steps", 3, "--set", "train.batch=2",
+                 "--set", "train.seed=5") == 0
+    err = capsys.readouterr().err
+    assert "other settings than" in err and "batch 4 there, 2 here; seed 0 there, 5 here" \
+        in err, err
+    assert train(spec, "--out", out, "--resume", "--steps", 4, "--set", "train.batch=2",
+                 "--set", "train.seed=5") == 0
+    assert "other settings" not in capsys.readouterr().err  # now the same as the checkpoint's
+
+
 def test_a_second_ctrl_c_stops_at_once_and_the_handler_is_put_back():
     from restopo.train.interrupt import deferred_interrupt
     before = signal.getsignal(signal.SIGINT)

@@ -95,6 +95,24 @@ def _weights_shape(model) -> object:
     return dataclasses.replace(model, context=0, name=None)
 
 
+# The settings that shape what a step trains (steps has a note of its own; the others,
+# eval_every, save_every, log_every, keep, only say when to evaluate, save and log).
+TRAINED_BY = ("batch", "context", "lr", "schedule", "warmup", "min_lr", "weight_decay",
+              "grad_clip", "accum", "seed")
+
+
+def residual_text(spec) -> str:
+    """The spec's residual topology as a person would write it: `block_attnres(blocks: 2)`,
+    or `custom wiring 'NAME'`."""
+    r = spec.residual
+    if r.form != "named":
+        return f"custom wiring {r.name!r}"
+    options = [*((("blocks", r.blocks),) if r.blocks is not None else ()),
+               *((("block_size", r.block_size),) if r.block_size is not None else ()),
+               *r.options]
+    return r.name + (f"({', '.join(f'{k}: {v}' for k, v in options)})" if options else "")
+
+
 def resume_notes(spec, meta: dict, step_dir) -> list[str]:
     """What to tell a person resuming `spec` from the checkpoint `step_dir` (its meta.json
     is `meta`). Raises CheckpointError, naming the stored --set values, when the run's
@@ -102,7 +120,17 @@ def resume_notes(spec, meta: dict, step_dir) -> list[str]:
     from .loop import TrainConfig, lr_at
 
     notes = []
-    then = spec_from_meta(meta).model
+    then_spec = spec_from_meta(meta)
+    then = then_spec.model
+    if then_spec.topology != spec.topology:
+        stored = " ".join(f"--set {k}={v}" for k, v in override_values(
+            meta.get("overrides", ())).items() if k.split(".")[0] == "residual")
+        raise CheckpointError(
+            f"{step_dir} was trained as {residual_text(then_spec)}; this run's residual is "
+            f"{residual_text(spec)}: its weights would go on under another topology, and "
+            "the run folder would be read as the new one's; resume with the residual it was "
+            "trained with" + (f" ({stored})" if stored else "") + ", or train the new "
+            "topology in a folder of its own (--out)")
     if _weights_shape(then) != _weights_shape(spec.model):
         differ = [f"{f.name} {getattr(then, f.name)!r} there, {getattr(spec.model, f.name)!r} "
                   f"here" for f in dataclasses.fields(then) if f.compare
@@ -128,6 +156,14 @@ def resume_notes(spec, meta: dict, step_dir) -> list[str]:
         new = TrainConfig.from_spec(spec.train, spec.model.context)
         old = TrainConfig(**{k: v for k, v in old.items() if k in TrainConfig.__dataclass_fields__})
         step = int(meta.get("step", 0))
+        changed = [f"{k} {getattr(old, k)!r} there, {getattr(new, k)!r} here"
+                   for k in TRAINED_BY if getattr(old, k) != getattr(new, k)]
+        if then_spec.train.data != spec.train.data:
+            changed.append(f"data {then_spec.train.data!r} there, {spec.train.data!r} here")
+        if changed:
+            notes.append(f"this run trains on with other settings than {step_dir} was "
+                         f"trained with ({'; '.join(changed)}): the steps from {step} on use "
+                         "this run's")
         if new.steps != old.steps and "constant" not in (new.schedule, old.schedule):
             notes.append(
                 f"train.steps is now {new.steps} (the run was scheduled for {old.steps}): "

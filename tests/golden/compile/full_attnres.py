@@ -867,7 +867,9 @@ class RMSNorm(nn.RMSNorm):
 class Rotary(nn.Module):
     """The Parts `context`: rotary cos/sin for the sequence length of `idx`.
 
-    Tables are precomputed for `context` positions (buffers, not saved in state_dict).
+    Tables are precomputed for `context` positions (buffers, not saved in state_dict),
+    from float64 angles, in float32; a module moved to float64 makes them again in float64
+    (`_apply`), since float32's rounding (3e-8) cast up would stay in a float64 model.
     Rotation pairs channel i with channel i + head_dim/2 (the rotate-half convention).
     """
 
@@ -876,12 +878,24 @@ class Rotary(nn.Module):
         if head_dim % 2:
             raise ValueError(f"rotary positions need an even head size; got {head_dim} "
                              f"(choose width and heads with an even width/heads)")
-        self.context = context
-        inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-        angles = torch.outer(torch.arange(context, dtype=torch.float64), inv_freq)
-        angles = torch.cat([angles, angles], dim=-1)  # [context, head_dim]
-        self.register_buffer("cos", angles.cos().float(), persistent=False)
-        self.register_buffer("sin", angles.sin().float(), persistent=False)
+        self.context, self.head_dim, self.base = context, head_dim, base
+        cos, sin = self._tables(torch.float32, torch.device("cpu"))
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def _tables(self, dtype: torch.dtype, device: torch.device):
+        """cos, sin [context, head_dim] in `dtype`, from angles made in float64."""
+        half = torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim
+        inv_freq = 1.0 / self.base ** half
+        angles = torch.outer(torch.arange(self.context, dtype=torch.float64), inv_freq)
+        angles = torch.cat([angles, angles], dim=-1).to(device)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        if self.cos.dtype == torch.float64 and self.cos.device.type != "meta":
+            self.cos, self.sin = self._tables(torch.float64, self.cos.device)
+        return self
 
     def forward(self, idx: torch.Tensor, v0: torch.Tensor):
         T = idx.shape[1]
