@@ -187,8 +187,10 @@ def require_own_sublayers(parts: Parts) -> None:
         isinstance(s, (Attention, MLP)) for s in parts.sublayers)
     if not ok:
         raise ValueError("cached generation works on models built by restopo.compile or "
-                         "restopo.load; a rewired Hugging Face model keeps its own "
-                         "generate() (rewired.generate(...))")
+                         "restopo.load (restopo's own attention and MLP, whose caches it "
+                         "keeps); a rewired model keeps your sublayers: generate with your "
+                         "model's own loop (a rewired Hugging Face model: "
+                         "rewired.generate(...))")
 
 
 def sample(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
@@ -197,7 +199,10 @@ def sample(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = N
     softmax(logits / temperature) kept to the top_k tokens and the top_p probability mass."""
     if temperature == 0:
         return logits.argmax(-1)
-    logits = logits.float() / temperature
+    logits = logits.float()
+    # shifted to a maximum of 0 first: a tiny temperature then sends the others to -inf
+    # (towards greedy) rather than overflowing every logit to inf (a softmax of nans)
+    logits = (logits - logits.amax(-1, keepdim=True)) / temperature
     if top_k is not None and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -214,8 +219,9 @@ def sample(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = N
 def _check_sampling(max_new_tokens, temperature, top_k, top_p) -> None:
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be 0 or more; got {max_new_tokens}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be 0 (greedy) or more; got {temperature}")
+    if not temperature >= 0 or temperature == float("inf"):  # nan fails every comparison
+        raise ValueError(f"temperature must be 0 (greedy) or a finite number above it; got "
+                         f"{temperature}")
     if top_k is not None and top_k < 1:
         raise ValueError(f"top_k must be at least 1; got {top_k}")
     if top_p is not None and not 0 < top_p <= 1:

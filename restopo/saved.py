@@ -143,6 +143,12 @@ def export(model: nn.Module, path: str | os.PathLike) -> Path:
     if spec_text is None:
         raise LoadError("this model carries no spec text; export models made by "
                         "restopo.compile or restopo.load")
+    spec = getattr(model, "restopo_spec", None)
+    if spec is not None and spec.model is None:  # restopo.rewire's: the spec is wiring only
+        raise LoadError("this model was rewired from a model of your own (restopo.rewire): "
+                        "its spec has no model section for restopo.load to build it from; "
+                        "save its state_dict (torch.save(model.state_dict(), path)) and load "
+                        "it into restopo.rewire(YourModel(), spec) again")
     overrides = list(getattr(model, "restopo_overrides", ()) or ())
     # every key, tied ones as their own contiguous copies (safetensors refuses shared memory)
     state = {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}

@@ -104,6 +104,11 @@ def test_sampling_is_seeded_and_filtered():
     greedy = model.generate(idx, 10, temperature=0)
     assert torch.equal(model.generate(idx, 10, temperature=0.7, top_k=1, seed=0), greedy)
     assert torch.equal(model.generate(idx, 10, temperature=0.7, top_p=1e-6, seed=0), greedy)
+    # a tiny temperature is greedy in the limit (it overflowed to a softmax of nans)
+    assert torch.equal(model.generate(idx, 10, temperature=1e-40, seed=0), greedy)
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="temperature must be 0 .greedy. or a finite"):
+            model.generate(idx, 2, temperature=bad)
 
 
 def test_top_k_and_top_p_keep_the_right_tokens():

@@ -108,6 +108,18 @@ def test_a_file_that_does_not_fit_is_refused(run, tmp_path):
             load(path)
 
 
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
+def test_export_refuses_a_rewired_model_it_could_not_load(tmp_path, suffix):
+    """A rewired model's spec is wiring only: its export was written, then restopo.load
+    refused it; now export says what to save instead, and writes nothing."""
+    from models.nanogpt import GPT, GPTConfig
+    gpt = GPT(GPTConfig(block_size=16, vocab_size=32, n_layer=2, n_head=2, n_embd=16))
+    rewired = restopo.rewire(gpt, "residual full_attnres\n")
+    with pytest.raises(LoadError, match=r"rewired .*torch.save\(model.state_dict\(\)"):
+        export(rewired, tmp_path / f"r{suffix}")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_compile_of_a_saved_model_says_to_load_it(tmp_path):
     with pytest.raises(ValueError, match=r"restopo.load\('.*m.pt'\)"):
         restopo.compile(str(tmp_path / "m.pt"))
