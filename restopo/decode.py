@@ -216,12 +216,14 @@ def sample(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = N
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
-def _check_sampling(max_new_tokens, temperature, top_k, top_p) -> None:
+def _check_sampling(max_new_tokens, temperature, top_k, top_p, seed=None) -> None:
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be 0 or more; got {max_new_tokens}")
     if not temperature >= 0 or temperature == float("inf"):  # nan fails every comparison
         raise ValueError(f"temperature must be 0 (greedy) or a finite number above it; got "
                          f"{temperature}")
+    if seed is not None and not -2 ** 63 <= seed < 2 ** 64:
+        raise ValueError(f"seed must be a 64-bit number (-2^63 to 2^64 - 1); got {seed}")
     if top_k is not None and top_k < 1:
         raise ValueError(f"top_k must be at least 1; got {top_k}")
     if top_p is not None and not 0 < top_p <= 1:
@@ -232,7 +234,7 @@ def stream(model: nn.Module, idx: torch.Tensor, max_new_tokens: int,
            temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
            seed: int | None = None, *, compile: bool = False) -> Iterator[torch.Tensor]:
     """The new tokens one step at a time, each [B] (see `generate`)."""
-    _check_sampling(max_new_tokens, temperature, top_k, top_p)
+    _check_sampling(max_new_tokens, temperature, top_k, top_p, seed)
     if idx.dim() != 2 or idx.shape[1] == 0:
         raise ValueError(f"idx must be token ids [batch, T] with T >= 1; got shape "
                          f"{tuple(idx.shape)}")

@@ -51,6 +51,19 @@ def test_triton_backend_error_names_why(monkeypatch):
         restopo.compile(TEXT, backend="triton")
 
 
+def test_api_mistakes_are_named():
+    """One override given as a string is one override (it was split into characters, each
+    a bad --set); token ids without a batch dimension, and an out-of-range seed, are said
+    in words rather than an IndexError or torch's overflow."""
+    text = "model t { vocab: 32; width: 16; depth: 2; heads: 2; context: 8 }\nresidual standard\n"
+    m = restopo.compile(text, overrides="model.width=24")
+    assert m.restopo_overrides == ("model.width=24",) and m.embed.weight.shape == (32, 24)
+    with pytest.raises(ValueError, match=r"token ids \[batch, T\]; got shape \(3,\)"):
+        m(torch.tensor([1, 2, 3]))
+    with pytest.raises(ValueError, match="seed must be a 64-bit number"):
+        m.generate(torch.tensor([[1, 2]]), 2, seed=2 ** 70)
+
+
 def test_aggregations_in_execution_order_head_last():
     model = restopo.compile(TEXT)
     aggs = restopo.aggregations(model)

@@ -144,6 +144,20 @@ def test_parallel_block_is_refused():
         rewire(ParallelModel(), "residual full_attnres\n")
 
 
+def test_a_model_restopo_made_is_not_rewired_again():
+    """Rewiring a rewired (or compiled) model failed deep in torch.fx ("Proxy object cannot
+    be iterated"); it is refused in words, pointing at the original."""
+    r = rewire(GPT(GPTConfig(block_size=16, vocab_size=32, n_layer=2, n_head=2, n_embd=16)),
+               "residual full_attnres\n")
+    with pytest.raises(RewireError, match=r"rewired by restopo already.*rewired\.model"):
+        rewire(r, "residual standard\n")
+    import restopo
+    built = restopo.compile("model t { vocab: 32; width: 16; depth: 2; heads: 2; context: 8 }"
+                            "\nresidual standard\n")
+    with pytest.raises(RewireError, match="built by restopo already.*restopo.compile"):
+        rewire(built, "residual full_attnres\n")
+
+
 def test_classify_by_class_name():
     assert classify(nn.LayerNorm(4)) == "norm" and classify(nn.RMSNorm(4)) == "norm"
     assert classify(nn.MultiheadAttention(4, 1)) == "attn"

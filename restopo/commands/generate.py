@@ -5,7 +5,7 @@ import argparse
 import codecs
 import sys
 
-from ..cli import device_arg, finite_float
+from ..cli import device_arg, finite_float, int_range
 
 EXAMPLES = """\
 examples:
@@ -44,7 +44,8 @@ def register(subparsers) -> None:
                    help="sample among the K likeliest tokens only")
     p.add_argument("--top-p", type=finite_float, default=None, metavar="P",
                    help="sample among the likeliest tokens holding probability P")
-    p.add_argument("--seed", type=int, default=None, help="make the sampling repeatable")
+    p.add_argument("--seed", type=int_range(-2 ** 63, 2 ** 64 - 1, "a 64-bit seed"),
+                   default=None, help="make the sampling repeatable")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", type=device_arg)
     p.add_argument("--compile", action="store_true",
                    help="run the one-token steps through torch.compile: the first new token "

@@ -59,6 +59,12 @@ def rewire(model: nn.Module, spec_or_path, backend: str = "auto", *,
     PreNorm transformer, SpecError for a residual section the model cannot take.
     """
     residual, spec = _residual(spec_or_path)  # a bad spec is reported before any tracing
+    if isinstance(model, Rewired) or hasattr(model, "restopo_ir"):
+        raise RewireError(
+            f"this model is {'rewired' if isinstance(model, Rewired) else 'built'} by "
+            "restopo already: its residual stream is an IR's, not a PreNorm sum to recover; "
+            + ("rewire the original model (rewired.model), or " if isinstance(model, Rewired)
+               else "") + "compile the spec with the residual you want (restopo.compile)")
     structure = recover(model)
     if verify:
         _verify(model, structure)

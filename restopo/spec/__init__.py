@@ -73,9 +73,13 @@ def parse_spec(text: str, path: str = "<string>", overrides=()) -> Spec:
     """Parse and check spec text; raises SpecError (SpecErrors for several mistakes)."""
     from .check import check
     from .parse import parse_text
-    if isinstance(overrides, str):
-        overrides = (overrides,)
-    return check(parse_text(text, path), text, tuple(overrides))
+    return check(parse_text(text, path), text, override_texts(overrides))
+
+
+def override_texts(overrides) -> tuple[str, ...]:
+    """`overrides` as a tuple of KEY=VALUE texts: one text alone is one override (a tuple
+    of it would be its characters, each then reported as a bad --set)."""
+    return (overrides,) if isinstance(overrides, str) else tuple(overrides)
 
 
 def load_spec(path, overrides=()) -> Spec:
@@ -88,6 +92,7 @@ def load_spec(path, overrides=()) -> Spec:
 
 def as_spec(spec_or_path, overrides=()) -> Spec:
     """A Spec from a Spec, a path to a .restopo file, or spec text."""
+    overrides = override_texts(overrides)
     if isinstance(spec_or_path, Spec):
         if overrides:
             raise ValueError("overrides apply to a path or spec text, not to a parsed Spec; "
@@ -96,11 +101,11 @@ def as_spec(spec_or_path, overrides=()) -> Spec:
     if isinstance(spec_or_path, os.PathLike) or (
             isinstance(spec_or_path, str) and "\n" not in spec_or_path
             and os.path.exists(spec_or_path)):
-        return load_spec(os.fspath(spec_or_path), overrides=tuple(overrides))
+        return load_spec(os.fspath(spec_or_path), overrides=overrides)
     if isinstance(spec_or_path, str):
         if "\n" not in spec_or_path and spec_or_path.endswith(".restopo"):
             raise FileNotFoundError(f"no such spec file: {spec_or_path}")
-        return parse_spec(spec_or_path, path="<string>", overrides=tuple(overrides))
+        return parse_spec(spec_or_path, path="<string>", overrides=overrides)
     raise TypeError(f"expected a Spec, a path or spec text; got {type(spec_or_path).__name__}")
 
 

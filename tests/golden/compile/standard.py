@@ -897,6 +897,9 @@ class Rotary(nn.Module):
         return self
 
     def forward(self, idx: torch.Tensor, v0: torch.Tensor):
+        if idx.dim() != 2:
+            raise ValueError(f"the model takes token ids [batch, T]; got shape "
+                             f"{tuple(idx.shape)} (one sequence: ids[None])")
         T = idx.shape[1]
         if T > self.context:
             raise ValueError(f"sequence length {T} is longer than the model's context "
