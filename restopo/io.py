@@ -52,7 +52,8 @@ def atomic_path(path: str | os.PathLike) -> Iterator[str]:
         raise _as_users(e, path, "write") from None
     os.close(fd)
     try:
-        yield tmp
+        with full_disk_said(path):
+            yield tmp
         fsync_file(tmp)
         os.chmod(tmp, _new_file_mode())
         try:
@@ -66,6 +67,33 @@ def atomic_path(path: str | os.PathLike) -> Iterator[str]:
     fsync_dir(folder)
 
 
+# A writer library's own error for a write the filesystem refused (safetensors: "No space
+# left on device (os error 28)"; torch.save's zip writer: "unexpected pos ..." only).
+_FULL_WORDS = ("No space left on device", "os error 28", "Disk quota exceeded")
+
+
+@contextmanager
+def full_disk_said(path: str | os.PathLike) -> Iterator[None]:
+    """Within the block, a writer library's error for a full disk (while writing `path`)
+    becomes OSError(ENOSPC) naming `path`, which the commands say in one line; any other
+    error stays as it is. Looked at before the caller removes its partial file, while the
+    free space is what the write left."""
+    import errno
+    try:
+        yield
+    except Exception as e:
+        if isinstance(e, OSError):
+            raise
+        try:
+            st = os.statvfs(os.path.dirname(os.path.abspath(path)))
+            nearly_full = st.f_bavail * st.f_frsize < (1 << 20)
+        except (OSError, AttributeError):  # no statvfs (Windows): by the words alone
+            nearly_full = False
+        if nearly_full or any(w in str(e) for w in _FULL_WORDS):
+            raise OSError(errno.ENOSPC, "no space left on the device", os.fspath(path)) from e
+        raise
+
+
 @contextmanager
 def atomic_folder(path: str | os.PathLike, *, keep_existing: bool = False) -> Iterator[Path]:
     """A temporary folder beside `path` that becomes `path` when the block ends without
@@ -77,7 +105,8 @@ def atomic_folder(path: str | os.PathLike, *, keep_existing: bool = False) -> It
     folder = os.path.dirname(os.path.abspath(path))
     tmp = _mkdtemp_beside(path, folder)
     try:
-        yield Path(tmp)
+        with full_disk_said(path):
+            yield Path(tmp)
         for dirpath, _, files in os.walk(tmp):
             for name in files:
                 fsync_file(os.path.join(dirpath, name))

@@ -134,3 +134,47 @@ def test_nothing_else_renames_a_written_file_into_place():
     assert found == {("restopo/io.py", "atomic_path"), ("restopo/io.py", "replace_folder"),
                      ("restopo/train/checkpoint.py", "_prune"),
                      ("restopo/train/checkpoint.py", "quarantine")}, sorted(found)
+
+
+def _raiser(message):
+    def write(tmp):
+        with open(tmp, "w") as f:
+            f.write("partial")
+        raise RuntimeError(message)
+    return write
+
+
+def test_a_full_disk_is_an_oserror_naming_the_file(tmp_path, monkeypatch):
+    """Writer libraries say a full disk in their own exceptions (safetensors: '... No space
+    left on device (os error 28)'; torch.save's zip writer: 'unexpected pos ...'), which
+    reached the user as tracebacks; now they are OSError(ENOSPC) naming the user's file,
+    found by the words or by the free space the write left, and other errors stay as
+    they are. No partial file is left either way."""
+    import errno
+    from restopo.train import checkpoint as ck
+    target = tmp_path / "m.safetensors"
+    with pytest.raises(OSError) as got:
+        write_atomic(target, _raiser("Error while serializing: I/O error: No space left on "
+                                     "device (os error 28)"))
+    assert got.value.errno == errno.ENOSPC and got.value.filename == str(target)
+    with pytest.raises(RuntimeError, match="unexpected pos"):  # plenty of room: not a full disk
+        write_atomic(target, _raiser("unexpected pos 146304 vs 146192"))
+    real = os.statvfs
+
+    def full(path):
+        st = real(path)
+        return type("St", (), {"f_bavail": 3, "f_frsize": st.f_frsize})()
+    monkeypatch.setattr(os, "statvfs", full)
+    with pytest.raises(OSError, match="no space left") as got:
+        write_atomic(target, _raiser("unexpected pos 146304 vs 146192"))
+    assert got.value.__cause__ is not None and os.listdir(tmp_path) == []
+    with pytest.raises(OSError, match="no space left"):  # the same inside a folder's write
+        with atomic_folder(tmp_path / "f") as f:
+            _raiser("unexpected pos 1 vs 2")(f / "x")
+    assert os.listdir(tmp_path) == []
+    import torch  # a checkpoint's files: the folder named, nothing left behind
+    monkeypatch.setattr(ck.torch, "save", lambda obj, p: _raiser("unexpected pos 9 vs 8")(p))
+    with pytest.raises(OSError, match="no space left") as got:
+        ck.save_checkpoint(tmp_path / "ckpt", 3, torch.nn.Linear(2, 2), None, {}, {})
+    assert got.value.filename == str(tmp_path / "ckpt" / "step_000003")
+    assert os.listdir(tmp_path / "ckpt") == []

@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from ..io import fsync_file, new_mode, replace_folder, write_atomic
+from ..io import fsync_file, full_disk_said, new_mode, replace_folder, write_atomic
 from .shards import INDEX, STATE, Reader, ShardError, files_in_index, is_sharded, \
     load_named, read_state_file, shard_name, write_share, write_state
 
@@ -204,7 +204,8 @@ def save_checkpoint(root: str | os.PathLike, step: int, model: torch.nn.Module,
         }
         for name in FILES + (MANIFEST,):
             path = tmp if name == MANIFEST else tmp / name
-            writers[name](path)
+            with full_disk_said(final):
+                writers[name](path)
             os.chmod(tmp / name, new_mode())  # safetensors writes 0600: use the umask
             fsync_file(tmp / name)
             if _write_file is not None:
@@ -264,7 +265,8 @@ def save_sharded(root: str | os.PathLike, step: int, named, optimizer, state: di
     file, entries = shard_name(rank, world), {}
     try:
         tensors, entries = share(named, optimizer)
-        write_share(tmp / file, tensors)
+        with full_disk_said(final):
+            write_share(tmp / file, tensors)
         os.chmod(tmp / file, new_mode())
         fsync_file(tmp / file)
     except (OSError, ShardError) as e:
@@ -298,7 +300,8 @@ def _commit_sharded(root: Path, tmp: Path, final: Path, parts, state, meta, step
         if name == MANIFEST:
             write_manifest(tmp)
         else:
-            writers[name](tmp / name)
+            with full_disk_said(final):
+                writers[name](tmp / name)
         os.chmod(tmp / name, new_mode())
         fsync_file(tmp / name)
         _crash_point(final, name)
