@@ -321,3 +321,41 @@ NAMED = {
     "rezero": rezero, "layerscale": layerscale, "highway": highway, "denseformer": denseformer,
     "hyper_connections": hyper_connections, "mhc": mhc, "mhc_lite": mhc_lite,
 }
+
+
+def unread_sublayers(topology: Topology) -> list[int]:
+    """The sublayers whose output reaches nothing the head reads, directly or through later
+    sublayers (their weights would get no gradient), in O(L) without the IR. Multi-stream
+    topologies carry every output in their streams: none."""
+    if topology.sublayer_rule.multi_stream:
+        return []
+    L = sum(len(b) for b in topology.blocks)
+    block_end = {i: members[-1] for members in topology.blocks for i in members}
+    after = [0] * (L + 3)  # after[k]: live points among k..L (sublayers; the head apart)
+
+    def read_by(rule: Rule, i: int, at_head: bool) -> bool:
+        """Whether a live point reading by `rule` reads v_i (at the head: the head)."""
+        for src in rule.sources:
+            if src.name == "sublayers":
+                if at_head or after[i + 1]:
+                    return True
+            elif src.name == "window":
+                if at_head and i > L - src.window:
+                    return True
+                if not at_head and after[i + 1] - after[min(i + src.window, L) + 1]:
+                    return True
+            elif src.name == "blocks":  # the blocks after v_i's, or the head (all of them)
+                if at_head or after[block_end[i] + 1]:
+                    return True
+            elif src.name == "partial" and not at_head:  # v_i's block, after it
+                if after[i + 1] - after[block_end[i] + 1]:
+                    return True
+        return False
+
+    dead = []
+    for i in range(L, 0, -1):
+        live = read_by(topology.head_rule, i, True) or read_by(topology.sublayer_rule, i, False)
+        after[i] = after[i + 1] + live
+        if not live:
+            dead.append(i)
+    return dead[::-1]

@@ -113,3 +113,55 @@ def test_every_named_topology_is_covered():
     from restopo.topology import NAMED
     covered = {p[0].split("(")[0] for p in PAIRS}
     assert covered == set(NAMED)
+
+
+def test_sublayers_that_reach_nothing_the_head_reads(monkeypatch):
+    """topology.unread_sublayers (O(L), no IR) names exactly the sublayers that are not
+    ancestors of the head's aggregation in the IR, over every small custom wiring of these
+    selectors; `check` refuses a spec with any (it said 'ok' to a model that trains as an
+    embedding and a head), at the rule that leaves them out."""
+    import itertools
+
+    import networkx as nx
+
+    from restopo import topology as T
+    from restopo.spec import SpecError, parse_spec
+    unread = T.unread_sublayers
+    model = "model t { vocab: 32; width: 16; depth: 3; heads: 2; context: 8 }\n"
+    selectors = ["sublayers", "window(1)", "window(2)", "blocks", "partial"]
+    seen = {"none": 0, "some": 0, "all": 0}
+    for k in (0, 1, 2):
+        for sub in itertools.combinations(selectors, k):
+            for head in (None, (), ("window(1)",), ("blocks",), ("sublayers",)):
+                for blocks in ("", "block_size: 2\n", "blocks: 2\n"):
+                    rules = f"before sublayer: attend({', '.join(('embedding',) + sub)})\n"
+                    if head is not None:
+                        rules += f"before head: attend({', '.join(('embedding',) + head)})\n"
+                    text = model + "residual custom {\n" + blocks + rules + "}\n"
+                    with monkeypatch.context() as m:  # the spec as it was accepted before
+                        m.setattr(T, "unread_sublayers", lambda topology: [])
+                        try:
+                            spec = parse_spec(text)
+                        except SpecError:
+                            continue  # refused for another reason (partial with no blocks)
+                    g = spec.ir()
+                    L = g.n_sublayers
+                    reached = nx.ancestors(g, f"agg{L + 1}")
+                    want = [i for i in range(1, L + 1) if f"sublayer{i}" not in reached]
+                    assert unread(spec.topology) == want, text
+                    seen["none" if not want else "all" if len(want) == L else "some"] += 1
+                    if want:
+                        with pytest.raises(SpecError, match="would never train"):
+                            parse_spec(text)
+                    else:
+                        parse_spec(text)
+    assert min(seen.values()) > 0, seen  # each outcome met
+    cases = {"some": "before head: attend(embedding, window(2))",
+             "all": "before head: attend(embedding)"}
+    for case, head in cases.items():
+        text = model + f"residual custom {{\n  before sublayer: attend(embedding)\n  {head}\n}}\n"
+        with pytest.raises(SpecError) as e:
+            parse_spec(text)
+        line = str(e.value).splitlines()[0]
+        assert ":4:16:" in line and (("sublayers 1..4 (4 of 6)" in line) if case == "some"
+                                     else "no sublayer's output reaches the head" in line)

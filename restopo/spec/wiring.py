@@ -386,7 +386,41 @@ def check_against_model(model: ModelSpec, residual: ResidualSpec,
     # sublayer rule reads the embedding, the head no partial), so every aggregation the IR
     # will hold reads at least one value and building it here would only cost time.
     try:
-        return resolve_residual(residual, model.kinds)
+        topology = resolve_residual(residual, model.kinds)
     except SpecError as e:
         c.errors.append(e)
         return None
+    if residual.form == "custom" and _check_all_read(residual, topology, c):
+        return None
+    return topology
+
+
+def _check_all_read(residual: ResidualSpec, topology: T.Topology, c: Checker) -> bool:
+    """Custom wiring whose sublayers reach nothing the head reads (a model that trains as an
+    embedding and a head, those weights never); True after the error."""
+    dead = T.unread_sublayers(topology)
+    if not dead:
+        return False
+    L = sum(len(b) for b in topology.blocks)
+    runs = _runs(dead)
+    what = (f"no sublayer's output reaches the head (none of the {L}): their weights would "
+            "never train" if len(dead) == L else
+            "sublayer" + ("s " if len(dead) > 1 else " ") + ", ".join(runs) + f" ({len(dead)} "
+            f"of {L}) reach nothing the head reads: their weights would never train")
+    own = "before head" in dict(residual.positions or ())
+    c.error(residual.where("before head" if own else "before sublayer"), what,
+            ("" if own else "without 'before head:' the head reads what 'before sublayer:' "
+             "reads, less partial; ") + "let the head read them (e.g. before head: "
+            "attend(embedding, blocks) or attend(embedding, sublayers)), or the sublayers "
+            "each other (sublayers, window, blocks, partial)")
+    return True
+
+
+def _runs(ids: list[int]) -> list[str]:
+    """[1, 2, 3, 5] -> ['1..3', '5']."""
+    out, start = [], ids[0]
+    for a, b in zip(ids, ids[1:] + [None]):
+        if b != a + 1:
+            out.append(str(start) if start == a else f"{start}..{a}")
+            start = b
+    return out
