@@ -23,6 +23,24 @@ GOLDEN = [
      'spec.restopo', 2, 23,
      "this '(' is never closed",
      "add ')' to close it"),
+    ('syntax_unclosed_brace_before_a_section',  # was "unexpected '{'" at train's brace
+     "model { vocab: 256; width: 64\nresidual standard\ntrain { steps: 3 }\n", (),
+     'spec.restopo', 1, 7,
+     "this '{' is never closed",
+     "add '}' where it should end: before line 3 at the latest, where 'train { steps: 3 }' "
+     "opens another"),
+    ('syntax_unclosed_paren_before_a_section',
+     M + "residual block_attnres(blocks: 2\ntrain { steps: 3 }\n", (),
+     'spec.restopo', 2, 23,
+     "this '(' is never closed",
+     "add ')' where it should end: before line 3 at the latest, where 'train { steps: 3 }' "
+     "opens another"),
+    ('residual_without_topology',  # was 'custom wiring needs a rule' and a line per key
+     M + "residual\ntrain { steps: 3; lr: 1e-3 }\n", (),
+     'spec.restopo', 2, 1,
+     "'residual' needs a topology; here the train section that follows was read as one",
+     "write e.g. 'residual standard', 'residual block_attnres(blocks: 8)' or 'residual custom "
+     "{ before sublayer: ... }'"),
     ('syntax_colon_after_section', M + "residual: standard\n", (),
      'spec.restopo', 2, 9,
      "unexpected ':'",
@@ -136,8 +154,16 @@ GOLDEN = [
      'expected one of: true, false'),
     ('list_where_one_value', M.replace("context: 64", "context: 64 128") + "residual standard\n", (),
      'spec.restopo', 1, 64,
-     "'context' takes one value, got 2",
-     "put each entry on its own line or separate entries with ';'"),
+     "'context' takes one value, got 2 (64 128)",
+     "remove the extra values; put each entry on its own line or separate entries with ';'"),
+    ('two_word_key', M.replace("context: 64", "context: 64\n mlp ratio: 4") + "residual standard\n",
+     (), 'spec.restopo', 2, 2,
+     "unexpected 'mlp ratio:' in model",
+     "keys are one word: write 'mlp_ratio:'"),
+    ('rule_with_another_word', M + "residual custom {\n before sublayer: sum(embedding, sublayers)"
+     "\n after head: sum(embedding)\n}\n", (), 'spec.restopo', 4, 2,
+     "unknown rule 'after head:'",
+     "rules are 'before sublayer:' (every sublayer) and 'before head:'"),
     ('unknown_topology', M + "residual block_atnres(blocks: 2)\n", (),
      'spec.restopo', 2, 10,
      "unknown topology 'block_atnres'",

@@ -61,8 +61,10 @@ class Checker:
     # -- value readers: return None after recording an error ---------------------------
     def single(self, f: Field, name: str) -> Value | None:
         if isinstance(f.value, ListValue):
+            values = " ".join(describe(v) for v in f.value.items)
             self.error(f.value.items[1].pos,
-                       f"'{name}' takes one value, got {len(f.value.items)}", SEP_HINT)
+                       f"'{name}' takes one value, got {len(f.value.items)} ({values})",
+                       "remove the extra values; " + SEP_HINT)
             return None
         return f.value
 
@@ -166,12 +168,20 @@ class Checker:
                 continue
             del view.fields[k]
             words = f.key.words
-            if len(words) == 2 and words[0] != "before":
-                self.error(f.key.pos, f"unexpected '{k}:' in {where}", SEP_HINT)
-            elif len(words) == 2 and "before sublayer" in allowed:
+            rules = "rules are 'before sublayer:' (every sublayer) and 'before head:'"
+            if len(words) == 2 and "_".join(words) in allowed:  # `mlp ratio:`
+                self.error(f.key.pos, f"unexpected '{k}:' in {where}",
+                           f"keys are one word: write '{'_'.join(words)}:'")
+            elif len(words) == 2 and "before sublayer" in allowed and words[0] == "before":
                 self.error(f.key.pos, f"unknown rule target '{words[1]}'",
-                           "rules are 'before sublayer:' (every sublayer) and 'before head:'"
-                           + dym_suffix(words[1], RULE_TARGETS))
+                           rules + dym_suffix(words[1], RULE_TARGETS))
+            elif len(words) == 2 and "before sublayer" in allowed and words[1] in RULE_TARGETS:
+                self.error(f.key.pos, f"unknown rule '{k}:'", rules)  # `after sublayer:`
+            elif len(words) == 2 and words[1] in allowed:  # a stray word before a key
+                self.error(f.key.pos, f"unexpected '{k}:' in {where}", SEP_HINT)
+            elif len(words) == 2:
+                self.error(f.key.pos, f"unexpected '{k}:' in {where}",
+                           did_you_mean("_".join(words), allowed) or SEP_HINT)
             else:
                 hint = did_you_mean(k, allowed)
                 if hint and hint.startswith("did you mean"):

@@ -293,6 +293,15 @@ def syntax_error(e: UnexpectedInput, text: str, path: str, what: str = "spec") -
 
     if isinstance(e, UnexpectedToken) and e.token.type != "$END":
         tok = e.token
+        opened = _unclosed(text, tok.start_pos)
+        if tok.type == "LBRACE" and opened is not None:  # the next section, inside this one
+            c, line, col = opened
+            close = "}" if c == "{" else ")"
+            return SpecError(path, line, col, f"this '{c}' is never closed",
+                             f"add '{close}' where it should end: before line {tok.line} at "
+                             f"the latest, where "
+                             f"'{text.splitlines()[tok.line - 1].strip()}' opens another",
+                             _line(text, line))
         expected = _in_context(set(e.expected or ()), text, tok.start_pos)
         message = f"unexpected {_describe_token(tok)}"
         hint = f"expected {expected_words(expected)}"

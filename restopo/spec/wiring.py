@@ -177,8 +177,19 @@ def _blocks(view: View, c: Checker):
     return blocks, block_size
 
 
+SECTIONS = ("model", "residual", "parallel", "train")
+
+
 def _custom(view: View, c: Checker) -> ResidualSpec | None:
     before = len(c.errors)
+    if view.label is not None and view.label.text in SECTIONS:
+        # `residual` alone on its line: the next section's name and braces were read as a
+        # custom wiring's label and rules
+        c.error(view.kind.pos, f"'residual' needs a topology; here the {view.label.text} "
+                "section that follows was read as one", "write e.g. 'residual standard', "
+                "'residual block_attnres(blocks: 8)' or 'residual custom { before sublayer: "
+                "... }'")
+        return None
     c.unknown_keys(view, CUSTOM_KEYS, "custom wiring")
     f = view.fields
     blocks, block_size = _blocks(view, c)
