@@ -165,3 +165,28 @@ def test_deepcopy_copies_the_pieces_with_the_model():
         for p in m.parameters():
             p.add_(1.0)
     torch.testing.assert_close(c(idx).logits, before, rtol=0, atol=0)
+
+
+def test_a_norm_epsilon_that_is_not_negligible_is_warned_of_and_can_be_set():
+    """Llama's norms use epsilon 1e-6: rewired to Full AttnRes, whose zero queries start as
+    the mean of the sources, the step-0 model was silently not the original (2.5e-2 on the
+    logits here). rewire warns of it; norm_eps=1e-24 sets the norms' epsilon and the
+    step-0 model is the original's standard residual again (to the float32 that Llama's
+    RMSNorm computes in). A standard residual is a sum: no warning."""
+    import warnings
+
+    from restopo.fx.rewire import RewireWarning, norm_eps
+    idx = tokens()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RewireWarning)
+        standard = rewire(llama(layers=4), "residual standard\n")(idx).logits
+    with pytest.warns(RewireWarning, match="epsilon up to 1e-06: full_attnres"):
+        full = rewire(llama(layers=4), "residual full_attnres\n")(idx).logits
+    assert (full - standard).abs().max() > 1e-3  # what the warning is about
+    model = llama(layers=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RewireWarning)
+        fixed = rewire(model, "residual full_attnres\n", norm_eps=1e-24)
+    assert set(norm_eps(model).values()) == {1e-24}
+    same_eps = rewire(llama(layers=4), "residual standard\n", norm_eps=1e-24)(idx).logits
+    torch.testing.assert_close(fixed(idx).logits, same_eps, rtol=0, atol=1e-6)

@@ -48,7 +48,8 @@ def recover(model: nn.Module) -> Structure:
 
 
 def rewire(model: nn.Module, spec_or_path, backend: str = "auto", *,
-           verify: bool = True, two_phase: bool = True) -> "Rewired":
+           verify: bool = True, two_phase: bool = True,
+           norm_eps: float | None = None) -> "Rewired":
     """`model` with its residual stream rebuilt as the spec's residual section says.
 
     spec_or_path: a Spec, a path to a .restopo file, spec text, or a callable
@@ -57,6 +58,11 @@ def rewire(model: nn.Module, spec_or_path, backend: str = "auto", *,
     verify: first check on a probe batch that the recovered pieces, summed as a standard
     residual, reproduce the model's output. Raises RewireError for a model that is not a
     PreNorm transformer, SpecError for a residual section the model cannot take.
+    norm_eps: set the epsilon of the model's norms (in place, before anything else). An
+    aggregation that starts as the mean of its sources (AttnRes, DenseFormer) starts as the
+    standard model only when the epsilon is negligible against the mean's scale (README:
+    "Starting as the standard model"); with a larger one (Llama's 1e-6, GPT-2's 1e-5) this
+    warns, and norm_eps=1e-24 (restopo's own) makes the step-0 model the original one.
     """
     residual, spec = _residual(spec_or_path)  # a bad spec is reported before any tracing
     if isinstance(model, Rewired) or hasattr(model, "restopo_ir"):
@@ -65,10 +71,13 @@ def rewire(model: nn.Module, spec_or_path, backend: str = "auto", *,
             "restopo already: its residual stream is an IR's, not a PreNorm sum to recover; "
             + ("rewire the original model (rewired.model), or " if isinstance(model, Rewired)
                else "") + "compile the spec with the residual you want (restopo.compile)")
+    if norm_eps is not None:
+        set_norm_eps(model, norm_eps)
     structure = recover(model)
     if verify:
         _verify(model, structure)
     topology = residual(structure.kinds)
+    _warn_of_norm_eps(model, topology)
     g = build_ir(structure.kinds, topology, structure.width)
     default = structure.ends(pattern(structure.signature, *_probe_call(structure, model)))
     names = _context_names(model, structure, default)
@@ -86,6 +95,64 @@ def rewire(model: nn.Module, spec_or_path, backend: str = "auto", *,
     if spec is not None:  # as restopo.compile does, so checkpoints can store the spec
         rewired.spec_text, rewired.restopo_spec = spec.text, spec
     return rewired
+
+
+# The attributes that hold a norm's epsilon: torch's norms, Hugging Face's RMSNorms.
+EPS_ATTRS = ("eps", "variance_epsilon")
+MEAN_START_EPS = 1e-12  # above this, a mean of small sources can sink to the epsilon
+
+
+def norm_eps(model: nn.Module) -> dict[str, float]:
+    """{module name: epsilon} of the model's norm modules (by class, as the tracer finds
+    them) whose epsilon is an attribute; norms that hard-code theirs are not listed."""
+    from .tracer import classify
+    found = {}
+    for name, m in model.named_modules():
+        if classify(m) == "norm":
+            for attr in EPS_ATTRS:
+                if isinstance(getattr(m, attr, None), float):
+                    found[name] = getattr(m, attr)
+    return found
+
+
+def set_norm_eps(model: nn.Module, eps: float) -> None:
+    """Set every norm's epsilon attribute; RewireError when there is none to set."""
+    from .tracer import classify
+    if not eps >= 0:
+        raise RewireError(f"norm_eps must be 0 or more; got {eps}")
+    norms = [m for m in model.modules() if classify(m) == "norm"]
+    settable = [m for m in norms if any(isinstance(getattr(m, a, None), float)
+                                        for a in EPS_ATTRS)]
+    if norms and not settable:
+        raise RewireError(f"the model's norms ({type(norms[0]).__name__}) keep their epsilon "
+                          "in their code, not in an attribute (eps, variance_epsilon): "
+                          "change it there")
+    for m in settable:
+        for attr in EPS_ATTRS:
+            if isinstance(getattr(m, attr, None), float):
+                setattr(m, attr, float(eps))
+
+
+def _warn_of_norm_eps(model: nn.Module, topology: Topology) -> None:
+    """Warn when the topology starts as a mean of sources and the model's norms have an
+    epsilon that is not negligible against it: the rewired model then does not start as
+    the original (a standard residual, a sum, is not affected)."""
+    import warnings
+    if topology.sublayer_rule.method == "sum" or topology.sublayer_rule.multi_stream:
+        return
+    large = {k: v for k, v in norm_eps(model).items() if v > MEAN_START_EPS}
+    if large:
+        eps = max(large.values())
+        warnings.warn(
+            f"the model's norms use epsilon up to {eps:g}: {topology.name}'s aggregations "
+            "start as the mean of their sources, whose scale can fall near it at step 0, so "
+            "the rewired model does not start as the original (README: 'Starting as the "
+            "standard model'); rewire(..., norm_eps=1e-24) sets the norms' epsilon so that "
+            "it does", RewireWarning, stacklevel=3)
+
+
+class RewireWarning(UserWarning):
+    """restopo.rewire's warnings (filter them with warnings.filterwarnings)."""
 
 
 def _residual(spec_or_path):
