@@ -193,16 +193,19 @@ def test_two_runs_into_one_folder(spec, tmp_path):
         ["latest"]  # no temporary or empty folders
 
 
-def test_ctrl_c_saves_the_step_it_stops_at(spec, tmp_path):
+@pytest.mark.parametrize("how", ["SIGINT", "SIGTERM"])
+def test_ctrl_c_saves_the_step_it_stops_at(spec, tmp_path, how):
     """The first Ctrl-C ends the run after the step it is in, with a checkpoint of that
     step (save_every 1000 here: without it every step would be lost), and says where
-    --resume continues; the resumed run then goes on from that step."""
+    --resume continues; the resumed run then goes on from that step. SIGTERM (a
+    scheduler's preemption) is taken the same way: it ended the run at once, unsaved."""
     out = tmp_path / "run"
     run, _, _ = started_run(spec, out, "100000", "train.save_every=1000")
-    run.send_signal(signal.SIGINT)
+    run.send_signal(getattr(signal, how))
     _, err = run.communicate(timeout=120)
     assert run.returncode == 130, err
-    assert "stopping after this step" in err and "Traceback" not in err, err
+    assert "stopping after this step" + ("" if how == "SIGINT" else " (SIGTERM)") in err
+    assert "Traceback" not in err, err
     saved = ck.latest_checkpoint(out / "ckpt")
     assert saved is not None and ck.verify_checkpoint(saved) is None
     assert f"--resume continues from its checkpoint {saved}" in err

@@ -1,6 +1,7 @@
 """Ctrl-C during training: the first stops the run at the end of the step it is in, after
 a checkpoint of that step, so nothing trained is lost; a second stops it at once (the
-newest checkpoint then is the last one saved).
+newest checkpoint then is the last one saved). SIGTERM (a scheduler's preemption, `kill`)
+is taken the same way.
 
 Only a run of one process defers the first Ctrl-C. Under torchrun every rank gets the
 signal, each possibly in a different step, and a save is collective: ranks that stopped
@@ -25,24 +26,31 @@ class Stop:
 @contextmanager
 def deferred_interrupt(enabled: bool, say: Callable[[str], None],
                        saving: bool = True) -> Iterator[Stop]:
-    """Within the block, the first SIGINT sets `stop.asked` (and says so) instead of
-    raising; the handler before the block is back for the second, and after the block.
+    """Within the block, the first SIGINT or SIGTERM sets `stop.asked` (and says so) instead
+    of raising or ending the process; the handlers before the block are back for the
+    second, and after the block.
     `saving`: whether the step is saved then (checkpoints may be off). `enabled` False
     (several processes, or not the main thread): nothing changes."""
     stop = Stop()
     if not enabled or threading.current_thread() is not threading.main_thread():
         yield stop
         return
-    before = signal.getsignal(signal.SIGINT)
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def put_back():
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
 
     def first(signum, frame):
         stop.asked = True
-        signal.signal(signal.SIGINT, before)  # the second Ctrl-C stops at once
-        say("stopping after this step" + (", with a checkpoint of it" if saving else "")
+        put_back()  # the second signal stops at once
+        by = "" if signum == signal.SIGINT else f" ({signal.Signals(signum).name})"
+        say(f"stopping after this step{by}" + (", with a checkpoint of it" if saving else "")
             + " (Ctrl-C again to stop now)")
 
-    signal.signal(signal.SIGINT, first)
+    for sig in before:
+        signal.signal(sig, first)
     try:
         yield stop
     finally:
-        signal.signal(signal.SIGINT, before)
+        put_back()
