@@ -50,7 +50,7 @@ def run(args) -> int:
         if kind == ".py":
             name = os.path.splitext(os.path.basename(out))[0]
             write_atomic(out, module_source(model, name, os.path.basename(
-                os.path.normpath(args.checkpoint))))
+                os.path.normpath(args.checkpoint)), "export"))
         else:
             export(model, out)
     except (LoadError, ValueError, RuntimeError) as e:  # RuntimeError: e.g. no CUDA
