@@ -347,6 +347,20 @@ def test_numeric_flags_are_bounded(spec, tmp_path, capsys, flag, value):
     assert f"argument {flag}: must be from" in err
 
 
+@pytest.mark.parametrize("flag, value, said", [
+    ("--steps", "0", "'steps' must be at least 1, got 0"),
+    ("--peak-tflops", "0", "'peak_tflops' must be greater than 0, got 0.0"),
+    ("--seed", "-5", "'seed' must be at least 0, got -5")])
+def test_a_flag_the_spec_refuses_is_shown_as_typed(spec, tmp_path, capsys, flag, value, said):
+    """A train flag that stands for a spec value is checked by the spec's rules, and its
+    error points at the flag as typed (it showed '<--set 1>' and a --set never written)."""
+    err = one_line_error(capsys, ["train", spec, "--out", tmp_path / "r", flag, value])
+    shown = f"{flag} {'0.0' if flag == '--peak-tflops' else value}"
+    col = len(flag) + 2
+    assert f"<{flag}>:1:{col}: error: {said}" in err and f"    {shown}\n" in err, err
+    assert "--set" not in err and not (tmp_path / "r").exists()
+
+
 def test_out_and_diagnose_o_naming_a_file(spec, tmp_path, capsys):
     afile = tmp_path / "afile"
     afile.write_text("mine")

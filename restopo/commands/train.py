@@ -154,7 +154,7 @@ def _overrides(args) -> tuple[str, ...]:
     """The --set overrides, then those the flags stand for. A flag and a --set of the same
     key that disagree are refused: the flag would win silently (a run asked for
     `--steps 20 --set train.steps=10` trained 20 steps)."""
-    from ..spec.overrides import override_values
+    from ..spec.overrides import FlagOverride, override_values
 
     given = override_values(args.overrides)
     extra = []
@@ -162,7 +162,8 @@ def _overrides(args) -> tuple[str, ...]:
         if key in given and not _same(given[key], str(value), key):
             shown = flag if flag == "--compile" else f"{flag} {value}"
             raise _Stop(f"{shown} and --set {key}={given[key]} disagree; give one of them")
-        extra.append(f"{key}={value!r}" if isinstance(value, float) else f"{key}={value}")
+        extra.append(FlagOverride.of(flag, key, repr(value) if isinstance(value, float)
+                                     else str(value)))
     return tuple(args.overrides) + tuple(extra)
 
 

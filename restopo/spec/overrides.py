@@ -26,14 +26,31 @@ def override_values(overrides) -> dict[str, str]:
     return out
 
 
+class FlagOverride(str):
+    """The override `key=value` a command's own flag stands for (`--steps 0`: train.steps=0),
+    which an error shows as the flag the person typed, not as a --set they never wrote."""
+
+    flag: str
+    shown: str
+
+    @classmethod
+    def of(cls, flag: str, key: str, value: str) -> "FlagOverride":
+        out = cls(f"{key}={value}")
+        out.flag, out.shown = flag, f"{flag} {value}"
+        return out
+
+
 def apply_overrides(views: dict[str, View], overrides, c: Checker) -> None:
     """Apply each `section.key=value` (or `residual=VALUE`, `parallel=VALUE`) to the views,
-    recording its text as the source `<--set N>` so errors can point into it."""
+    recording its text as the source `<--set N>` (a flag's: `<--flag>`, showing the flag
+    as typed) so errors can point into it."""
     for i, text in enumerate(overrides, start=1):
-        source = f"<--set {i}>"
-        line = f"--set {text}"
+        if isinstance(text, FlagOverride):  # columns of the value line up with the flag's
+            source, line = f"<{text.flag}>", text.shown
+            base = len(text.flag) - text.index("=")
+        else:
+            source, line, base = f"<--set {i}>", f"--set {text}", len("--set ")
         c.src.texts[source] = line
-        base = len("--set ")
 
         def at(col0: int, end: int | None = None) -> Pos:
             """Position of 0-based column `col0` of the override text, in the shown line."""
