@@ -283,7 +283,11 @@ def test_resume_under_another_topology_is_refused(spec, tmp_path, capsys, residu
     err = one_line_error(capsys, ["train", spec, "--out", out, "--resume", "--steps", 4,
                                   "--set", f"residual={residual}", "--no-progress"])
     assert f"was trained as block_attnres(blocks: 2); this run's residual is {named}:" in err
+    assert "leave the spec file out" in err
     assert "resuming from" not in err and (out / "metrics.jsonl").read_text() == before
+    err = one_line_error(capsys, ["train", "--out", out, "--resume", "--set",  # no spec file
+                                  f"residual={residual}", "--no-progress"])
+    assert "leave out the --set values that change it" in err and "spec file" not in err
 
 
 def test_resume_with_other_training_settings_names_them(spec, tmp_path, capsys):

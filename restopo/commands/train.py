@@ -348,7 +348,7 @@ def _load_spec(args, out: Path):
                         "a run from its checkpoint)")
         step_dir = _resume_point(out, required=True)
         spec = runspec.spec_from_meta(read_meta(step_dir), overrides)
-        _note_resume(spec, step_dir)
+        _note_resume(spec, step_dir, spec_file=False)
         return spec, step_dir
     spec = runspec.load(args.spec, overrides)
     resume = args.resume or restart_count() > 0
@@ -364,10 +364,10 @@ def _load_spec(args, out: Path):
     return spec, step_dir
 
 
-def _note_resume(spec, step_dir) -> None:
+def _note_resume(spec, step_dir, spec_file: bool = True) -> None:
     from ..train import runspec
     from ..train.checkpoint import read_meta
-    for note in runspec.resume_notes(spec, read_meta(step_dir), step_dir):
+    for note in runspec.resume_notes(spec, read_meta(step_dir), step_dir, spec_file=spec_file):
         _note(note)
 
 

@@ -113,12 +113,15 @@ def residual_text(spec) -> str:
     return r.name + (f"({', '.join(f'{k}: {v}' for k, v in options)})" if options else "")
 
 
-def resume_notes(spec, meta: dict, step_dir) -> list[str]:
+def resume_notes(spec, meta: dict, step_dir, *, spec_file: bool = True) -> list[str]:
     """What to tell a person resuming `spec` from the checkpoint `step_dir` (its meta.json
     is `meta`). Raises CheckpointError, naming the stored --set values, when the run's
-    weights cannot fit this spec's model because those values are not given again."""
+    weights cannot fit this spec's model or it has another topology. `spec_file`: the
+    spec is a file given again (else the checkpoint's own, with this run's --set values)."""
     from .loop import TrainConfig, lr_at
 
+    instead = ("leave the spec file out to resume with the checkpoint's own spec and "
+               "settings" if spec_file else "leave out the --set values that change it")
     notes = []
     then_spec = spec_from_meta(meta)
     then = then_spec.model
@@ -129,8 +132,8 @@ def resume_notes(spec, meta: dict, step_dir) -> list[str]:
             f"{step_dir} was trained as {residual_text(then_spec)}; this run's residual is "
             f"{residual_text(spec)}: its weights would go on under another topology, and "
             "the run folder would be read as the new one's; resume with the residual it was "
-            "trained with" + (f" ({stored})" if stored else "") + ", or train the new "
-            "topology in a folder of its own (--out)")
+            "trained with" + (f" ({stored})" if stored else "") + f" ({instead}), or train "
+            "the new topology in a folder of its own (--out)")
     if _weights_shape(then) != _weights_shape(spec.model):
         differ = [f"{f.name} {getattr(then, f.name)!r} there, {getattr(spec.model, f.name)!r} "
                   f"here" for f in dataclasses.fields(then) if f.compare
@@ -140,8 +143,7 @@ def resume_notes(spec, meta: dict, step_dir) -> list[str]:
         raise CheckpointError(
             f"{step_dir}'s weights do not fit this run's model ({'; '.join(differ)}); resume "
             "with the spec and --set values it was trained with"
-            + (f" ({stored})" if stored else "") + ", or leave the spec file out to resume "
-            "with the checkpoint's own spec and settings")
+            + (f" ({stored})" if stored else "") + f", or {instead}")
     # an override of the run that this one does not give at all (by key: a key given
     # again with another value, e.g. --steps, is a change this run asks for)
     given = override_values(spec.overrides or ())
