@@ -47,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
             _unavailable(sub, name, e)
             continue
         module.register(sub)
+    parser.set_defaults(command_parsers=sub.choices)  # main: a command's own usage errors
     return parser
 
 
@@ -173,7 +174,11 @@ def main(argv=None) -> int:
     try:
         parser = build_parser()
         try:
-            args = parser.parse_args(argv)
+            args, extra = parser.parse_known_args(argv)
+            if extra:  # said with the command's usage, not the top level's
+                command = getattr(args, "command", None)
+                (args.command_parsers[command] if command else parser).error(
+                    f"unrecognized arguments: {' '.join(extra)}")
         except SystemExit as e:  # --help / --version (0) or a usage error (2)
             return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
         if getattr(args, "func", None) is None:

@@ -252,3 +252,13 @@ def test_text_that_is_not_utf8_is_placed_by_line_and_column(tmp_path, capsys):
     assert main(["check", str(p)]) == 1
     err = capsys.readouterr().err
     assert f"{p}:3:6: not UTF-8 text (byte 0xe9)" in err
+
+
+def test_an_extra_argument_is_said_with_the_commands_own_usage(capsys):
+    """`restopo inspect A B` printed the top level's usage, which does not show FILE."""
+    assert main(["inspect", str(ROOT / "examples" / "tiny.restopo"), "extra.restopo"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: restopo inspect") and \
+        "restopo inspect: error: unrecognized arguments: extra.restopo" in err, err
+    assert main(["--bogus"]) == 2
+    assert "restopo: error: unrecognized arguments: --bogus" in capsys.readouterr().err
