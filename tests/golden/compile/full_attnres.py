@@ -882,16 +882,17 @@ class Rotary(nn.Module):
             raise ValueError(f"rotary positions need an even head size; got {head_dim} "
                              f"(choose width and heads with an even width/heads)")
         self.context, self.head_dim, self.base = context, head_dim, base
-        cos, sin = self._tables(torch.float32, torch.device("cpu"))
+        cos, sin = self._tables(torch.float32)  # on the default device (meta: no data)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
-    def _tables(self, dtype: torch.dtype, device: torch.device):
+    def _tables(self, dtype: torch.dtype, device: torch.device | None = None):
         """cos, sin [context, head_dim] in `dtype`, from angles made in float64."""
-        half = torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim
-        inv_freq = 1.0 / self.base ** half
-        angles = torch.outer(torch.arange(self.context, dtype=torch.float64), inv_freq)
-        angles = torch.cat([angles, angles], dim=-1).to(device)
+        half = torch.arange(0, self.head_dim, 2, dtype=torch.float64, device=device)
+        inv_freq = 1.0 / self.base ** (half / self.head_dim)
+        positions = torch.arange(self.context, dtype=torch.float64, device=device)
+        angles = torch.outer(positions, inv_freq)
+        angles = torch.cat([angles, angles], dim=-1)
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
     def _apply(self, fn, recurse=True):
