@@ -91,8 +91,8 @@ def _from_pt(p: Path, backend: str, device) -> nn.Module:
     try:
         blob = torch.load(p, map_location=device, weights_only=True)
     except pickle.UnpicklingError:
-        raise LoadError(f"{p}: holds objects other than tensors and numbers, which restopo "
-                        f"never unpickles") from None
+        from .train.checkpoint import refused_pickle
+        raise LoadError(f"{p}: {refused_pickle(p)}") from None
     except Exception as e:  # not a torch file at all
         raise LoadError(f"{p}: not a torch file restopo wrote ({_one_line(e)})") from None
     if not isinstance(blob, dict) or not {"spec", "state_dict"} <= set(blob):

@@ -100,7 +100,9 @@ def test_a_file_that_does_not_fit_is_refused(run, tmp_path):
     with pytest.raises(LoadError, match=r"bad.pt: does not fit.*pseudo_query"):
         load(tmp_path / "bad.pt")
     (tmp_path / "x.safetensors").write_bytes(b"not safetensors")
+    (tmp_path / "g.pt").write_bytes(bytes(range(256)) * 2)  # was 'holds objects other ...'
     for path, message in ((tmp_path / "nope", "no such file"),
+                          (tmp_path / "g.pt", "g.pt: is not a torch file"),
                           (tmp_path / "x.safetensors", "not a safetensors file"),
                           (folder / "t.restopo", "not a model restopo saved"),
                           (tmp_path, "no complete checkpoint")):

@@ -542,12 +542,22 @@ def _valid_rng_state(t) -> bool:
     return True
 
 
+def refused_pickle(path: Path) -> str:
+    """Why torch.load(path, weights_only=True) raised UnpicklingError, in words: a torch
+    file (a zip archive) holding more than tensors and numbers, or no torch file at all
+    (then torch falls back to reading the bytes as a pickle of its old format)."""
+    import zipfile
+    if zipfile.is_zipfile(path):
+        return "holds objects other than tensors and numbers, which restopo never unpickles"
+    return "is not a torch file (torch.save writes a zip archive; these bytes are none)"
+
+
 def _load_pt(step_dir: Path, name: str, map_location):
     try:
         return torch.load(step_dir / name, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError:
-        raise CheckpointError(f"cannot load checkpoint {step_dir}: {name} holds objects other "
-                              f"than tensors and numbers, which restopo never unpickles") from None
+        raise CheckpointError(f"cannot load checkpoint {step_dir}: {name} "
+                              f"{refused_pickle(step_dir / name)}") from None
     except Exception as e:  # torch and OS errors: one line naming the folder
         raise CheckpointError(f"cannot load checkpoint {step_dir}: {name}: {_one_line(e)}") \
             from None
