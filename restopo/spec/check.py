@@ -14,7 +14,8 @@ from .. import topology as T
 from .errors import SpecError, did_you_mean, raise_all
 from .fields import (EXAMPLES, MAX_DEPTH, Checker, Field, View, alts, divisors, dym_suffix,
                      positions)
-from .nodes import Call, Key, ListValue, Name, Pos, Qualified, SpecFile, String, describe
+from .nodes import (Call, Key, ListValue, Name, Pos, Qualified, SpecFile, String, describe,
+                    from_command_line)
 from .limits import (check_microbatches, check_model_limits, check_source_reads,
                      check_train_limits)
 from .objects import (COMPILE, COMPILE_ALIASES, RECOMPUTE, ModelSpec, ParallelSpec, Spec,
@@ -232,8 +233,8 @@ def check_train(view: View, c: Checker) -> TrainSpec | None:
 
 
 def _from_set(fl: Field) -> bool:
-    """True for a field given on the command line (--set, whose source is `<--set N>`)."""
-    return str(fl.value.pos.source).startswith("<--set ")
+    """True for a field given on the command line (a --set, or a flag standing for one)."""
+    return from_command_line(fl.value.pos.source)
 
 
 def _data(fl: Field, c: Checker) -> str | None:
@@ -321,8 +322,9 @@ def _reported(errors: list[SpecError]) -> list[SpecError]:
 
 
 def _order(e: SpecError, path: str):
-    """Errors in the file first, in source order, then those of each --set in turn."""
+    """Errors in the file first, in source order, then those of each --set in turn, then
+    those of the flags that stand for one."""
     if e.path == path:
         return (0, 0, e.line, e.column)
     n = e.path[len("<--set "):-1] if e.path.startswith("<--set ") else ""
-    return (1, int(n) if n.isdigit() else 0, e.line, e.column)
+    return (1, int(n) if n.isdigit() else 1 << 30, e.line, e.column)

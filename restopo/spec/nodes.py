@@ -133,3 +133,10 @@ def describe(value: Value) -> str:
     if isinstance(value, ListValue):
         return " ".join(describe(i) for i in value.items)
     return repr(value)
+
+
+def from_command_line(source) -> bool:
+    """Whether a position's source is the command line: a --set (`<--set N>`) or a flag
+    that stands for one (`<--steps>`, overrides.FlagOverride); spec text has its path or
+    <string>."""
+    return str(source).startswith("<--")

@@ -15,7 +15,7 @@ from dataclasses import replace
 from .. import topology as T
 from .errors import SpecError, did_you_mean
 from .fields import SEP_HINT, Checker, Field, View, alts, divisors, positions
-from .nodes import Arg, Call, Key, ListValue, Name, describe
+from .nodes import Arg, Call, Key, ListValue, Name, describe, from_command_line
 from .objects import ModelSpec, ResidualSpec
 from .resolve import (ATTEND_OPTIONS, METHOD_OPTIONS, SCALARS_OPTIONS, STREAM_OPTIONS,
                       resolve_residual)
@@ -164,7 +164,7 @@ def _blocks(view: View, c: Checker):
     blocks = block_size = None
     if "blocks" in f and "block_size" in f:
         second = max(f["blocks"], f["block_size"],
-                     key=lambda x: (x.key.pos.source.startswith("<--set "), x.key.pos.source,
+                     key=lambda x: (from_command_line(x.key.pos.source), x.key.pos.source,
                                     x.key.pos.line, x.key.pos.column))
         c.error(second.key.pos, "give either 'blocks' or 'block_size', not both",
                 "blocks: N cuts the model into N blocks; block_size: S makes blocks of S sublayers")

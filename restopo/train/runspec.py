@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from ..spec.nodes import from_command_line
 from ..spec.overrides import override_values
 from .checkpoint import CheckpointError, read_meta
 
@@ -34,7 +35,7 @@ def data_base(spec) -> str:
     when the data path came from --set on the command line."""
     pos = spec.train.where("data")
     path = str(spec.path)
-    if (pos is not None and str(pos.source).startswith("<--set")) or path.startswith("<"):
+    if (pos is not None and from_command_line(pos.source)) or path.startswith("<"):
         return os.getcwd()
     return str(Path(path).resolve().parent)
 
