@@ -112,7 +112,8 @@ def test_a_bad_peak_is_said_where_it_was_written(tmp_path, capsys):
     assert main(["train", "examples/tiny.restopo", "--out", str(tmp_path / "r"),
                  "--peak-tflops", "0"]) != 0
     err = capsys.readouterr().err
-    assert err.startswith("<--set 1>:1:25: error: 'peak_tflops' must be greater than 0")
+    assert err.startswith("<--peak-tflops>:1:15: error: 'peak_tflops' must be greater than 0")
+    assert "    --peak-tflops 0.0\n" in err  # the flag as typed, not a --set never written
     assert "Traceback" not in err
 
 
