@@ -102,17 +102,20 @@ EPS_ATTRS = ("eps", "variance_epsilon")
 MEAN_START_EPS = 1e-12  # above this, a mean of small sources can sink to the epsilon
 
 
-def norm_eps(model: nn.Module) -> dict[str, float]:
-    """{module name: epsilon} of the model's norm modules (by class, as the tracer finds
-    them) whose epsilon is an attribute; norms that hard-code theirs are not listed."""
+def _norm_eps_attrs(model: nn.Module):
+    """(name, module, attribute) of each norm module (by class, as the tracer finds them)
+    whose epsilon is a float attribute; norms that hard-code theirs have none."""
     from .tracer import classify
-    found = {}
     for name, m in model.named_modules():
         if classify(m) == "norm":
             for attr in EPS_ATTRS:
                 if isinstance(getattr(m, attr, None), float):
-                    found[name] = getattr(m, attr)
-    return found
+                    yield name, m, attr
+
+
+def norm_eps(model: nn.Module) -> dict[str, float]:
+    """{module name: epsilon} of the model's norm modules that keep it in an attribute."""
+    return {name: getattr(m, attr) for name, m, attr in _norm_eps_attrs(model)}
 
 
 def set_norm_eps(model: nn.Module, eps: float) -> None:
@@ -120,17 +123,14 @@ def set_norm_eps(model: nn.Module, eps: float) -> None:
     from .tracer import classify
     if not eps >= 0:
         raise RewireError(f"norm_eps must be 0 or more; got {eps}")
+    settable = list(_norm_eps_attrs(model))
     norms = [m for m in model.modules() if classify(m) == "norm"]
-    settable = [m for m in norms if any(isinstance(getattr(m, a, None), float)
-                                        for a in EPS_ATTRS)]
     if norms and not settable:
         raise RewireError(f"the model's norms ({type(norms[0]).__name__}) keep their epsilon "
                           "in their code, not in an attribute (eps, variance_epsilon): "
                           "change it there")
-    for m in settable:
-        for attr in EPS_ATTRS:
-            if isinstance(getattr(m, attr, None), float):
-                setattr(m, attr, float(eps))
+    for _, m, attr in settable:
+        setattr(m, attr, float(eps))
 
 
 def _warn_of_norm_eps(model: nn.Module, topology: Topology) -> None:
