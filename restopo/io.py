@@ -11,6 +11,7 @@ target, its files fsynced, then one rename (`atomic_folder`, `replace_folder`). 
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import tempfile
 from contextlib import contextmanager
@@ -156,7 +157,11 @@ def _as_users(e: OSError, path: str, verb: str) -> OSError:
     the user gave) rather than the temporary name, and saying why in their terms."""
     folder = os.path.dirname(os.path.abspath(path))
     if isinstance(e, FileNotFoundError) and not os.path.isdir(folder):
-        what = f"the folder to {verb} it in does not exist"
+        # a file's folder is not made for it (a mistyped folder would be, silently); only
+        # the commands' --out DIR folders are
+        near = os.path.relpath(folder)
+        what = (f"the folder to {verb} it in does not exist; make it first (mkdir -p "
+                f"{shlex.quote(folder if near.startswith('..') else near)})")
     elif isinstance(e, FileNotFoundError):  # e.g. /proc: the folder is there, not writable
         what = f"cannot {verb} a file in {folder}"
     else:

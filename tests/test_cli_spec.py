@@ -74,6 +74,23 @@ def test_check_of_several_files_says_which_one_a_set_value_fails_with(tmp_path, 
     assert f"{odd}: the same mistakes in the --set values as above" in err
 
 
+def test_check_reads_a_spec_piped_in_as_dash():
+    """`restopo check -` said '-: no such file'; it reads standard input, named <stdin>."""
+    def check(data: bytes):
+        return subprocess.run([sys.executable, "-m", "restopo", "check", "-"], input=data,
+                              capture_output=True, timeout=120)
+    text = Path(TINY).read_bytes()
+    r = check(text)
+    assert (r.returncode, r.stdout.decode()) == (0, "<stdin>: ok (8 sublayers, topology "
+                                                 "block_attnres, 2 blocks, 3 live values per "
+                                                 "token)\n")
+    r = check(text.replace(b"width: 64", b"widht: 64"))
+    assert r.returncode == 1 and b"<stdin>:7:15: error: unknown key 'widht' in model" in r.stderr
+    r = check(b"\xff" + text)
+    assert r.returncode == 1 and b"<stdin>:1:1: not UTF-8" in r.stderr
+    assert b"Traceback" not in r.stderr
+
+
 @pytest.mark.parametrize("argv,code,stream,text", [
     (["check", "does-not-exist.restopo"], 1, "err", "does-not-exist.restopo: no such file"),
     (["check", str(EXAMPLES)], 1, "err", "is a directory"),

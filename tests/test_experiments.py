@@ -78,6 +78,26 @@ def test_sweep_mistakes_are_refused_before_any_run(tmp_path, capsys):
         assert not out.exists()  # nothing trained, not even the folder made
 
 
+@pytest.mark.parametrize("vary, said, under", [
+    ("residual=standard,nosuch", "unknown topology 'nosuch'", "nosuch"),
+    ("model.widht=16,32", "unknown key 'widht' in model", "widht"),
+    (" model.width = 16 , 6", "heads (4) must divide width (6)", "6")])
+def test_a_bad_vary_value_is_shown_in_the_vary_typed(tmp_path, capsys, vary, said, under):
+    """An error in one value of --vary points into the --vary as typed (it showed a
+    `--set 1` never written, or the file's heads for a width the --vary gave)."""
+    spec = tmp_path / "std.restopo"
+    spec.write_text(TINY.format(residual="standard", data=CORPUS).replace("heads: 2",
+                                                                          "heads: 4"))
+    assert main(["sweep", str(spec), "--out", str(tmp_path / "sw"), "--vary", vary]) == 1
+    err = capsys.readouterr().err
+    key = vary.partition("=")[0].strip()
+    first, line, caret = err.splitlines()[:3]
+    col = line.rindex(under) - 3  # past the 4 blanks that indent the shown line, 1-based
+    assert first == f"<--vary {key}>:1:{col}: error: {said}", err
+    assert line == f"    --vary {vary}" and caret.index("^") == line.rindex(under), err
+    assert "--set" not in err and not (tmp_path / "sw").exists()
+
+
 def test_a_run_trained_otherwise_is_not_taken_for_the_sweeps(tmp_path, capsys):
     """A folder already holding a run of other settings (an override, an edited spec) is
     refused by name, never counted as done or resumed under the new settings."""

@@ -98,3 +98,6 @@ def test_a_folder_that_exists_but_takes_no_files_is_not_called_missing(tmp_path,
     assert "cannot write a file in /proc/self" in err and "does not exist" not in err
     err = error(capsys, ["graph", str(TINY), "-o", str(tmp_path / "none" / "w.dot")])
     assert "the folder to write it in does not exist" in err
+    # and says what to do, with the folder as a shell takes it
+    assert f"make it first (mkdir -p {tmp_path / 'none'})" in err
+    assert not (tmp_path / "none").exists()

@@ -8,6 +8,7 @@ EXAMPLES = """\
 examples:
   restopo check examples/*.restopo
   restopo check my.restopo --set model.depth=12     check with an override applied
+  make_spec.py | restopo check -                    check a spec piped in
 
 Prints 'FILE: ok (...)' for each good file and every mistake of every bad one as
 FILE:LINE:COL: error: MESSAGE, the line, a caret and a hint. Exit status 1 if any file
@@ -21,7 +22,8 @@ def register(subparsers) -> None:
         description="Parse and check .restopo specs (syntax, names, ranges, block counts, "
                     "and that the topology builds for the model).",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("files", nargs="+", metavar="FILE", help=".restopo spec files")
+    p.add_argument("files", nargs="+", metavar="FILE",
+                   help=".restopo spec files (- reads one from standard input)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a value in every file, e.g. --set model.width=64 (repeatable)")
     p.add_argument("-q", "--quiet", action="store_true", help="print only mistakes")
@@ -56,16 +58,22 @@ def run(args) -> int:
     from ..spec import SpecError, load_spec
     bad, shown = 0, set()
     for path in args.files:
+        name = "<stdin>" if path == "-" else path  # as errors name it
         try:
-            spec = load_spec(path, overrides=tuple(args.overrides))
-            line = f"{path}: ok ({describe(spec)})"
+            if path == "-":  # piped in: `make_spec.py | restopo check -`
+                from ..spec import parse_spec
+                from ..spec.files import read_spec_stdin
+                spec = parse_spec(read_spec_stdin(name), name, tuple(args.overrides))
+            else:
+                spec = load_spec(path, overrides=tuple(args.overrides))
+            line = f"{name}: ok ({describe(spec)})"
         except SpecError as e:
             text = e.render()
-            if len(args.files) > 1 and str(path) not in text:  # all in --set: which file?
+            if len(args.files) > 1 and str(name) not in text:  # all in --set: which file?
                 if text in shown:
-                    text = f"{path}: the same mistakes in the --set values as above"
+                    text = f"{name}: the same mistakes in the --set values as above"
                 else:
-                    text = f"{path}: mistakes in the --set values, checked with this file:\n" \
+                    text = f"{name}: mistakes in the --set values, checked with this file:\n" \
                         + text
             shown.add(e.render())
             print(text, file=sys.stderr)

@@ -66,5 +66,6 @@ def run(args) -> int:
     print(report.markdown_table(report.COLUMNS, report.rows(arms, baseline)))
     for line in report.reading(arms, baseline):
         print(line)
-    print(f"\nwrote {paths['md']} (and results.csv, plots) in {out}", file=sys.stderr)
+    names = ", ".join(Path(p).name for k, p in paths.items() if k != "md" and p)
+    print(f"\nwrote {paths['md']} (and {names} beside it)", file=sys.stderr)
     return 0

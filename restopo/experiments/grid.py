@@ -7,6 +7,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..spec.overrides import FlagOverride
+
 
 @dataclass(frozen=True)
 class Job:
@@ -59,6 +61,8 @@ def make_grid(specs, seeds, sets=(), varies=()) -> list[Job]:
         raise ValueError("two specs share a file name; run names come from file names, so "
                          "rename one")
     axes = [parse_vary(v) for v in varies]
+    # each value as the override it makes, an error in which points into the --vary typed
+    shown = [dict(zip(values, FlagOverride.vary(text))) for (_, values), text in zip(axes, varies)]
     keys = [key for key, _ in axes]
     again = sorted({k for k in keys if keys.count(k) > 1})
     if again:
@@ -70,7 +74,7 @@ def make_grid(specs, seeds, sets=(), varies=()) -> list[Job]:
     jobs = []
     for spec, stem in zip(specs, stems):
         for combo in itertools.product(*[values for _, values in axes]):
-            varied = [f"{key}={value}" for (key, _), value in zip(axes, combo)]
+            varied = [made[value] for made, value in zip(shown, combo)]
             parts = ([stem] if len(specs) > 1 or not axes else []) + \
                 [_short(key, value) for (key, _), value in zip(axes, combo)]
             arm = "-".join(parts)

@@ -14,7 +14,7 @@ from .. import topology as T
 from .errors import SpecError, did_you_mean, raise_all
 from .fields import (EXAMPLES, MAX_DEPTH, Checker, Field, View, alts, divisors, dym_suffix,
                      positions)
-from .nodes import (Call, Key, ListValue, Name, Pos, Qualified, SpecFile, String, describe,
+from .nodes import (Call, Key, ListValue, Name, Pos, Qualified, SpecFile, String, blame, describe,
                     from_command_line)
 from .limits import (check_microbatches, check_model_limits, check_source_reads,
                      check_train_limits)
@@ -54,7 +54,8 @@ def check_model(view: View, c: Checker) -> ModelSpec | None:
     if got.get("width") and got.get("heads") and got["width"] % got["heads"]:
         w, h = got["width"], got["heads"]
         near = sorted(divisors(w), key=lambda d: (abs(d - h), d))[:3]
-        c.error(f["heads"].value.pos, f"heads ({h}) must divide width ({w})",
+        c.error(blame(f["heads"].value.pos, f["width"].value.pos),
+                f"heads ({h}) must divide width ({w})",
                 f"heads that divide {w}: {', '.join(map(str, sorted(near)))}")
         got["heads"] = None
     elif got.get("width") and got.get("heads") and (got["width"] // got["heads"]) % 2:
@@ -62,7 +63,8 @@ def check_model(view: View, c: Checker) -> ModelSpec | None:
         w, h = got["width"], got["heads"]
         even = [d for d in divisors(w) if (w // d) % 2 == 0]
         near = sorted(even, key=lambda d: (abs(d - h), d))[:3]
-        c.error(f["heads"].value.pos, f"the head size width/heads = {w // h} is odd; rotary "
+        c.error(blame(f["heads"].value.pos, f["width"].value.pos),
+                f"the head size width/heads = {w // h} is odd; rotary "
                 f"positions rotate channel pairs, so it must be even",
                 f"heads giving an even head size: {', '.join(map(str, sorted(near)))}" if near
                 else f"no heads do for an odd width ({w}); make the width even")
@@ -154,7 +156,8 @@ def check_parallel(view: View, c: Checker) -> ParallelSpec | None:
     if "schedule" in f:
         schedule = c.choice(f["schedule"], "schedule", SCHEDULES)
         if schedule and virtual and virtual > 1 and schedule != "interleaved_1f1b":
-            c.error(f["schedule"].value.pos, f"schedule {schedule} runs one chunk per stage, "
+            c.error(blame(f["schedule"].value.pos, f["virtual"].value.pos),
+                    f"schedule {schedule} runs one chunk per stage, "
                     f"but virtual is {virtual}", "use schedule: interleaved_1f1b, or virtual: 1")
     elif virtual:
         schedule = "interleaved_1f1b" if virtual > 1 else "1f1b"
@@ -162,7 +165,8 @@ def check_parallel(view: View, c: Checker) -> ParallelSpec | None:
     if "microbatches" in f:
         micro = c.integer(f["microbatches"], "microbatches", 1)
         if micro and stages and micro < stages:
-            c.error(f["microbatches"].value.pos,
+            c.error(blame(f["microbatches"].value.pos, f["stages"].value.pos if "stages" in f
+                          else None),
                     f"microbatches ({micro}) must be at least stages ({stages})",
                     "with fewer microbatches than stages some stages would sit idle; "
                     f"use microbatches: {stages} or more")
@@ -225,7 +229,8 @@ def check_train(view: View, c: Checker) -> TrainSpec | None:
                 "warmup counts optimizer steps and must be at most steps")
     lr = got.get("lr", TrainSpec.lr)
     if got.get("min_lr") is not None and lr and got["min_lr"] > lr:
-        c.error(f["min_lr"].value.pos, f"min_lr ({f['min_lr'].value.text}) is above lr ({lr:g})",
+        c.error(blame(f["min_lr"].value.pos, f["lr"].value.pos if "lr" in f else None),
+                f"min_lr ({f['min_lr'].value.text}) is above lr ({lr:g})",
                 "min_lr is where the cosine schedule ends; keep it at most lr")
     if len(c.errors) > before or None in got.values():
         return None
@@ -300,7 +305,8 @@ def check(file: SpecFile, text: str, overrides=()) -> Spec:
         if parallel.chunks > L:
             fv = views["parallel"].fields
             where = fv["virtual"] if "virtual" in fv and parallel.virtual > 1 else fv["stages"]
-            c.error(where.value.pos, f"stages x virtual = {parallel.chunks} model chunks, but the "
+            c.error(blame(where.value.pos, model.where("depth")),
+                    f"stages x virtual = {parallel.chunks} model chunks, but the "
                     f"model has only {L} sublayers", "each chunk needs at least one sublayer; "
                     "use fewer stages or virtual stages, or a deeper model")
     raise_all(_reported(sorted(c.errors, key=lambda e: _order(e, file.path))))

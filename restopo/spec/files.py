@@ -52,6 +52,22 @@ def read_spec_file(path: str | os.PathLike) -> str:
         raise
     finally:
         os.close(fd)
+    return _text(data, path)
+
+
+def read_spec_stdin(name: str = "<stdin>") -> str:
+    """The text of a spec piped in (`restopo check -`), read to its end or the cap, with
+    the errors read_spec_file gives, naming it `name`."""
+    try:
+        data = _read_capped(0, MAX_SPEC_BYTES + 1)
+    except OSError as e:
+        e.filename = name
+        raise
+    return _text(data, name)
+
+
+def _text(data: bytes, path: str) -> str:
+    """Spec bytes as text, or SpecFileError (too large) / UnicodeDecodeError (not UTF-8)."""
     if len(data) > MAX_SPEC_BYTES:
         raise SpecFileError(path, f"is larger than {MAX_SPEC_BYTES:,} bytes, the most a spec "
                                   f"may hold (a spec is a few dozen lines); is it a spec?",

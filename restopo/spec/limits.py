@@ -19,6 +19,7 @@ IR has billions of edges) at the line that wrote them, in one pass over the dept
 from __future__ import annotations
 
 from .fields import Checker
+from .nodes import blame
 from .objects import ModelSpec, ParallelSpec, TrainSpec
 
 MAX_SOURCE_READS = 1 << 22
@@ -93,7 +94,8 @@ def check_train_limits(train: TrainSpec, context: int | None, c: Checker) -> Non
     """Tokens of one optimizer step and of the validation batches; accumulation steps
     must cut the batch evenly."""
     if train.batch % train.accum:
-        c.error(train.where("accum"), f"accum ({train.accum}) must divide batch "
+        c.error(blame(train.where("accum"), train.where("batch")),
+                f"accum ({train.accum}) must divide batch "
                 f"({train.batch})", "each accumulation step takes batch/accum sequences")
     if context is None:
         return
@@ -119,7 +121,8 @@ def check_microbatches(parallel: ParallelSpec, train: TrainSpec, c: Checker) -> 
         given = any(k == "microbatches" for k, _ in parallel.positions)
         what = (f"microbatches ({micro})" if given else
                 f"stages ({micro}), the number of microbatches when none is given,")
-        c.error(parallel.where("microbatches" if given else "stages"),
+        c.error(blame(parallel.where("microbatches" if given else "stages"),
+                      train.where("batch")),
                 f"{what} must divide train.batch ({train.batch})",
                 "each microbatch takes batch/microbatches sequences of a pipeline's rows; "
                 "use microbatches that divide the batch, or a batch that is a multiple of "

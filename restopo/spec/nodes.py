@@ -140,3 +140,13 @@ def from_command_line(source) -> bool:
     that stands for one (`<--steps>`, overrides.FlagOverride); spec text has its path or
     <string>."""
     return str(source).startswith("<--")
+
+
+def blame(first: Pos, *related: Pos | None) -> Pos:
+    """Where an error relating several values points: at the first of them given on the
+    command line, which is what the person just changed (`--vary model.width=3,4` against
+    the file's `heads: 4`), else at `first`."""
+    for pos in (first, *related):
+        if pos is not None and from_command_line(pos.source):
+            return pos
+    return first

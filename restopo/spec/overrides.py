@@ -27,16 +27,39 @@ def override_values(overrides) -> dict[str, str]:
 
 
 class FlagOverride(str):
-    """The override `key=value` a command's own flag stands for (`--steps 0`: train.steps=0),
-    which an error shows as the flag the person typed, not as a --set they never wrote."""
+    """The override `key=value` a command's own flag stands for (`--steps 0`: train.steps=0;
+    one value of `--vary model.width=32,64`), which an error shows as the flag the person
+    typed, not as a --set they never wrote. `source` names it; `bases` are the offsets from
+    a column of the key, and of the value, to where it stands in the line `shown`."""
 
-    flag: str
+    source: str
     shown: str
+    bases: tuple[int, int]
 
     @classmethod
     def of(cls, flag: str, key: str, value: str) -> "FlagOverride":
         out = cls(f"{key}={value}")
-        out.flag, out.shown = flag, f"{flag} {value}"
+        base = len(flag) - len(key)  # the value follows the flag and a blank
+        out.source, out.shown, out.bases = f"<{flag}>", f"{flag} {value}", (base, base)
+        return out
+
+    @classmethod
+    def vary(cls, text: str) -> list["FlagOverride"]:
+        """`--vary KEY=V1,V2,...` as one override per value, each pointing into the line
+        `--vary KEY=V1,V2,...` (text as typed; parse_vary has checked its form)."""
+        shown = f"--vary {text}"
+        key_text, _, values = text.partition("=")
+        key = key_text.strip()
+        key_base = len("--vary ") + len(key_text) - len(key_text.lstrip())
+        out, col = [], len("--vary ") + len(key_text) + 1  # where the first value starts
+        for item in values.split(","):
+            value = item.strip()
+            one = cls(f"{key}={value}")
+            at = col + len(item) - len(item.lstrip())
+            one.source, one.shown = f"<--vary {key}>", shown
+            one.bases = (key_base, at - len(key) - 1)
+            out.append(one)
+            col += len(item) + 1
         return out
 
 
@@ -45,18 +68,19 @@ def apply_overrides(views: dict[str, View], overrides, c: Checker) -> None:
     recording its text as the source `<--set N>` (a flag's: `<--flag>`, showing the flag
     as typed) so errors can point into it."""
     for i, text in enumerate(overrides, start=1):
-        if isinstance(text, FlagOverride):  # columns of the value line up with the flag's
-            source, line = f"<{text.flag}>", text.shown
-            base = len(text.flag) - text.index("=")
+        eq = text.find("=")
+        if isinstance(text, FlagOverride):  # columns line up with the flag's line
+            source, line, (key_base, value_base) = text.source, text.shown, text.bases
         else:
-            source, line, base = f"<--set {i}>", f"--set {text}", len("--set ")
+            source, line = f"<--set {i}>", f"--set {text}"
+            key_base = value_base = len("--set ")
         c.src.texts[source] = line
 
         def at(col0: int, end: int | None = None) -> Pos:
             """Position of 0-based column `col0` of the override text, in the shown line."""
+            base = key_base if eq < 0 or col0 <= eq else value_base
             return Pos(source, 1, base + col0 + 1, 1, base + (col0 if end is None else end) + 1)
 
-        eq = text.find("=")
         path = text[:eq] if eq >= 0 else text
         section, dot, key = path.partition(".")
         sec = section.strip()
@@ -80,7 +104,7 @@ def apply_overrides(views: dict[str, View], overrides, c: Checker) -> None:
             value = String(value_text.strip(), at(eq + 1 + lead, eq + 1 + len(value_text.rstrip())))
         else:
             try:
-                value = parse_value(value_text, source, offset=base + eq + 1)
+                value = parse_value(value_text, source, offset=value_base + eq + 1)
             except SpecError as e:
                 c.errors.append(SpecError(e.path, e.line, e.column, e.message, e.hint, line))
                 continue

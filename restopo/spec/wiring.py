@@ -15,7 +15,7 @@ from dataclasses import replace
 from .. import topology as T
 from .errors import SpecError, did_you_mean
 from .fields import SEP_HINT, Checker, Field, View, alts, divisors, positions
-from .nodes import Arg, Call, Key, ListValue, Name, describe, from_command_line
+from .nodes import Arg, Call, Key, ListValue, Name, blame, describe, from_command_line
 from .objects import ModelSpec, ResidualSpec
 from .resolve import (ATTEND_OPTIONS, METHOD_OPTIONS, SCALARS_OPTIONS, STREAM_OPTIONS,
                       resolve_residual)
@@ -390,7 +390,8 @@ def check_against_model(model: ModelSpec, residual: ResidualSpec,
             heads.append((rule.heads, residual.where(key)))
     for h, pos in heads:
         if model.width % h:
-            c.error(pos, f"depth-attention heads ({h}) must divide width ({model.width})",
+            c.error(blame(pos, model.where("width")),
+                    f"depth-attention heads ({h}) must divide width ({model.width})",
                     f"heads that divide {model.width}: "
                     + ", ".join(str(d) for d in divisors(model.width) if d <= 64))
     # The partition depends on the depth; the rules' sources were checked statically (the
