@@ -257,3 +257,25 @@ def test_triton_backend_matches_eager():
     loss_e.backward()
     for a, b in zip(restopo.aggregations(fused), restopo.aggregations(eager)):
         torch.testing.assert_close(a.pseudo_query.grad, b.pseudo_query.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_an_epsilon_written_in_the_norms_code_is_warned_of_and_named():
+    """nanoGPT's LayerNorm writes `F.layer_norm(..., 1e-5)` in its forward: no attribute
+    to read, so a mean-start rewire said nothing of it, and norm_eps= said only 'in their
+    code'. The epsilon is read from a trace of the norm's forward."""
+    import warnings
+
+    from restopo.fx.rewire import RewireWarning, coded_norm_eps
+    m = gpt()
+    assert set(coded_norm_eps(m).values()) == {1e-5} and len(coded_norm_eps(m)) == 5
+    with pytest.warns(RewireWarning, match=r"epsilon up to 1e-05: full_attnres.*"
+                                           r"LayerNorm\.forward writes its epsilon"):
+        rewire(m, "residual full_attnres\n")
+    with warnings.catch_warnings():  # a sum is not affected by the epsilon
+        warnings.simplefilter("error", RewireWarning)
+        rewire(m, "residual standard\n")
+    with pytest.raises(RewireError, match=r"keep their epsilon \(1e-05\) in their code "
+                                          r"\(LayerNorm\.forward\)"):
+        rewire(m, "residual full_attnres\n", norm_eps=1e-24)
+    # torch's own LayerNorm keeps it in an attribute, read there and not traced
+    assert coded_norm_eps(torch.nn.Sequential(torch.nn.LayerNorm(4, eps=1e-3))) == {}

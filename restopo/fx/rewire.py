@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from ..ir import build_ir
 from ..topology import Topology
@@ -118,6 +119,40 @@ def norm_eps(model: nn.Module) -> dict[str, float]:
     return {name: getattr(m, attr) for name, m, attr in _norm_eps_attrs(model)}
 
 
+# the functional norms and where each takes its epsilon: (position, keyword)
+_EPS_ARG = {F.layer_norm: (4, "eps"), torch.layer_norm: (4, "eps"),
+            F.group_norm: (4, "eps"), **({F.rms_norm: (3, "eps"), torch.rms_norm: (3, "eps")}
+                                        if hasattr(F, "rms_norm") else {})}
+
+
+def coded_norm_eps(model: nn.Module) -> dict[str, float]:
+    """{module name: epsilon} of the norm modules that write theirs in their code (nanoGPT's
+    `F.layer_norm(x, ..., 1e-5)`), read from a trace of their forward; a norm that does not
+    trace, or computes its own, is left out."""
+    from .tracer import classify
+    kept = {name for name, _, _ in _norm_eps_attrs(model)}
+    out = {}
+    for name, m in model.named_modules():
+        if classify(m) != "norm" or name in kept or type(m).forward in _TORCH_NORM_FORWARDS:
+            continue
+        try:
+            graph = torch.fx.symbolic_trace(m).graph
+        except Exception:  # noqa: BLE001 - any code fx cannot trace: nothing to read
+            continue
+        for node in graph.nodes:
+            at = _EPS_ARG.get(node.target) if node.op == "call_function" else None
+            if at is None:
+                continue
+            eps = node.args[at[0]] if len(node.args) > at[0] else node.kwargs.get(at[1])
+            if isinstance(eps, float):
+                out[name] = eps
+    return out
+
+
+_TORCH_NORM_FORWARDS = {nn.LayerNorm.forward, nn.GroupNorm.forward,
+                        *([nn.RMSNorm.forward] if hasattr(nn, "RMSNorm") else [])}
+
+
 def set_norm_eps(model: nn.Module, eps: float) -> None:
     """Set every norm's epsilon attribute; RewireError when there is none to set."""
     from .tracer import classify
@@ -126,9 +161,11 @@ def set_norm_eps(model: nn.Module, eps: float) -> None:
     settable = list(_norm_eps_attrs(model))
     norms = [m for m in model.modules() if classify(m) == "norm"]
     if norms and not settable:
+        coded = coded_norm_eps(model)
         raise RewireError(f"the model's norms ({type(norms[0]).__name__}) keep their epsilon "
-                          "in their code, not in an attribute (eps, variance_epsilon): "
-                          "change it there")
+                          + (f"({max(coded.values()):g}) " if coded else "")
+                          + f"in their code ({type(norms[0]).__name__}.forward), not in an "
+                          "attribute (eps, variance_epsilon): change it there")
     for _, m, attr in settable:
         setattr(m, attr, float(eps))
 
@@ -141,14 +178,20 @@ def _warn_of_norm_eps(model: nn.Module, topology: Topology) -> None:
     if topology.sublayer_rule.method == "sum" or topology.sublayer_rule.multi_stream:
         return
     large = {k: v for k, v in norm_eps(model).items() if v > MEAN_START_EPS}
-    if large:
-        eps = max(large.values())
+    coded = {k: v for k, v in coded_norm_eps(model).items() if v > MEAN_START_EPS}
+    if large or coded:
+        eps = max({**large, **coded}.values())
+        where = type(model.get_submodule(next(iter(coded)))).__name__ if coded else ""
         warnings.warn(
             f"the model's norms use epsilon up to {eps:g}: {topology.name}'s aggregations "
             "start as the mean of their sources, whose scale can fall near it at step 0, so "
             "the rewired model does not start as the original (README: 'Starting as the "
-            "standard model'); rewire(..., norm_eps=1e-24) sets the norms' epsilon so that "
-            "it does", RewireWarning, stacklevel=3)
+            "standard model'); " + (
+                "rewire(..., norm_eps=1e-24) sets the norms' epsilon so that it does"
+                if not coded else
+                f"{where}.forward writes its epsilon in its code: make it 1e-24 there (or "
+                "an attribute rewire's norm_eps= can set) so that it does"),
+            RewireWarning, stacklevel=3)
 
 
 class RewireWarning(UserWarning):
