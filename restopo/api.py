@@ -7,7 +7,7 @@ from torch import fx, nn
 
 from . import ops
 from .decode import generate
-from .fx.lower import aggregation_modules, lower, lowered, parts_of
+from .fx.lower import aggregation_modules, give_method, lower, lowered, parts_of
 from .ir import build_ir
 from .nn.aggregate import Attend, TwoPhase, make_aggregation
 from .nn.init import Init
@@ -62,10 +62,8 @@ def compile(spec_or_path, backend: str = "auto", overrides=(), *,  # noqa: A001
     model.spec_text = spec.text
     model.restopo_overrides = tuple(getattr(spec, "overrides", ()) or ())
     model.restopo_spec = spec
-    # model.generate(idx, max_new_tokens, ...): fx gives each GraphModule a class of its
-    # own, so this is this model's method (a copy made by deepcopy/pickle gets a fresh class
-    # without it: restopo.generate(model, ...) works on any)
-    type(model).generate = generate
+    # model.generate(idx, max_new_tokens, ...), kept by copies of the model
+    give_method(model, "generate", generate)
     return model
 
 

@@ -283,6 +283,9 @@ def test_a_model_copies_and_pickles_after_decoding(topology, backend):
             [p.first_norm is None for p in model.phases]
         torch.testing.assert_close(Decoder(other, idx.shape[0], idx.shape[1] + 1)(idx), first,
                                    rtol=0, atol=0)
+        # model.generate is kept too (a copy's fresh GraphModule class lost it)
+        assert torch.equal(other.generate(idx, 3, temperature=0),
+                           model.generate(idx, 3, temperature=0))
     for m in (model, *copies):
         m.train()(idx).logsumexp(-1).mean().backward()
     for other in copies:

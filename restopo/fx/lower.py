@@ -131,6 +131,7 @@ class Lowered(fx.GraphModule):
         for k, v in self.__dict__.items():
             if (k.startswith(KEPT_PREFIX) or k in KEPT) and k not in res.__dict__:
                 setattr(res, k, copied[k] if k in copied else copy.deepcopy(v, memo))
+        _attach_methods(res)
         return res
 
     def __reduce__(self):
@@ -148,7 +149,21 @@ def _lowered_again(rebuild, args) -> Lowered:
     impl.__name__ = type(gm).__name__
     gm.__class__ = impl
     gm.recompile()
+    _attach_methods(gm)
     return gm
+
+
+def give_method(gm: fx.GraphModule, name: str, fn) -> None:
+    """Make `fn` (a module-level function, so pickle can name it) a method of this model:
+    fx gives each GraphModule a class of its own, and a copy (deepcopy, pickle) a fresh one,
+    so the method is kept in `restopo_methods` and put on each copy's class again."""
+    gm.restopo_methods = {**getattr(gm, "restopo_methods", {}), name: fn}
+    setattr(type(gm), name, fn)
+
+
+def _attach_methods(gm: fx.GraphModule) -> None:
+    for name, fn in getattr(gm, "restopo_methods", {}).items():
+        setattr(type(gm), name, fn)
 
 
 def _share_logits(gm: fx.GraphModule, g: IR, plan) -> None:
