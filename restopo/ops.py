@@ -164,6 +164,8 @@ def depth_attention(sources: torch.Tensor, query: torch.Tensor,
     sources, the fused kernels make their own."""
     if isinstance(sources, torch.Tensor) and sources.dim() < 2:
         raise ValueError(f"sources must be [n, *batch, d]; got shape {tuple(sources.shape)}")
+    if len(sources) == 0:  # a softmax over nothing: every backend refuses, none returns 0
+        raise ValueError("depth attention needs at least one source; got none")
     if logits is not None and gate == "softmax" and len(logits) == 1 and len(sources) == 1:
         # a softmax over one logit is 1 exactly: the source itself (a grouped Full AttnRes
         # reader that reads nothing besides its group's phase 1, restopo.nn.shared_sources;
@@ -188,6 +190,9 @@ def phase1(completed: torch.Tensor, queries: torch.Tensor,
     already made (as in depth_attention).
     The eager backend returns the normalised form instead: o1 / s1, m1 + log s1, and s1
     as S Nones (s1[s] is None). phase2 takes both forms."""
+    if len(completed) == 0:
+        raise ValueError("phase 1 needs at least one completed block; got none (a block's "
+                         "first sublayer with nothing before it has no phase 1)")
     picked = _pick(backend, _first(completed))
     if picked == "triton":
         return _triton_module().phase1(completed, queries, key_norm_weights, eps,

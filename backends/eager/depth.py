@@ -27,7 +27,10 @@ def keys(sources: torch.Tensor, eps: float, key_norm: bool = True) -> torch.Tens
 def gained(query: torch.Tensor, key_norm_weight: torch.Tensor | None,
            key_norm: bool = True) -> torch.Tensor:
     """The query with the key-norm gain folded in (the gain applies only with key norm)."""
-    return query if key_norm_weight is None or not key_norm else query * key_norm_weight
+    if key_norm_weight is None or not key_norm:
+        return query
+    # in at least fp32: a bf16 product would round the query the logits are taken with
+    return weighted._wide(query) * key_norm_weight
 
 
 def logits(sources: torch.Tensor, query: torch.Tensor, key_norm_weight: torch.Tensor | None,
@@ -35,7 +38,9 @@ def logits(sources: torch.Tensor, query: torch.Tensor, key_norm_weight: torch.Te
     """[n, *batch, heads]: the depth-attention logit of every source (per head).
 
     `query` is [d] (a static pseudo-query) or [*batch, d] (one per token)."""
-    k = keys(sources, eps, key_norm).unflatten(-1, (heads, -1))
+    # in at least fp32, as the fused kernels (weighted._wide): bf16 logits and products
+    # lost most of a saturated softmax's query gradient
+    k = keys(weighted._wide(sources), eps, key_norm).unflatten(-1, (heads, -1))
     q = gained(query, key_norm_weight, key_norm).unflatten(-1, (heads, -1))
     if q.dim() == 2:  # one static query: a single matmul over every source and token
         return torch.einsum("n...hc,hc->n...h", k, q)
@@ -80,7 +85,8 @@ def depth_attention(sources: torch.Tensor | Sequence[torch.Tensor], query: torch
                                          heads=heads, logits=logits)
     alpha = depth_weights(sources, query, key_norm_weight, eps, key_norm=key_norm, gate=gate,
                           heads=heads)
-    return (_expand(alpha, sources.shape[-1]) * sources).sum(0)
+    # the weights stay fp32 for a half-precision sum: its result is rounded once
+    return (_expand(alpha, sources.shape[-1]) * sources).sum(0).to(sources.dtype)
 
 
 def phase1(completed: torch.Tensor | Sequence[torch.Tensor], queries: torch.Tensor,

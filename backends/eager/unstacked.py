@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from .rmsnorm import rstd
-from .weighted import _acc, weighted_sum
+from .weighted import _acc, _wide, weighted_sum
 
 
 class _Rstd(torch.autograd.Function):
@@ -87,7 +87,7 @@ def logits_against(v: torch.Tensor, gained_queries: torch.Tensor, eps: float, ke
         q = gained_queries.unflatten(-1, (heads, -1)).view(R, *[1] * (v.dim() - 1), heads, -1)
         z = (v.unflatten(-1, (heads, -1)) * q).sum(-1, dtype=acc)
     else:  # [R*H, tokens] = W^T v^T: one matmul, its output already query-major
-        w = query_matrix(gained_queries, heads).to(v.dtype)
+        w = query_matrix(gained_queries, heads).to(acc)  # fp32 for fp16/bf16 v: _wide
         if torch.is_grad_enabled() and (v.requires_grad or w.requires_grad):
             z = _Logits.apply(v, w, eps, key_norm)
         else:
@@ -121,15 +121,19 @@ class _Logits(torch.autograd.Function):
     def backward(ctx, dz):
         v, w, u, r = ctx.saved_tensors
         v2 = v.reshape(-1, v.shape[-1])
-        du = (dz * r if r is not None else dz).to(v.dtype)          # [R*H, M]
-        dw = (du @ v2).t() if ctx.needs_input_grad[1] else None
+        half = v.dtype != _acc(v)  # fp16/bf16: the products in fp32 (weighted._wide)
+        du = dz * r if r is not None else dz                        # [R*H, M], wide
+        du = du if half else du.to(v.dtype)
+        dw = (du @ _wide(v2)).t().to(w.dtype) if ctx.needs_input_grad[1] else None
         if not ctx.needs_input_grad[0]:
             return None, dw, None, None
         # v's gradient: added in place to the readers' sum when v is gathered (handed on
         # by the view, see weighted._Sink), else a tensor of its own
         buf, summed = (None, False) if ctx.sink is None else ctx.sink.buffer(v)
         dv = torch.empty_like(v2) if buf is None else buf.view(v2.shape)
-        if summed:
+        if half:
+            dv.add_(du.t() @ _wide(w).t()) if summed else dv.copy_(du.t() @ _wide(w).t())
+        elif summed:
             dv.addmm_(du.t(), w.t())
         else:
             torch.mm(du.t(), w.t(), out=dv)
@@ -142,7 +146,7 @@ class _Logits(torch.autograd.Function):
 def _logit_parts(v, w, eps, key_norm):
     """(u = W^T v^T [R*H, tokens] in at least fp32, rstd(v) [1, tokens] or None without
     key norm): the logits are u * rstd."""
-    u = (w.t() @ v.reshape(-1, v.shape[-1]).t()).to(_acc(v))
+    u = (_wide(w).t() @ _wide(v.reshape(-1, v.shape[-1])).t()).to(_acc(v))
     return u, (rstd(v, eps).view(1, -1) if key_norm else None)
 
 
@@ -219,7 +223,7 @@ class _Lerp(torch.autograd.Function):
     def forward(ctx, h1, lse, p, q, eps, key_norm):
         heads = lse.shape[-1]
         acc = _acc(p)
-        u = (p.reshape(-1, p.shape[-1]) @ query_matrix(q[None], heads).to(p.dtype)).to(acc)
+        u = (_wide(p.reshape(-1, p.shape[-1])) @ query_matrix(q[None], heads).to(acc)).to(acc)
         u = u.view(lse.shape)                                     # q . p per head
         r = rstd(p, eps) if key_norm else None
         z2 = u * r if key_norm else u
@@ -237,8 +241,8 @@ class _Lerp(torch.autograd.Function):
         heads, acc = w.shape[-1], w.dtype
         g = grad.unflatten(-1, (heads, -1))
         ph = p.unflatten(-1, (heads, -1))
-        scratch = torch.sub(ph, h1.unflatten(-1, (heads, -1)))   # p - h1
-        dw = scratch.mul_(g).sum(-1, dtype=acc)                    # g . (p - h1) per head
+        scratch = torch.sub(_wide(ph), _wide(h1.unflatten(-1, (heads, -1))))   # p - h1
+        dw = scratch.mul_(_wide(g)).sum(-1, dtype=acc)             # g . (p - h1) per head
         dz2 = dw * w * (1 - w)
         wv = w.unsqueeze(-1).to(g.dtype)
         d_h1 = g * (1 - wv)
@@ -249,5 +253,6 @@ class _Lerp(torch.autograd.Function):
             # (dz2 . u) rstd^3 = (dz2 . z2) rstd^2, finite where rstd^3 overflows
             dr = (dz2 * z2).sum(-1, keepdim=True) * (r * r) * (-1.0 / p.shape[-1])
             d_p.addcmul_(ph, dr.unsqueeze(-1).to(p.dtype))
-        d_q = torch.einsum("...h,...hc->hc", du.to(p.dtype), ph).flatten()
+        d_q = torch.einsum("...h,...hc->hc", du.to(_wide(ph).dtype), _wide(ph)).flatten()
+        d_q = d_q.to(q.dtype)
         return d_h1.flatten(-2), -dz2, d_p.flatten(-2), d_q, None, None

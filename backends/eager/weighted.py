@@ -27,6 +27,15 @@ def _acc(v: torch.Tensor) -> torch.dtype:
     return torch.float32 if v.dtype in _HALF else v.dtype
 
 
+def _wide(v: torch.Tensor) -> torch.Tensor:
+    """v in its accumulation dtype (a copy for fp16/bf16, v itself otherwise): for products
+    that feed a sum whose result is kept wide. A half-precision product rounds each term to
+    8 bits of mantissa, and a softmax's backward then cancels the rounded terms against
+    each other (a saturated softmax lost most of alpha's gradient); the fused kernels
+    multiply in fp32, and so does this."""
+    return v.float() if v.dtype in _HALF else v
+
+
 class _Sink:
     """Where the weighted sums that read one source add up its gradient, within one
     backward pass: a pass that does not need the source never runs the view's node, so
@@ -150,15 +159,16 @@ class WeightedSum(torch.autograd.Function):
         d_alpha = product = None
         if ctx.needs_input_grad[0]:  # alpha's gradient: each output's gradient . v_i
             d_alpha = torch.empty(a.shape[:-1], dtype=_acc(grad), device=grad.device)
-            product = torch.empty_like(gs[0])                     # reused scratch
+            product = torch.empty_like(gs[0], dtype=d_alpha.dtype)  # reused scratch
+            wide_gs = [_wide(g_s) for g_s in gs]
         d_sources = []
         for i, (v, sink) in enumerate(zip(sources, ctx.sinks)):
             vh = v.unflatten(-1, (heads, -1))
+            wide_v = _wide(vh) if product is not None else None
             dv = None
             for s, (g_s, a_is) in enumerate(zip(gs, a[i])):
                 if product is not None:
-                    torch.sum(torch.mul(g_s, vh, out=product), -1, dtype=d_alpha.dtype,
-                              out=d_alpha[i, s])
+                    torch.sum(torch.mul(wide_gs[s], wide_v, out=product), -1, out=d_alpha[i, s])
                 if sink is not None:  # a gathered source: added in place (see gathered)
                     sink.add(g_s, a_is)
                 elif ctx.needs_input_grad[2 + i]:
