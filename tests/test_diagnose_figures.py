@@ -215,6 +215,11 @@ def test_step0_line_flags_a_broken_start_and_names_the_expected_ones(monkeypatch
     rezero = T.rezero(m.kinds)
     report = step0_report(m, rezero, build_ir(m.kinds, rezero), idx)
     assert not report["expected_equal"] and "as expected" in report["line"]
+    assert "does not weigh every earlier output alike" in report["line"]
+    # mHC weighs its sources alike too: it is its random phi that it differs by
+    mhc = T.mhc(m.kinds, streams=2)
+    report = step0_report(m, mhc, build_ir(m.kinds, mhc), idx)
+    assert not report["expected_equal"] and "mhc's small random phi" in report["line"]
     monkeypatch.setattr(sublayers, "NORM_EPS", 1e-6)  # read when the norms are built
     monkeypatch.setattr(aggregate, "EPS", 1e-6)
     report = step0_report(m, full, build_ir(m.kinds, full), idx)

@@ -172,6 +172,11 @@ def test_inspect_pipeline_cli(capsys):
     assert main(["inspect", "examples/block_attnres.restopo", "--pipeline", "4x2"]) == 0
     text = capsys.readouterr().out
     assert "pipeline 4x2" in text and "paper's bound" in text
+    # a topology that reads no completed block (multi-stream, standard) has no such bound
+    for example in ("mhc", "standard"):
+        assert main(["inspect", f"examples/{example}.restopo", "--pipeline", "2x2"]) == 0
+        text = capsys.readouterr().out
+        assert "block transfers: none" in text and "paper's bound" not in text
     # a usage error: the console exits with status 2
     assert main(["inspect", "examples/block_attnres.restopo", "--pipeline", "40x2"]) == 2
     err = capsys.readouterr().err

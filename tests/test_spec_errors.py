@@ -340,6 +340,12 @@ GOLDEN = [
      '<--set 1>', 1, 20,
      'warmup (30) is longer than steps (10)',
      'warmup counts optimizer steps and must be at most steps'),
+    # a value past any key's reach still names this key's own bound (it said 2,147,483,647)
+    ('streams_past_any_bound', M + "residual hyper_connections(streams: 99999999999999999999)\n",
+     (),
+     'spec.restopo', 2, 37,
+     "'streams' must be at most 16, got 99999999999999999999",
+     'the number of residual streams, each of width d (the papers use 1 to 8)'),
     # an error relating two values points at the one the command line changed
     ('override_width_against_files_heads', M + "residual standard\n", ("model.width=6",),
      '<--set 1>', 1, 19,

@@ -14,7 +14,11 @@ SINKHORN_HINT = ("Sinkhorn-Knopp iterations per sublayer (mHC uses 20); at most 
 # (spec text after the model, overrides, line, column, message, hint)
 ERRORS = [
     ("residual mhc\n", (), 2, 10, "mhc needs 'streams: n', the number of residual streams",
-     "e.g. mhc(streams: 4): n = 4 is the papers' choice; 1 is a plain residual"),
+     "e.g. mhc(streams: 4): n = 4 is the papers' choice; with 1 the sublayer's output keeps "
+     "a learned gate (post = 2 sigmoid)"),
+    ("residual hyper_connections\n", (), 2, 10,
+     "hyper_connections needs 'streams: n', the number of residual streams",
+     "e.g. hyper_connections(streams: 4): n = 4 is the papers' choice; 1 is a plain residual"),
     ("residual mhc(streams: 0)\n", (), 2, 23, "'streams' must be at least 1, got 0",
      "the number of residual streams, each of width d (the papers use 1 to 8)"),
     ("residual hyper_connections(streams: 17)\n", (), 2, 37,

@@ -87,9 +87,12 @@ def describe(plan) -> str:
     np_text = f"N_p = {n_p}" if n_p is not None else \
         f"chunks complete {[len(c['blocks_completed']) for c in d['chunk_table']]} blocks; " \
         "N_p taken as N/C"
-    lines.append(f"  block transfers: naive {t['naive']['blocks']}, cached "
-                 f"{t['cached']['blocks']}, paper's bound P(P-1)/2 N_p + (V-1) P^2 N_p = "
-                 f"{_num(t['paper_bound_blocks'])}  ({np_text})")
+    if not t["naive"]["blocks"]:  # the bound counts blocks a later stage reads: none here
+        lines.append("  block transfers: none (no stage reads a block completed before it)")
+    else:
+        lines.append(f"  block transfers: naive {t['naive']['blocks']}, cached "
+                     f"{t['cached']['blocks']}, paper's bound P(P-1)/2 N_p + (V-1) P^2 N_p = "
+                     f"{_num(t['paper_bound_blocks'])}  ({np_text})")
     if t["naive"]["vectors_per_token"]:
         lines.append(f"  cached / naive = "
                      f"{t['cached']['vectors_per_token'] / t['naive']['vectors_per_token']:.3f}")

@@ -16,6 +16,8 @@ def summary(g: IR) -> dict:
             entry.update(query=a.query, gate=a.gate, key_norm=a.key_norm, heads=a.heads)
         elif a.method == "scalars":  # none: DenseFormer's raw weights; else normalised
             entry.update(gate=a.gate)
+        elif a.multi_stream and a.is_head:  # the head sums the streams: no coefficients
+            entry.update(method="sum", streams=a.streams)
         elif a.multi_stream:
             entry.update(streams=a.streams)
             if a.method == "hyper_connections":

@@ -68,7 +68,9 @@ class Checker:
             return None
         return f.value
 
-    def number(self, f: Field, name: str, *, ratio: bool = False):
+    def number(self, f: Field, name: str, *, ratio: bool = False, hi=None, why=None):
+        """The value of a number field; `hi` and `why`: the key's own bound, which a value
+        past what any key takes is told of too (not a bound that is not this key's)."""
         v = self.single(f, name)
         if v is None:
             return None
@@ -84,8 +86,12 @@ class Checker:
         if (isinstance(value, int) and abs(value) > MAX_INT) or (
                 isinstance(value, float) and not abs(value) <= MAX_INT):
             shown = v.text if len(v.text) <= 24 else v.text[:20] + "..."
-            self.error(v.pos, f"'{name}' is too large: {shown}",
-                       f"values are at most {MAX_INT:,}")
+            if hi is not None:
+                self.error(v.pos, f"'{name}' must be at most {describe_number(hi)}, got {shown}",
+                           why)
+            else:
+                self.error(v.pos, f"'{name}' is too large: {shown}",
+                           f"values are at most {MAX_INT:,}")
             return None
         if v.unit == "x" and not ratio:
             self.error(v.pos, f"'{name}' is not a ratio; write {describe_number(v.value)} "
@@ -95,7 +101,7 @@ class Checker:
 
     def integer(self, f: Field, name: str, lo: int | None = None, hi: int | None = None,
                 why: str | None = None) -> int | None:
-        n = self.number(f, name)
+        n = self.number(f, name, hi=hi, why=why)
         if n is None:
             return None
         if n != int(n):
@@ -108,7 +114,7 @@ class Checker:
     def real(self, f: Field, name: str, lo: float | None = None, *, above: bool = False,
              hi: float | None = None, why: str | None = None,
              ratio: bool = False) -> float | None:
-        x = self.number(f, name, ratio=ratio)
+        x = self.number(f, name, ratio=ratio, hi=hi, why=why)
         if x is None:
             return None
         x = float(x)

@@ -122,8 +122,9 @@ def _stream_options(fields: dict[str, Field], method: str, pos, c: Checker,
         if quiet:
             return None
         c.error(pos, f"{method} needs 'streams: n', the number of residual streams",
-                f"e.g. {method}(streams: 4): n = 4 is the papers' choice; 1 is a plain "
-                "residual")
+                f"e.g. {method}(streams: 4): n = 4 is the papers' choice" + (
+                    "; 1 is a plain residual" if method == "hyper_connections" else
+                    "; with 1 the sublayer's output keeps a learned gate (post = 2 sigmoid)"))
         return None
     f = fields["streams"]
     n = c.integer(f, "streams", 1, T.MAX_STREAMS,

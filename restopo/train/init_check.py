@@ -90,6 +90,15 @@ def step0_report(model, topology: T.Topology, g: IR, idx: torch.Tensor, seed: in
                 f"epsilon and the initialisation (README: starting as the standard model)")
     else:
         line = (f"step 0: differs from the standard residual by {diff:.2g} of the logit "
-                f"scale (float32), as expected: {g.topology} does not weigh every earlier "
-                f"output alike at initialisation")
+                f"scale (float32), as expected: {_why_not_standard(g)}")
     return {"difference": diff, "expected_equal": expected, "tolerance": tol, "line": line}
+
+
+def _why_not_standard(g: IR) -> str:
+    """Why a topology that does not start as the standard residual does not."""
+    first = g.aggregation(1)
+    if first.multi_stream:  # mHC, mHC-lite (hyper.md section 11)
+        return (f"{first.method}'s small random phi makes its read and write weights depend "
+                "on the token, an O(alpha phi) change that lets the streams come apart (with "
+                "phi = 0 they never would)")
+    return f"{g.topology} does not weigh every earlier output alike at initialisation"

@@ -55,6 +55,15 @@ def _weighted__acc(v: torch.Tensor) -> torch.dtype:
     return torch.float32 if v.dtype in _HALF else v.dtype
 
 
+def _weighted__wide(v: torch.Tensor) -> torch.Tensor:
+    """v in its accumulation dtype (a copy for fp16/bf16, v itself otherwise): for products
+    that feed a sum whose result is kept wide. A half-precision product rounds each term to
+    8 bits of mantissa, and a softmax's backward then cancels the rounded terms against
+    each other (a saturated softmax lost most of alpha's gradient); the fused kernels
+    multiply in fp32, and so does this."""
+    return v.float() if v.dtype in _HALF else v
+
+
 class _Sink:
     """Where the weighted sums that read one source add up its gradient, within one
     backward pass: a pass that does not need the source never runs the view's node, so
@@ -178,15 +187,16 @@ class WeightedSum(torch.autograd.Function):
         d_alpha = product = None
         if ctx.needs_input_grad[0]:  # alpha's gradient: each output's gradient . v_i
             d_alpha = torch.empty(a.shape[:-1], dtype=_weighted__acc(grad), device=grad.device)
-            product = torch.empty_like(gs[0])                     # reused scratch
+            product = torch.empty_like(gs[0], dtype=d_alpha.dtype)  # reused scratch
+            wide_gs = [_weighted__wide(g_s) for g_s in gs]
         d_sources = []
         for i, (v, sink) in enumerate(zip(sources, ctx.sinks)):
             vh = v.unflatten(-1, (heads, -1))
+            wide_v = _weighted__wide(vh) if product is not None else None
             dv = None
             for s, (g_s, a_is) in enumerate(zip(gs, a[i])):
                 if product is not None:
-                    torch.sum(torch.mul(g_s, vh, out=product), -1, dtype=d_alpha.dtype,
-                              out=d_alpha[i, s])
+                    torch.sum(torch.mul(wide_gs[s], wide_v, out=product), -1, out=d_alpha[i, s])
                 if sink is not None:  # a _weighted_gathered source: added in place (see _weighted_gathered)
                     sink.add(g_s, a_is)
                 elif ctx.needs_input_grad[2 + i]:
@@ -200,7 +210,7 @@ class WeightedSum(torch.autograd.Function):
         return (d_alpha, None, *d_sources)
 
 
-weighted = SimpleNamespace(_acc=_weighted__acc, _plain=_weighted__plain, gathered=_weighted_gathered, weighted_sum=_weighted_weighted_sum)
+weighted = SimpleNamespace(_acc=_weighted__acc, _plain=_weighted__plain, _wide=_weighted__wide, gathered=_weighted_gathered, weighted_sum=_weighted_weighted_sum)
 
 
 def _rmsnorm_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -335,7 +345,7 @@ def _unstacked_logits_against(v: torch.Tensor, gained_queries: torch.Tensor, eps
         q = gained_queries.unflatten(-1, (heads, -1)).view(R, *[1] * (v.dim() - 1), heads, -1)
         z = (v.unflatten(-1, (heads, -1)) * q).sum(-1, dtype=acc)
     else:  # [R*H, tokens] = W^T v^T: one matmul, its output already query-major
-        w = _unstacked_query_matrix(gained_queries, heads).to(v.dtype)
+        w = _unstacked_query_matrix(gained_queries, heads).to(acc)  # fp32 for fp16/bf16 v: _weighted__wide
         if torch.is_grad_enabled() and (v.requires_grad or w.requires_grad):
             z = _Logits.apply(v, w, eps, key_norm)
         else:
@@ -369,15 +379,19 @@ class _Logits(torch.autograd.Function):
     def backward(ctx, dz):
         v, w, u, r = ctx.saved_tensors
         v2 = v.reshape(-1, v.shape[-1])
-        du = (dz * r if r is not None else dz).to(v.dtype)          # [R*H, M]
-        dw = (du @ v2).t() if ctx.needs_input_grad[1] else None
+        half = v.dtype != _weighted__acc(v)  # fp16/bf16: the products in fp32 (weighted._wide)
+        du = dz * r if r is not None else dz                        # [R*H, M], wide
+        du = du if half else du.to(v.dtype)
+        dw = (du @ _weighted__wide(v2)).t().to(w.dtype) if ctx.needs_input_grad[1] else None
         if not ctx.needs_input_grad[0]:
             return None, dw, None, None
         # v's gradient: added in place to the readers' sum when v is gathered (handed on
         # by the view, see weighted._Sink), else a tensor of its own
         buf, summed = (None, False) if ctx.sink is None else ctx.sink.buffer(v)
         dv = torch.empty_like(v2) if buf is None else buf.view(v2.shape)
-        if summed:
+        if half:
+            dv.add_(du.t() @ _weighted__wide(w).t()) if summed else dv.copy_(du.t() @ _weighted__wide(w).t())
+        elif summed:
             dv.addmm_(du.t(), w.t())
         else:
             torch.mm(du.t(), w.t(), out=dv)
@@ -390,7 +404,7 @@ class _Logits(torch.autograd.Function):
 def _unstacked__logit_parts(v, w, eps, key_norm):
     """(u = W^T v^T [R*H, tokens] in at least fp32, _rmsnorm_rstd(v) [1, tokens] or None without
     key norm): the logits are u * _rmsnorm_rstd."""
-    u = (w.t() @ v.reshape(-1, v.shape[-1]).t()).to(_weighted__acc(v))
+    u = (_weighted__wide(w).t() @ _weighted__wide(v.reshape(-1, v.shape[-1])).t()).to(_weighted__acc(v))
     return u, (_rmsnorm_rstd(v, eps).view(1, -1) if key_norm else None)
 
 
@@ -467,7 +481,7 @@ class _Lerp(torch.autograd.Function):
     def forward(ctx, h1, lse, p, q, eps, key_norm):
         heads = lse.shape[-1]
         acc = _weighted__acc(p)
-        u = (p.reshape(-1, p.shape[-1]) @ _unstacked_query_matrix(q[None], heads).to(p.dtype)).to(acc)
+        u = (_weighted__wide(p.reshape(-1, p.shape[-1])) @ _unstacked_query_matrix(q[None], heads).to(acc)).to(acc)
         u = u.view(lse.shape)                                     # q . p per head
         r = _rmsnorm_rstd(p, eps) if key_norm else None
         z2 = u * r if key_norm else u
@@ -485,8 +499,8 @@ class _Lerp(torch.autograd.Function):
         heads, acc = w.shape[-1], w.dtype
         g = grad.unflatten(-1, (heads, -1))
         ph = p.unflatten(-1, (heads, -1))
-        scratch = torch.sub(ph, h1.unflatten(-1, (heads, -1)))   # p - h1
-        dw = scratch.mul_(g).sum(-1, dtype=acc)                    # g . (p - h1) per head
+        scratch = torch.sub(_weighted__wide(ph), _weighted__wide(h1.unflatten(-1, (heads, -1))))   # p - h1
+        dw = scratch.mul_(_weighted__wide(g)).sum(-1, dtype=acc)             # g . (p - h1) per head
         dz2 = dw * w * (1 - w)
         wv = w.unsqueeze(-1).to(g.dtype)
         d_h1 = g * (1 - wv)
@@ -497,7 +511,8 @@ class _Lerp(torch.autograd.Function):
             # (dz2 . u) _rmsnorm_rstd^3 = (dz2 . z2) _rmsnorm_rstd^2, finite where _rmsnorm_rstd^3 overflows
             dr = (dz2 * z2).sum(-1, keepdim=True) * (r * r) * (-1.0 / p.shape[-1])
             d_p.addcmul_(ph, dr.unsqueeze(-1).to(p.dtype))
-        d_q = torch.einsum("...h,...hc->hc", du.to(p.dtype), ph).flatten()
+        d_q = torch.einsum("...h,...hc->hc", du.to(_weighted__wide(ph).dtype), _weighted__wide(ph)).flatten()
+        d_q = d_q.to(q.dtype)
         return d_h1.flatten(-2), -dz2, d_p.flatten(-2), d_q, None, None
 
 
@@ -682,7 +697,10 @@ def keys(sources: torch.Tensor, eps: float, key_norm: bool = True) -> torch.Tens
 def gained(query: torch.Tensor, key_norm_weight: torch.Tensor | None,
            key_norm: bool = True) -> torch.Tensor:
     """The query with the key-norm gain folded in (the gain applies only with key norm)."""
-    return query if key_norm_weight is None or not key_norm else query * key_norm_weight
+    if key_norm_weight is None or not key_norm:
+        return query
+    # in at least fp32: a bf16 product would round the query the logits are taken with
+    return weighted._wide(query) * key_norm_weight
 
 
 def logits(sources: torch.Tensor, query: torch.Tensor, key_norm_weight: torch.Tensor | None,
@@ -690,7 +708,9 @@ def logits(sources: torch.Tensor, query: torch.Tensor, key_norm_weight: torch.Te
     """[n, *batch, heads]: the depth-attention logit of every source (per head).
 
     `query` is [d] (a static pseudo-query) or [*batch, d] (one per token)."""
-    k = keys(sources, eps, key_norm).unflatten(-1, (heads, -1))
+    # in at least fp32, as the fused kernels (weighted._wide): bf16 logits and products
+    # lost most of a saturated softmax's query gradient
+    k = keys(weighted._wide(sources), eps, key_norm).unflatten(-1, (heads, -1))
     q = gained(query, key_norm_weight, key_norm).unflatten(-1, (heads, -1))
     if q.dim() == 2:  # one static query: a single matmul over every source and token
         return torch.einsum("n...hc,hc->n...h", k, q)
@@ -735,7 +755,8 @@ def depth_attention(sources: torch.Tensor | Sequence[torch.Tensor], query: torch
                                          heads=heads, logits=logits)
     alpha = depth_weights(sources, query, key_norm_weight, eps, key_norm=key_norm, gate=gate,
                           heads=heads)
-    return (_expand(alpha, sources.shape[-1]) * sources).sum(0)
+    # the weights stay fp32 for a half-precision sum: its result is rounded once
+    return (_expand(alpha, sources.shape[-1]) * sources).sum(0).to(sources.dtype)
 
 
 def phase1(completed: torch.Tensor | Sequence[torch.Tensor], queries: torch.Tensor,
