@@ -384,8 +384,12 @@ class _Logits(torch.autograd.Function):
         # by the view, see weighted._Sink), else a tensor of its own
         buf, summed = (None, False) if ctx.sink is None else ctx.sink.buffer(v)
         dv = torch.empty_like(v2) if buf is None else buf.view(v2.shape)
-        if half:
-            dv.add_(du.t() @ _weighted__wide(w).t()) if summed else dv.copy_(du.t() @ _weighted__wide(w).t())
+        if half:  # the product in fp32, then rounded once into v's dtype
+            wide = du.t() @ _weighted__wide(w).t()
+            if summed:
+                dv.add_(wide)
+            else:
+                dv.copy_(wide)
         elif summed:
             dv.addmm_(du.t(), w.t())
         else:
