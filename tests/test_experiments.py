@@ -1,6 +1,7 @@
 """`restopo sweep` and `restopo compare`: the grid, restarts, failures, the statistics and
 the compute-equivalence fit."""
 import csv
+import io
 import json
 import math
 import os
@@ -186,6 +187,31 @@ def test_runs_trained_differently_are_said_so_with_each_arms_budget():
     same = report.group([run("a", 20, 3e-3), run("b", 20, 3e-3)])
     assert report.settings_differ(same) == []
     assert "1,280 training tokens per run (20 steps of 64 tokens)" in report.scale_note(same)
+
+
+def test_an_unfinished_run_is_left_out_of_the_final_losses_and_named(tmp_path):
+    """A seed stopped at step 300 of 400 was averaged into its arm's 'final' loss (and into
+    the interval against the baseline) without a word. It is left out, counted and named."""
+    def stopped(arm, seed, loss):
+        r = _synthetic_run(arm, arm, seed, 400, loss)
+        r.meta = {**r.meta, "step": 300}
+        r.records = [{"step": 300, "val_loss": loss, "elapsed": 1.0}]
+        return r
+    std = [_synthetic_run("std", "std", s, 400, 2.0 + 0.01 * s) for s in (0, 1)]
+    blk = [_synthetic_run("blk", "blk", 0, 400, 1.9), stopped("blk", 1, 2.6)]
+    arms = report.group(std + blk)
+    assert [len(a.finals) for a in arms] == [2, 1] and arms[1].finals == {0: 1.9}
+    report.compare(arms, arms[0])
+    table = report.rows(arms, arms[0])
+    assert table[1][1] == "1 (+1 unfinished)" and table[1][2] == "1.9000"
+    said = "\n".join(report.reading(arms, arms[0]))
+    assert "Left out of the final and best losses, unfinished" in said
+    assert "blk-s1 (step 300 of 400)" in said
+    rows = list(csv.DictReader(io.StringIO(report.csv_text(arms, arms[0]))))
+    assert rows[1]["seeds"] == "1" and rows[1]["unfinished_runs"] == "blk-s1"
+    # a run with no checkpoint at all: the scale note says it cannot tell
+    bare = Run(Path("/x/c-s0"), "c", 0, {}, [{"step": 3, "val_loss": 2.0}])
+    assert report.scale_note(report.group([bare])).startswith("Scale: not known")
 
 
 def test_compute_equivalence_from_synthetic_runs(tmp_path):

@@ -30,9 +30,20 @@ class Arm:
     diff: Difference | None = None          # final validation loss against the baseline
     extra: dict = field(default_factory=dict)
 
+    @property
+    def finished(self) -> list[Run]:
+        """The runs that reached their last step: the only ones whose losses are final."""
+        return [r for r in self.runs if r.finished]
+
+    @property
+    def unfinished(self) -> list[Run]:
+        return [r for r in self.runs if not r.finished]
+
     def by_seed(self, value) -> dict:
+        """value(run) per seed, over the finished runs (an unfinished run's last loss is
+        not a final one: averaged in, it would pass for one)."""
         out = {}
-        for r in self.runs:
+        for r in self.finished:
             v = value(r)
             if v is not None:
                 out[r.seed if r.seed is not None else r.name] = v
@@ -167,7 +178,9 @@ def rows(arms: list[Arm], baseline: Arm | None) -> list[list[str]]:
     out = []
     for a in arms:
         sps = a.seconds_per_step
-        out.append([a.name, str(len(a.finals)), _pm(a.finals), _pm(a.bests), _diff(a, baseline),
+        seeds = str(len(a.finals)) + (f" (+{len(a.unfinished)} unfinished)"
+                                      if a.unfinished else "")
+        out.append([a.name, seeds, _pm(a.finals), _pm(a.bests), _diff(a, baseline),
                     "-" if sps is None else f"{sps:.3f}",
                     "-" if a.parameters is None else f"{a.parameters:,}",
                     "-" if a.live_values is None else str(a.live_values),
@@ -188,7 +201,7 @@ def csv_text(arms: list[Arm], baseline: Arm | None) -> str:
     w.writerow(["arm", "seeds", "final_val_mean", "final_val_std", "best_val_mean",
                 "best_val_std", "diff_mean", "diff_low", "diff_high", "paired",
                 "seconds_per_step", "parameters", "live_values_per_token",
-                "train_flops_per_token"])
+                "train_flops_per_token", "unfinished_runs"])
     for a in arms:
         fm, fs = mean_std(a.finals.values()) if a.finals else (None, None)
         bm, bs = mean_std(a.bests.values()) if a.bests else (None, None)
@@ -196,7 +209,8 @@ def csv_text(arms: list[Arm], baseline: Arm | None) -> str:
         w.writerow([a.name, len(a.finals), fm, fs, bm, bs,
                     d.mean if d else "", d.low if d else "", d.high if d else "",
                     d.paired if d else "", a.seconds_per_step or "", a.parameters or "",
-                    a.live_values or "", a.train_flops_per_token or ""])
+                    a.live_values or "", a.train_flops_per_token or "",
+                    " ".join(r.name for r in a.unfinished)])
     return buf.getvalue()
 
 
@@ -205,6 +219,7 @@ def reading(arms: list[Arm], baseline: Arm | None) -> list[str]:
     differ = settings_differ(arms)
     unlike = [f"- **The runs were not trained alike**, so their differences are not the "
               f"topology's alone: {'; '.join(differ)}."] if differ else []
+    unlike += unfinished_note(arms)
     if baseline is None:
         return ["No baseline was named (--baseline), so no arm is compared with another."] + \
             unlike
@@ -235,6 +250,17 @@ def reading(arms: list[Arm], baseline: Arm | None) -> list[str]:
     lines += unlike
     lines.append(timing_note([r for a in arms for r in a.runs]))
     return lines
+
+
+def unfinished_note(arms: list[Arm]) -> list[str]:
+    """The runs left out of the final and best losses because they stopped early."""
+    left = [r for a in arms for r in a.unfinished]
+    if not left:
+        return []
+    return [f"- **Left out of the final and best losses, unfinished** ({len(left)} "
+            f"run{'s' * (len(left) != 1)}; `restopo sweep` again, or `restopo train "
+            f"--resume`, finishes them): "
+            + "; ".join(f"{r.name} ({r.progress})" for r in left) + "."]
 
 
 def timing_note(runs) -> str:
@@ -282,9 +308,13 @@ def settings_differ(arms: list[Arm]) -> list[str]:
 
 def scale_note(arms: list[Arm]) -> str:
     """What these runs are, in numbers, against the paper's setting."""
-    r = arms[0].runs[0]
+    read = [x for a in arms for x in a.runs if x.meta]
+    if not read:
+        return ("Scale: not known; no run has a checkpoint to read its model and training "
+                "settings from.")
+    r = read[0]
     params = [a.parameters for a in arms if a.parameters]
-    budgets = {(x.planned_steps, x.tokens_per_step) for a in arms for x in a.runs}
+    budgets = {(x.planned_steps, x.tokens_per_step) for x in read}
     data = (r.spec.train.data if r.spec is not None else "?")
     if len(budgets) == 1:
         budget = (f"{r.tokens_per_step * r.planned_steps:,} training tokens per run "
@@ -293,8 +323,9 @@ def scale_note(arms: list[Arm]) -> str:
         budget = "training tokens per run differing by arm: " + "; ".join(
             f"{a.name} " + " or ".join(sorted({f"{x.tokens_per_step * x.planned_steps:,} "
                                                 f"({x.planned_steps} steps of "
-                                                f"{x.tokens_per_step:,})" for x in a.runs}))
-            for a in arms)
+                                                f"{x.tokens_per_step:,})" for x in a.runs
+                                               if x.meta}))
+            for a in arms if any(x.meta for x in a.runs))
     return (f"Scale: {min(params):,} to {max(params):,} parameters" if params else "Scale: ") + \
         (f", {budget}, data `{data}`. The paper's ablation trained "
          "436M-parameter models on far more tokens and reports gaps of a few thousandths of "

@@ -52,6 +52,21 @@ class Run:
         return int(self.config.get("steps") or self.steps)
 
     @property
+    def finished(self) -> bool:
+        """Whether the run reached its last step, by its newest checkpoint (not by run.json,
+        which a sweep killed outright leaves at 'running'): only then is its last
+        validation loss a final one."""
+        planned = int(self.config.get("steps") or 0)
+        return bool(self.meta) and planned > 0 and self.steps >= planned
+
+    @property
+    def progress(self) -> str:
+        """'step 300 of 400' (or 'no checkpoint') for a note on an unfinished run."""
+        if not self.meta:
+            return "no checkpoint"
+        return f"step {self.steps} of {self.planned_steps}"
+
+    @property
     def tokens_per_step(self) -> int:
         return int(self.config.get("batch", 0)) * int(self.config.get("context", 0))
 
