@@ -49,6 +49,11 @@ def _ignore_interrupts() -> None:
         pass
 
 
+# Set by a sweep for its runs (experiments.runner): `restopo train` then asks to be stopped
+# (SIGTERM: it saves, then stops) when the sweep dies, rather than train on unwatched.
+STOP_WITH_PARENT = "RESTOPO_STOP_WITH_PARENT"
+
+
 def die_with_parent(signum: int) -> None:
     """Have the kernel send `signum` to this process when its parent dies (Linux; elsewhere
     nothing). torchrun's agent asks for it: its workers run in sessions of their own, so a

@@ -129,6 +129,46 @@ def test_a_run_stopped_by_ctrl_c_is_recorded_as_interrupted_not_failed(tmp_path,
     assert "resumes it" in info["error"]
 
 
+def _running(marker: str) -> list[str]:
+    """Processes whose command line holds `marker` (a run folder), as pgrep lists them."""
+    found = subprocess.run(["pgrep", "-f", "-a", marker], capture_output=True, text=True)
+    return [ln for ln in found.stdout.splitlines() if "pgrep" not in ln]
+
+
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL])
+def test_a_sweep_stopped_by_a_signal_to_it_alone_stops_its_runs(tmp_path, how):
+    """`kill PID` (a scheduler, systemd) reaches the sweep alone, not its runs' process
+    group: the sweep died at once and left its run training, orphaned, with run.json at
+    'running'. Now SIGTERM stops it as Ctrl-C does, after passing the stop on, and a sweep
+    killed outright has its run stop too (after saving); a rerun resumes it."""
+    spec = _specs(tmp_path)[0]
+    out = tmp_path / "sw"
+    args = [spec, "--out", str(out), "--set", "train.steps=100000"]
+    proc = subprocess.Popen([sys.executable, "-m", "restopo", "sweep", *args],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    latest = out / "std-s0" / "ckpt" / "latest"
+    deadline = time.time() + 120
+    while time.time() < deadline and not latest.exists():
+        time.sleep(0.2)
+    assert latest.exists(), "the run never saved a checkpoint"
+    proc.send_signal(how)
+    err = proc.communicate(timeout=120)[1]
+    deadline = time.time() + 60
+    while time.time() < deadline and _running(str(out)):
+        time.sleep(0.2)
+    left = _running(str(out))
+    subprocess.run(["pkill", "-KILL", "-f", str(out)])  # a failing run leaves none behind
+    assert not left, left
+    if how == signal.SIGTERM:
+        assert proc.returncode == 128 + signal.SIGTERM
+        assert "restopo sweep: stopped (SIGTERM); the runs are stopped" in err
+        assert json.loads((out / "std-s0" / "run.json").read_text())["status"] == "interrupted"
+    again = _sweep(*args, "--dry-run")
+    assert again.returncode == 0 and "std-s0" in again.stdout and " resume " in again.stdout, \
+        again.stdout + again.stderr
+
+
 def test_statistics_against_hand_computation():
     assert mean_std([1.0, 2.0, 4.0]) == pytest.approx((7 / 3, math.sqrt(7 / 3)))
     assert t975(2) == 4.303 and t975(2.9) == 4.303 and t975(500) == 1.96

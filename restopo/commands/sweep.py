@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import threading
 import time
@@ -126,10 +127,13 @@ def run(args) -> int:
         else:
             cluster = "local" if args.executor == "submitit-local" else "slurm"
             results = runner.run_submitit(jobs, out, progress, cluster=cluster, parameters=slurm)
-    except KeyboardInterrupt:
-        print("restopo sweep: interrupted; run it again to finish (finished runs are kept)",
-              file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        signum = getattr(e, "signum", signal.SIGINT)  # runner.Stopped: SIGTERM, SIGHUP
+        how = ("interrupted" if signum == signal.SIGINT else
+               f"stopped ({signal.Signals(signum).name})")
+        print(f"restopo sweep: {how}; the runs are stopped at their last checkpoints; run "
+              "it again to finish (finished runs are kept)", file=sys.stderr)
+        return 128 + signum
     except RuntimeError as e:
         print(f"restopo sweep: error: {e}", file=sys.stderr)
         return 1

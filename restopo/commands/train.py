@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -215,6 +216,9 @@ def run(args) -> int:
     from ..spec import SpecError
     from ..train.dist import under_torchrun
 
+    from ..worker import STOP_WITH_PARENT, die_with_parent
+    if os.environ.pop(STOP_WITH_PARENT, None):  # a sweep's run (experiments.runner.run_job)
+        die_with_parent(signal.SIGTERM)  # its sweep killed outright: stop, saving first
     try:
         if args.max_restarts and args.nproc is None and not under_torchrun():
             raise _Stop("--max-restarts is torchrun's, so it needs --nproc N; a run of one "

@@ -8,6 +8,7 @@ failed one tried again; a failing run is recorded and never stops the others.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -19,6 +20,7 @@ from pathlib import Path
 from ..io import write_atomic
 from ..spec.overrides import override_values
 from ..train.checkpoint import latest_checkpoint, read_meta
+from ..worker import STOP_WITH_PARENT
 from .grid import Job
 from .runs import RUN_FILE
 
@@ -26,6 +28,16 @@ TAIL = 20  # lines of a failed run's log kept as its error
 # How a run stopped by Ctrl-C or the sweep's SIGTERM exits: restopo's 130, or the signal.
 INTERRUPTED = (130, -signal.SIGINT, -signal.SIGTERM)
 STOP_WAIT = 30.0  # seconds a run gets to finish its step and save it after Ctrl-C
+
+
+class Stopped(KeyboardInterrupt):
+    """The sweep was told to stop by a signal other than Ctrl-C (SIGTERM from `kill` or a
+    scheduler, SIGHUP): stopped as Ctrl-C stops it, after passing the stop on to the runs,
+    which that signal (sent to the sweep alone) did not reach."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
 
 
 def state(out: Path, job: Job) -> str:
@@ -84,7 +96,9 @@ def run_job(job: Job, out: Path, resume: bool, threads: int = 1) -> dict:
     folder = out / job.name
     folder.mkdir(parents=True, exist_ok=True)
     _record(out, job, status="running")
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    # STOP_WITH_PARENT: the run stops (saving, as on SIGTERM) if the sweep is killed
+    # outright, rather than train on unwatched with run.json left at 'running'
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), STOP_WITH_PARENT: "1"}
     t0 = time.perf_counter()
     with open(folder / "train.log", "a") as log:
         child = subprocess.Popen(job.command(out, resume=resume, threads=threads),
@@ -133,7 +147,7 @@ def run_local(jobs: list[Job], out: Path, workers: int, report) -> list[dict]:
         if s == "done":
             report({"event": "skip", "job": j})
     pending = [(j, s) for j, s in todo if s != "done"]
-    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool, _stop_signals():
         futures = {}
         for job, s in pending:
             futures[pool.submit(_started, job, out, s == "resume", report)] = job
@@ -142,12 +156,34 @@ def run_local(jobs: list[Job], out: Path, workers: int, report) -> list[dict]:
                 result = f.result()
                 results.append(result)
                 report({"event": "end", "job": futures[f], **result})
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as e:
             for f in futures:
                 f.cancel()
-            _stop_children()
+            # Ctrl-C reached the runs too (one process group); a signal to the sweep alone
+            # did not: pass it on as SIGTERM, which a run takes as its first Ctrl-C
+            _stop_children(tell=isinstance(e, Stopped))
             raise
     return results
+
+
+@contextlib.contextmanager
+def _stop_signals():
+    """SIGTERM and SIGHUP to the sweep raise Stopped in its main thread (they ended it at
+    once, its runs training on, orphaned); the handlers before are put back after."""
+    def stop(signum, frame):
+        raise Stopped(signum)
+
+    kept = {}
+    try:
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            kept[sig] = signal.signal(sig, stop)
+    except ValueError:  # not the main thread (a test calling it from one): leave them
+        pass
+    try:
+        yield
+    finally:
+        for sig, handler in kept.items():
+            signal.signal(sig, handler)
 
 
 def _started(job: Job, out: Path, resume: bool, report) -> dict:
@@ -155,11 +191,12 @@ def _started(job: Job, out: Path, resume: bool, report) -> dict:
     return run_job(job, out, resume)
 
 
-def _stop_children() -> None:
+def _stop_children(tell: bool = False) -> None:
     """Stop our child runs after a Ctrl-C: the terminal sent it to them too (one process
     group), and a run stops after its step with a checkpoint of it, so they get STOP_WAIT
     seconds to do that (a second SIGINT from here would stop them at once, unsaved); then
-    SIGTERM to any still running (its last checkpoint stands)."""
+    SIGTERM to any still running (its last checkpoint stands). `tell`: the stop reached
+    the sweep alone, so the runs are sent SIGTERM first (their first stop: they save)."""
     def children() -> list[int]:
         try:
             found = subprocess.run(["pgrep", "-P", str(os.getpid())], capture_output=True,
@@ -168,6 +205,12 @@ def _stop_children() -> None:
             return []
         return [int(p) for p in found if p.isdigit()]
 
+    if tell:
+        for pid in children():
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except OSError:
+                pass
     deadline = time.monotonic() + STOP_WAIT
     while children() and time.monotonic() < deadline:
         time.sleep(0.2)
