@@ -168,6 +168,30 @@ def test_resolve_passes_over_damaged_and_names_an_explicit_one(tmp_path):
         ck.resolve_checkpoint(bad)
 
 
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_missing_file_is_said_as_a_damaged_one_is(tmp_path, sharded):
+    """A newer checkpoint missing a file (a shard, the weights) was passed over without a
+    word, so eval, generate and export used an older step silently; given by its own path
+    it said 'no complete checkpoint' without naming the file. A folder without a manifest
+    is said to be used unverified."""
+    m, opt = _trained()
+    root = tmp_path / "run" / "ckpt"
+    save = _save_sharded if sharded else _save
+    save(root, 1, m, opt)
+    newer = save(root, 2, m, opt)
+    gone = next(n for n in ck.checkpoint_files(newer) if n.startswith(("shard-", "model")))
+    (newer / gone).unlink()
+    heard = []
+    assert ck.resolve_checkpoint(tmp_path / "run", say=heard.append).name == "step_000001"
+    assert heard == [f"{newer} is damaged (incomplete: {gone} missing); passing over it"]
+    with pytest.raises(CheckpointError, match=f"step_000002 is incomplete: {gone} missing"):
+        ck.resolve_checkpoint(newer)
+    (root / "step_000001" / ck.MANIFEST).unlink()
+    heard.clear()
+    ck.resolve_checkpoint(root / "step_000001", say=heard.append)
+    assert heard and "has no manifest.json" in heard[0] and "unverified" in heard[0]
+
+
 def _save_sharded(root, step, m, opt):
     """A sharded checkpoint (the FSDP and pipeline layouts' form) written by one rank."""
     state = {"step": step, "torch_cpu": torch.get_rng_state(),

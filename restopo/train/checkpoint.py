@@ -443,19 +443,43 @@ def resolve_checkpoint(path: str | os.PathLike, say=None) -> Path:
         why = check_checkpoint(p)
         if why is not None:
             raise CheckpointError(f"checkpoint {p} is damaged: {why}")
-        return p
+        return _unverified_said(p, say)
+    if p.is_dir() and STEP_DIR.match(p.name) and not (p / "ckpt").is_dir():
+        # a step folder given, missing a file: say which
+        raise CheckpointError(f"checkpoint {p} is incomplete: {verify_checkpoint(p)}; give "
+                              "its run folder to use the newest complete one")
     for root in (p, p / "ckpt"):
         found, skipped = find_resumable(root)
-        for bad, why in skipped:
+        # newer step folders missing a file are passed over too, and said so (a damaged
+        # file was; a missing one was not, and an older step was used without a word)
+        skipped += [(q, f"incomplete: {verify_checkpoint(q)}") for q in _incomplete(root)
+                    if found is None or _step_of(q) > _step_of(found)]
+        for bad, why in sorted(skipped, key=lambda x: -_step_of(x[0])):
             if say is not None:
                 say(f"{bad} is damaged ({why}); passing over it")
         if found is not None:
-            return found
+            return _unverified_said(found, say)
         if skipped:
             raise CheckpointError(f"no intact checkpoint in {str(root)!r}: "
                                   + "; ".join(f"{b.name}: {w}" for b, w in skipped))
     raise CheckpointError(f"no complete checkpoint in {str(p)!r}; give a run folder (with "
                           f"ckpt/), its ckpt/ folder or a ckpt/step_NNNNNN folder")
+
+
+def _incomplete(root: Path) -> list[Path]:
+    """Step folders under `root` missing a file (list_checkpoints leaves them out)."""
+    if not root.is_dir():
+        return []
+    return [q for q in root.iterdir() if STEP_DIR.match(q.name) and q.is_dir()
+            and not _complete(q)]
+
+
+def _unverified_said(step_dir: Path, say) -> Path:
+    """`step_dir`, after saying (to `say`) that it has no manifest to verify it by."""
+    if say is not None and not has_manifest(step_dir):
+        say(f"{step_dir} has no {MANIFEST} (saved before restopo wrote them, or deleted): "
+            "its files are used unverified")
+    return step_dir
 
 
 # -- what the files must hold -----------------------------------------------------------
