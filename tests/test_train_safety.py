@@ -290,6 +290,22 @@ def test_resume_under_another_topology_is_refused(spec, tmp_path, capsys, residu
     assert "leave out the --set values that change it" in err and "spec file" not in err
 
 
+def test_resume_from_another_file_of_another_depth_names_the_size_not_the_topology(
+        spec, tmp_path, capsys):
+    """Another spec file with the same residual line and another depth was refused as
+    'trained as block_attnres(blocks: 2); this run's residual is block_attnres(blocks: 2)'
+    (the resolved topology counts sublayers), after a note that the file had 'changed'."""
+    out = tmp_path / "run"
+    assert train(spec, "--out", out, "--steps", 2) == 0
+    capsys.readouterr()
+    other = tmp_path / "deeper.restopo"
+    other.write_text(SPEC.replace("depth: 2", "depth: 4"))
+    err = one_line_error(capsys, ["train", other, "--out", out, "--resume", "--no-progress"])
+    assert "weights do not fit this run's model (depth 2 there, 4 here)" in err, err
+    assert "trained as" not in err and "changed since" not in err
+    assert f"was trained from {spec}, not from {other}" in err
+
+
 def test_resume_with_other_training_settings_names_them(spec, tmp_path, capsys):
     out = tmp_path / "run"
     assert train(spec, "--out", out, "--steps", 2) == 0

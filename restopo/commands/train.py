@@ -362,10 +362,21 @@ def _load_spec(args, out: Path):
     if step_dir is not None:
         old = read_meta(step_dir)
         if old.get("spec_text") != spec.text:
+            then = str(old.get("spec_path") or "")
             _note(f"{args.spec} changed since {step_dir} was saved; resuming with the "
-                  f"current file")
+                  f"current file" if _same_file(then, args.spec) else
+                  f"{step_dir} was trained from {then or 'another spec'}, not from "
+                  f"{args.spec}, whose text differs; resuming with {args.spec}")
         _note_resume(spec, step_dir)
     return spec, step_dir
+
+
+def _same_file(a: str, b: str) -> bool:
+    """Whether two spec paths name one file (the checkpoint's may be from another cwd)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.abspath(a) == os.path.abspath(b)
 
 
 def _note_resume(spec, step_dir, spec_file: bool = True) -> None:

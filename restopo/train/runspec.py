@@ -126,15 +126,8 @@ def resume_notes(spec, meta: dict, step_dir, *, spec_file: bool = True) -> list[
     notes = []
     then_spec = spec_from_meta(meta)
     then = then_spec.model
-    if then_spec.topology != spec.topology:
-        stored = " ".join(f"--set {k}={v}" for k, v in override_values(
-            meta.get("overrides", ())).items() if k.split(".")[0] == "residual")
-        raise CheckpointError(
-            f"{step_dir} was trained as {residual_text(then_spec)}; this run's residual is "
-            f"{residual_text(spec)}: its weights would go on under another topology, and "
-            "the run folder would be read as the new one's; resume with the residual it was "
-            "trained with" + (f" ({stored})" if stored else "") + f" ({instead}), or train "
-            "the new topology in a folder of its own (--out)")
+    # the shape first: another depth also resolves to another topology, but the weights
+    # not fitting is what is wrong then
     if _weights_shape(then) != _weights_shape(spec.model):
         differ = [f"{f.name} {getattr(then, f.name)!r} there, {getattr(spec.model, f.name)!r} "
                   f"here" for f in dataclasses.fields(then) if f.compare
@@ -145,6 +138,15 @@ def resume_notes(spec, meta: dict, step_dir, *, spec_file: bool = True) -> list[
             f"{step_dir}'s weights do not fit this run's model ({'; '.join(differ)}); resume "
             "with the spec and --set values it was trained with"
             + (f" ({stored})" if stored else "") + f", or {instead}")
+    if then_spec.topology != spec.topology:
+        stored = " ".join(f"--set {k}={v}" for k, v in override_values(
+            meta.get("overrides", ())).items() if k.split(".")[0] == "residual")
+        raise CheckpointError(
+            f"{step_dir} was trained as {residual_text(then_spec)}; this run's residual is "
+            f"{residual_text(spec)}: its weights would go on under another topology, and "
+            "the run folder would be read as the new one's; resume with the residual it was "
+            "trained with" + (f" ({stored})" if stored else "") + f" ({instead}), or train "
+            "the new topology in a folder of its own (--out)")
     # an override of the run that this one does not give at all (by key: a key given
     # again with another value, e.g. --steps, is a change this run asks for)
     given = override_values(spec.overrides or ())
