@@ -72,7 +72,7 @@ def test_sweep_mistakes_are_refused_before_any_run(tmp_path, capsys):
     specs = _specs(tmp_path)
     out = tmp_path / "sweep"
     for extra, said in ((["--seed-list", "a,b"], "--seed-list takes whole numbers"),
-                        (["--baseline", "nosuch"], "names no arm of this sweep"),
+                        (["--baseline", "nosuch"], "names no arm and no spec"),
                         (["--seeds", "1", "--vary", "model.width=abc,16"], "abc")):
         assert main(["sweep", *specs, "--out", str(out), *extra]) in (1, 2)
         assert said in capsys.readouterr().err
@@ -111,10 +111,19 @@ def test_a_run_trained_otherwise_is_not_taken_for_the_sweeps(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "trained with other settings" in err
     assert "model.width=32 now, (unset) then" in err
+    # written otherwise, the same settings: the spec's own value given by --set, a comment
+    # added to the file (a --set of the file's own steps was refused as 'unset then')
+    assert main(["sweep", spec, "--out", str(out), "--dry-run", "--set", "train.steps=5"]) == 0
+    assert "std-s0" in capsys.readouterr().out
+    Path(spec).write_text("# a note\n" + Path(spec).read_text())
+    assert main(["sweep", spec, "--out", str(out), "--dry-run"]) == 0
+    capsys.readouterr()
     Path(spec).write_text(Path(spec).read_text().replace("steps: 5", "steps: 6"))
     assert main(["sweep", spec, "--out", str(out), "--dry-run"]) == 1
     assert f"{spec} has changed since" in capsys.readouterr().err
     assert {p: p.read_bytes() for p in (out / "std-s0").rglob("*") if p.is_file()} == kept
+    with pytest.raises(ValueError, match="std.restopo is given twice"):
+        make_grid([spec, spec], [0])
 
 
 def test_a_run_stopped_by_ctrl_c_is_recorded_as_interrupted_not_failed(tmp_path,
@@ -252,6 +261,20 @@ def test_an_unfinished_run_is_left_out_of_the_final_losses_and_named(tmp_path):
     # a run with no checkpoint at all: the scale note says it cannot tell
     bare = Run(Path("/x/c-s0"), "c", 0, {}, [{"step": 3, "val_loss": 2.0}])
     assert report.scale_note(report.group([bare])).startswith("Scale: not known")
+
+
+def test_a_baseline_named_by_a_spec_of_several_sizes_says_so():
+    """`--baseline standard` over a width sweep of standard.restopo said 'names no arm (or
+    several)': which of the two, and what to name instead, was left to guess."""
+    arms = report.group([_synthetic_run(f"width{w}", "standard", 0, 10, 2.0) for w in (16, 32)]
+                        + [_synthetic_run("blk", "block", 0, 10, 2.0)])
+    assert report.pick_baseline(arms, "width32").name == "width32"
+    assert report.pick_baseline(arms, "block").name == "blk"  # the one arm of its spec
+    with pytest.raises(ValueError, match=r"'standard' is the spec of 2 arms \(width16, "
+                                         r"width32\): name the one"):
+        report.pick_baseline(arms, "standard")
+    with pytest.raises(ValueError, match="names no arm and no spec: the arms are width16"):
+        report.pick_baseline(arms, "nosuch")
 
 
 def test_compute_equivalence_from_synthetic_runs(tmp_path):

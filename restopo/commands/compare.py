@@ -10,7 +10,8 @@ EXAMPLES = """\
 examples:
   restopo compare runs/ablation --baseline standard          a sweep's folder of runs
   restopo compare runs/a-s0 runs/a-s1 runs/b-s0 runs/b-s1 --baseline a --out runs/ab
-  restopo compare runs/scaling --baseline standard --scaling  loss against compute
+  restopo compare runs/ablation runs/scaling --baseline standard --scaling
+      loss against compute: runs/scaling holds standard at several widths (sweep --vary)
 
 Runs that differ only by seed form an arm (a sweep records it; otherwise the folder name
 less a trailing -s<seed>). Writes OUT/results.md (the table, what it shows and does not,

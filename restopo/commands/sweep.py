@@ -67,12 +67,10 @@ def _seeds(args) -> list[int]:
 def _check_baseline(name: str | None, jobs) -> None:
     """--baseline names an arm of the grid (or the one arm of a spec), checked before any
     run trains rather than when the runs are compared at the end (as compare picks it)."""
-    arms = list(dict.fromkeys(j.arm for j in jobs))
-    families = [Path(j.spec).stem for j in {j.arm: j for j in jobs}.values()]
-    if name is None or name in arms or families.count(name) == 1:
-        return
-    raise ValueError(f"--baseline {name!r} names no arm of this sweep (or several): the arms "
-                     f"are {', '.join(arms)}")
+    from ..experiments.report import baseline_arm
+    if name is not None:
+        arms = {j.arm: Path(j.spec).stem for j in jobs}
+        baseline_arm(name, list(arms.items()))
 
 
 def _parameters(items) -> dict:

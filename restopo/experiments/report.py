@@ -104,14 +104,26 @@ def pick_baseline(arms: list[Arm], name: str | None) -> Arm | None:
     """The arm named `name` (or the only arm of that family); None without a name."""
     if name is None:
         return None
-    exact = [a for a in arms if a.name == name]
-    if exact:
-        return exact[0]
-    family = [a for a in arms if a.family == name]
+    chosen = baseline_arm(name, [(a.name, a.family) for a in arms])
+    return next(a for a in arms if a.name == chosen)
+
+
+def baseline_arm(name: str, arms: list[tuple[str, str]]) -> str:
+    """Which of `arms` ((name, family: the spec's stem) pairs) --baseline `name` picks: the
+    arm of that name, or the one arm of that spec; ValueError says which case failed (a
+    sweep checks its --baseline with this before any run trains, compare after)."""
+    if any(arm == name for arm, _ in arms):
+        return name
+    family = [arm for arm, spec in arms if spec == name]
     if len(family) == 1:
         return family[0]
-    names = ", ".join(a.name for a in arms)
-    raise ValueError(f"--baseline {name!r} names no arm (or several): the arms are {names}")
+    if family:
+        raise ValueError(
+            f"--baseline {name!r} is the spec of {len(family)} arms ({', '.join(family)}): "
+            f"name the one the others are compared with (--scaling fits all of {name}'s "
+            "sizes whichever it is)")
+    raise ValueError(f"--baseline {name!r} names no arm and no spec: the arms are "
+                     f"{', '.join(arm for arm, _ in arms)}")
 
 
 def compare(arms: list[Arm], baseline: Arm | None) -> None:

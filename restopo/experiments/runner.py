@@ -72,7 +72,23 @@ def changed(out: Path, job: Job) -> str | None:
         text = None  # the spec check before this reports an unreadable spec
     if text is not None and meta.get("spec_text") != text:
         diffs.insert(0, f"{job.spec} has changed since")
+    if diffs and text is not None and _same_settings(text, job, meta):
+        return None  # written otherwise (a --set of the spec's own value, a comment)
     return f"{out / job.name}: {'; '.join(diffs)}" if diffs else None
+
+
+def _same_settings(text: str, job: Job, meta: dict) -> bool:
+    """Whether the spec text with the job's overrides checks to the same model, residual,
+    training and parallel settings as the run's checkpoint recorded."""
+    from ..spec import SpecError, parse_spec
+    try:
+        now = parse_spec(text, job.spec, (*job.overrides, f"train.seed={job.seed}"))
+        then = parse_spec(meta.get("spec_text") or "", str(meta.get("spec_path", "<run>")),
+                          tuple(meta.get("overrides") or ()))
+    except SpecError:
+        return False
+    return all(getattr(now, k) == getattr(then, k)
+               for k in ("model", "residual", "train", "parallel"))
 
 
 def _read(path: Path) -> dict:
