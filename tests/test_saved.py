@@ -150,6 +150,20 @@ def test_generate_command_streams_what_generate_returns(run):
     assert r.stdout.decode("utf-8") == bytes(new.tolist()).decode("utf-8", "replace") + "\n"
 
 
+def test_a_prompt_that_is_not_utf8_is_taken_as_its_bytes(run):
+    """A byte-level model reads bytes; a prompt typed in another encoding (here Latin-1
+    'caf\xe9') stopped with a raw codec error ('surrogates not allowed')."""
+    folder, _ = run
+    raw = b"caf\xe9 \xff"
+    r = subprocess.run([sys.executable, "-m", "restopo", "generate", "run", "--prompt", raw,
+                        "--max-new-tokens", "4", "--temperature", "0"], cwd=folder,
+                       capture_output=True, timeout=300)
+    assert r.returncode == 0, r.stderr.decode()
+    new = restopo.generate(load(folder / "run"), torch.tensor([list(raw)]), 4,
+                           temperature=0)[0, len(raw):]
+    assert r.stdout.decode("utf-8") == bytes(new.tolist()).decode("utf-8", "replace") + "\n"
+
+
 def test_generate_command_compiled_says_what_generate_returns(run, capsys, monkeypatch):
     """--compile: the one-token steps through torch.compile, the same greedy tokens as the
     uncompiled decoder's, past the context too (the window slides), and a line on stderr

@@ -71,7 +71,9 @@ def prompt_tokens(args, vocab: int):
         if bad:
             raise ValueError(f"--prompt-ids: token {bad[0]} is outside the vocab 0..{vocab - 1}")
     elif vocab == 256:
-        ids = list(args.prompt.encode("utf-8"))
+        # the bytes as typed: a command line that is not UTF-8 reaches Python as surrogate
+        # escapes (os.fsdecode), which this turns back into its own bytes
+        ids = list(args.prompt.encode("utf-8", "surrogateescape"))
     else:
         raise ValueError(f"the model's vocab is {vocab}, not bytes (256): give the prompt as "
                          f"token ids with --prompt-ids")
