@@ -163,10 +163,13 @@ def test_a_dead_rank_fails_the_job_with_a_clear_message(tmp_path, env):
     assert "ChildFailedError" not in stderr and "Root Cause" not in stderr, stderr[-3000:]
     assert stderr.rstrip().splitlines()[-1].startswith(
         "restopo train: error: the 2-process run failed"), stderr[-3000:]
+    # which rank, and how: rank 0's lost-connection traceback is not the cause
+    assert "restopo train: rank 1 was killed by SIGKILL" in stderr, stderr[-3000:]
 
 
 def test_max_restarts_resumes_from_the_last_checkpoint(tmp_path, env):
     code, stdout, stderr, out = _run_and_kill_rank1(tmp_path, env, 40, ("--max-restarts", 1))
     assert code == 0, stderr
     assert "resuming from" in stderr and "done: 40 steps" in stdout
+    assert "restart 1 after a worker failed (0 left): resuming from" in stderr, stderr[-3000:]
     assert steps_logged(out) == list(range(1, 41))

@@ -357,6 +357,11 @@ def _load_spec(args, out: Path):
     spec = runspec.load(args.spec, overrides)
     resume = args.resume or restart_count() > 0
     step_dir = _resume_point(out, required=args.resume) if resume else None
+    if restart_count() > 0:  # torchrun restarted the workers (--max-restarts): say so
+        left = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) - restart_count()
+        _note(f"restart {restart_count()} after a worker failed ({max(left, 0)} left): "
+              + (f"resuming from {step_dir}" if step_dir is not None else
+                 "no checkpoint yet, so from the start"))
     if not resume:
         _fresh_start(out, args.overwrite)
     if step_dir is not None:

@@ -232,7 +232,7 @@ def launch(argv: list[str], nproc: int, max_restarts: int = 0, env: dict | None 
 
         found = checkpoints is not None and latest_checkpoint(checkpoints) is not None
         print(f"restopo train: error: the {nproc}-process run failed (torchrun exited with "
-              f"code {code}); a worker died or raised: its error is above."
+              f"code {code}): a worker died or raised; which, and why, is said above."
               + (" Re-run with --resume to continue from the last checkpoint." if found
                  else ""), file=sys.stderr)
     return code

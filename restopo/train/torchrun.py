@@ -37,10 +37,32 @@ def main(argv=None) -> int:
         codes = {rank: f.exitcode for rank, f in e.failures.items()}
         if codes.get(0) == USAGE_EXIT or set(codes.values()) == {USAGE_EXIT}:
             return USAGE_EXIT
+        print(f"restopo train: {first_failure(e.failures)}", file=sys.stderr)
         return 1
     except SignalException as e:  # stopped by the launcher: the workers are stopped too
         return 128 + int(e.sigval)
     return 0
+
+
+def first_failure(failures: dict) -> str:
+    """Which worker failed first, and how, in one line: a rank killed by a signal (the
+    others then fail on the lost connection, with tracebacks that are only that), else
+    the earliest to fail, whose error is above."""
+    import signal
+
+    def when(item):
+        return getattr(item[1], "timestamp", 0)
+    killed = sorted(((r, f) for r, f in failures.items() if f.exitcode < 0), key=when)
+    if killed:
+        rank, f = killed[0]
+        try:
+            name = signal.Signals(-f.exitcode).name
+        except ValueError:
+            name = f"signal {-f.exitcode}"
+        return (f"rank {rank} was killed by {name} (out of memory, or stopped by hand?); "
+                "the other ranks' errors above are the connection it left them with")
+    rank, f = min(failures.items(), key=when)
+    return f"rank {rank} failed first (exit status {f.exitcode}); its error is above"
 
 
 class _Quiet(logging.Filter):
