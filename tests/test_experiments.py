@@ -235,6 +235,14 @@ def test_runs_trained_differently_are_said_so_with_each_arms_budget():
         assert "not trained alike" in said and "steps: 20 (a), 40 (b)" in said
     same = report.group([run("a", 20, 3e-3), run("b", 20, 3e-3)])
     assert report.settings_differ(same) == []
+    assert report.loss_unit(same) == "byte-level token"
+    # another vocabulary: said, and the loss unit no longer calls both byte-level
+    other = run("c", 20, 3e-3)
+    other.meta["spec_text"] = text.replace("vocab: 256", "vocab: 512")
+    mixed = report.group([run("a", 20, 3e-3), other])
+    assert report.settings_differ(mixed) == ["vocab: 256 (a), 512 (c)"]
+    assert "256, 512): losses over different vocabularies do not compare" in \
+        report.loss_unit(mixed)
     assert "1,280 training tokens per run (20 steps of 64 tokens)" in report.scale_note(same)
 
 

@@ -302,8 +302,8 @@ SETTINGS = ("data", "steps", "batch", "lr", "schedule", "warmup", "min_lr", "wei
 
 
 def settings_differ(arms: list[Arm]) -> list[str]:
-    """The training settings (SETTINGS, and the context) that are not the same for every
-    run, each as 'key: value (arms), value (arms)'."""
+    """The training settings (SETTINGS, the context and the vocab) that are not the same
+    for every run, each as 'key: value (arms), value (arms)'."""
     seen: dict[str, dict] = {}
     for a in arms:
         for r in a.runs:
@@ -311,11 +311,26 @@ def settings_differ(arms: list[Arm]) -> list[str]:
                 continue
             values = {k: getattr(r.spec.train, k) for k in SETTINGS}
             values["context"] = r.spec.model.context if r.spec.model is not None else None
+            values["vocab"] = r.spec.model.vocab if r.spec.model is not None else None
             for k, v in values.items():
                 seen.setdefault(k, {}).setdefault(v, []).append(a.name)
     return [f"{k}: " + ", ".join(f"{v} ({', '.join(dict.fromkeys(names))})"
                                  for v, names in by.items())
             for k, by in seen.items() if len(by) > 1]
+
+
+def loss_unit(arms: list[Arm]) -> str:
+    """What a loss is per: a byte-level token when every model reads bytes (vocab 256),
+    else a token of the vocab(s) the runs used (losses over other vocabularies do not
+    compare)."""
+    vocabs = sorted({r.spec.model.vocab for a in arms for r in a.runs
+                     if r.spec is not None and r.spec.model is not None})
+    if vocabs == [256]:
+        return "byte-level token"
+    if len(vocabs) == 1:
+        return f"token (vocab {vocabs[0]:,})"
+    return ("token of each run's own vocabulary (" + ", ".join(f"{v:,}" for v in vocabs)
+            + "): losses over different vocabularies do not compare") if vocabs else "token"
 
 
 def scale_note(arms: list[Arm]) -> str:
@@ -489,7 +504,7 @@ def write_report(arms: list[Arm], baseline: Arm | None, out: Path, command: list
           f"Machine: {machine()}. Written {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.",
           "", "## Final validation loss", "",
           markdown_table(COLUMNS, rows(arms, baseline)),
-          "Loss in nats per byte-level token, mean ± standard deviation over seeds. "
+          f"Loss in nats per {loss_unit(arms)}, mean ± standard deviation over seeds. "
           "`vs baseline`: the difference of the means with its 95% interval (paired by seed "
           "when both arms ran the same seeds: same data order and same sublayer weights at "
           "step 0). `s/step`: wall time per step over the whole run, evaluation included.",
