@@ -239,3 +239,18 @@ def test_a_flipped_byte_in_a_sharded_checkpoint_is_found_and_passed_over(tmp_pat
     (step / ck.INDEX).write_text("{")  # what train's start says of an unreadable index
     assert ck.clean_leftovers(tmp_path) == [
         f"moved step_000002 to damaged/step_000002 (incomplete: {ck.INDEX} unreadable)"]
+
+
+def test_the_index_weight_map_names_only_tensors_one_file_holds():
+    """index.json's Hugging Face-style weight_map named the first shard for every tensor,
+    also for those cut by rows across both (a reader of weight_map would take half of one
+    for all of it). A cut tensor is left out; its parts say where its rows are."""
+    from restopo.train.shards import build_index
+
+    def entry(rows):
+        return {"shape": [4, 2], "dtype": "float32", "rows": rows}
+    index = build_index([("s0", {"model/w": entry([0, 2]), "model/b": entry(None)}),
+                         ("s1", {"model/w": entry([2, 4]), "model/b": entry(None)})], 2, "fsdp")
+    assert index["weight_map"] == {"model/b": "s0"}
+    assert [p["file"] for p in index["tensors"]["model/w"]["parts"]] == ["s0", "s1"]
+

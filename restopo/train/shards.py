@@ -15,7 +15,8 @@ Tensors are named after the whole model's parameters: `model/NAME` for a weight 
 `optim/exp_avg/NAME`, `optim/exp_avg_sq/NAME`, `optim/step/NAME` for its AdamW state. A
 process with a whole tensor writes it whole; an FSDP process writes its rows (the shard of
 dimension 0 it holds), and index.json lists the parts of each tensor with their rows, in the
-spirit of Hugging Face's model.safetensors.index.json (whose `weight_map` it also carries).
+spirit of Hugging Face's model.safetensors.index.json (whose `weight_map` it also carries,
+for the tensors stored whole).
 So any layout reads what it needs by name and row range: one process, another pipeline,
 another FSDP size (`Reader`, `load_named`). Nothing is unpickled.
 
@@ -134,7 +135,10 @@ def build_index(parts: list[tuple[str, dict[str, dict]]], world: int, layout: st
     size = sum(_bytes(t) for t in tensors.values())
     return {"format": FORMAT, "version": 1, "world": world, "layout": layout, "files": files,
             "metadata": {"total_size": size},
-            "weight_map": {k: t["parts"][0]["file"] for k, t in sorted(tensors.items())},
+            # Hugging Face's name -> file, for the tensors one file holds whole; a tensor
+            # cut by rows is in no one file (its parts say where), so it is left out
+            "weight_map": {k: t["parts"][0]["file"] for k, t in sorted(tensors.items())
+                           if t["parts"][0]["rows"] is None},
             "tensors": dict(sorted(tensors.items()))}
 
 
