@@ -279,7 +279,7 @@ def bind_phase1(queries: torch.Tensor, key_norm_weights: torch.Tensor | None = N
     With `norm_eps`, the state has a fourth item, (y0, norm_weight, norm_eps): the first
     query's output's RMSNorm with gain `norm_weight`, which is phase2_norm's y for it with
     no partial (a block's first sublayer's PreNorm, made in the same kernel call)."""
-    gained = _folded(queries, key_norm_weights, key_norm)
+    gained = fold_gain(queries, key_norm_weights, key_norm)
 
     def general(completed):
         state = phase1(completed, gained, None, eps, key_norm=key_norm, heads=heads,
@@ -300,7 +300,7 @@ def bind_depth_attention(query: torch.Tensor, key_norm_weight: torch.Tensor | No
                          backend: str = "eager"):
     """depth_attention (softmax gate, static query [d]) with everything but the sources
     bound, as bind_phase1: f(sources) == depth_attention(sources, query, ...)."""
-    gained = _folded(query, key_norm_weight, key_norm)
+    gained = fold_gain(query, key_norm_weight, key_norm)
 
     def general(sources):
         return depth_attention(sources, gained, None, eps, key_norm=key_norm, heads=heads,
@@ -316,7 +316,7 @@ def bind_phase2(query: torch.Tensor, key_norm_weight: torch.Tensor | None = None
     """phase2 (norm_eps None) or phase2_norm with everything but phase 1's state and the
     partial bound, as bind_phase1: f(o1, m1, s1, partial) == phase2(o1, m1, s1, partial,
     query, ...), or phase2_norm's (h, y)."""
-    gained = _folded(query, key_norm_weight, key_norm)
+    gained = fold_gain(query, key_norm_weight, key_norm)
 
     def general(o1, m1, s1, partial):
         if norm_eps is None:
@@ -329,9 +329,10 @@ def bind_phase2(query: torch.Tensor, key_norm_weight: torch.Tensor | None = None
                  norm_eps=norm_eps, key_norm=key_norm, keep_h=keep_h)
 
 
-def _folded(query: torch.Tensor, gain: torch.Tensor | None, key_norm: bool) -> torch.Tensor:
-    """The query with its key-norm gain folded in (the eager backend's `gained`), once at
-    bind time rather than at every call."""
+def fold_gain(query: torch.Tensor, gain: torch.Tensor | None,
+              key_norm: bool) -> torch.Tensor:
+    """The query with its key-norm gain folded in (the eager backend's `gained`: in at
+    least fp32), once at bind time rather than at every call."""
     return _eager().gained(query, gain, key_norm)
 
 

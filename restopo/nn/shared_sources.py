@@ -94,7 +94,9 @@ def gained_queries(*modules: nn.Module) -> torch.Tensor:
     queries = torch.stack([m.pseudo_query for m in members])
     if members[0].gain is None:
         return queries
-    return queries * torch.stack([m.gain for m in members])
+    # as every aggregation folds its gain: in at least fp32 (a bf16 product would round
+    # the query its logits are taken with)
+    return ops.fold_gain(queries, torch.stack([m.gain for m in members]), True)
 
 
 def _kind(module: nn.Module) -> tuple[bool, int]:
