@@ -36,7 +36,7 @@ import torch
 from torch import fx, nn
 
 from .. import ops
-from ..ir import IR, Aggregation, PhaseGroup, Sublayer, two_phase_plan
+from ..ir import IR, Aggregation, PhaseGroup, Sublayer, stream_fed, two_phase_plan
 from ..ir.walk import Visitor, walk
 from ..nn.aggregate import EPS, Attend, TwoPhase, make_aggregation
 from ..nn.parts import Parts
@@ -288,6 +288,10 @@ class _Emitter(Visitor):
         is not eager and the sublayer takes `normed=` and has an RMSNorm over the width
         (restopo's own sublayers and a decoder's cached attention; not a rewired model's)."""
         if not self.fuse_norms or agg.is_head:
+            return None
+        # the next point reads h itself (a stream update, rezero at the head after two-phase
+        # sublayers): h must be kept, so the norm is the sublayer's own
+        if stream_fed(self.g, self.g.aggregation(agg.index + 1)):
             return None
         sub = self.parts.sublayers[agg.index - 1]
         norm = getattr(sub, "norm", None)
