@@ -45,6 +45,24 @@ def test_block_attnres_reads_through_phase_one_and_a_bus():
     assert len(scene.edges) < 0.8 * reads + 2 * 33  # far fewer than one per read
 
 
+@pytest.mark.parametrize("residual, depth", [("block_attnres(blocks: 8)", 16),
+                                             ("block_attnres(blocks: 3)", 3)])
+def test_each_phase_one_is_drawn_reading_exactly_its_completed_blocks(residual, depth):
+    """The DOT drew no edge from block n-1 into block n's phase 1 (n >= 3): the phase box
+    sat above that block's sum, and the bus is expanded by rows (a tap reads what joined
+    above it). Every drawn reader now has exactly the IR's sources."""
+    from restopo.draw.dot import to_dot
+    from restopo.ir import two_phase_plan
+
+    g = parse_spec(MODEL.format(depth=depth) + f"residual {residual}\n").ir()
+    drawn = {}
+    for src, dst in re.findall(r'^  "([^"]+)" -> "([^"]+)"', to_dot(g), re.M):
+        drawn.setdefault(dst, set()).add(src)
+    for grp in two_phase_plan(g):
+        phase = f"block{g.node(grp.members[0]).block}_phase1"
+        assert drawn.get(phase, set()) == set(grp.completed), phase
+
+
 @pytest.mark.parametrize("depth", [4, 16, 32])
 def test_full_attnres_edges_grow_linearly(depth):
     scene, _ = scene_of("full_attnres", depth)

@@ -131,8 +131,10 @@ def build_scene(g: IR, title: str) -> Scene:
     for k, grp in enumerate(groups):
         first = g.node(grp.members[0])
         phase = f"block{first.block}_phase1"
+        # below the sum of the block before (it reads it: a tap reads what joined above it)
+        # and above its first member's aggregation
         scene.add(Box(phase, phase, "phase", f"{phase}\n{len(grp.members)} queries",
-                      first.index - 0.8, first.block))
+                      first.index - 0.45, first.block))
         if _on_bus(g, first.block, grp.completed):
             bus.append((phase, first.block))
         else:
@@ -189,7 +191,9 @@ def _running_sums(g: IR, scene: Scene, read: set[str]) -> None:
             kind = "block" if isinstance(node, BlockSum) else "partial"
             name = code_name(node)
             label = f"{name}\n= {code_name_of(g, prev)} + sublayer{members[j - 2]}"
-            scene.add(Box(node.id, name, kind, label, members[j - 2] + 0.5, n))
+            # just after the output it adds (it joins the bus 0.12 lower: above the phase 1
+            # of the next block, which reads it)
+            scene.add(Box(node.id, name, kind, label, members[j - 2] + 0.3, n))
             scene.edge(prev, node.id, "sums")
             scene.edge(f"sublayer{members[j - 2]}", node.id, "sums")
             prev = node.id
