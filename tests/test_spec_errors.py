@@ -340,6 +340,21 @@ GOLDEN = [
      '<--set 1>', 1, 20,
      'warmup (30) is longer than steps (10)',
      'warmup counts optimizer steps and must be at most steps'),
+    # a stream method's sources are all or none: rezero(embedding) was taken as rezero()
+    # with a head rule, and without one called a wiring that reaches no head
+    ('stream_method_part_of_its_sources', M + "residual custom {\n  before sublayer: "
+     "rezero(embedding)\n  before head: attend(embedding, sublayers)\n}\n", (),
+     'spec.restopo', 3, 20,
+     "rezero updates one running stream and always reads the embedding and every earlier "
+     "sublayer; it cannot leave out sublayers",
+     'write rezero() or rezero(embedding, sublayers)'),
+    # a window read with every earlier output was absorbed into it without a word
+    ('window_inside_sublayers', M + "residual custom {\n  before sublayer: "
+     "attend(embedding, sublayers, window(2))\n}\n", (),
+     'spec.restopo', 3, 49,
+     "'window(2)' reads outputs 'sublayers' already reads (every earlier one): together "
+     "they are just 'sublayers'",
+     "keep one: 'sublayers' for every earlier output, or the window for the last few"),
     # a value past any key's reach still names this key's own bound (it said 2,147,483,647)
     ('streams_past_any_bound', M + "residual hyper_connections(streams: 99999999999999999999)\n",
      (),

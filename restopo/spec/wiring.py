@@ -268,6 +268,16 @@ def _rule(fl: Field, target: str, c: Checker) -> T.Rule | None:
             if str(s) in seen or (s.name == "window" and "window" in seen):
                 c.error(a.pos, f"source '{s}' is listed twice", "list each source once")
                 continue
+            # a window's outputs are among 'sublayers': read together, it would add nothing
+            inside = {"window": "sublayers", "sublayers": "window"}.get(s.name)
+            if inside in seen:
+                window = s if s.name == "window" else next(x for x in sources
+                                                            if x.name == "window")
+                c.error(a.pos, f"'{window}' reads outputs 'sublayers' already reads (every "
+                        "earlier one): together they are just 'sublayers'",
+                        "keep one: 'sublayers' for every earlier output, or the window for "
+                        "the last few")
+                continue
             seen[str(s)] = seen[s.name] = a
             sources.append(s)
     options = {}
@@ -308,9 +318,13 @@ def _rule(fl: Field, target: str, c: Checker) -> T.Rule | None:
     if method in T.STREAM_METHODS:
         wrong = [a for a in args if a.key is None and str(_quiet_source(a)) not in
                  ("embedding", "sublayers")]
-        if wrong:
-            c.error(wrong[0].pos, f"{method} updates one running stream and always reads the "
-                    f"embedding and every earlier sublayer",
+        given = [str(_quiet_source(a)) for a in args if a.key is None]
+        left_out = [s for s in ("embedding", "sublayers") if s not in given]
+        if wrong or (given and left_out):  # its sources are all or nothing, never a part
+            c.error(wrong[0].pos if wrong else v.pos,
+                    f"{method} updates one running stream and always reads the embedding and "
+                    "every earlier sublayer" + ("" if wrong else
+                                                f"; it cannot leave out {left_out[0]}"),
                     f"write {method}() or {method}(embedding, sublayers)")
             return None
         if not sources:
