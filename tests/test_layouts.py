@@ -216,7 +216,7 @@ def _one_line(proc, *words):
     (["--set", "parallel.data=fsdp", "--nproc", "3"],
      ["train.batch (16)", "3 FSDP processes", "e.g. 18"]),
     (["--pipeline", "2x1", "--nproc", "2", "--recompute", "block"],
-     ["train.recompute=block", "train.recompute=sublayer with --pipeline"]),
+     ["train.recompute=block", "train.recompute=sublayer with a pipeline"]),
 ])
 def test_bad_layout_is_one_line_before_any_process(args, words, tmp_path):
     proc = restopo("train", TINY, "--steps", 2, "--no-progress", "--out", tmp_path / "r",

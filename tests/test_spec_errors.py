@@ -355,6 +355,26 @@ GOLDEN = [
      "'window(2)' reads outputs 'sublayers' already reads (every earlier one): together "
      "they are just 'sublayers'",
      "keep one: 'sublayers' for every earlier output, or the window for the last few"),
+    # settings `restopo train` refuses together are refused by the check too (spec.combos)
+    ('compile_whole_with_recompute_sublayer',
+     M + "residual standard\ntrain { compile: whole; recompute: sublayer }\n", (),
+     'spec.restopo', 3, 18,
+     "train.compile: whole does not combine with train.recompute: sublayer (its checkpoint "
+     "hooks do not trace into one graph)",
+     "use train.recompute: block, or train.compile: regional"),
+    ('recompute_block_in_a_pipeline',
+     M + "residual standard\nparallel { pipeline(stages: 2) }\ntrain { recompute: block }\n",
+     (),
+     'spec.restopo', 4, 20,
+     "train.recompute=block recomputes regions of the whole lowered model, which a pipeline "
+     "stage does not run",
+     "use train.recompute=sublayer with a pipeline"),
+    ('compile_whole_with_fsdp', M + "residual standard\nparallel { data: fsdp }\n",
+     ("train.compile=whole",),
+     '<--set 1>', 1, 21,
+     "train.compile: whole compiles the model as one graph, for one process or DDP, not a "
+     "pipeline or FSDP",
+     "use train.compile: regional (--compile), which compiles what each process runs"),
     # a value past any key's reach still names this key's own bound (it said 2,147,483,647)
     ('streams_past_any_bound', M + "residual hyper_connections(streams: 99999999999999999999)\n",
      (),

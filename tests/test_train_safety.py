@@ -306,6 +306,24 @@ def test_resume_from_another_file_of_another_depth_names_the_size_not_the_topolo
     assert f"was trained from {spec}, not from {other}" in err
 
 
+def test_overwrite_deletes_the_old_run_only_once_the_new_one_passed_every_check(
+        spec, tmp_path, capsys):
+    """--overwrite deleted the old run's checkpoints before the layout, compile and data
+    checks: a command then refused for a typo had destroyed the run it was refused for."""
+    out = tmp_path / "run"
+    assert train(spec, "--out", out, "--steps", 4) == 0
+    capsys.readouterr()
+    kept = sorted(p.name for p in (out / "ckpt").iterdir())
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    for extra in (["--pipeline", "2x1"], ["--set", f"train.data={empty}"]):
+        one_line_error(capsys, ["train", spec, "--out", out, "--overwrite", "--no-progress",
+                                *extra])
+        assert sorted(p.name for p in (out / "ckpt").iterdir()) == kept, extra
+    assert train(spec, "--out", out, "--overwrite", "--steps", 2) == 0  # and it does replace
+    assert sorted(p.name for p in (out / "ckpt").iterdir()) == ["latest", "step_000002"]
+
+
 def test_resume_with_other_training_settings_names_them(spec, tmp_path, capsys):
     out = tmp_path / "run"
     assert train(spec, "--out", out, "--steps", 2) == 0

@@ -289,11 +289,11 @@ def _tidy(out: Path) -> None:
 RUN_FILES = ("metrics.jsonl", "loss.png")
 
 
-def _fresh_start(out: Path, overwrite: bool) -> None:
+def _fresh_start(out: Path, overwrite: bool) -> bool:
     """A new run must not mix with an old one's checkpoints (resume would pick theirs), nor
-    replace files it did not write."""
-    import shutil
-
+    replace files it did not write. True when an old run is there to replace (--overwrite):
+    `_replace_old_run` deletes it once every check has passed, never before (a refused
+    command with --overwrite deleted the run it was refused for)."""
     from ..train.checkpoint import latest_checkpoint
 
     old = latest_checkpoint(out / "ckpt")
@@ -308,8 +308,18 @@ def _fresh_start(out: Path, overwrite: bool) -> None:
         raise _Stop(f"{out} already holds a run (latest checkpoint {old.name}); continue it "
                     f"with --resume, start over with --overwrite (replaces it), or choose "
                     f"another --out")
-    if _is_writer():
+    return True
+
+
+def _replace_old_run(args, out: Path) -> None:
+    """Delete the old run --overwrite replaces (its checkpoints; its metrics and plot are
+    rewritten by the new run), now that the new one has passed every check and is about
+    to start."""
+    import shutil
+
+    if getattr(args, "replace_old_run", False) and _is_writer():
         shutil.rmtree(out / "ckpt", ignore_errors=True)
+        args.replace_old_run = False
 
 
 def _resume_point(out: Path, required: bool):
@@ -363,7 +373,7 @@ def _load_spec(args, out: Path):
               + (f"resuming from {step_dir}" if step_dir is not None else
                  "no checkpoint yet, so from the start"))
     if not resume:
-        _fresh_start(out, args.overwrite)
+        args.replace_old_run = _fresh_start(out, args.overwrite)
     if step_dir is not None:
         old = read_meta(step_dir)
         if old.get("spec_text") != spec.text:
@@ -416,6 +426,7 @@ def _launch(args, out: Path) -> int:
         return _fail(f"{spec.path} has no model section; training needs one")
     _layout(args, spec, args.nproc)  # so do layouts that cannot run
     runspec.open_data(spec, progress=not args.no_progress)
+    _replace_old_run(args, out)  # every check passed here; the workers find it gone
     return dist.launch(_worker_argv(args), args.nproc, args.max_restarts,
                        env={**hand_down(out), NOTES_SAID: "1"}, checkpoints=out / "ckpt")
 
@@ -473,6 +484,7 @@ def _train(args, out: Path) -> int:
                   f"on {corpus.description}; {cfg.steps} steps x {cfg.batch} x "
                   f"{cfg.context} tokens, {chosen.describe()} on {ctx.device}"
                   + (f"; resuming from {step_dir}" if step_dir else ""), file=sys.stderr)
+        _replace_old_run(args, out)  # the layout, compile, data and model are ready
         try:
             summary = train(model, corpus, cfg, out, ctx,
                             meta=runspec.run_meta(spec, runspec.data_base(spec)),

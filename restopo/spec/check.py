@@ -16,6 +16,7 @@ from .fields import (EXAMPLES, MAX_DEPTH, Checker, Field, View, alts, divisors, 
                      positions)
 from .nodes import (Call, Key, ListValue, Name, Pos, Qualified, SpecFile, String, blame, describe,
                     from_command_line)
+from .combos import compile_conflict, recompute_conflict
 from .limits import (check_microbatches, check_model_limits, check_source_reads,
                      check_train_limits)
 from .objects import (COMPILE, COMPILE_ALIASES, RECOMPUTE, ModelSpec, ParallelSpec, Spec,
@@ -237,6 +238,21 @@ def check_train(view: View, c: Checker) -> TrainSpec | None:
     return TrainSpec(**got, pos=view.kind.pos, positions=positions(view))
 
 
+def _check_combinations(train: TrainSpec, parallel: ParallelSpec | None, c: Checker) -> None:
+    """train.compile and train.recompute against each other and the spec's own parallel
+    section (spec.combos: the rule `restopo train` meets too, with its flags' layout)."""
+    pipeline = parallel is not None and parallel.stages * parallel.virtual > 1
+    sharded = pipeline or (parallel is not None and parallel.data == "fsdp")
+    where = parallel.pos if parallel is not None else None
+    why = compile_conflict(train.compile, train.recompute, sharded=sharded)
+    if why is not None:
+        c.error(blame(train.where("compile"), train.where("recompute") if not sharded
+                      else where), *why)
+    why = recompute_conflict(train.recompute, pipeline=pipeline)
+    if why is not None:
+        c.error(blame(train.where("recompute"), where), *why)
+
+
 def _from_set(fl: Field) -> bool:
     """True for a field given on the command line (a --set, or a flag standing for one)."""
     return from_command_line(fl.value.pos.source)
@@ -293,6 +309,7 @@ def check(file: SpecFile, text: str, overrides=()) -> Spec:
         check_train_limits(train, model.context if model is not None else None, c)
         if parallel is not None:
             check_microbatches(parallel, train, c)
+        _check_combinations(train, parallel, c)
     topology = None
     if model is not None and residual is not None:
         topology = check_against_model(model, residual, c)

@@ -165,17 +165,15 @@ def compile_model(model: nn.Module, stepper=None, mode: str = "regional") -> int
 
 
 def _whole_runs(layout, recompute: str, stepper=None) -> None:
-    """Raise CompileError where train.compile: whole cannot run: a pipeline's chunks or FSDP
-    units (layout, or a stepper that runs them), or recompute by sublayer, whose
-    checkpoint hooks do not trace into one graph (block's regions do)."""
-    regional = "use train.compile: regional (--compile), which compiles what each process runs"
-    if stepper is not None or (layout is not None and not layout.whole):
-        raise CompileError("train.compile: whole compiles the model as one graph, for one "
-                           f"process or DDP; with --pipeline or FSDP {regional}")
-    if recompute == "sublayer":
-        raise CompileError("train.compile: whole does not combine with train.recompute: "
-                           "sublayer (its checkpoint hooks do not trace into one graph); use "
-                           "train.recompute: block, or train.compile: regional")
+    """Raise CompileError where train.compile: whole cannot run (spec.combos says where: a
+    pipeline's chunks or FSDP units, in the layout or a stepper that runs them, and
+    recompute by sublayer)."""
+    from ..spec.combos import compile_conflict, said
+
+    sharded = stepper is not None or (layout is not None and not layout.whole)
+    why = compile_conflict("whole", recompute, sharded=sharded)
+    if why is not None:
+        raise CompileError(said(why))
 
 
 def _home(roots) -> tuple[torch.device, torch.dtype] | None:

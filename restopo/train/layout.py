@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..registry import get_backend
+from ..spec.combos import recompute_conflict, said
 
 
 class LayoutError(ValueError):
@@ -93,10 +94,9 @@ def check_layout(spec, layout: Layout, flag: str | None = "--nproc") -> None:
                 f"this run has {world} ("
                 + (f"use {flag} {p.stages}" if flag else f"run {p.stages} processes")
                 + (f" or {2 * p.stages}" if world > p.stages else "") + ")")
-    if train.recompute == "block" and p is not None:
-        raise LayoutError(
-            "train.recompute=block recomputes regions of the whole lowered model, which a "
-            "pipeline stage does not run; use train.recompute=sublayer with --pipeline")
+    why = recompute_conflict(train.recompute, pipeline=p is not None)
+    if why is not None:
+        raise LayoutError(said(why))
     replicas = world // layout.stages
     if batch % replicas:
         what = "FSDP processes" if layout.data == "fsdp" else "data-parallel replicas"
