@@ -324,6 +324,17 @@ def test_overwrite_deletes_the_old_run_only_once_the_new_one_passed_every_check(
     assert sorted(p.name for p in (out / "ckpt").iterdir()) == ["latest", "step_000002"]
 
 
+def test_a_parallel_section_set_aside_by_one_process_is_said(spec, tmp_path, capsys):
+    """One process trains the whole model whatever the spec's parallel section says (as
+    before); it did so without a word, while --pipeline on one process is refused."""
+    piped = tmp_path / "piped.restopo"
+    piped.write_text(SPEC + "parallel { pipeline(stages: 2) }\n")
+    assert train(piped, "--out", tmp_path / "run", "--steps", 1) == 0
+    err = capsys.readouterr().err
+    assert "the spec's parallel section (pipeline 2x1) is for several processes" in err
+    assert "--nproc 2 runs the section" in err
+
+
 def test_resume_with_other_training_settings_names_them(spec, tmp_path, capsys):
     out = tmp_path / "run"
     assert train(spec, "--out", out, "--steps", 2) == 0
