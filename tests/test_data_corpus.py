@@ -93,6 +93,16 @@ def test_uint16_bin_folder_and_single_file(tmp_path):
     c.check(1000, 64)
     with pytest.raises(DataError, match="model.vocab must be at least 1000"):
         c.check(512, 64)
+    # token ids under other names were read as byte text without a word: a .BIN file is
+    # ids too, and a folder of .bin shards without train.bin is refused
+    ids.tofile(tmp_path / "UPPER.BIN")
+    assert open_corpus(str(tmp_path / "UPPER.BIN")).vocab == 1000
+    (tmp_path / "shards").mkdir()
+    ids[:2500].tofile(tmp_path / "shards" / "shard0.bin")
+    ids[2500:].tofile(tmp_path / "shards" / "shard1.bin")
+    with pytest.raises(DataError, match=r"holds \.bin files \(shard0.bin and 1 more\) but no "
+                                        r"train.bin"):
+        open_corpus(str(tmp_path / "shards"))
 
 
 @pytest.mark.parametrize("make, source, match", [

@@ -107,7 +107,7 @@ def open_corpus(source: str, *, base_dir: str | os.PathLike | None = None,
     if not stat.S_ISREG(mode):
         raise DataError(f"data path {_shown(path)} is not a regular file or a folder (a pipe "
                         f"or a device?); give a text file, a folder or a .bin")
-    if path.suffix == ".bin":
+    if path.suffix.lower() == ".bin":  # .BIN too: token ids read as text would train
         return _bin_file(path)
     return _text_file(path)
 
@@ -260,6 +260,13 @@ def _text_folder(path: Path) -> Corpus:
     if not files:
         raise DataError(f"data folder {str(path)!r} holds no files (hidden files and folders "
                         f"are skipped)")
+    shards = [p for p in files if p.suffix.lower() == ".bin"]
+    if shards:  # token ids (shards of a tokenized corpus?) would train as byte text
+        raise DataError(f"data folder {str(path)!r} holds .bin files ({shards[0].name}"
+                        + (f" and {len(shards) - 1} more" if len(shards) > 1 else "")
+                        + ") but no train.bin: a folder is read as text unless it holds "
+                        "train.bin and val.bin; name the token ids so, or point data: at "
+                        "one .bin file")
     parts = {"train": [], "val": []}
     for p in files:
         rel = p.relative_to(path).as_posix()
