@@ -170,3 +170,25 @@ def test_tensorboard_gets_the_same_scalars_when_installed(tmp_path, corpus, monk
     losses = {step: v for tag, v, step in (w for w in written if w[0] == "loss")}
     assert losses == {r["step"]: r["loss"] for r in records(tmp_path)}
     assert ("val_loss", records(tmp_path)[-1]["val_loss"], 3) in written
+
+
+def test_a_compile_failing_after_a_stop_was_asked_is_that_stop(tmp_path):
+    """Ctrl-C reaches the C++ compiler torch.compile runs in the first step (one process
+    group): its failure came out as a 110-line compiler traceback, exit 1, right after the
+    run had said it would stop. Once a stop is asked, a compile failure is the stop."""
+    from restopo.train.interrupt import Stop
+    from restopo.train.loop import StoppedEarly, _compile_stopped
+
+    CompileFailed = type("CppCompileError", (RuntimeError,), {"__module__": "torch._inductor.exc"})
+    stop = Stop()
+    with pytest.raises(CompileFailed):  # no stop asked: the compiler's error as it is
+        with _compile_stopped(stop, StoppedEarly(0, None, tmp_path, saving=True)):
+            raise CompileFailed("g++ failed")
+    stop.asked = True
+    with pytest.raises(StoppedEarly) as e:
+        with _compile_stopped(stop, StoppedEarly(0, None, tmp_path, saving=True)):
+            raise CompileFailed("g++ failed")
+    assert "stopped after step 0, before its first checkpoint" in str(e.value)
+    with pytest.raises(ValueError):  # another failure is not taken for the stop
+        with _compile_stopped(stop, StoppedEarly(0, None, tmp_path, saving=True)):
+            raise ValueError("a bug")

@@ -335,6 +335,18 @@ def test_a_parallel_section_set_aside_by_one_process_is_said(spec, tmp_path, cap
     assert "--nproc 2 runs the section" in err
 
 
+def test_resume_past_the_steps_asked_says_there_is_nothing_to_train(spec, tmp_path, capsys):
+    """A finished 4-step run resumed with --steps 2 trained nothing (right) but said 'done:
+    2 steps' and that the schedule follows a new curve 'from here'."""
+    out = tmp_path / "run"
+    assert train(spec, "--out", out, "--steps", 4) == 0
+    capsys.readouterr()
+    assert train(spec, "--out", out, "--resume", "--steps", 2) == 0
+    cap = capsys.readouterr()
+    assert "is at step 4, at or past train.steps (2): there is nothing to train" in cap.err
+    assert "new curve" not in cap.err and cap.out.startswith("done: 4 steps")
+
+
 def test_resume_with_other_training_settings_names_them(spec, tmp_path, capsys):
     out = tmp_path / "run"
     assert train(spec, "--out", out, "--steps", 2) == 0

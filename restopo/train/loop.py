@@ -15,6 +15,7 @@ and RNG states as an uninterrupted run, so the losses that follow are identical 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -164,16 +165,34 @@ class StoppedEarly(KeyboardInterrupt):
     """The run stopped at Ctrl-C after step `step`; `saved`: the step of its newest
     checkpoint (None: none yet, checkpoints being off)."""
 
-    def __init__(self, step: int, saved: int | None, ckpt_root: Path):
+    def __init__(self, step: int, saved: int | None, ckpt_root: Path, saving: bool = False):
         super().__init__(step)
         self.step, self.saved, self.ckpt_root = step, saved, ckpt_root
+        self.saving = saving  # checkpoints are on: a missing one means none was due yet
 
     def __str__(self) -> str:
+        if self.saved is None and self.saving:
+            return (f"stopped after step {self.step}, before its first checkpoint; run it "
+                    f"again (with --overwrite) to start over")
         if self.saved is None:
             return (f"stopped after step {self.step}; no checkpoint (train.save_every is "
                     f"0), so --resume has nothing to continue from")
         return (f"stopped after step {self.step}; --resume continues from its checkpoint "
                 f"{self.ckpt_root / step_dir_name(self.saved)}")
+
+
+@contextlib.contextmanager
+def _compile_stopped(stop, stopped: StoppedEarly):
+    """A compile that fails once a stop was asked for was stopped by it: Ctrl-C reaches the
+    C++ compiler torch.compile runs too (the terminal's process group), and its failure
+    came out as a compiler traceback. It ends the run as that stop: `stopped`, with the
+    step before this one."""
+    try:
+        yield
+    except Exception as e:
+        if stop.asked and type(e).__module__.startswith(("torch._inductor", "torch._dynamo")):
+            raise stopped from None
+        raise
 
 
 def train(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, out: str | os.PathLike,
@@ -272,7 +291,9 @@ def train(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, out: str | o
                     group["lr"] = lr
                 x, y = sampler.next()
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                loss = stepper.step(x, y)
+                with _compile_stopped(stop, StoppedEarly(step, saved, ckpt_root,
+                                                         cfg.save_every > 0)):
+                    loss = stepper.step(x, y)
                 if cfg.grad_clip > 0:
                     stepper.clip_grad_norm_(cfg.grad_clip)
                 optimizer.step()
@@ -324,7 +345,8 @@ def train(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, out: str | o
             bar.close()
             log.close()
 
-    summary = {"steps": cfg.steps, "loss": last["loss"], "val_loss": last["val_loss"],
+    # the step the run is at: cfg.steps, or past it for a checkpoint resumed with fewer
+    summary = {"steps": max(cfg.steps, start), "loss": last["loss"], "val_loss": last["val_loss"],
                "out": str(out), "metrics": str(log.path), "checkpoint": None, "plot": None,
                "seconds": time.perf_counter() - t0}
     if ctx.is_main:

@@ -169,7 +169,10 @@ def resume_notes(spec, meta: dict, step_dir, *, spec_file: bool = True) -> list[
             notes.append(f"this run trains on with other settings than {step_dir} was "
                          f"trained with ({'; '.join(changed)}): the steps from {step} on use "
                          "this run's")
-        if new.steps != old.steps and "constant" not in (new.schedule, old.schedule):
+        if step >= new.steps:
+            notes.append(f"{step_dir} is at step {step}, at or past train.steps ({new.steps}):"
+                         " there is nothing to train; give more --steps to go on")
+        elif new.steps != old.steps and "constant" not in (new.schedule, old.schedule):
             notes.append(
                 f"train.steps is now {new.steps} (the run was scheduled for {old.steps}): "
                 f"the cosine schedule is re-stretched over {new.steps} steps, so the learning "
