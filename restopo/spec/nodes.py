@@ -150,3 +150,7 @@ def blame(first: Pos, *related: Pos | None) -> Pos:
         if pos is not None and from_command_line(pos.source):
             return pos
     return first
+
+
+# The sections a spec is made of (sections.py reads them; wiring.py knows their names too).
+SECTIONS = ("model", "residual", "parallel", "train")

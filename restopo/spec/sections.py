@@ -7,10 +7,9 @@ a one-line section given on the command line exactly like one written in the fil
 from __future__ import annotations
 
 from .fields import Checker, View, dym_suffix
-from .nodes import Call, Entry, Name, SpecFile, describe
+from .nodes import SECTIONS, Call, Entry, Name, SpecFile, describe
 from .wiring import NAMED_OPTIONS
 
-SECTIONS = ("model", "residual", "parallel", "train")
 PARALLEL_KINDS = ("pipeline",)
 BUILTIN_DATA = ("stdlib",)  # the corpora `data: builtin:NAME` names
 

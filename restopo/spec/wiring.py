@@ -15,7 +15,8 @@ from dataclasses import replace
 from .. import topology as T
 from .errors import SpecError, did_you_mean
 from .fields import SEP_HINT, Checker, Field, View, alts, divisors, positions
-from .nodes import Arg, Call, Key, ListValue, Name, blame, describe, from_command_line
+from .nodes import (SECTIONS, Arg, Call, Key, ListValue, Name, blame, describe,
+                    from_command_line)
 from .objects import ModelSpec, ResidualSpec
 from .resolve import (ATTEND_OPTIONS, METHOD_OPTIONS, SCALARS_OPTIONS, STREAM_OPTIONS,
                       resolve_residual)
@@ -176,9 +177,6 @@ def _blocks(view: View, c: Checker):
         block_size = c.integer(f["block_size"], "block_size", 1,
                                why="block_size counts sublayers (2 per transformer layer)")
     return blocks, block_size
-
-
-SECTIONS = ("model", "residual", "parallel", "train")
 
 
 def _custom(view: View, c: Checker) -> ResidualSpec | None:
