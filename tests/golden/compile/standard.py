@@ -375,9 +375,8 @@ class _Logits(torch.autograd.Function):
         v, w, u, r = ctx.saved_tensors
         v2 = v.reshape(-1, v.shape[-1])
         half = v.dtype != _weighted__acc(v)  # fp16/bf16: the products in fp32 (weighted._wide)
-        du = dz * r if r is not None else dz                        # [R*H, M], wide
-        du = du if half else du.to(v.dtype)
-        dw = (du @ _weighted__wide(v2)).t().to(w.dtype) if ctx.needs_input_grad[1] else None
+        du = dz * r if r is not None else dz          # [R*H, M], in w's (wide) dtype
+        dw = (du @ _weighted__wide(v2)).t() if ctx.needs_input_grad[1] else None  # w is wide
         if not ctx.needs_input_grad[0]:
             return None, dw, None, None
         # v's gradient: added in place to the readers' sum when v is gathered (handed on
@@ -385,7 +384,7 @@ class _Logits(torch.autograd.Function):
         buf, summed = (None, False) if ctx.sink is None else ctx.sink.buffer(v)
         dv = torch.empty_like(v2) if buf is None else buf.view(v2.shape)
         if half:  # the product in fp32, then rounded once into v's dtype
-            wide = du.t() @ _weighted__wide(w).t()
+            wide = du.t() @ w.t()
             if summed:
                 dv.add_(wide)
             else:
@@ -403,7 +402,7 @@ class _Logits(torch.autograd.Function):
 def _unstacked__logit_parts(v, w, eps, key_norm):
     """(u = W^T v^T [R*H, tokens] in at least fp32, _rmsnorm_rstd(v) [1, tokens] or None without
     key norm): the logits are u * _rmsnorm_rstd."""
-    u = (_weighted__wide(w).t() @ _weighted__wide(v.reshape(-1, v.shape[-1])).t()).to(_weighted__acc(v))
+    u = w.t() @ _weighted__wide(v.reshape(-1, v.shape[-1])).t()  # w is wide already
     return u, (_rmsnorm_rstd(v, eps).view(1, -1) if key_norm else None)
 
 
@@ -480,7 +479,7 @@ class _Lerp(torch.autograd.Function):
     def forward(ctx, h1, lse, p, q, eps, key_norm):
         heads = lse.shape[-1]
         acc = _weighted__acc(p)
-        u = (_weighted__wide(p.reshape(-1, p.shape[-1])) @ _unstacked_query_matrix(q[None], heads).to(acc)).to(acc)
+        u = _weighted__wide(p.reshape(-1, p.shape[-1])) @ _unstacked_query_matrix(q[None], heads).to(acc)
         u = u.view(lse.shape)                                     # q . p per head
         r = _rmsnorm_rstd(p, eps) if key_norm else None
         z2 = u * r if key_norm else u
@@ -498,7 +497,8 @@ class _Lerp(torch.autograd.Function):
         heads, acc = w.shape[-1], w.dtype
         g = grad.unflatten(-1, (heads, -1))
         ph = p.unflatten(-1, (heads, -1))
-        scratch = torch.sub(_weighted__wide(ph), _weighted__wide(h1.unflatten(-1, (heads, -1))))   # p - h1
+        wide_p = _weighted__wide(ph)  # fp16/bf16: the products below in fp32 (weighted._wide)
+        scratch = torch.sub(wide_p, _weighted__wide(h1.unflatten(-1, (heads, -1))))     # p - h1
         dw = scratch.mul_(_weighted__wide(g)).sum(-1, dtype=acc)             # g . (p - h1) per head
         dz2 = dw * w * (1 - w)
         wv = w.unsqueeze(-1).to(g.dtype)
@@ -510,8 +510,7 @@ class _Lerp(torch.autograd.Function):
             # (dz2 . u) _rmsnorm_rstd^3 = (dz2 . z2) _rmsnorm_rstd^2, finite where _rmsnorm_rstd^3 overflows
             dr = (dz2 * z2).sum(-1, keepdim=True) * (r * r) * (-1.0 / p.shape[-1])
             d_p.addcmul_(ph, dr.unsqueeze(-1).to(p.dtype))
-        d_q = torch.einsum("...h,...hc->hc", du.to(_weighted__wide(ph).dtype), _weighted__wide(ph)).flatten()
-        d_q = d_q.to(q.dtype)
+        d_q = torch.einsum("...h,...hc->hc", du.to(wide_p.dtype), wide_p).flatten().to(q.dtype)
         return d_h1.flatten(-2), -dz2, d_p.flatten(-2), d_q, None, None
 
 
