@@ -57,9 +57,9 @@ def make_grid(specs, seeds, sets=(), varies=()) -> list[Job]:
     if not specs:
         raise ValueError("a sweep needs at least one spec file")
     stems = [Path(s).stem for s in specs]
-    again = [s for i, s in enumerate(specs) if s in specs[:i]]
-    if again:
-        raise ValueError(f"{again[0]} is given twice; give each spec once (--seeds repeats "
+    twice = [s for i, s in enumerate(specs) if s in specs[:i]]
+    if twice:
+        raise ValueError(f"{twice[0]} is given twice; give each spec once (--seeds repeats "
                          "runs)")
     if len(set(stems)) != len(stems):
         raise ValueError("two specs share a file name; run names come from file names, so "

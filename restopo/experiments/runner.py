@@ -22,7 +22,7 @@ from ..spec.overrides import override_values
 from ..train.checkpoint import latest_checkpoint, read_meta
 from ..worker import STOP_WITH_PARENT
 from .grid import Job
-from .runs import RUN_FILE
+from .runs import RUN_FILE, reached_end
 
 TAIL = 20  # lines of a failed run's log kept as its error
 # How a run stopped by Ctrl-C or the sweep's SIGTERM exits: restopo's 130, or the signal.
@@ -47,9 +47,7 @@ def state(out: Path, job: Job) -> str:
     ckpt = latest_checkpoint(folder / "ckpt")
     if ckpt is None:
         return "new"
-    meta = read_meta(ckpt)
-    finished = meta.get("step") == meta.get("config", {}).get("steps")
-    return "done" if finished and info.get("status") == "done" else "resume"
+    return "done" if reached_end(read_meta(ckpt)) and info.get("status") == "done" else "resume"
 
 
 def changed(out: Path, job: Job) -> str | None:
@@ -221,20 +219,19 @@ def _stop_children(tell: bool = False) -> None:
             return []
         return [int(p) for p in found if p.isdigit()]
 
-    if tell:
+    def terminate() -> None:
         for pid in children():
             try:
                 os.kill(pid, signal.SIGTERM)
             except OSError:
                 pass
+
+    if tell:
+        terminate()
     deadline = time.monotonic() + STOP_WAIT
     while children() and time.monotonic() < deadline:
         time.sleep(0.2)
-    for pid in children():
-        try:
-            os.kill(pid, signal.SIGTERM)
-        except OSError:
-            pass
+    terminate()
 
 
 def run_submitit(jobs: list[Job], out: Path, report, *, cluster: str = "slurm",

@@ -56,8 +56,7 @@ class Run:
         """Whether the run reached its last step, by its newest checkpoint (not by run.json,
         which a sweep killed outright leaves at 'running'): only then is its last
         validation loss a final one."""
-        planned = int(self.config.get("steps") or 0)
-        return bool(self.meta) and planned > 0 and self.steps >= planned
+        return reached_end(self.meta)
 
     @property
     def progress(self) -> str:
@@ -109,6 +108,12 @@ class Run:
         return Path(str(self.meta.get("spec_path", self.arm))).stem
 
 
+def reached_end(meta: dict) -> bool:
+    """Whether a checkpoint's meta.json is of its run's last step (train.steps)."""
+    planned = int(meta.get("config", {}).get("steps") or 0)
+    return planned > 0 and int(meta.get("step") or 0) >= planned
+
+
 def read_run(path: str | Path) -> Run:
     """The run in folder `path`; RunError when it holds neither metrics nor checkpoints."""
     path = Path(path)
@@ -122,8 +127,7 @@ def read_run(path: str | Path) -> Run:
     arm = info.get("arm") or (m.group("arm") if m else path.name)
     seed = info.get("seed", meta.get("config", {}).get("seed",
                                                        int(m.group("seed")) if m else None))
-    status = info.get("status") or ("done" if meta and meta.get("step") ==
-                                    meta.get("config", {}).get("steps") else "partial")
+    status = info.get("status") or ("done" if reached_end(meta) else "partial")
     load = {k: info[k] for k in ("load_mean", "load_max", "cpus") if k in info}
     job = {k: info[k] for k in ("spec", "overrides") if k in info}
     return Run(path, arm, seed, meta, records, status, load, job)
