@@ -1,10 +1,13 @@
-"""How a torchrun worker ends (stdlib only, so any layer's entry point can use it)."""
+"""How a process ends and is stopped: a torchrun worker's exit, its parent's death, stop
+signals (stdlib only, so any layer's entry point can use it)."""
 from __future__ import annotations
 
 import logging
 import os
 import sys
-from typing import NoReturn
+import threading
+from contextlib import contextmanager
+from typing import Callable, Iterator, NoReturn
 
 
 def under_torchrun() -> bool:
@@ -71,3 +74,23 @@ def die_with_parent(signum: int) -> None:
         return
     if os.getppid() != parent:  # the parent died before the request took
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+@contextmanager
+def signals_handled(names, handler: Callable) -> Iterator[None]:
+    """Within the block, `handler(signum, frame)` for each signal named in `names` that this
+    platform has; the handlers before are back after. Only the main thread may set them
+    (and only there does Python run them): from another, nothing changes."""
+    import signal
+
+    before = {}
+    if threading.current_thread() is threading.main_thread():
+        for name in names:
+            sig = getattr(signal, name, None)
+            if sig is not None:
+                before[sig] = signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        for sig, kept in before.items():
+            signal.signal(sig, kept)

@@ -438,10 +438,10 @@ def _layout(args, spec, world: int):
     chosen = layout.resolve(args.pipeline, spec.parallel, world)
     layout.check_layout(spec, chosen, "--nproc" if args.nproc or world == 1 else None)
     p = spec.parallel
-    if world == 1 and args.pipeline is None and p is not None and (
-            p.stages * p.virtual > 1 or p.data == "fsdp"):  # resolve sets it aside: say so
-        what = (f"pipeline {p.stages}x{p.virtual}" if p.stages * p.virtual > 1 else "") + (
-            (", " if p.stages * p.virtual > 1 else "") + "FSDP" if p.data == "fsdp" else "")
+    if world == 1 and args.pipeline is None and p is not None and p.sharded:
+        # resolve sets the section aside for one process: say so
+        what = ", ".join([f"pipeline {p.stages}x{p.virtual}"] * p.pipelined
+                         + ["FSDP"] * (p.data == "fsdp"))
         _note(f"the spec's parallel section ({what}) is for several processes; this run of "
               f"one trains the whole model in one process (--nproc {max(p.stages, 2)} runs "
               "the section)")

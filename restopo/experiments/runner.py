@@ -8,7 +8,6 @@ failed one tried again; a failing run is recorded and never stops the others.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -20,7 +19,7 @@ from pathlib import Path
 from ..io import write_atomic
 from ..spec.overrides import override_values
 from ..train.checkpoint import latest_checkpoint, read_meta
-from ..worker import STOP_WITH_PARENT
+from ..worker import STOP_WITH_PARENT, signals_handled
 from .grid import Job
 from .runs import RUN_FILE, reached_end
 
@@ -180,24 +179,13 @@ def run_local(jobs: list[Job], out: Path, workers: int, report) -> list[dict]:
     return results
 
 
-@contextlib.contextmanager
 def _stop_signals():
     """SIGTERM and SIGHUP to the sweep raise Stopped in its main thread (they ended it at
-    once, its runs training on, orphaned); the handlers before are put back after."""
+    once, its runs training on, orphaned), within the block."""
     def stop(signum, frame):
         raise Stopped(signum)
 
-    kept = {}
-    try:
-        for sig in (signal.SIGTERM, signal.SIGHUP):
-            kept[sig] = signal.signal(sig, stop)
-    except ValueError:  # not the main thread (a test calling it from one): leave them
-        pass
-    try:
-        yield
-    finally:
-        for sig, handler in kept.items():
-            signal.signal(sig, handler)
+    return signals_handled(("SIGTERM", "SIGHUP"), stop)
 
 
 def _started(job: Job, out: Path, resume: bool, report) -> dict:

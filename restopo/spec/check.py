@@ -241,8 +241,8 @@ def check_train(view: View, c: Checker) -> TrainSpec | None:
 def _check_combinations(train: TrainSpec, parallel: ParallelSpec | None, c: Checker) -> None:
     """train.compile and train.recompute against each other and the spec's own parallel
     section (spec.combos: the rule `restopo train` meets too, with its flags' layout)."""
-    pipeline = parallel is not None and parallel.stages * parallel.virtual > 1
-    sharded = pipeline or (parallel is not None and parallel.data == "fsdp")
+    pipeline = parallel is not None and parallel.pipelined
+    sharded = parallel is not None and parallel.sharded
     where = parallel.pos if parallel is not None else None
     why = compile_conflict(train.compile, train.recompute, sharded=sharded)
     if why is not None:

@@ -151,6 +151,16 @@ class ParallelSpec:
     def chunks(self) -> int:
         return self.stages * self.virtual
 
+    @property
+    def pipelined(self) -> bool:
+        """Whether the section cuts the model into pipeline chunks."""
+        return self.chunks > 1
+
+    @property
+    def sharded(self) -> bool:
+        """Whether each process runs a part of the model (pipeline chunks or FSDP units)."""
+        return self.pipelined or self.data == "fsdp"
+
     def where(self, key: str) -> Pos | None:
         return _where(self.positions, key) or self.pos
 

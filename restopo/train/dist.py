@@ -13,13 +13,12 @@ import json
 import os
 import subprocess
 import sys
-import threading
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 
-from ..worker import under_torchrun
+from ..worker import signals_handled, under_torchrun
 
 # Seconds a collective may wait for the other ranks before the job fails (env override).
 DEFAULT_TIMEOUT_S = 300
@@ -193,17 +192,8 @@ def _run_until_stopped(cmd: list[str], env: dict) -> tuple[int, str | None]:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
 
-    before = {}
-    if threading.current_thread() is threading.main_thread():  # only it may set handlers
-        for name in STOP_SIGNALS:
-            sig = getattr(signal, name, None)
-            if sig is not None:
-                before[sig] = signal.signal(sig, pass_on)
-    try:
+    with signals_handled(STOP_SIGNALS, pass_on):
         code = proc.wait()
-    finally:
-        for sig, handler in before.items():
-            signal.signal(sig, handler)
     return code, (stopped_by[0] if stopped_by else None)
 
 
