@@ -103,15 +103,19 @@ EPS_ATTRS = ("eps", "variance_epsilon")
 MEAN_START_EPS = 1e-12  # above this, a mean of small sources can sink to the epsilon
 
 
-def _norm_eps_attrs(model: nn.Module):
-    """(name, module, attribute) of each norm module (by class, as the tracer finds them)
-    whose epsilon is a float attribute; norms that hard-code theirs have none."""
+def _norms(model: nn.Module):
+    """(name, module) of each norm module, by class, as the tracer finds them."""
     from .tracer import classify
-    for name, m in model.named_modules():
-        if classify(m) == "norm":
-            for attr in EPS_ATTRS:
-                if isinstance(getattr(m, attr, None), float):
-                    yield name, m, attr
+    return [(name, m) for name, m in model.named_modules() if classify(m) == "norm"]
+
+
+def _norm_eps_attrs(model: nn.Module):
+    """(name, module, attribute) of each norm module whose epsilon is a float attribute;
+    norms that hard-code theirs have none."""
+    for name, m in _norms(model):
+        for attr in EPS_ATTRS:
+            if isinstance(getattr(m, attr, None), float):
+                yield name, m, attr
 
 
 def norm_eps(model: nn.Module) -> dict[str, float]:
@@ -129,11 +133,10 @@ def coded_norm_eps(model: nn.Module) -> dict[str, float]:
     """{module name: epsilon} of the norm modules that write theirs in their code (nanoGPT's
     `F.layer_norm(x, ..., 1e-5)`), read from a trace of their forward; a norm that does not
     trace, or computes its own, is left out."""
-    from .tracer import classify
     kept = {name for name, _, _ in _norm_eps_attrs(model)}
     out = {}
-    for name, m in model.named_modules():
-        if classify(m) != "norm" or name in kept or type(m).forward in _TORCH_NORM_FORWARDS:
+    for name, m in _norms(model):
+        if name in kept or type(m).forward in _TORCH_NORM_FORWARDS:
             continue
         try:
             graph = torch.fx.symbolic_trace(m).graph
@@ -155,16 +158,16 @@ _TORCH_NORM_FORWARDS = {nn.LayerNorm.forward, nn.GroupNorm.forward,
 
 def set_norm_eps(model: nn.Module, eps: float) -> None:
     """Set every norm's epsilon attribute; RewireError when there is none to set."""
-    from .tracer import classify
     if not eps >= 0:
         raise RewireError(f"norm_eps must be 0 or more; got {eps}")
     settable = list(_norm_eps_attrs(model))
-    norms = [m for m in model.modules() if classify(m) == "norm"]
+    norms = _norms(model)
     if norms and not settable:
         coded = coded_norm_eps(model)
-        raise RewireError(f"the model's norms ({type(norms[0]).__name__}) keep their epsilon "
+        kind = type(norms[0][1]).__name__
+        raise RewireError(f"the model's norms ({kind}) keep their epsilon "
                           + (f"({max(coded.values()):g}) " if coded else "")
-                          + f"in their code ({type(norms[0]).__name__}.forward), not in an "
+                          + f"in their code ({kind}.forward), not in an "
                           "attribute (eps, variance_epsilon): change it there")
     for _, m, attr in settable:
         setattr(m, attr, float(eps))
