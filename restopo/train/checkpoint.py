@@ -366,7 +366,7 @@ def clean_leftovers(root: str | os.PathLike) -> list[str]:
             else:
                 p.unlink(missing_ok=True)
             done.append(f"removed {p.name}")
-        elif STEP_DIR.match(p.name) and p.is_dir() and not _complete(p):
+        elif _incomplete_step(p):
             why = verify_checkpoint(p) or "files missing"  # before the move: its own files
             done.append(f"moved {p.name} to {quarantine(p).relative_to(root)} "
                         f"(incomplete: {why})")
@@ -468,10 +468,12 @@ def resolve_checkpoint(path: str | os.PathLike, say=None) -> Path:
 
 def _incomplete(root: Path) -> list[Path]:
     """Step folders under `root` missing a file (list_checkpoints leaves them out)."""
-    if not root.is_dir():
-        return []
-    return [q for q in root.iterdir() if STEP_DIR.match(q.name) and q.is_dir()
-            and not _complete(q)]
+    return [q for q in root.iterdir() if _incomplete_step(q)] if root.is_dir() else []
+
+
+def _incomplete_step(p: Path) -> bool:
+    """Whether `p` is a step folder missing a file."""
+    return bool(STEP_DIR.match(p.name)) and p.is_dir() and not _complete(p)
 
 
 def _unverified_said(step_dir: Path, say) -> Path:
