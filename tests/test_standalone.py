@@ -2,6 +2,7 @@
 cannot import restopo at all, and with the `-o model.pt` weights loaded strictly it computes
 what restopo's compiled model computes."""
 import ast
+import builtins
 import json
 import subprocess
 import sys
@@ -60,6 +61,23 @@ def imported_roots(source: str) -> set[str]:
                     if isinstance(n, ast.ImportFrom)}
 
 
+def unbound_classes(source: str) -> set[str]:
+    """Capitalised names the module reads but neither defines nor imports: a class that the
+    writer referred to without writing it (pyflakes' undefined name, for the case that
+    matters here; a line that never runs would hide it from the run below)."""
+    tree = ast.parse(source)
+    bound = {n.name for n in tree.body if isinstance(n, (ast.ClassDef, ast.FunctionDef))}
+    bound |= {(a.asname or a.name).split(".")[0] for n in ast.walk(tree)
+              if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
+    bound |= {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)
+              and not isinstance(n.ctx, ast.Load)}  # any assignment, coarse on purpose
+    bound |= {a.arg for n in ast.walk(tree) if isinstance(n, ast.arguments)
+              for a in n.posonlyargs + n.args + n.kwonlyargs}
+    read = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)
+            and isinstance(n.ctx, ast.Load) and n.id[:1].isupper()}
+    return read - bound - set(dir(builtins))
+
+
 def test_standalone_modules_run_without_restopo(tmp_path):
     from restopo.commands.standalone import module_source
     idx = torch.randint(0, 61, (2, 7), generator=torch.Generator().manual_seed(1))
@@ -78,6 +96,7 @@ def test_standalone_modules_run_without_restopo(tmp_path):
         source = module_source(ref, name, "t.restopo")
         assert imported_roots(source) <= {"__future__", "math", "collections", "contextlib",
                                           "itertools", "types", "torch"}
+        assert not unbound_classes(source), (topology, unbound_classes(source))
         (tmp_path / f"{name}.py").write_text(source)
         names.append(name)
     run = subprocess.run([sys.executable, "-c", RUNNER, json.dumps(idx.tolist()), *names],

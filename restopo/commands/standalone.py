@@ -242,8 +242,11 @@ def _init(model, spec) -> str:
         lines.append(f"{ind}self.write_streams = {_constructor(model.write_streams, spec)}")
     index = {id(m): i for i, m in enumerate(model.aggregations)}
     groups = [[index[id(m)] for m in p.members] for p in model.phases]
-    lines.append(f"{ind}self.phases = nn.ModuleList(TwoPhase([self.aggregations[i] for i in "
-                 f"members]) for members in {groups!r})")
+    if groups:
+        lines.append(f"{ind}self.phases = nn.ModuleList(TwoPhase([self.aggregations[i] for i "
+                     f"in members]) for members in {groups!r})")
+    else:  # TwoPhase is not written into a module without two-phase groups
+        lines.append(f"{ind}self.phases = nn.ModuleList()")
     head = model.head.lm_head
     lines.append(f"{ind}self.head = Head({head.in_features!r}, {head.out_features!r})")
     if head.weight is emb.weight:

@@ -1320,7 +1320,7 @@ class RestopoModel(nn.Module):
             Attend(64, 'input_dependent', 'softmax', 'rms', 1),
             Attend(64, 'static', 'softmax', 'none', 1),
         ])
-        self.phases = nn.ModuleList(TwoPhase([self.aggregations[i] for i in members]) for members in [])
+        self.phases = nn.ModuleList()
         self.head = Head(64, 256)
         self.head.lm_head.weight = self.embed.weight  # tied
 

@@ -1171,7 +1171,7 @@ class RestopoModel(nn.Module):
             Scalars(32, 'none'),
             Scalars(33, 'none'),
         ])
-        self.phases = nn.ModuleList(TwoPhase([self.aggregations[i] for i in members]) for members in [])
+        self.phases = nn.ModuleList()
         self.head = Head(64, 256)
         self.head.lm_head.weight = self.embed.weight  # tied
 
