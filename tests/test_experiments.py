@@ -138,6 +138,34 @@ def test_a_run_stopped_by_ctrl_c_is_recorded_as_interrupted_not_failed(tmp_path,
     assert "resumes it" in info["error"]
 
 
+def test_a_second_sweep_of_a_folder_is_refused_and_a_live_run_left_alone(tmp_path, capsys,
+                                                                         monkeypatch):
+    """Running a sweep again while its first is still running (another terminal, a
+    restarted job) had the second start each run, fail on the run's lock, and write
+    'failed' over the live run's run.json. Now a sweep holds its folder as a run does, and
+    a run folder held by a live run is reported without being touched."""
+    from restopo.experiments import runner
+    from restopo.train.runlock import run_lock
+    spec = _specs(tmp_path)[0]
+    out = tmp_path / "sweep"
+    with run_lock(out, who="sweep"):  # the first sweep, still running
+        assert main(["sweep", spec, "--out", str(out)]) == 1
+        err = capsys.readouterr().err
+        assert f"{out} is in use by another sweep (pid {os.getpid()}" in err
+        assert not (out / "std-s0").exists()
+    job = make_grid([spec], [0])[0]
+    monkeypatch.setattr(type(job), "command", lambda self, out, resume, threads=1: [
+        sys.executable, "-c", "raise SystemExit('the run was started')"])
+    (out / job.name).mkdir(parents=True)
+    live = json.dumps({"status": "running", "arm": "std"})
+    (out / job.name / "run.json").write_text(live)
+    with run_lock(out / job.name):  # a live `restopo train --out sweep/std-s0`
+        result = runner.run_job(job, out, resume=False)
+    assert result["status"] == "failed" and "in use by another run" in result["error"]
+    assert (out / job.name / "run.json").read_text() == live
+    assert not (out / job.name / "train.log").exists()
+
+
 def _running(marker: str) -> list[str]:
     """Processes whose command line holds `marker` (a run folder), as pgrep lists them."""
     found = subprocess.run(["pgrep", "-f", "-a", marker], capture_output=True, text=True)

@@ -117,7 +117,18 @@ def run(args) -> int:
             command = j.command(out, resume=states[j.name] == "resume")[3:]
             print(f"  {j.name:40s} {states[j.name]:7s} {' '.join(command)}")
         return 0
-    out.mkdir(parents=True, exist_ok=True)
+    from ..train.runlock import RunLocked, run_lock
+    try:
+        with run_lock(out, who="sweep"):  # one sweep per folder; its runs lock their own
+            return _execute(args, jobs, out, slurm)
+    except RunLocked as e:
+        print(f"restopo sweep: error: {e}", file=sys.stderr)
+        return 1
+
+
+def _execute(args, jobs, out: Path, slurm: dict) -> int:
+    """Run the sweep's jobs, say which failed, and compare what finished."""
+    from ..experiments import runner
     progress = _Progress(len(jobs))
     try:
         if args.executor == "local":

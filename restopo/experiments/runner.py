@@ -19,6 +19,7 @@ from pathlib import Path
 from ..io import write_atomic
 from ..spec.overrides import override_values
 from ..train.checkpoint import latest_checkpoint, read_meta
+from ..train.runlock import held_by
 from ..worker import STOP_WITH_PARENT, signals_handled
 from .grid import Job
 from .runs import RUN_FILE, reached_end
@@ -107,6 +108,10 @@ def run_job(job: Job, out: Path, resume: bool, threads: int = 1) -> dict:
     """Run one job to the end in a child process; its outcome as run.json records it.
     (Module level so that submitit can pickle it.)"""
     folder = out / job.name
+    holder = held_by(folder)
+    if holder is not None:  # its run.json is that run's to write, not this failure's
+        error = f"{folder} is in use by another run ({holder}); run the sweep again when it ends"
+        return {"name": job.name, "status": "failed", "error": error, "seconds": 0.0}
     folder.mkdir(parents=True, exist_ok=True)
     _record(out, job, status="running")
     # STOP_WITH_PARENT: the run stops (saving, as on SIGTERM) if the sweep is killed

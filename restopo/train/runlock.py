@@ -28,9 +28,10 @@ class RunLocked(RuntimeError):
 
 
 @contextlib.contextmanager
-def run_lock(out: str | os.PathLike):
+def run_lock(out: str | os.PathLike, who: str = "run"):
     """Hold the lock on run folder `out` (created if need be) for the block's duration;
-    RunLocked when another process holds it."""
+    RunLocked when another process holds it. `who`: what takes it, for the refusal (a
+    sweep locks its folder as a run does, its runs their own folders inside it)."""
     out = Path(out)
     path = (out / LOCK_NAME).resolve()
     if os.environ.get(ENV) == str(path):  # our launcher holds it for us
@@ -50,8 +51,8 @@ def run_lock(out: str | os.PathLike):
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
-            raise RunLocked(f"{out} is in use by another run ({_holder(fd)}); wait for it "
-                            f"to finish, or choose another --out") from None
+            raise RunLocked(f"{out} is in use by another {who} ({_holder(fd)}); wait for "
+                            f"it to finish, or choose another --out") from None
         info = {"pid": os.getpid(), "host": socket.gethostname(),
                 "started": time.strftime("%Y-%m-%d %H:%M:%S"),
                 "command": " ".join(["restopo", *sys.argv[1:]])[:500]}
@@ -74,6 +75,24 @@ def _remove_if_only_lock(out: Path, lock: Path) -> None:
             out.rmdir()
     except OSError:  # something appeared meanwhile, or the folder is not ours to remove
         pass
+
+
+def held_by(out: str | os.PathLike) -> str | None:
+    """Who holds the lock on folder `out` now (None: nobody; taken and let go at once, so
+    a check, not a hold)."""
+    path = Path(out) / LOCK_NAME
+    try:
+        import fcntl
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except (ImportError, OSError):  # no lock file: never run, or not POSIX
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return None
+    except OSError:
+        return _holder(fd)
+    finally:
+        os.close(fd)  # releases the shared lock, if it was taken
 
 
 def hand_down(out: str | os.PathLike) -> dict:
