@@ -5,6 +5,7 @@ import io
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -66,6 +67,16 @@ def test_a_grid_that_would_collide_or_drop_a_value_is_refused():
         make_grid(["a/std.restopo"], [0], [], ["model.width=32", "model.width=64"])
     with pytest.raises(ValueError, match="repeat one"):
         make_grid(["a/std.restopo"], [1, 1])
+    # distinct values that a run's name writes alike: one folder for two runs
+    for vary, said in (("residual=block_attnres(blocks: 4),block_attnres(blocks:4)",
+                        "'residual=block_attnres(blocks: 4)' and 'residual=block_attnres"
+                        "(blocks:4)' would both train in the run folder "
+                        "residualblock_attnres_blocks_4_-width32-s0"),
+                       ("train.data=a/b.txt,a-b.txt", "'train.data=a/b.txt' and "
+                        "'train.data=a-b.txt' would both train in the run folder "
+                        "dataa_b.txt-width32-s0")):
+        with pytest.raises(ValueError, match=re.escape(said)):
+            make_grid(["a/std.restopo"], [0], ["train.steps=3"], [vary, "model.width=32,64"])
 
 
 def test_sweep_mistakes_are_refused_before_any_run(tmp_path, capsys):

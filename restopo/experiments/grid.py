@@ -84,4 +84,20 @@ def make_grid(specs, seeds, sets=(), varies=()) -> list[Job]:
             arm = "-".join(parts)
             for seed in seeds:
                 jobs.append(Job(f"{arm}-s{seed}", arm, spec, tuple(sets) + tuple(varied), seed))
+    _one_folder_each(jobs)
     return jobs
+
+
+def _one_folder_each(jobs: list[Job]) -> None:
+    """Refuse two jobs that a name gives one folder: a name keeps a value's letters, digits,
+    '_' and '.', so blocks: 4 and blocks:4, or data a/b.txt and a-b.txt, met in one folder
+    (one run failed on the other's lock, or resumed it as its own)."""
+    first = {}
+    for job in jobs:
+        other = first.setdefault(job.name, job)
+        if other is not job:
+            said = [", ".join(str(o) for o in a.overrides if o not in b.overrides) or a.spec
+                    for a, b in ((other, job), (job, other))]
+            raise ValueError(f"{said[0]!r} and {said[1]!r} would both train in the run folder "
+                             f"{job.name}: give the values in one form each (a run's name "
+                             f"keeps only letters, digits, '_' and '.' of a value)")
