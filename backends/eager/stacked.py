@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from .rmsnorm import rstd
-from .weighted import _acc
+from .weighted import _acc, out_dtype
 
 
 def _as(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -178,6 +178,7 @@ def phase2(h1: torch.Tensor, lse: torch.Tensor, partial: torch.Tensor | None,
         z2 = (p @ _as(gained_query, p.dtype)).unsqueeze(-1)
     if key_norm:
         z2 = z2.mul_(rstd(p, eps))
-    w = _as(torch.sigmoid_(z2.sub_(lse)), h1.dtype)
-    h = torch.lerp(by_head(h1), by_head(partial), per_head(w))
+    dtype = out_dtype(h1, partial)
+    w = _as(torch.sigmoid_(z2.sub_(lse)), dtype)
+    h = torch.lerp(by_head(_as(h1, dtype)), by_head(_as(partial, dtype)), per_head(w))
     return h.flatten(-2) if split else h

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from .rmsnorm import rstd
-from .weighted import _acc, _wide, weighted_sum
+from .weighted import _acc, _wide, out_dtype, weighted_sum
 
 
 class _Rstd(torch.autograd.Function):
@@ -210,8 +210,9 @@ def phase2(h1: torch.Tensor, lse: torch.Tensor, partial: torch.Tensor | None,
         heads = lse.shape[-1]
         z2 = source_logits(partial, gained_query.unflatten(-1, (heads, -1)), eps, key_norm)
         w = torch.sigmoid(z2 - lse).unsqueeze(-1)
-        h = torch.lerp(h1.unflatten(-1, (heads, -1)), partial.unflatten(-1, (heads, -1)),
-                       w.to(h1.dtype))
+        dtype = out_dtype(h1, partial)
+        h = torch.lerp(h1.unflatten(-1, (heads, -1)).to(dtype),
+                       partial.unflatten(-1, (heads, -1)).to(dtype), w.to(dtype))
         return h.flatten(-2)
     return _Lerp.apply(h1, lse, partial, gained_query, eps, key_norm)
 
@@ -231,8 +232,9 @@ class _Lerp(torch.autograd.Function):
         r = rstd(p, eps) if key_norm else None
         z2 = u * r if key_norm else u
         w = torch.sigmoid(z2 - lse)
-        out = torch.lerp(h1.unflatten(-1, (heads, -1)), p.unflatten(-1, (heads, -1)),
-                         w.unsqueeze(-1).to(p.dtype))
+        dtype = out_dtype(h1, p)  # autograd hands each input its gradient in its own dtype
+        out = torch.lerp(h1.unflatten(-1, (heads, -1)).to(dtype),
+                         p.unflatten(-1, (heads, -1)).to(dtype), w.unsqueeze(-1).to(dtype))
         ctx.save_for_backward(h1, p, q, w, z2, r)
         ctx.key_norm = key_norm
         return out.flatten(-2)

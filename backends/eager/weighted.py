@@ -36,6 +36,18 @@ def _wide(v: torch.Tensor) -> torch.Tensor:
     return v.float() if v.dtype in _HALF else v
 
 
+def out_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """The dtype a sum or lerp of `tensors` is returned in: their promoted dtype (as the
+    fused kernels return), found without a dispatch when they agree (the usual case).
+    Under autocast the embedding (b_0) stays fp32 while blocks are bf16: the result was
+    the first source's dtype, or an error where an op wants one dtype."""
+    dtype = tensors[0].dtype
+    for t in tensors[1:]:
+        if t.dtype != dtype:
+            dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
 class _Sink:
     """Where the weighted sums that read one source add up its gradient, within one
     backward pass: a pass that does not need the source never runs the view's node, so
@@ -116,10 +128,10 @@ def weighted_sum(alpha: torch.Tensor, sources: Sequence[torch.Tensor],
 
 def _plain(alpha, sources, outputs):
     """The same sum in autograd's ops (for tracing, and sources that broadcast)."""
-    heads = alpha.shape[-1]
+    heads, dtype = alpha.shape[-1], out_dtype(*sources)
     out = None
     for a_i, v in zip(alpha, sources):                           # a_i: [(S,) *batch, H]
-        term = v.unflatten(-1, (heads, -1)) * a_i.unsqueeze(-1).to(v.dtype)
+        term = v.unflatten(-1, (heads, -1)) * a_i.unsqueeze(-1).to(dtype)
         out = term if out is None else out + term
     return out.flatten(-2)
 
@@ -129,13 +141,13 @@ class WeightedSum(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, alpha, outputs, *sources):
-        v0 = sources[0]
+        v0, dtype = sources[0], out_dtype(*sources)
         heads = alpha.shape[-1]
-        a = alpha.to(v0.dtype).unsqueeze(-1)                      # [n, (S,) *batch, H, 1]
+        a = alpha.to(dtype).unsqueeze(-1)                         # [n, (S,) *batch, H, 1]
         if outputs is None:
             a = a.unsqueeze(1)
         vh = [v.unflatten(-1, (heads, -1)) for v in sources]      # [*batch, H, c]
-        out = torch.empty((a.shape[1], *vh[0].shape), dtype=v0.dtype, device=v0.device)
+        out = torch.empty((a.shape[1], *vh[0].shape), dtype=dtype, device=v0.device)
         for o, a_s in zip(out, a.unbind(1)):                      # each output in place
             torch.mul(vh[0], a_s[0], out=o)
             for v, a_i in zip(vh[1:], a_s[1:]):

@@ -68,6 +68,18 @@ def _weighted__wide(v: torch.Tensor) -> torch.Tensor:
     return v.float() if v.dtype in _HALF else v
 
 
+def _weighted_out_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """The dtype a sum or lerp of `tensors` is returned in: their promoted dtype (as the
+    fused kernels return), found without a dispatch when they agree (the usual case).
+    Under autocast the embedding (b_0) stays fp32 while blocks are bf16: the result was
+    the first source's dtype, or an error where an op wants one dtype."""
+    dtype = tensors[0].dtype
+    for t in tensors[1:]:
+        if t.dtype != dtype:
+            dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
 class _Sink:
     """Where the weighted sums that read one source add up its gradient, within one
     backward pass: a pass that does not need the source never runs the view's node, so
@@ -148,10 +160,10 @@ def _weighted_weighted_sum(alpha: torch.Tensor, sources: Sequence[torch.Tensor],
 
 def _weighted__plain(alpha, sources, outputs):
     """The same sum in autograd's ops (for tracing, and sources that broadcast)."""
-    heads = alpha.shape[-1]
+    heads, dtype = alpha.shape[-1], _weighted_out_dtype(*sources)
     out = None
     for a_i, v in zip(alpha, sources):                           # a_i: [(S,) *batch, H]
-        term = v.unflatten(-1, (heads, -1)) * a_i.unsqueeze(-1).to(v.dtype)
+        term = v.unflatten(-1, (heads, -1)) * a_i.unsqueeze(-1).to(dtype)
         out = term if out is None else out + term
     return out.flatten(-2)
 
@@ -161,13 +173,13 @@ class WeightedSum(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, alpha, outputs, *sources):
-        v0 = sources[0]
+        v0, dtype = sources[0], _weighted_out_dtype(*sources)
         heads = alpha.shape[-1]
-        a = alpha.to(v0.dtype).unsqueeze(-1)                      # [n, (S,) *batch, H, 1]
+        a = alpha.to(dtype).unsqueeze(-1)                         # [n, (S,) *batch, H, 1]
         if outputs is None:
             a = a.unsqueeze(1)
         vh = [v.unflatten(-1, (heads, -1)) for v in sources]      # [*batch, H, c]
-        out = torch.empty((a.shape[1], *vh[0].shape), dtype=v0.dtype, device=v0.device)
+        out = torch.empty((a.shape[1], *vh[0].shape), dtype=dtype, device=v0.device)
         for o, a_s in zip(out, a.unbind(1)):                      # each output in place
             torch.mul(vh[0], a_s[0], out=o)
             for v, a_i in zip(vh[1:], a_s[1:]):
@@ -214,7 +226,7 @@ class WeightedSum(torch.autograd.Function):
         return (d_alpha, None, *d_sources)
 
 
-weighted = SimpleNamespace(_acc=_weighted__acc, _plain=_weighted__plain, _wide=_weighted__wide, gathered=_weighted_gathered, weighted_sum=_weighted_weighted_sum)
+weighted = SimpleNamespace(_acc=_weighted__acc, _plain=_weighted__plain, _wide=_weighted__wide, gathered=_weighted_gathered, out_dtype=_weighted_out_dtype, weighted_sum=_weighted_weighted_sum)
 
 
 def _rmsnorm_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -472,8 +484,9 @@ def _unstacked_phase2(h1: torch.Tensor, lse: torch.Tensor, partial: torch.Tensor
         heads = lse.shape[-1]
         z2 = _unstacked_source_logits(partial, gained_query.unflatten(-1, (heads, -1)), eps, key_norm)
         w = torch.sigmoid(z2 - lse).unsqueeze(-1)
-        h = torch.lerp(h1.unflatten(-1, (heads, -1)), partial.unflatten(-1, (heads, -1)),
-                       w.to(h1.dtype))
+        dtype = _weighted_out_dtype(h1, partial)
+        h = torch.lerp(h1.unflatten(-1, (heads, -1)).to(dtype),
+                       partial.unflatten(-1, (heads, -1)).to(dtype), w.to(dtype))
         return h.flatten(-2)
     return _Lerp.apply(h1, lse, partial, gained_query, eps, key_norm)
 
@@ -493,8 +506,9 @@ class _Lerp(torch.autograd.Function):
         r = _rmsnorm_rstd(p, eps) if key_norm else None
         z2 = u * r if key_norm else u
         w = torch.sigmoid(z2 - lse)
-        out = torch.lerp(h1.unflatten(-1, (heads, -1)), p.unflatten(-1, (heads, -1)),
-                         w.unsqueeze(-1).to(p.dtype))
+        dtype = _weighted_out_dtype(h1, p)  # autograd hands each input its gradient in its own dtype
+        out = torch.lerp(h1.unflatten(-1, (heads, -1)).to(dtype),
+                         p.unflatten(-1, (heads, -1)).to(dtype), w.unsqueeze(-1).to(dtype))
         ctx.save_for_backward(h1, p, q, w, z2, r)
         ctx.key_norm = key_norm
         return out.flatten(-2)
@@ -684,8 +698,9 @@ def _stacked_phase2(h1: torch.Tensor, lse: torch.Tensor, partial: torch.Tensor |
         z2 = (p @ _stacked__as(gained_query, p.dtype)).unsqueeze(-1)
     if key_norm:
         z2 = z2.mul_(_rmsnorm_rstd(p, eps))
-    w = _stacked__as(torch.sigmoid_(z2.sub_(lse)), h1.dtype)
-    h = torch.lerp(by_head(h1), by_head(partial), per_head(w))
+    dtype = _weighted_out_dtype(h1, partial)
+    w = _stacked__as(torch.sigmoid_(z2.sub_(lse)), dtype)
+    h = torch.lerp(by_head(_stacked__as(h1, dtype)), by_head(_stacked__as(partial, dtype)), per_head(w))
     return h.flatten(-2) if split else h
 
 
