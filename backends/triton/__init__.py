@@ -17,7 +17,8 @@ same results, unfused. Inputs may be fp32, fp16, bf16 (accumulated in fp32) or f
 autocast: an fp32 embedding, bf16 outputs); results take the promoted dtype. Phase 1
 returns o1 as S separate tensors (indexable by slot, like the eager backend's stacked
 one) and m1 and s1 in the accumulation dtype (fp32 for half inputs, like
-flash-attention's logsumexp), not in the input dtype.
+flash-attention's logsumexp), not in the input dtype; it returns the state normalised, as
+the eager backend does: o1 = h1 (the softmax's weighted sum), m1 = its log-sum-exp, s1 = 1.
 
 Layout: runtime.py (availability, launching and autotuning, tiles), sources.py (the table of
 source addresses), single.py (single-read kernels), twophase.py (phase 1 / phase 2
@@ -79,7 +80,7 @@ def phase1(completed, queries: torch.Tensor,
     """(o1, m1 [S, *batch, 1], s1 [S, *batch, 1]) of the S queries [S, d] over the n
     completed blocks (a sequence of [*batch, d] or a stacked [n, *batch, d]); o1 is a tuple
     of S tensors [*batch, d] (o1[s] as with the eager backend's stacked o1); m1 and s1 in
-    the accumulation dtype."""
+    the accumulation dtype. The state is normalised: o1 = h1, m1 = lse, s1 = 1."""
     if heads != 1:
         return _eager.phase1(completed, queries, key_norm_weights, eps, key_norm=key_norm,
                              heads=heads)

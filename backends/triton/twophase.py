@@ -12,7 +12,7 @@ each block's gradient into its own buffer.
 Reads of the completed blocks in phase 1 (n blocks, S queries, per token row):
 - forward (`_phase1_fwd`): pass A streams each block once in channel chunks and computes its
   RMS and the logits of all S queries at once; pass B, in the same program, streams the blocks
-  again and accumulates the S un-normalised outputs. So 2 reads of the completed blocks for
+  again and accumulates the S outputs, normalised (pass A ends with each query's lse). So 2 reads of the completed blocks for
   all S queries, against S reads for S separate aggregations; with few rows per program the
   second read should mostly hit L2 (n x rows x d values per program), but that is not
   measured here. (A single read would need S accumulators of d channels per row at once,
@@ -22,7 +22,7 @@ Reads of the completed blocks in phase 1 (n blocks, S queries, per token row):
   chunk re-read per block (from L2 with few rows per program); `_phase1_dsources` reads each
   block and the output gradients once more and writes the block gradients.
 Logits z [n, S, rows] go through a small fp32 scratch (S / d of the block traffic); autograd
-keeps z and m1 (per-token scalars) and the blocks themselves (alive anyway).
+keeps z and m1 = lse (per-token scalars) and the blocks themselves (alive anyway).
 
 Offsets are int64 wherever a row index multiplies a width. Scratch for a parameter's
 gradient (per-program partial sums) is allocated only when that gradient is wanted.
@@ -75,13 +75,16 @@ def _phase1_fwd(SRC, U, Z, M, SUM, OUTS, R, D, n0, n, S, eps,
             m_new = tl.maximum(m, z)
             ssum = ssum * tl.exp(m - m_new) + tl.exp(z - m_new)
             m = m_new
-    tl.store(M + rs, m, mask=zmask)
-    tl.store(SUM + rs, ssum, mask=zmask)
-    # Z is read back below, possibly by other threads of this program
+    # the normalised state (h1, lse, 1): pass B then sums alpha_i v_i, a convex mix of the
+    # blocks. The un-normalised sum_i e^(z_i - m) v_i is up to n times the largest block
+    # and overflowed fp16's range where every input and the result fit in it.
+    tl.store(M + rs, m + tl.log(ssum), mask=zmask)
+    tl.store(SUM + rs, tl.full([BLOCK_R, BLOCK_S], 1.0, ACC), mask=zmask)
+    # Z and M are read back below, possibly by other threads of this program
     tl.debug_barrier()
-    # pass B: the S un-normalised outputs, chunk by chunk, each into its query's buffer;
-    # this program's blocks were just read in pass A, so with small row tiles they come
-    # back from L2
+    # pass B: the S outputs h1 = sum_i e^(z_i - lse) v_i, chunk by chunk, each into its
+    # query's buffer; this program's blocks were just read in pass A, so with small row
+    # tiles they come back from L2
     sr = qs[:, None].to(tl.int64) * R + rows[None, :]         # [S, R] offsets
     srmask = smask[:, None] & rmask[None, :]
     mt = tl.load(M + sr, mask=srmask, other=0.0)
@@ -106,9 +109,10 @@ def _phase1_dlogits(SRC, DO1S, DM, DS, Z, M, DZ, RINV, COEF, R, D, n0, n, S, eps
                     ALIGNED: tl.constexpr, GDT: tl.constexpr, KEY_NORM: tl.constexpr,
                     ACC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
                     BLOCK_C: tl.constexpr):
-    # e_si = e^(z_si - m_s); o1_s = sum_i e_si v_i; s1_s = sum_i e_si; m_s = max_i z_si.
-    # de_si = do1_s . v_i + ds1_s; dz_si = e_si de_si + dm_s [i is an argmax] / #argmax, with
-    # dm_s = dm1_s - sum_i e_si de_si (ties split evenly, as torch.amax's backward does).
+    # The forward's normalised state: m_s = lse_s, e_si = e^(z_si - m_s) = alpha_si,
+    # o1_s = sum_i e_si v_i, s1_s = sum_i e_si (= 1). de_si = do1_s . v_i + ds1_s;
+    # dz_si = e_si de_si + alpha_si dm_s = e_si (de_si + dm_s), with
+    # dm_s = dm1_s - sum_i e_si de_si (d lse_s / d z_si = alpha_si; ds1 cancels out).
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     qs = tl.arange(0, BLOCK_S)
     rmask = rows < R
@@ -120,7 +124,6 @@ def _phase1_dlogits(SRC, DO1S, DM, DS, Z, M, DZ, RINV, COEF, R, D, n0, n, S, eps
     grads = tl.load(DO1S + qs, mask=smask, other=0).to(tl.pointer_type(GDT))
     grow = tl.multiple_of(grads, 16)[:, None] + rows[None, :] * D   # [S, R] row pointers
     tsum = tl.zeros([BLOCK_S, BLOCK_R], ACC)
-    ties = tl.zeros([BLOCK_S, BLOCK_R], ACC)
     for g in tl.static_range(NGROUPS):
         for i in range(0 if g == 0 else n0, n0 if g == 0 else n):
             pdot = tl.zeros([BLOCK_S, BLOCK_R], ACC)
@@ -138,18 +141,17 @@ def _phase1_dlogits(SRC, DO1S, DM, DS, Z, M, DZ, RINV, COEF, R, D, n0, n, S, eps
             z = tl.load(zi, mask=srmask, other=0.0)
             de = pdot + ds
             tsum += tl.exp(z - m) * de
-            ties += tl.where(z == m, 1.0, 0.0)
             tl.store(DZ + tl.cast(i, tl.int64) * S * R + sr, de, mask=srmask)
             if KEY_NORM:
                 tl.store(RINV + tl.cast(i, tl.int64) * R + rows, 1.0 / tl.sqrt(sq / D + eps),
                          mask=rmask)
     # DZ is read back below, possibly by other threads of this program
     tl.debug_barrier()
-    dm = (tl.load(DM + sr, mask=srmask, other=0.0).to(ACC) - tsum) / tl.maximum(ties, 1.0)
+    dm = tl.load(DM + sr, mask=srmask, other=0.0).to(ACC) - tsum
     for i in range(n):
         z = tl.load(Z + tl.cast(i, tl.int64) * S * R + sr, mask=srmask, other=0.0)
         de = tl.load(DZ + tl.cast(i, tl.int64) * S * R + sr, mask=srmask, other=0.0)
-        dz = tl.exp(z - m) * de + tl.where(z == m, dm, 0.0)
+        dz = tl.exp(z - m) * (de + dm)
         tl.store(DZ + tl.cast(i, tl.int64) * S * R + sr, dz, mask=srmask)
         # the coefficient of v_i in its own gradient through its RMS: -sum_s dz_si z_si r_i^2/D
         tl.store(COEF + tl.cast(i, tl.int64) * R + rows, tl.sum(dz * z, axis=0), mask=rmask)

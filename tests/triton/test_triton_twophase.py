@@ -42,12 +42,12 @@ def check_phase1(n, S, d, dtype, *, batch=BATCH, key_norm=True, tile=None, v64=N
     ins = [leaf(x, dtype) for x in (v64, w64, g64)]
     with T.tiles(*tile):
         got = stacked(T.phase1(*ins, key_norm=key_norm))
-    want = ref_phase1(*refs, key_norm=key_norm)
+    want = ref_phase1(*refs, key_norm=key_norm, normalised=True)
     tol = TOL[dtype]
     for name, a, b in zip(("o1", "m1", "s1"), got, want):
         assert_rel(a, b, tol, name)
     assert got[0].dtype == dtype
-    # upstream gradients on all three outputs, m1 included (it is a max: ties split evenly)
+    # upstream gradients on all three outputs (s1 = 1 has none to pass on, as in the ref)
     cots = cotangents([t.shape for t in want])
     with T.tiles(*tile):
         ga = grads(got, ins, [c.to(got[i].dtype) for i, c in enumerate(cots)])
@@ -81,8 +81,9 @@ def test_phase1_without_key_norm_and_default_tiles():
     check_phase1(5, 3, 96, torch.float32, tile=(None, None))
 
 
-def test_phase1_tied_maximum_gets_the_amax_gradient():
-    """Identical blocks tie for the max logit: the gradient of m1 is split like torch.amax."""
+def test_phase1_tied_logits():
+    """Identical blocks tie for the max logit (the kernels once split m1's gradient between
+    them, as torch.amax; now m1 is the log-sum-exp, whose gradient is alpha)."""
     v, _, _ = make_sources(1, BATCH, 64)
     check_phase1(3, 2, 64, torch.float64, v64=torch.cat([v, v, 0.5 * v]))
 
@@ -90,6 +91,31 @@ def test_phase1_tied_maximum_gets_the_amax_gradient():
 def test_phase1_non_contiguous():
     v, _, _ = make_sources(5, (4, 3), 96)
     check_phase1(5, 2, 96, torch.float32, v64=v.transpose(1, 2), batch=(3, 4))
+
+
+def test_phase1_fp16_blocks_near_the_top_of_its_range():
+    """Blocks of about 3e4 in fp16 (whose largest value is 65504): h is their mean and fits,
+    but phase 1 kept the un-normalised sum_i e^(z_i - m) v_i, n times that, in fp16, and
+    returned inf (the eager and cpu backends normalise). Now every output is finite and
+    within fp16's rounding of the float64 answer, gradients included."""
+    gen = torch.Generator().manual_seed(5)
+    blocks = [3.0e4 + 100 * torch.randn(2, 48, generator=gen, dtype=torch.float64)
+              for _ in range(4)]
+    w = torch.zeros(2, 48, dtype=torch.float64)  # zero pseudo-queries (the init): the mean
+    partial = torch.full((2, 48), 3.0e4, dtype=torch.float64)
+    want = [torch.stack(blocks).mean(0), torch.stack([*blocks, partial]).mean(0)]
+    ins = [leaf(b, torch.float16) for b in blocks]
+    o1, m1, s1 = T.phase1(ins, w.half())
+    got = [T.phase2(o1[0], m1[0], s1[0], None, w[0].half()),
+           T.phase2(o1[1], m1[1], s1[1], partial.half(), w[1].half())]
+    for g, x in zip(got, want):
+        assert torch.isfinite(g).all()
+        assert_rel(g, x, 2e-3, "h")
+    sum(g.float().sum() for g in got).backward()
+    for b in ins:  # d h / d v_i at zero queries: 1/4 + 1/5 per channel, the partial's 1/5 off
+        assert torch.isfinite(b.grad).all()
+        torch.testing.assert_close(b.grad.double(), torch.full_like(blocks[0], 0.45),
+                                   rtol=2e-3, atol=0)
 
 
 def check_phase2(d, dtype, *, with_partial=True, with_norm=False, key_norm=True,

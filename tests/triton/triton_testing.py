@@ -87,14 +87,16 @@ def make_sources(n, batch, d, dtype=torch.float64, seed=0, spread=1.0):
     return v.to(dtype), w.to(dtype), g.to(dtype)
 
 
-def ref_phase1(completed, queries, gains=None, eps=1e-6, key_norm=True):
-    """Phase 1's un-normalised state (o1 [S, *b, d], m1 [S, *b, 1], s1 [S, *b, 1]) in
-    autograd's ops over the stacked blocks: the form the fused kernels keep, written out by
-    hand (the eager backend, with autograd, returns the normalised (o1/s1, m1 + log s1))."""
+def ref_phase1(completed, queries, gains=None, eps=1e-6, key_norm=True, normalised=False):
+    """Phase 1's online-softmax state (o1 [S, *b, d], m1 [S, *b, 1], s1 [S, *b, 1]) in
+    autograd's ops over the stacked blocks, written out by hand. `normalised`: the form
+    the fused kernels return, (h1, lse, 1) with 1 as sum_i alpha_i (so its gradient, zero,
+    comes from autograd too); otherwise the un-normalised (sum_i e^(z_i - m) v_i, max z,
+    sum_i e^(z_i - m)), a state phase 2 must take as well."""
     from restopo.backends.eager.depth import logits
     c = completed if isinstance(completed, torch.Tensor) else torch.stack(tuple(completed))
     gains = [None] * len(queries) if gains is None else gains
     z = torch.stack([logits(c, q, g, eps, key_norm) for q, g in zip(queries, gains)], 1)
-    m1 = z.amax(0)                                   # [S, *b, 1]; ties split like amax
+    m1 = torch.logsumexp(z, 0) if normalised else z.amax(0)  # [S, *b, 1]; amax: ties split
     e = torch.exp(z - m1)                            # [n, S, *b, 1]
     return (e * c.unsqueeze(1)).sum(0), m1, e.sum(0)
