@@ -24,7 +24,8 @@ except ImportError as exc:  # pragma: no cover - exercised only where triton is 
     tl = None
     _IMPORT_ERROR = str(exc)
 
-# Triton refuses tensors above this many elements; rows wider than this fall back to eager.
+# Triton refuses tensors above this many elements: rows wider than this are left to eager
+# (backends/triton/__init__.py, _too_wide and phase2).
 MAX_BLOCK = 1 << 20
 
 

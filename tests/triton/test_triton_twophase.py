@@ -118,6 +118,25 @@ def test_phase1_fp16_blocks_near_the_top_of_its_range():
                                    rtol=2e-3, atol=0)
 
 
+def test_rows_wider_than_a_tile_are_left_to_eager(monkeypatch):
+    """The docs said rows past triton's largest tile (runtime.MAX_BLOCK, 2^20 channels) go
+    to the eager code; nothing did, and the kernels raised triton's 'numel exceeds' error.
+    The bound lowered to 32 here, a width of 40 takes that path: eager's results, exactly."""
+    import restopo.backends.triton.runtime as rt
+    monkeypatch.setattr(rt, "MAX_BLOCK", 32)
+    v, w, g = make_sources(3, (2,), 40, seed=2)
+    p = make_sources(1, (2,), 40, seed=3)[0][0]
+    launched = []
+    monkeypatch.setattr(rt, "launch", lambda *a, **k: launched.append(a[0]))
+    got = T.depth_attention(list(v), w, g)
+    torch.testing.assert_close(got, E.depth_attention(list(v), w, g), rtol=0, atol=0)
+    o1, m1, s1 = E.phase1(v, w[None], g[None])
+    for fn, eager in ((T.phase2, E.phase2), (T.phase2_norm, E.phase2_norm)):
+        torch.testing.assert_close(fn(o1[0], m1[0], s1[0], p, w, g),
+                                   eager(o1[0], m1[0], s1[0], p, w, g), rtol=0, atol=0)
+    assert not launched
+
+
 def check_phase2(d, dtype, *, with_partial=True, with_norm=False, key_norm=True,
                  norm_gain=True, tile=4):
     batch = BATCH
