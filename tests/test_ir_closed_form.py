@@ -173,3 +173,22 @@ def test_two_phase_groups_follow_the_blocks(depth, n):
     for opt in ("query: input_dependent", "gate: sigmoid"):
         g = parse_spec(spec_text(depth, f"block_attnres(blocks: {n}, {opt})")).ir()
         assert two_phase_plan(g) == []
+
+
+@pytest.mark.parametrize("depth", [3, 8])
+def test_a_plain_sum_no_running_value_feeds_keeps_its_sources_live(depth):
+    """Sublayers attend over a window and the head sums every output: no running value feeds
+    that sum (the point before it kept none), so the lowering sums it from its L + 1
+    sources, all kept until the head. inspect said 4 (it folded them into one running
+    value, as for the standard residual), and FLOPs counted that sum as one add, not L."""
+    from restopo.nn.flops import aggregation_flops
+    L, d = 2 * depth, 16
+    custom = ("custom {\n  before sublayer: attend(embedding, window(2))\n"
+              "  before head: sum(embedding, sublayers)\n}")
+    g = parse_spec(spec_text(depth, custom)).ir()
+    assert live_values_per_token(g) == L + 1
+    windowed = parse_spec(spec_text(depth, "full_attnres(window: 2)")).ir()
+    attend = sum(len(a.sources) * 6 * d for a in windowed.aggregations()[:-1])
+    assert aggregation_flops(g, d) == attend + L * d  # the head: L adds of d
+    # the standard residual's head is fed by its running value: one live value, one add
+    assert live_values_per_token(parse_spec(spec_text(depth, "standard")).ir()) == 1

@@ -71,16 +71,18 @@ def live_values_per_token(g: IR) -> int:
     """The most d-vectors a token must keep at once between sublayers for the depth mixing.
 
     A value is live at point l when it was produced before aggregation l and is read by an
-    aggregation at l or later; every value read only by stream aggregations is folded into a
-    single running value. Standard: 1; Block AttnRes with N blocks: N + 1; Full: L + 1;
-    n streams (Hyper-Connections, mHC): n.
+    aggregation at l or later; the values a point fed by the running value reads
+    (`stream_fed`, as the lowering computes it) are that one value. Standard: 1; Block
+    AttnRes with N blocks: N + 1; Full: L + 1; n streams (Hyper-Connections, mHC): n. A
+    plain sum of every output that no running value feeds (a custom head after attending
+    points) is summed from its sources, so they are all live until it.
     """
     aggs = g.aggregations()
     last_read: dict[str, int] = {}
-    stream_until = 0
+    fed = set()
     for a in aggs:
-        if is_stream(g, a):
-            stream_until = a.index
+        if stream_fed(g, a):
+            fed.add(a.index)
             continue
         for s in a.sources:
             last_read[s] = max(last_read.get(s, 0), a.index)
@@ -94,7 +96,7 @@ def live_values_per_token(g: IR) -> int:
     best, live = 0, 0
     for l in range(1, len(aggs) + 1):
         live += delta[l]
-        best = max(best, live + (1 if l <= stream_until else 0))
+        best = max(best, live + (1 if l in fed else 0))
     return best
 
 

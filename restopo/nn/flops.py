@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..ir import IR, Aggregation, BlockSum, Partial
+from ..ir import IR, Aggregation, BlockSum, Partial, stream_fed
 from ..topology import STREAM_METHODS
 from .sizes import swiglu_hidden
 
@@ -57,8 +57,8 @@ def aggregation_flops(g: IR, d: int) -> float:
             total += n * 6 * d + (2 * d * d if a.query == "input_dependent" else 0)
         elif a.method == "scalars":
             total += 2 * n * d
-        elif a.method == "sum":
-            total += d if a.index > 1 else 0  # a running stream or a sum: one add per output
+        elif a.method == "sum":  # fed by the running value: one add; else summed as written
+            total += (d if a.index > 1 else 0) if stream_fed(g, a) else (n - 1) * d
         elif a.method in STREAM_METHODS and a.index > 1:
             total += {"rezero": 2 * d, "layerscale": 2 * d, "highway": 2 * d * d + 5 * d}[a.method]
     # Running sums are built once per block, up to the longest one any point reads.
