@@ -110,3 +110,16 @@ def test_inspect_json_gives_the_io_column_for_the_shipped_examples():
     assert block["peak_d"] == 8 / 4 + 5
     full = _inspect(str(ROOT / "examples/full_attnres.restopo"))
     assert full["two_phase_full"]["peak_d"] == 8 + 4 + 1 / 8 and full["peak_d"] == 33
+
+
+def test_a_windowed_full_attnres_is_not_labelled_with_the_papers_full_formula():
+    """inspect printed 'Table 1 Full AttnRes two-phase, (S + N)d + d/S' beside a window's
+    grouped figure (6.5d where that formula gives 12.25d): the formula is said only where
+    every grouped point reads all earlier outputs."""
+    kinds = T.sublayer_kinds(16)
+    full = best_two_phase_full(build_ir(kinds, T.full_attnres(kinds), 16))
+    window = best_two_phase_full(build_ir(kinds, T.full_attnres(kinds, window=8), 16))
+    S, N = 8, 4
+    assert full.formula.startswith("Table 1 Full AttnRes") and \
+        full.peak.d == pytest.approx(S + N + 1 / S)
+    assert "Table 1" not in window.formula and window.peak.d < S + N

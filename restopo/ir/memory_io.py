@@ -196,8 +196,12 @@ def _grouped(g: IR, group: int, base: ResidualIO, produced: dict[int, list[int]]
         per[index - 1] = (per[index - 1] + Cost(-len(made), -1)
                           + Cost(before / size, 1) + Cost(inside, 1))
     N = -(-L // group)
-    return ResidualIO(tuple(per), base.head,
-                      f"Table 1 Full AttnRes two-phase, (S + N)d + d/S with S = {group}, N = {N}")
+    if all(made == list(range(index)) for index, made in produced.items()):
+        formula = f"Table 1 Full AttnRes two-phase, (S + N)d + d/S with S = {group}, N = {N}"
+    else:  # some point reads fewer (a window): the paper's formula would overstate it
+        formula = (f"groups of S = {group}, phase 1 reading each point's sources from before "
+                   f"its group")
+    return ResidualIO(tuple(per), base.head, formula)
 
 
 def _groupable(g: IR) -> list[Aggregation]:
