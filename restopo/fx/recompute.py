@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import operator
 
+import torch
 from torch import fx, nn
 from torch.utils.checkpoint import checkpoint
 
@@ -95,7 +96,10 @@ class Region(nn.Module):
         self.uses = tuple(uses)  # (reader, position among its sources, index of the input)
 
     def forward(self, *inputs):
-        if self.shared is None:
+        # Compiling, nothing is shared (the readers make their own logits), and the region
+        # scope's bookkeeping inside the checkpoint (a mutation of an object from outside
+        # it) made dynamo break the graph at every region: no layer was compiled.
+        if self.shared is None or torch.compiler.is_compiling():
             return checkpoint(self.part, *inputs, use_reentrant=False)
         outside = self.shared.outside([(m, i, inputs[k]) for m, i, k in self.uses])
         return checkpoint(self._run, outside, *inputs, use_reentrant=False)
