@@ -434,6 +434,19 @@ def test_whole_model_compile_with_block_recompute_has_no_graph_breaks(kind):
     assert counters["stats"]["unique_graphs"] == 1
 
 
+def test_the_compile_line_says_the_graph_breaks(monkeypatch):
+    from collections import Counter
+
+    from torch._dynamo.utils import counters
+
+    from restopo.train.compile import compiled_line
+    monkeypatch.setitem(counters, "graph_break", Counter())
+    assert "graph break" not in compiled_line("the whole model", 2.0)
+    counters["graph_break"]["a reason"] += 3
+    assert compiled_line(4, 2.0).endswith("; 3 graph breaks, past which code runs uncompiled "
+                                          "(TORCH_LOGS=graph_breaks says where)")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("how", [["--set", "train.compile=whole"],
                                  ["--compile", "--pipeline", "2x1", "--backend", "cpu"]],

@@ -204,6 +204,13 @@ def compiling_line(what: int | str) -> str:
 
 
 def compiled_line(what: int | str, seconds: float) -> str:
-    """What rank 0 says after the first step of a compiled run."""
+    """What rank 0 says after the first step of a compiled run, with the graph breaks dynamo
+    met in it: code past a break runs uncompiled, and a run whose layers all ran so was
+    once said to be compiled and nothing more."""
+    from torch._dynamo.utils import counters
+
+    breaks = sum(counters["graph_break"].values())
     return (f"compiled {_compiled(what)} in {seconds:.1f} s (the first step, compilation "
-            f"included; evaluation compiles its no-grad variants at its first batch)")
+            f"included; evaluation compiles its no-grad variants at its first batch)"
+            + (f"; {breaks} graph break{'s' * (breaks != 1)}, past which code runs "
+               f"uncompiled (TORCH_LOGS=graph_breaks says where)" if breaks else ""))
