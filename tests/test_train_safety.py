@@ -303,7 +303,9 @@ def test_resume_from_another_file_of_another_depth_names_the_size_not_the_topolo
     err = one_line_error(capsys, ["train", other, "--out", out, "--resume", "--no-progress"])
     assert "weights do not fit this run's model (depth 2 there, 4 here)" in err, err
     assert "trained as" not in err and "changed since" not in err
-    assert f"was trained from {spec}, not from {other}" in err
+    # the file it was trained from, in the refusal: no note saying 'resuming with' before it
+    assert f"was trained from {spec}, not from {other})" in err
+    assert "resuming with" not in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_overwrite_deletes_the_old_run_only_once_the_new_one_passed_every_check(

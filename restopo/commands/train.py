@@ -376,13 +376,17 @@ def _load_spec(args, out: Path):
         args.replace_old_run = _fresh_start(out, args.overwrite)
     if step_dir is not None:
         old = read_meta(step_dir)
+        first = origin = None
         if old.get("spec_text") != spec.text:
             then = str(old.get("spec_path") or "")
-            _note(f"{args.spec} changed since {step_dir} was saved; resuming with the "
-                  f"current file" if _same_file(then, args.spec) else
-                  f"{step_dir} was trained from {then or 'another spec'}, not from "
-                  f"{args.spec}, whose text differs; resuming with {args.spec}")
-        _note_resume(spec, step_dir)
+            if _same_file(then, args.spec):
+                first = (f"{args.spec} changed since {step_dir} was saved; resuming with the "
+                         f"current file")
+            else:
+                origin = (f"{step_dir} was trained from {then or 'another spec'}, not from "
+                          f"{args.spec}")
+                first = f"{origin}, whose text differs; resuming with {args.spec}"
+        _note_resume(spec, step_dir, first=first, origin=origin)
     return spec, step_dir
 
 
@@ -394,10 +398,20 @@ def _same_file(a: str, b: str) -> bool:
         return os.path.abspath(a) == os.path.abspath(b)
 
 
-def _note_resume(spec, step_dir, spec_file: bool = True) -> None:
+def _note_resume(spec, step_dir, spec_file: bool = True, first: str | None = None,
+                 origin: str | None = None) -> None:
+    """The notes on resuming `spec` from `step_dir`, `first` (if any) before them; none
+    when resume_notes refuses it (a note saying 'resuming with' then an error said no):
+    the refusal then carries `origin`, the spec file the run was trained from."""
     from ..train import runspec
-    from ..train.checkpoint import read_meta
-    for note in runspec.resume_notes(spec, read_meta(step_dir), step_dir, spec_file=spec_file):
+    from ..train.checkpoint import CheckpointError, read_meta
+    try:
+        notes = runspec.resume_notes(spec, read_meta(step_dir), step_dir, spec_file=spec_file)
+    except CheckpointError as e:
+        if origin is None:
+            raise
+        raise CheckpointError(f"{e} ({origin})") from None
+    for note in ([first] if first else []) + notes:
         _note(note)
 
 
