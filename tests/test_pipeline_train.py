@@ -84,3 +84,15 @@ def test_pipeline_option_errors_are_one_line(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     assert "needs a multiple of 2 processes" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_train_accum_in_a_pipeline_is_said_to_be_set_aside(tmp_path):
+    """A pipeline's microbatches split each step's rows; train.accum was read by nothing,
+    without a word (and the loop checked it against the processes, not the replicas, and
+    refused a batch that splits: 8 rows, 4 processes as 2 stages x 2 replicas, accum 8)."""
+    proc = restopo("train", SPEC, *ARGS[:-7], *ARGS[-5:], "--steps", "2", "--set", "train.accum=8",
+                   "--out", str(tmp_path / "p"), "--pipeline", "2x1", "--nproc", "2")
+    assert "note: train.accum (8) is set aside in a pipeline: its 2 microbatches split each " \
+           "step's rows instead" in proc.stderr
+    assert [r["step"] for r in metrics(tmp_path / "p")] == [1, 2]

@@ -65,6 +65,7 @@ class PipelinedStep:
     """The loop's Stepper over this process's pipeline stages (see the module docstring)."""
 
     sharded, whole = True, False
+    accum = 1  # the schedule's microbatches split the rows instead of train.accum
 
     def __init__(self, model, config: PipelineConfig, ctx, batch: int, model_spec=None, *,
                  shard=None):

@@ -459,6 +459,10 @@ def _layout(args, spec, world: int):
         _note(f"the spec's parallel section ({what}) is for several processes; this run of "
               f"one trains the whole model in one process (--nproc {max(p.stages, 2)} runs "
               "the section)")
+    if chosen.pipeline is not None and spec.train.accum > 1:  # PipelinedStep.accum is 1
+        micro = chosen.pipeline.microbatches or chosen.pipeline.stages
+        _note(f"train.accum ({spec.train.accum}) is set aside in a pipeline: its {micro} "
+              f"microbatches split each step's rows instead (parallel microbatches sets them)")
     return chosen
 
 

@@ -223,9 +223,10 @@ def train(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, out: str | o
     raw = stepper.model
     data_rank, data_world = stepper.data_rank, stepper.data_world
     per_rank = cfg.batch // data_world if cfg.batch % data_world == 0 else None
-    if per_rank is None or per_rank % cfg.accum:
-        raise DataError(f"train.batch ({cfg.batch}) must split evenly over {ctx.world} "
-                        f"process(es) x {cfg.accum} accumulation step(s)", ("train", "batch"))
+    if per_rank is None or per_rank % stepper.accum:  # its data replicas, not processes
+        raise DataError(f"train.batch ({cfg.batch}) must split evenly over {data_world} "
+                        f"data replica(s) x {stepper.accum} accumulation step(s)",
+                        ("train", "batch"))
     if ctx.is_main:
         out.mkdir(parents=True, exist_ok=True)
 

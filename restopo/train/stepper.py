@@ -24,6 +24,7 @@ from .dist import DistContext, mean_over_ranks
 class Stepper(Protocol):
     data_rank: int   # which rows of each global batch this process feeds
     data_world: int  # into how many parts each global batch is split
+    accum: int       # into how many microbatches a process's rows are split, one at a time
     model: torch.nn.Module    # the whole model (meta tensors where this process holds none)
     trained: torch.nn.Module  # its parameters() are what this process's optimizer updates
     sharded: bool    # checkpoints: each process saves its share (True) or rank 0 all (False)
