@@ -36,8 +36,10 @@ def register(subparsers) -> None:
     p.add_argument("-o", "--output", required=True, metavar="OUT",
                    help="where to write: a path ending in .py or .pt")
     p.add_argument("--backend", choices=("auto", "eager", "triton", "cpu"), default="auto",
-                   help="aggregation kernels of the model (default: triton on CUDA when "
-                        "available, else the fused C kernels on the CPU where they build)")
+                   help="aggregation kernels to build the model with here, which checks that "
+                        "they build (default: triton on CUDA when available, else the fused "
+                        "C kernels on the CPU). What is written does not depend on it: a .py "
+                        "holds the eager forms, and a .pt's loader picks its own backend")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a spec value, e.g. --set model.width=64 (repeatable)")
     p.set_defaults(func=run)

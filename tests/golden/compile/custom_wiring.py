@@ -8,6 +8,11 @@ Topology custom; 32 sublayers. Copy this file anywhere:
     model.load_state_dict(blob["state_dict"])     # strict
     logits = model(idx)                           # idx [B, T] token ids -> [B, T, vocab]
 
+A training run's weights: `restopo export RUN -o weights.safetensors`, then
+model.load_state_dict(safetensors.torch.load_file("weights.safetensors")). (A checkpoint's
+own model.safetensors keeps a tied head's weight once, under the embedding's name: a
+strict load misses head.lm_head.weight.)
+
 The depth-attention kernels, sublayers and aggregation modules below are restopo's own
 eager backend: the outputs equal restopo.load(..., backend="eager") bit for bit, and those
 of restopo's default backend (fused kernels) up to float32 rounding. The forward at the end
