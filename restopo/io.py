@@ -2,8 +2,9 @@
 the new one, never part of one. Everything restopo writes atomically goes through here.
 
 The new content goes to a temporary file beside the target (the same filesystem, so the
-rename is atomic), is fsynced, gets the mode a newly created file would (0o666 & ~umask;
-mkstemp makes it 0600) and is renamed over the target; the folder is then fsynced so the
+rename is atomic), is fsynced, gets the target's mode (or, for a new file, the mode a newly
+created one would: 0o666 & ~umask; mkstemp makes it 0600) and is renamed over the target
+(a symbolic link's target: the link stays); the folder is then fsynced so the
 rename survives a power cut. Any failure removes the temporary file. A folder (a
 checkpoint, a prepared corpus) is written the same way: a temporary folder beside the
 target, its files fsynced, then one rename (`atomic_folder`, `replace_folder`). Stdlib only.
@@ -13,6 +14,7 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
+import stat
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -44,7 +46,9 @@ def atomic_path(path: str | os.PathLike) -> Iterator[str]:
     """A temporary path beside `path` that replaces it when the block ends without error
     (for a library that writes to a file object: `with atomic_path(p) as tmp, open(tmp,
     "wb") as f: ...`). It keeps the target's extension, which some libraries read."""
-    path = os.fspath(path)
+    # through a symbolic link to its file (replacing the link made a copy of the file in its
+    # place, and left the file it named as it was)
+    path = os.path.realpath(path) if os.path.islink(path) else os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
     try:
         fd, tmp = tempfile.mkstemp(prefix=".restopo-", suffix=os.path.splitext(path)[1],
@@ -56,7 +60,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[str]:
         with full_disk_said(path):
             yield tmp
         fsync_file(tmp)
-        os.chmod(tmp, _new_file_mode())
+        os.chmod(tmp, _kept_mode(path))
         try:
             os.replace(tmp, path)
         except OSError as e:  # e.g. a folder at `path`: name it, not the temporary file
@@ -167,6 +171,14 @@ def _as_users(e: OSError, path: str, verb: str) -> OSError:
     else:
         what = e.strerror or str(e)
     return type(e)(e.errno, what, path)
+
+
+def _kept_mode(path: str) -> int:
+    """The mode `path` has (an executable script stays one), or a new file's."""
+    try:
+        return stat.S_IMODE(os.stat(path).st_mode)
+    except OSError:
+        return _new_file_mode()
 
 
 def _new_file_mode() -> int:

@@ -40,6 +40,21 @@ def test_mode_follows_the_umask(tmp_path):
     assert (tmp_path / "f").stat().st_mode & 0o777 == 0o640
 
 
+def test_a_replaced_file_keeps_its_mode_and_a_link_is_written_through(tmp_path):
+    """Writing over a file gave it a new file's mode (an executable script lost its x bit),
+    and writing over a symbolic link replaced the link with a copy, leaving its file old."""
+    script = tmp_path / "model.py"
+    script.write_text("old")
+    script.chmod(0o750)
+    write_atomic(script, "new")
+    assert script.read_text() == "new" and script.stat().st_mode & 0o777 == 0o750
+    link = tmp_path / "latest.py"
+    link.symlink_to(script.name)
+    write_atomic(link, "newer")
+    assert link.is_symlink() and script.read_text() == "newer"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest.py", "model.py"]
+
+
 def test_a_failed_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path):
     (tmp_path / "f.txt").write_text("old")
 
