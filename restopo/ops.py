@@ -139,6 +139,22 @@ def picked_for(backend: str, device: torch.device, dtype: torch.dtype,
     return "eager"
 
 
+def unfused_points(g, picked: str) -> dict[str, int]:
+    """The attend points of IR `g` that run on the eager reference though the run picked
+    the fused backend `picked` (triton or cpu): {what its kernels do not cover: how many
+    points}. Empty for eager, and where every point is covered."""
+    if picked not in ("triton", "cpu"):
+        return {}
+    covers = get_backend(picked).unfused
+    out: dict[str, int] = {}
+    for a in g.aggregations():
+        if a.method == "attend":
+            why = covers(gate=a.gate, heads=a.heads, input_dependent=a.query != "static")
+            if why is not None:
+                out[why] = out.get(why, 0) + 1
+    return out
+
+
 def cpu_kernels(backend: str, device: torch.device, dtype: torch.dtype) -> bool:
     """Whether an uncompiled call with `backend=` on tensors of `dtype` on `device` runs
     the cpu backend's fused C kernels (for the calls they cover: static queries, the

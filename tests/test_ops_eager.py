@@ -315,3 +315,25 @@ def test_block_attnres_trains_under_bf16_autocast(backend):
     assert ((got.double() - want).abs().max() / want.abs().max()).item() < 0.1
     assert all(p.grad is not None and torch.isfinite(p.grad).all()
                for p in model.parameters() if p.requires_grad)
+
+
+def test_points_the_fused_kernels_do_not_cover_are_named(capsys):
+    """A run on a fused backend ran some points on the eager reference without a word (the
+    triton kernels take one head, the softmax gate and static queries; the cpu kernels any
+    number of heads): `restopo train` now says which, and why."""
+    from restopo.commands.train import _note_unfused
+    from restopo.spec import parse_spec
+    model = "model m { vocab: 32; width: 16; depth: 2; heads: 2; context: 8 }\n"
+    cases = {"block_attnres(blocks: 2, heads: 4)": ({"depth heads": 5}, {}),
+             "full_attnres(gate: sigmoid)": ({"the sigmoid gate": 5},) * 2,
+             "full_attnres(query: input_dependent)": ({"input-dependent queries": 5},) * 2,
+             "full_attnres": ({}, {}), "standard": ({}, {})}
+    for residual, (triton, cpu) in cases.items():
+        spec = parse_spec(model + f"residual {residual}\n")
+        assert ops.unfused_points(spec.ir(), "triton") == triton, residual
+        assert ops.unfused_points(spec.ir(), "cpu") == cpu, residual
+        assert ops.unfused_points(spec.ir(), "eager") == {}
+    spec = parse_spec(model + "residual full_attnres(gate: sigmoid)\n")
+    _note_unfused(spec, "cpu", "cpu")
+    assert "5 aggregation points run on the eager reference, unfused (5 with the sigmoid " \
+           "gate): the cpu kernels do not cover them" in capsys.readouterr().err

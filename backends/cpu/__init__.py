@@ -42,6 +42,14 @@ __all__ = ["available", "bind_phase1", "bind_phase2", "depth_attention", "depth_
            "phase1", "phase2", "phase2_norm"]
 
 
+
+def unfused(*, gate: str, heads: int, input_dependent: bool) -> str | None:
+    """What of an attend point's options these kernels do not cover (it then runs on the
+    eager reference), or None. Any number of depth heads is covered."""
+    if input_dependent:
+        return "input-dependent queries"
+    return f"the {gate} gate" if gate != "softmax" else None
+
 def available(device=None) -> tuple[bool, str]:
     """(True, '') when the kernels can run (on `device`), else (False, why not)."""
     if device is not None and torch.device(device).type != "cpu":

@@ -52,6 +52,16 @@ def _load_ops():
     return _ops
 
 
+def unfused(*, gate: str, heads: int, input_dependent: bool) -> str | None:
+    """What of an attend point's options these kernels do not cover (it then runs on the
+    eager reference), or None."""
+    if input_dependent:
+        return "input-dependent queries"
+    if gate != "softmax":
+        return f"the {gate} gate"
+    return "depth heads" if heads != 1 else None
+
+
 def _too_wide(sources) -> bool:
     """Rows past triton's largest tile (runtime.MAX_BLOCK channels): the single-read and
     phase-2 kernels hold a whole row, so such rows are left to the eager code."""

@@ -466,6 +466,23 @@ def _layout(args, spec, world: int):
     return chosen
 
 
+def _note_unfused(spec, backend: str, device) -> None:
+    """Say which aggregation points run on the eager reference though the run's backend is
+    a fused one (the sigmoid gate, input-dependent queries, triton's depth heads): their
+    speed is not the kernels', and nothing said so."""
+    import torch
+
+    from .. import ops
+    if spec.train.compile == "whole":  # traced: inductor compiles the eager forms anyway
+        return
+    picked = ops.picked_for(backend, torch.device(device), torch.float32)
+    slow = ops.unfused_points(spec.ir(), picked)
+    if slow:
+        what = ", ".join(f"{n} with {why}" for why, n in slow.items())
+        _note(f"{sum(slow.values())} aggregation points run on the eager reference, unfused "
+              f"({what}): the {picked} kernels do not cover them (same results, slower)")
+
+
 def _train(args, out: Path) -> int:
     from ..train import dist, layout, runspec
     from ..train.data import DataError
@@ -510,6 +527,7 @@ def _train(args, out: Path) -> int:
                   f"on {corpus.description}; {cfg.steps} steps x {cfg.batch} x "
                   f"{cfg.context} tokens, {chosen.describe()} on {ctx.device}"
                   + (f"; resuming from {step_dir}" if step_dir else ""), file=sys.stderr)
+            _note_unfused(spec, args.backend, ctx.device)
         _replace_old_run(args, out)  # the layout, compile, data and model are ready
         try:
             summary = train(model, corpus, cfg, out, ctx,
