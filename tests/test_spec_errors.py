@@ -506,3 +506,16 @@ def test_the_caret_lands_under_its_character_past_wide_and_combining_ones():
             parse_spec(text, path="spec.restopo")
         _, line, caret = str(e.value).splitlines()[:3]
         assert caret.index("^") == line.index("0 }") + extra
+
+
+def test_a_parallel_section_of_set_values_alone_needs_no_stages():
+    """--pipeline gives the stages, so `--set parallel.cache=false` beside it was refused as
+    'the parallel section is missing stages' (a section in the file still needs them)."""
+    from restopo.spec import parse_spec
+    from restopo.train import layout
+    spec = parse_spec(M + "residual standard\n", overrides=("parallel.cache=false",))
+    assert spec.parallel.cache is False and not spec.parallel.pipelined
+    piped = layout.resolve("2x1", spec.parallel, 2).pipeline
+    assert (piped.stages, piped.cached) == (2, False)
+    with pytest.raises(SpecError, match="missing 'stages'"):
+        parse_spec(M + "residual standard\nparallel { pipeline(cache: false) }\n")

@@ -42,8 +42,9 @@ def describe(spec) -> str:
              f"{_n(live_values_per_token(g), 'live value')} per token"]
     if spec.parallel is not None:
         p = spec.parallel
-        if p.stages > 1 or p.data == "ddp":
-            parts.append(f"pipeline {p.stages}x{p.virtual} {p.schedule}")
+        if p.pipelined:  # (a section of --set values alone, for --pipeline, cuts nothing)
+            parts.append(f"pipeline {p.stages}x{p.virtual} {p.schedule}"
+                         + ("" if p.cache else ", uncached"))
         if p.data != "ddp":
             parts.append(f"data parallel {p.data}")
     return ", ".join(parts)

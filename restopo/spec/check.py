@@ -143,7 +143,10 @@ def check_parallel(view: View, c: Checker) -> ParallelSpec | None:
     f = view.fields
     if view.bad:
         return None
-    if "stages" not in f and "data" not in f:
+    # A section made by --set alone (parallel.cache=false beside --pipeline, which gives the
+    # stages) needs no stages; one written in the file does.
+    made_by_set = all(from_command_line(fl.pos.source) for fl in f.values())
+    if "stages" not in f and "data" not in f and not made_by_set:
         c.error((view.head or view.kind).pos, "the parallel section is missing 'stages'",
                 "e.g. parallel { pipeline(stages: 2, microbatches: 4) } or "
                 "parallel { data: fsdp }")
