@@ -12,8 +12,8 @@ each block's gradient into its own buffer.
 Reads of the completed blocks in phase 1 (n blocks, S queries, per token row):
 - forward (`_phase1_fwd`): pass A streams each block once in channel chunks and computes its
   RMS and the logits of all S queries at once; pass B, in the same program, streams the blocks
-  again and accumulates the S outputs, normalised (pass A ends with each query's lse). So 2 reads of the completed blocks for
-  all S queries, against S reads for S separate aggregations; with few rows per program the
+  again and accumulates the S outputs, normalised (pass A ends with each query's lse). So 2
+  reads of the completed blocks for all S queries, against S reads for S separate aggregations; with few rows per program the
   second read should mostly hit L2 (n x rows x d values per program), but that is not
   measured here. (A single read would need S accumulators of d channels per row at once,
   more than a program's registers hold at d in the thousands.) Pass A reloads the S query
