@@ -123,3 +123,10 @@ def test_a_windowed_full_attnres_is_not_labelled_with_the_papers_full_formula():
     assert full.formula.startswith("Table 1 Full AttnRes") and \
         full.peak.d == pytest.approx(S + N + 1 / S)
     assert "Table 1" not in window.formula and window.peak.d < S + N
+
+
+def test_inspect_prints_the_figures_unrounded():
+    """Full AttnRes at L = 32 peaks at 12.125d grouped; the text said 12.12d (.4g)."""
+    from restopo.commands.inspect import _d
+    assert [_d(x) for x in (1, 3, 12.125, 24.0625, 5.09375)] == \
+        ["d", "3d", "12.125d", "24.0625d", "5.09375d"]

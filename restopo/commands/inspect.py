@@ -188,7 +188,8 @@ def format_text(report: dict) -> str:
 def _d(x: float) -> str:
     if x == 1:
         return "d"
-    return f"{int(x)}d" if float(x).is_integer() else f"{x:.4g}d"
+    # .6g: 12.125d as it is (.4g printed 12.12d), a third as 3.33333d
+    return f"{int(x)}d" if float(x).is_integer() else f"{x:.6g}d"
 
 
 def _io_lines(io: dict) -> list[str]:
