@@ -41,14 +41,13 @@ from .functions import (AttendGiven, Phase1, Phase2, phase1_nograd, phase2_nogra
 __all__ = ["available", "bind_phase1", "bind_phase2", "depth_attention", "depth_weights",
            "phase1", "phase2", "phase2_norm"]
 
-
-
 def unfused(*, gate: str, heads: int, input_dependent: bool) -> str | None:
     """What of an attend point's options these kernels do not cover (it then runs on the
     eager reference), or None. Any number of depth heads is covered."""
     if input_dependent:
         return "input-dependent queries"
     return f"the {gate} gate" if gate != "softmax" else None
+
 
 def available(device=None) -> tuple[bool, str]:
     """(True, '') when the kernels can run (on `device`), else (False, why not)."""
@@ -86,7 +85,8 @@ def depth_attention(sources, query: torch.Tensor, key_norm_weight: torch.Tensor 
     them once for all of a source's readers, as in Full AttnRes), the softmax and weighted
     sum over them."""
     src = _sources(sources)
-    if (gate != "softmax" or query.dim() != 1 or len({v.shape for v in src}) != 1
+    if (unfused(gate=gate, heads=heads, input_dependent=query.dim() != 1)
+            or len({v.shape for v in src}) != 1
             or not _takes(query, key_norm_weight, *src, *(logits or ()))):
         if logits is not None:  # the eager backend takes [*batch, H], not a split's piece
             logits = [z.squeeze(0) if z.dim() > src[0].dim() else z for z in logits]

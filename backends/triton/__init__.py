@@ -63,8 +63,9 @@ def unfused(*, gate: str, heads: int, input_dependent: bool) -> str | None:
 
 
 def _too_wide(sources) -> bool:
-    """Rows past triton's largest tile (runtime.MAX_BLOCK channels): the single-read and
-    phase-2 kernels hold a whole row, so such rows are left to the eager code."""
+    """Rows of `sources` (a tensor, or a sequence of them) past triton's largest tile
+    (runtime.MAX_BLOCK channels): the single-read and phase-2 kernels hold a whole row, so
+    such rows are left to the eager code."""
     if isinstance(sources, torch.Tensor):
         return sources.shape[-1] > runtime.MAX_BLOCK
     return len(sources) > 0 and sources[0].shape[-1] > runtime.MAX_BLOCK
@@ -80,7 +81,8 @@ def depth_attention(sources, query: torch.Tensor,
                     key_norm: bool = True, gate: str = "softmax", heads: int = 1) -> torch.Tensor:
     """h = sum_i softmax_i(w . RMSNorm(v_i)) v_i over n sources (a sequence of [*batch, d]
     tensors or a stacked [n, *batch, d]) -> [*batch, d]."""
-    if gate != "softmax" or heads != 1 or _too_wide(sources):  # not fused: eager computes these
+    # not fused: the eager reference computes these
+    if unfused(gate=gate, heads=heads, input_dependent=False) or _too_wide(sources):
         return _eager.depth_attention(sources, query, key_norm_weight, eps, key_norm=key_norm,
                                       gate=gate, heads=heads)
     sources = as_list(sources)
@@ -142,7 +144,7 @@ def phase2(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor, partial: torch.
     """Merge the block's partial sum (before this sublayer's output is added) into phase 1's
     (o1, m1, s1) of this sublayer's query; h = o1 / s1 when partial is None."""
     # eager phase 1's form, depth heads > 1, or rows too wide for one tile
-    if s1 is None or _heads_of(o1, m1, s1) != 1 or o1.shape[-1] > runtime.MAX_BLOCK:
+    if s1 is None or _heads_of(o1, m1, s1) != 1 or _too_wide(o1):
         return _eager.phase2(o1, m1, s1, partial, query, key_norm_weight, eps,
                              key_norm=key_norm)
     h, _ = _phase2(o1, m1, s1, partial, query, key_norm_weight, eps, None, eps, key_norm, False)
@@ -158,7 +160,7 @@ def phase2_norm(o1: torch.Tensor, m1: torch.Tensor, s1: torch.Tensor,
     norm_eps defaults to eps. keep_h=False returns (None, y) and writes only y (a model
     whose sublayer reads y needs nothing else of h: the backward recomputes it)."""
     norm_eps = eps if norm_eps is None else norm_eps
-    if s1 is None or _heads_of(o1, m1, s1) != 1 or o1.shape[-1] > runtime.MAX_BLOCK:  # as phase2
+    if s1 is None or _heads_of(o1, m1, s1) != 1 or _too_wide(o1):  # as in phase2
         return _eager.phase2_norm(o1, m1, s1, partial, query, key_norm_weight, eps,
                                   norm_weight=norm_weight, norm_eps=norm_eps,
                                   key_norm=key_norm, keep_h=keep_h)

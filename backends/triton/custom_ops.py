@@ -6,8 +6,8 @@ torch.compile and opcheck work with the interpreter on CPU as well as on CUDA.
 
 Sources are lists of tensors (`Tensor[]`), never a stacked copy; their gradients come back as
 one tensor per source. What autograd keeps: the sources (alive anyway), the queries and
-gains, and per-token scalars (lse; phase 1's logits and log-sum-exp; phase 2's m1 and s1) plus
-phase 2's o1 and partial (its inputs, alive anyway). No output is kept: each backward
+gains, and per-token scalars (lse; phase 1's logits and log-sum-exp; phase 2's m1 and s1)
+plus phase 2's o1 and partial (its inputs, alive anyway). No output is kept: each backward
 recomputes what it needs from the inputs.
 
 Ops (private extra outputs are what the backward needs and are dropped by the public API):

@@ -25,7 +25,7 @@ except ImportError as exc:  # pragma: no cover - exercised only where triton is 
     _IMPORT_ERROR = str(exc)
 
 # Triton refuses tensors above this many elements: rows wider than this are left to eager
-# (backends/triton/__init__.py, _too_wide and phase2).
+# (backends/triton/__init__.py, _too_wide).
 MAX_BLOCK = 1 << 20
 
 

@@ -13,11 +13,12 @@ Reads of the completed blocks in phase 1 (n blocks, S queries, per token row):
 - forward (`_phase1_fwd`): pass A streams each block once in channel chunks and computes its
   RMS and the logits of all S queries at once; pass B, in the same program, streams the blocks
   again and accumulates the S outputs, normalised (pass A ends with each query's lse). So 2
-  reads of the completed blocks for all S queries, against S reads for S separate aggregations; with few rows per program the
-  second read should mostly hit L2 (n x rows x d values per program), but that is not
-  measured here. (A single read would need S accumulators of d channels per row at once,
-  more than a program's registers hold at d in the thousands.) Pass A reloads the S query
-  chunks for every block; more rows per program (autotuned) spread that over more rows.
+  reads of the completed blocks for all S queries, against S reads for S separate
+  aggregations; with few rows per program the second read should mostly hit L2 (n x rows x
+  d values per program), but that is not measured here. (A single read would need S
+  accumulators of d channels per row at once, more than a program's registers hold at d in
+  the thousands.) Pass A reloads the S query chunks for every block; more rows per program
+  (autotuned) spread that over more rows.
 - backward: `_phase1_dlogits` reads each block once, with the S output gradients of each
   chunk re-read per block (from L2 with few rows per program); `_phase1_dsources` reads each
   block and the output gradients once more and writes the block gradients.
