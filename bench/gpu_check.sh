@@ -12,6 +12,8 @@
 #   bench/gpu_check.sh --out DIR       # keep the logs and raw results in DIR
 #   bench/gpu_check.sh --dry-run       # anywhere: every step on tiny shapes on the CPU
 #                                      # under triton's interpreter (timings mean nothing)
+#   bench/gpu_check.sh --limits 150,240,60   # seconds allowed to the tests, the benchmark and
+#                                      # each training run (default 200,300,150), to fit a lease
 #
 # Exit status: 0 when every step ran and every correctness check passed (tests, equal
 # losses); 1 otherwise. A missed speed goal is marked MISS in the table, not an error.
@@ -21,15 +23,21 @@ set -uo pipefail
 
 DRY=0
 OUT=""
+LIMITS=""
 while [ $# -gt 0 ]; do
     case "$1" in
         --dry-run) DRY=1 ;;
         --out) OUT="$2"; shift ;;
-        -h|--help) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        --limits) LIMITS="$2"; shift ;;
+        -h|--help) sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "gpu_check.sh: unknown argument '$1' (try --help)" >&2; exit 2 ;;
     esac
     shift
 done
+if [ -n "$LIMITS" ] && ! [[ "$LIMITS" =~ ^[1-9][0-9]*,[1-9][0-9]*,[1-9][0-9]*$ ]]; then
+    echo "gpu_check.sh: --limits takes three whole seconds, as 150,240,60 (got '$LIMITS')" >&2
+    exit 2
+fi
 cd "$(dirname "$0")/.." || exit 2
 OUT="${OUT:-$(mktemp -d "${TMPDIR:-/tmp}/restopo-gpu-check.XXXXXX")}"
 mkdir -p "$OUT" || exit 2
@@ -56,6 +64,7 @@ else
     TRAIN_ARGS=(--steps 50 --set train.eval_every=50 --set train.save_every=50)
     LIMIT_TESTS=200; LIMIT_BENCH=300; LIMIT_TRAIN=150
 fi
+[ -n "$LIMITS" ] && IFS=, read -r LIMIT_TESTS LIMIT_BENCH LIMIT_TRAIN <<< "$LIMITS"
 rm -f "$OUT/kernels.jsonl" "$OUT/status"
 echo "gpu_check: results in $OUT"
 

@@ -18,7 +18,8 @@ gets its sublayer's PreNorm fused in, as the lowering calls it. Cases:
 - saved:  bytes autograd keeps for backward in a 12-sublayer Full and Block AttnRes model,
           eager against triton (bf16 autocast on a GPU, as training runs).
 Peers (each run only where it imports): fast-attnres (`attnres.attnres`), fla-core
-(`fla.ops.attnres.fused.fused_attnres`), flash-attn-res; the block case runs them per read.
+(`fla.ops.attnres.fused.fused_attnres`), flash-attn-res (`phase_1_batched_attention_triton_op`,
+one query); the block case runs them per read.
 
 Bandwidth is the minimal traffic of the op (each input read once, each output written once,
 forward and backward) over the time; "of copy" is the time of a device-to-device copy moving
@@ -85,6 +86,7 @@ def peer_arms(eps: float):
     """[(name, fn(sources, query, gain, norm_weight) -> output or None, why not)] for the peer
     packages; fn None with the reason when one does not import. norm_weight (the next
     sublayer's RMSNorm gain) is applied by the peer where it fuses it, else by F.rms_norm."""
+    import torch
     import torch.nn.functional as F
     arms = []
 
@@ -92,11 +94,13 @@ def peer_arms(eps: float):
         return y if nw is None else F.rms_norm(y, (y.shape[-1],), nw, eps)
 
     try:
-        from attnres import attnres as fast_attnres  # fast-attnres
-        arms.append(("peer fast-attnres",
-                     lambda s, w, g, nw=None: normed(fast_attnres(list(s), w), nw), None))
-    except ImportError as exc:
-        arms.append(("peer fast-attnres", None, f"not installed ({exc})"))
+        from attnres import attnres as fast_attnres  # fast-attnres: bf16 sources and query
+
+        def fast(s, w, g, nw=None):
+            return normed(fast_attnres(list(s), w.to(s[0].dtype), eps=eps), nw)
+        arms.append(("peer fast-attnres", fast, None))
+    except Exception as exc:  # a peer that fails to import (or to build) is left out
+        arms.append(("peer fast-attnres", None, f"does not import ({type(exc).__name__}: {exc})"))
     try:
         from fla.ops.attnres.fused import fused_attnres  # fla-core
 
@@ -108,22 +112,21 @@ def peer_arms(eps: float):
             out = out[0] if isinstance(out, tuple) else out
             return out.reshape(s[0].shape)
         arms.append(("peer fla-core", fla, None))
-    except ImportError as exc:
-        arms.append(("peer fla-core", None, f"not installed ({exc})"))
+    except Exception as exc:  # a peer that fails to import (or to build) is left out
+        arms.append(("peer fla-core", None, f"does not import ({type(exc).__name__}: {exc})"))
     try:
-        import flash_attn_res  # flash-attn-res: entry point not documented where we looked
-        entry = next((getattr(flash_attn_res, n) for n in
-                      ("attn_res", "attnres", "flash_attn_res", "attention_residual")
-                      if callable(getattr(flash_attn_res, n, None))), None)
-        if entry is None:
-            exported = ", ".join(n for n in dir(flash_attn_res) if not n.startswith("_"))
-            arms.append(("peer flash-attn-res", None,
-                         f"no known entry point (exports: {exported})"))
-        else:
-            arms.append(("peer flash-attn-res",
-                         lambda s, w, g, nw=None: normed(entry(list(s), w), nw), None))
-    except ImportError as exc:
-        arms.append(("peer flash-attn-res", None, f"not installed ({exc})"))
+        # flash-attn-res: its phase 1 over stacked [S, B, T, d] sources with [Q, d] queries;
+        # one query makes it a single aggregation (the stacking copy is part of its call path)
+        from flash_attn_res import phase_1_batched_attention_triton_op as far_phase1
+
+        def far(s, w, g, nw=None):
+            d = s[0].shape[-1]
+            stacked = torch.stack([x.reshape(1, -1, d) for x in s])
+            out, _ = far_phase1(stacked, w.reshape(1, d).to(s[0].dtype), eps)
+            return normed(out[0].reshape(s[0].shape).to(s[0].dtype), nw)
+        arms.append(("peer flash-attn-res", far, None))
+    except Exception as exc:  # a peer that fails to import (or to build) is left out
+        arms.append(("peer flash-attn-res", None, f"does not import ({type(exc).__name__}: {exc})"))
     return arms
 
 

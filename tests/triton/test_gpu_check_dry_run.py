@@ -20,8 +20,8 @@ def dry_run(tmp_path_factory):
         pytest.skip("needs bash and timeout")
     out = tmp_path_factory.mktemp("gpu_check")
     env = dict(os.environ, PYTHON=sys.executable)
-    res = subprocess.run(["bash", SCRIPT, "--dry-run", "--out", str(out)], env=env,
-                         capture_output=True, text=True, timeout=900)
+    cmd = ["bash", SCRIPT, "--dry-run", "--limits", "300,280,290", "--out", str(out)]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     return res, out
 
 
@@ -37,6 +37,15 @@ def test_every_step_runs_and_the_table_says_so(dry_run):
                   "restopo train, 2 steps, eager vs triton"):
         assert check in table, check
     assert "max |loss diff| 0.0000" in table  # fp32 on the CPU: the same losses exactly
+    for step, limit in (("tests", 300), ("kernels", 280), ("train-eager", 290)):
+        assert f"== {step} (at most {limit}s" in res.stdout  # --limits, to fit a device lease
+
+
+@pytest.mark.parametrize("limits", ["1,x,3", "100,200", "0,1,2"])
+def test_limits_that_are_not_three_whole_seconds_are_refused(limits):
+    res = subprocess.run(["bash", SCRIPT, "--limits", limits], capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 2 and "--limits takes three whole seconds" in res.stderr
 
 
 def test_the_benchmark_ran_every_arm(dry_run):
