@@ -256,14 +256,23 @@ def test_the_flag_reaches_the_spec_and_the_workers():
 
     with pytest.raises(SpecError, match=r"m.restopo:3:\d+: .*unknown compile 'wholee'"):
         parse_spec(text.replace("true", "wholee"), "m.restopo")
-    # --compile is regional: a --set saying so agrees, one saying another mode does not
-    assert "train.compile=regional" in _overrides(p.parse_args(
-        ["train", "x.restopo", "--compile", "--set", "train.compile=regional"]))
+    # --compile asks for compilation: regional, unless the spec or a --set already says how;
+    # only a --set that turns it off disagrees
+    def flagged(argv, spec_text=text):
+        overrides = _overrides(p.parse_args(["train", "x.restopo", "--compile", *argv]))
+        return parse_spec(spec_text, "m.restopo", overrides).train.compile
+
+    assert flagged([], text.replace("compile: true", "steps: 3")) == "regional"
+    assert flagged([]) == "regional"
+    assert flagged([], text.replace("compile: true", "compile: whole")) == "whole"
+    assert flagged([], text.replace("compile: true", "compile: off")) == "regional"
+    assert flagged(["--set", "train.compile=whole"]) == "whole"
+    assert flagged(["--set", "train.compile=regional"]) == "regional"
     from restopo.commands.train import _Stop
 
-    with pytest.raises(_Stop, match="--compile and --set train.compile=whole disagree"):
-        _overrides(p.parse_args(["train", "x.restopo", "--compile", "--set",
-                                 "train.compile=whole"]))
+    for off in ("off", "false"):
+        with pytest.raises(_Stop, match=f"--compile and --set train.compile={off} disagree"):
+            flagged(["--set", f"train.compile={off}"])
 
 
 CLI_SPEC = """\

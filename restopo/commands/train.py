@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from ..cli import device_arg, int_range, noter
-from ..spec.objects import COMPILE_ALIASES, RECOMPUTE
+from ..spec.objects import COMPILE, COMPILE_ALIASES, RECOMPUTE
 
 EXAMPLES = """\
 examples:
@@ -71,7 +71,8 @@ def register(subparsers) -> None:
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the model region by region, in place: each sublayer, "
                         "and each aggregation point and phase 1 that the fused C kernels do not "
-                        "run (same as --set train.compile=regional); the first step compiles. "
+                        "run (same as --set train.compile=regional, unless the spec already "
+                        "says compile: whole, which it keeps); the first step compiles. "
                         "--set train.compile=whole compiles the model as one graph instead: "
                         "faster steps, a slower first step (one process or DDP)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", type=device_arg)
@@ -139,6 +140,8 @@ SPEC_FLAGS = (("--steps", "steps", "train.steps"), ("--seed", "seed", "train.see
               ("--data", "data_parallel", "parallel.data"),
               ("--recompute", "recompute", "train.recompute"),
               ("--compile", "compile", "train.compile"))
+# the train.compile values that compile: --compile leaves them as they are
+COMPILING = tuple(m for m in (*COMPILE, *COMPILE_ALIASES) if m not in ("off", "false"))
 
 
 def _flag_values(args):
@@ -160,11 +163,14 @@ def _overrides(args) -> tuple[str, ...]:
     given = override_values(args.overrides)
     extra = []
     for flag, value, key in _flag_values(args):
-        if key in given and not _same(given[key], str(value), key):
+        # --compile asks for compilation; a spec or --set that compiles already says how
+        keeps = COMPILING if flag == "--compile" else ()
+        if key in given and not (_same(given[key], str(value), key)
+                                 or given[key].strip().lower() in keeps):
             shown = flag if flag == "--compile" else f"{flag} {value}"
             raise _Stop(f"{shown} and --set {key}={given[key]} disagree; give one of them")
         extra.append(FlagOverride.of(flag, key, repr(value) if isinstance(value, float)
-                                     else str(value)))
+                                     else str(value), keeps))
     return tuple(args.overrides) + tuple(extra)
 
 

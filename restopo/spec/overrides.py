@@ -35,12 +35,17 @@ class FlagOverride(str):
     source: str
     shown: str
     bases: tuple[int, int]
+    keeps: tuple[str, ...] = ()  # spec values the flag leaves as they are (see `of`)
 
     @classmethod
-    def of(cls, flag: str, key: str, value: str) -> "FlagOverride":
+    def of(cls, flag: str, key: str, value: str, keeps: tuple[str, ...] = ()) -> "FlagOverride":
+        """keeps: values of the key in the spec that already say what the flag asks for, more
+        precisely (`--compile` asks for compilation; a spec's `compile: whole` says which),
+        which the flag then leaves alone rather than overwrite."""
         out = cls(f"{key}={value}")
         base = len(flag) - len(key)  # the value follows the flag and a blank
         out.source, out.shown, out.bases = f"<{flag}>", f"{flag} {value}", (base, base)
+        out.keeps = keeps
         return out
 
     @classmethod
@@ -130,6 +135,10 @@ def apply_overrides(views: dict[str, View], overrides, c: Checker) -> None:
         view = views.get(sec)
         if view is None:
             view = views[sec] = View(Name(sec, at(sec_col)), pos=at(0))
+        old = view.fields.get(k.text)
+        if isinstance(text, FlagOverride) and old is not None and \
+                isinstance(old.value, Name) and old.value.text.lower() in text.keeps:
+            continue
         view.fields[k.text] = Field(k, value, at(0, len(text)))
         # setting one way of cutting blocks replaces the other
         other = {"blocks": "block_size", "block_size": "blocks"}.get(k.text)
