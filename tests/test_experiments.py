@@ -53,6 +53,11 @@ def test_grid_names_runs_by_what_differs():
         "blk-width16-s0", "blk-width16-s1", "blk-width32-s0", "blk-width32-s1"]
     assert jobs[2].overrides == ("train.steps=5", "model.width=32") and jobs[2].seed == 0
     assert [j.name for j in make_grid(["x/std.restopo"], [3], [], [])] == ["std-s3"]
+    # a whole section varied is named by its value alone
+    assert [j.name for j in make_grid(["x/std.restopo"], [0], [], [
+        "residual=standard,block_attnres(blocks: 4)", "train.compile=off,whole"])] == [
+        "standard-compileoff-s0", "standard-compilewhole-s0",
+        "block_attnres_blocks_4-compileoff-s0", "block_attnres_blocks_4-compilewhole-s0"]
     with pytest.raises(ValueError, match="KEY=V1,V2"):
         parse_vary("model.width")
     with pytest.raises(ValueError, match="share a file name"):
@@ -71,7 +76,7 @@ def test_a_grid_that_would_collide_or_drop_a_value_is_refused():
     for vary, said in (("residual=block_attnres(blocks: 4),block_attnres(blocks:4)",
                         "'residual=block_attnres(blocks: 4)' and 'residual=block_attnres"
                         "(blocks:4)' would both train in the run folder "
-                        "residualblock_attnres_blocks_4_-width32-s0"),
+                        "block_attnres_blocks_4-width32-s0"),
                        ("train.data=a/b.txt,a-b.txt", "'train.data=a/b.txt' and "
                         "'train.data=a-b.txt' would both train in the run folder "
                         "dataa_b.txt-width32-s0")):

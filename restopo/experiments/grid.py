@@ -46,7 +46,11 @@ def parse_vary(text: str) -> tuple[str, list[str]]:
 
 
 def _short(key: str, value: str) -> str:
-    """The part of a run's name one varied value gives: model.width=128 -> width128."""
+    """The part of a run's name one varied value gives: model.width=128 -> width128; a whole
+    section's value is named by itself: residual=block_attnres(blocks: 4) ->
+    block_attnres_blocks_4 (not residualblock_attnres...)."""
+    if "." not in key:
+        return re.sub(r"[^A-Za-z0-9_.]+", "_", value).strip("_") or key.strip()
     leaf = key.rsplit(".", 1)[-1]
     return re.sub(r"[^A-Za-z0-9_.]+", "_", f"{leaf}{value}")
 
