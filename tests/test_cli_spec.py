@@ -210,6 +210,15 @@ def test_graph_bad_suffix_is_usage_error(tmp_path, capsys):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("engine", ["graphviz", "matplotlib"])
+def test_graph_engine_for_dot_text_is_refused(tmp_path, capsys, engine):
+    # an engine draws; .dot is text: the flag would be ignored (or, for graphviz without the
+    # dot program, refused for a program the text does not need)
+    assert main(["graph", TINY, "-o", str(tmp_path / "g.dot"), "--engine", engine]) == 2
+    assert f"--engine {engine} draws .png and .svg" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_graph_spec_error_leaves_no_file(tmp_path, bad, capsys):
     out = tmp_path / "g.png"
     assert main(["graph", bad, "-o", str(out)]) == 1

@@ -55,6 +55,11 @@ def run(args) -> int:
         print(f"restopo graph: error: cannot write {args.output!r}: the output must end in "
               f"{', '.join(FORMATS)}", file=sys.stderr)
         return 2
+    if suffix in (".dot", ".gv") and args.engine != "auto":
+        print(f"restopo graph: error: --engine {args.engine} draws .png and .svg; "
+              f"{args.output!r} is Graphviz text, written without drawing: leave --engine out "
+              f"(or write a .png or .svg)", file=sys.stderr)
+        return 2
     why = output_error(args.output, args.file)
     if why:
         print(f"restopo graph: error: {why}", file=sys.stderr)
