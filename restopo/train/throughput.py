@@ -14,9 +14,11 @@ from dataclasses import dataclass
 import torch
 
 # Dense bf16 peak FLOP/s per device (vendor datasheets), matched by name in this order
-# (a longer name first: "H100 PCIe" before "H100", "L40S" and "L40" before "L4").
+# (a longer name first: "H100 PCIe" and "H100 NVL" before "H100", "L40S" and "L40" before
+# "L4"). The NVL parts are the PCIe cards: 1671 TFLOP/s with sparsity, half that dense.
 CUDA_PEAKS = (
-    ("H200", 989e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("A100", 312e12),
+    ("H200 NVL", 835.5e12), ("H200", 989e12), ("H100 PCIe", 756e12), ("H100 NVL", 835.5e12),
+    ("H100", 989e12), ("A100", 312e12),
     ("L40S", 362e12), ("L40", 181e12), ("L4", 121e12),
 )
 
