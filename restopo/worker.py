@@ -79,8 +79,10 @@ def die_with_parent(signum: int) -> None:
 @contextmanager
 def signals_handled(names, handler: Callable) -> Iterator[None]:
     """Within the block, `handler(signum, frame)` for each signal named in `names` that this
-    platform has; the handlers before are back after. Only the main thread may set them
-    (and only there does Python run them): from another, nothing changes."""
+    platform has; the handlers before are back after, or sooner when the block calls what
+    it is given (`with signals_handled(...) as put_back`: a handler that takes only the
+    first signal). Only the main thread may set them (and only there does Python run them):
+    from another, nothing changes."""
     import signal
 
     before = {}
@@ -89,8 +91,12 @@ def signals_handled(names, handler: Callable) -> Iterator[None]:
             sig = getattr(signal, name, None)
             if sig is not None:
                 before[sig] = signal.signal(sig, handler)
-    try:
-        yield
-    finally:
+
+    def put_back() -> None:
         for sig, kept in before.items():
             signal.signal(sig, kept)
+
+    try:
+        yield put_back
+    finally:
+        put_back()

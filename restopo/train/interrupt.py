@@ -15,6 +15,8 @@ import threading
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
+from ..worker import signals_handled
+
 
 class Stop:
     """Whether a stop was asked for (`asked`), set by the first Ctrl-C."""
@@ -35,11 +37,7 @@ def deferred_interrupt(enabled: bool, say: Callable[[str], None],
     if not enabled or threading.current_thread() is not threading.main_thread():
         yield stop
         return
-    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-
-    def put_back():
-        for sig, handler in before.items():
-            signal.signal(sig, handler)
+    put_back = None
 
     def first(signum, frame):
         stop.asked = True
@@ -48,9 +46,5 @@ def deferred_interrupt(enabled: bool, say: Callable[[str], None],
         say(f"stopping after this step{by}" + (", with a checkpoint of it" if saving else "")
             + " (Ctrl-C again to stop now)")
 
-    for sig in before:
-        signal.signal(sig, first)
-    try:
+    with signals_handled(("SIGINT", "SIGTERM"), first) as put_back:
         yield stop
-    finally:
-        put_back()
