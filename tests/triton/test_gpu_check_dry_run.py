@@ -72,3 +72,37 @@ def test_without_gpu_or_dry_run_it_says_so(tmp_path):
     res = subprocess.run(["bash", SCRIPT, "--out", str(tmp_path)], capture_output=True,
                          text=True, timeout=120, env=dict(os.environ, PYTHON=sys.executable))
     assert res.returncode == 1 and "no CUDA device here" in res.stderr
+
+
+def test_the_table_survives_arms_that_failed(tmp_path):
+    # a GPU run where the fused kernel failed (as it did under triton 3.6's interpreter): the
+    # table must still print, every other figure in it, and say FAIL, never a traceback
+    (tmp_path / "status").write_text("tests 0 5\nkernels 124 300\n")
+    (tmp_path / "tests.xml").write_text(
+        '<testsuites><testsuite tests="4" failures="0" errors="0" skipped="0"/></testsuites>')
+    rows = [dict(case="block", d=2048, variant="fused triton (two-phase, fused norm)", ms=None,
+                 note="failed: InterpreterError"),
+            dict(case="block", d=2048, variant="eager two-phase + norm", ms=3.5, gbps=10.0,
+                 of_copy=0.1, vs_fused=None),
+            dict(case="block", d=2048, variant="peer fla-core (per read)", ms=None,
+                 note="not run: does not import (ValueError: key)"),
+            dict(case="full", d=2048, variant="fused triton (single read)", ms=1.0, gbps=1e3,
+                 of_copy=0.5, vs_fused=None),
+            dict(case="full", d=2048, variant="peer fast-attnres", ms=2.0, gbps=5e2,
+                 of_copy=0.25, vs_fused=2.0),
+            dict(case="saved", d=64, variant="full_attnres", eager_mib=2.0)]  # no ratio
+    (tmp_path / "kernels.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in rows) + '{"case": "phase2", "d": 20')  # torn
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu_check_table.py"),
+                          str(tmp_path), "0"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
+    lines = {line.split("  ")[0]: line for line in res.stdout.splitlines()}
+    assert lines["step kernels"].rstrip().endswith("TIMEOUT")
+    assert "failed: InterpreterError" in lines[
+        "block d=2048: fused triton (two-phase, fused norm)"]
+    assert lines["block d=2048: fused triton (two-phase, fused norm)"].rstrip().endswith("FAIL")
+    assert "3.500 ms" in lines["block d=2048: eager two-phase + norm"]
+    assert lines["full d=2048: peer fast-attnres time / fused time"].rstrip().endswith("PASS")
+    assert "unreadable" in lines["bench row saved full_attnres"]
+    assert "unreadable line" in lines["bench/triton_depth.py"]
+    assert lines["restopo train, eager vs triton"].rstrip().endswith("FAIL")  # no losses

@@ -1,0 +1,131 @@
+"""bench/gpu_check.sh's one table: each figure of its steps next to its goal (issue 12's).
+
+    python bench/gpu_check_table.py OUT DRY    # OUT: gpu_check's results folder; DRY: 1 or 0
+
+Reads OUT/status, OUT/tests.xml, OUT/kernels.jsonl and OUT/train-*/metrics.jsonl; exits 1
+when a step or a correctness check failed. A result it cannot read is a FAIL row, never a
+lost table."""
+import json
+import os
+import sys
+import xml.etree.ElementTree as ET
+
+out, dry = sys.argv[1], sys.argv[2] == "1"
+rows, failed = [], False
+
+
+def row(check, measured, goal, verdict):
+    rows.append((check, measured, goal, verdict))
+
+
+status = {}
+if os.path.exists(os.path.join(out, "status")):
+    for line in open(os.path.join(out, "status")):
+        name, rc, secs = line.split()
+        status[name] = (int(rc), int(secs))
+if not status:
+    failed = True
+    row("steps", "none recorded", "runs", "FAIL")
+for name, (rc, secs) in status.items():
+    verdict = "ok" if rc == 0 else ("TIMEOUT" if rc == 124 else f"FAILED (exit {rc})")
+    failed |= rc != 0
+    row(f"step {name}", f"{secs} s", "runs", verdict)
+
+try:
+    suite = ET.parse(os.path.join(out, "tests.xml")).getroot()
+    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    n, bad = int(suite.get("tests")), int(suite.get("failures")) + int(suite.get("errors"))
+    skipped = int(suite.get("skipped"))
+    failed |= bad > 0 or n - skipped == 0
+    row("kernel tests on the device (vs eager)", f"{n - skipped - bad}/{n - skipped} passed",
+        "all", "PASS" if bad == 0 and n > skipped else "FAIL")
+except (OSError, ET.ParseError, TypeError, AttributeError) as exc:
+    failed = True
+    row("kernel tests on the device (vs eager)", f"no results ({exc})", "all", "FAIL")
+
+bench = []
+path = os.path.join(out, "kernels.jsonl")
+if os.path.exists(path):
+    for line in open(path):
+        try:
+            bench.append(json.loads(line))
+        except ValueError:  # a line torn by the step's time limit
+            failed = True
+            row("bench/triton_depth.py", f"unreadable line {line[:40]!r}", "-", "FAIL")
+
+
+def bench_row(r):
+    """The table's row for one result of bench/triton_depth.py (False: a check failed)."""
+    case, d, variant = r["case"], r["d"], r["variant"]
+    fused = variant.startswith("fused")
+    if case in ("full", "block") and r.get("ms") is None:
+        # an arm that did not run: a peer's is a note, the fused kernel's is a failure
+        row(f"{case} d={d}: {variant}", r.get("note", "not run"), "runs" if fused else "-",
+            "FAIL" if fused else "-")
+        return not fused
+    if case in ("full", "block") and fused:
+        goal = ">= 70%" if case == "block" else "-"
+        ok = r["of_copy"] >= 0.70
+        row(f"{case} d={d}: fused fwd+bwd, of copy bandwidth", f"{r['of_copy']:.1%}", goal,
+            ("PASS" if ok else "MISS") if case == "block" else "-")
+    elif case in ("full", "block") and not variant.startswith("copy"):
+        if r.get("vs_fused") is None:  # the fused arm failed: nothing to compare with
+            row(f"{case} d={d}: {variant}", f"{r['ms']:.3f} ms", "-", "-")
+            return True
+        faster = r["vs_fused"] > 1
+        peer = variant.startswith("peer")
+        row(f"{case} d={d}: {variant} time / fused time", f"{r['vs_fused']:.2f}x",
+            "> 1 (fused faster)" if peer else "-",
+            ("PASS" if faster else "MISS") if peer else "-")
+    elif case == "phase2" and "ratio" in r:
+        row(f"phase2 d={d}: phase2+norm / compiled add+rms_norm, {variant.split(', ')[-1]}",
+            f"{r['ratio']:.2f}x", "<= 1.2x", "PASS" if r["ratio"] <= 1.2 else "MISS")
+    elif case == "saved":
+        ok = r["ratio"] <= 1.0
+        row(f"saved for backward, {variant} (width {d})",
+            f"{r['triton_mib']:.1f} / {r['eager_mib']:.1f} MiB", "triton <= eager",
+            "PASS" if ok else "FAIL")
+        return ok
+    return True
+
+
+for r in bench:
+    try:
+        failed |= not bench_row(r)
+    except (KeyError, TypeError, ValueError) as exc:  # one odd row must not lose the table
+        failed = True
+        row(f"bench row {r.get('case')} {r.get('variant')}", f"unreadable ({exc!r})", "-",
+            "FAIL")
+if not bench:
+    failed = True
+    row("bench/triton_depth.py", "no results", "runs", "FAIL")
+
+
+def losses(backend):
+    path = os.path.join(out, f"train-{backend}", "metrics.jsonl")
+    if not os.path.exists(path):
+        return {}
+    return {m["step"]: m["loss"] for m in map(json.loads, open(path)) if "loss" in m}
+
+
+eager, fused = losses("eager"), losses("triton")
+steps = sorted(set(eager) & set(fused))
+if steps:
+    diff = max(abs(eager[s] - fused[s]) for s in steps)
+    ok = diff <= 0.02 and len(steps) == len(eager)
+    failed |= not ok
+    row(f"restopo train, {len(steps)} steps, eager vs triton",
+        f"max |loss diff| {diff:.4f} (final {eager[steps[-1]]:.4f} / {fused[steps[-1]]:.4f})",
+        "<= 0.02", "PASS" if ok else "FAIL")
+else:
+    failed = True
+    row("restopo train, eager vs triton", "no losses", "same losses", "FAIL")
+
+title = "GPU check of the fused path" + (" (DRY RUN: CPU interpreter, timings mean nothing)"
+                                         if dry else "")
+widths = [max(len(str(r[i])) for r in rows + [("check", "measured", "goal", "verdict")])
+          for i in range(4)]
+print("\n" + title)
+for r in [("check", "measured", "goal", "verdict")] + rows:
+    print("  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip())
+sys.exit(1 if failed else 0)
