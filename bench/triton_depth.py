@@ -57,6 +57,10 @@ def parse_args(argv=None):
                     help="torch.compile backend for the baselines (default: inductor; "
                          "aot_eager in --dry-run)")
     ap.add_argument("--json", default=None, metavar="FILE", help="also write rows as JSON lines")
+    ap.add_argument("--peers", default="all", choices=["all", "none", *PEERS],
+                    help="the peer packages' arms: all that import (default), none, or one "
+                         "alone beside the fused arm (a peer's fault, e.g. an illegal memory "
+                         "access, ends its process: bench/gpu_check.sh runs each alone)")
     return ap.parse_args(argv)
 
 
@@ -82,6 +86,9 @@ def main(argv=None) -> int:
 
 
 # ---- peers: adapters to the installed packages' documented entry points ---------------------
+PEERS = ("fast-attnres", "fla-core", "flash-attn-res")
+
+
 def peer_arms(eps: float):
     """[(name, fn(sources, query, gain, norm_weight) -> output or None, why not)] for the peer
     packages; fn None with the reason when one does not import. norm_weight (the next
@@ -146,7 +153,9 @@ class Bench:
         self.esize = torch.empty(0, dtype=self.dtype).element_size()
         self.compile_backend = args.compile_backend or "inductor"
         self.rows_out = open(args.json, "a") if args.json else None
-        self.peers = peer_arms(NORM_EPS)
+        self.peers = [] if args.peers == "none" else \
+            [arm for arm in peer_arms(NORM_EPS) if args.peers in ("all", arm[0][len("peer "):])]
+        self.alone = args.peers not in ("all", "none")  # one peer: the fused arm and it alone
 
     # ---- timing --------------------------------------------------------------------------
     def sync(self):
@@ -207,7 +216,8 @@ class Bench:
         return w, g
 
     def fwd_bwd(self, fn, inputs):
-        """A closure running fn forward and backward (grads of `inputs`, not accumulated)."""
+        """A closure running fn forward and backward (grads of `inputs`, not accumulated).
+        An input fn does not use gets no gradient (a peer without the key norm's gain)."""
         torch = self.torch
         outs = fn(*inputs)
         outs = outs if isinstance(outs, (tuple, list)) else (outs,)
@@ -216,7 +226,7 @@ class Bench:
         def step():
             res = fn(*inputs)
             res = res if isinstance(res, (tuple, list)) else (res,)
-            torch.autograd.grad(res, inputs, cots)
+            torch.autograd.grad(res, inputs, cots, allow_unused=True)
         return step
 
     def compiled(self, fn):
@@ -225,6 +235,7 @@ class Bench:
     # ---- reporting -----------------------------------------------------------------------
     def emit(self, **row):
         if self.rows_out:
+            row["peers"] = self.args.peers  # which run: a peer's alone repeats the fused arm
             self.rows_out.write(json.dumps(row) + "\n")
             self.rows_out.flush()
 
@@ -279,10 +290,11 @@ class Bench:
             return lambda *a: ops.depth_attention(list(a[:n]), a[n], a[n + 1], self.eps,
                                                   backend=backend)
         eager = arm("eager")
-        variants = [("fused triton (single read)", arm("triton"), None),
-                    ("eager (list of sources)", eager, None),
-                    (f"torch.compile(eager) [{self.compile_backend}]", self.compiled(eager),
-                     None)]
+        variants = [("fused triton (single read)", arm("triton"), None)]
+        if not self.alone:
+            variants += [("eager (list of sources)", eager, None),
+                         (f"torch.compile(eager) [{self.compile_backend}]",
+                          self.compiled(eager), None)]
         variants += [(name, fn and (lambda fn: lambda *a: fn(a[:n], a[n], a[n + 1]))(fn), why)
                      for name, fn, why in self.peers]
         self.run_variants("full", d, variants, [*srcs, w, g], nbytes)
@@ -337,11 +349,12 @@ class Bench:
         bwd = (S + S + (S - 1) + S + (S - 1)) + (n + S + n)
         nbytes = (fwd + bwd) * rows * d * self.esize
         eager = two_phase("eager")
-        variants = [("fused triton (two-phase, fused norm)", two_phase("triton"), None),
-                    ("eager two-phase + norm", eager, None),
-                    (f"torch.compile(eager 2-phase) [{self.compile_backend}]",
-                     self.compiled(eager), None),
-                    ("eager, S single aggregations + norm", per_read(eager_read), None)]
+        variants = [("fused triton (two-phase, fused norm)", two_phase("triton"), None)]
+        if not self.alone:
+            variants += [("eager two-phase + norm", eager, None),
+                         (f"torch.compile(eager 2-phase) [{self.compile_backend}]",
+                          self.compiled(eager), None),
+                         ("eager, S single aggregations + norm", per_read(eager_read), None)]
         variants += [(f"{name} (per read)", per_read(fn) if fn else None, why)
                      for name, fn, why in self.peers]
         self.run_variants("block", d, variants, inputs, nbytes)
@@ -432,15 +445,26 @@ class Bench:
                 print(f"{name}: {why}")
         print(f"{'case':7s} {'d':>6s}  {'variant':46s} {'time':>13s} {'effective bw':>14s} "
               f"{'of copy':>7s}  {'vs fused':>8s}")
+        if self.alone and all(fn is None for _, fn, _ in self.peers):
+            # the one peer asked for does not import: say so per case, time nothing
+            for d in args.widths:
+                for case in ("block", "full"):
+                    if case in args.cases:
+                        for name, _, why in self.peers:
+                            self.emit(case=case, d=d, ms=None, note=f"not run: {why}",
+                                      variant=name + " (per read)" * (case == "block"))
+            return 0
+        # what decides most first (a run cut short by a lease keeps it): the saved bytes, then
+        # per width the block (the goal), phase 2, and full
+        if "saved" in args.cases:
+            self.case_saved()
         for d in args.widths:
-            if "full" in args.cases:
-                self.case_full(d)
             if "block" in args.cases:
                 self.case_block(d)
             if "phase2" in args.cases:
                 self.case_phase2(d)
-        if "saved" in args.cases:
-            self.case_saved()
+            if "full" in args.cases:
+                self.case_full(d)
         if self.rows_out:
             self.rows_out.close()
         return 0

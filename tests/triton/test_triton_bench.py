@@ -76,3 +76,12 @@ def test_peer_adapters_call_the_documented_entry_points(tmp_path, monkeypatch):
         got = arms[name](sources, query, None)
         assert got.shape == sources[0].shape and got.dtype == sources[0].dtype, name
         torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2, msg=name)
+
+
+def test_an_arm_that_leaves_an_input_unused_is_timed():
+    # fast-attnres takes no key-norm gain: its arm failed with "One of the differentiated
+    # Tensors appears to not have been used in the graph" on an H200
+    b = _bench()
+    bench = b.Bench(b.parse_args(["--dry-run", "--peers", "none"]))
+    x, gain = (torch.randn(3, 4, requires_grad=True) for _ in range(2))
+    bench.fwd_bwd(lambda x, gain: x * 2, [x, gain])()
