@@ -5,7 +5,8 @@
 #      in-model call path against eager, fp32 and bf16, d 2048 and 7168, up to 512k rows
 #   2. 50 steps of `restopo train` under bf16 autocast on CUDA, backend eager then triton
 #   3. bench/triton_depth.py at the in-model call path: fused vs eager vs torch.compile(eager) vs
-#      a copy of the same bytes, forward+backward, bf16, 64k rows; and saved-for-backward bytes
+#      a copy of the same bytes, forward+backward, bf16, 64k rows; and saved-for-backward bytes;
+#      the fused arms profiled by kernel (in kernels.log)
 #   4. each peer package that imports (fast-attnres, fla-core, flash-attn-res) against the fused
 #      arm on the same shapes, each in a process of its own: a peer's illegal memory access
 #      ends its process, not the other figures (one did, on an H200)
@@ -35,7 +36,7 @@ while [ $# -gt 0 ]; do
         --dry-run) DRY=1 ;;
         --out) OUT="$2"; shift ;;
         --limits) LIMITS="$2"; shift ;;
-        -h|--help) sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "gpu_check.sh: unknown argument '$1' (try --help)" >&2; exit 2 ;;
     esac
     shift
@@ -91,7 +92,7 @@ for backend in eager triton; do
         "$TRAIN_SPEC" "${TRAIN_ARGS[@]}" --device "$DEVICE" --backend "$backend" \
         --out "$OUT/train-$backend" --overwrite --no-progress --set train.log_every=1
 done
-step kernels "$LIMIT_BENCH" "$PY" bench/triton_depth.py "${BENCH_ARGS[@]}" --peers none \
+step kernels "$LIMIT_BENCH" "$PY" bench/triton_depth.py "${BENCH_ARGS[@]}" --peers none --profile \
     --json "$OUT/kernels.jsonl"
 for peer in fast-attnres fla-core flash-attn-res; do
     step "peer-$peer" "$LIMIT_PEER" "$PY" bench/triton_depth.py "${BENCH_ARGS[@]}" \

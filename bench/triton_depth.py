@@ -57,6 +57,9 @@ def parse_args(argv=None):
                     help="torch.compile backend for the baselines (default: inductor; "
                          "aot_eager in --dry-run)")
     ap.add_argument("--json", default=None, metavar="FILE", help="also write rows as JSON lines")
+    ap.add_argument("--profile", action="store_true",
+                    help="after timing each fused arm, print its kernels by device time "
+                         "(torch.profiler, 3 steps)")
     ap.add_argument("--peers", default="all", choices=["all", "none", *PEERS],
                     help="the peer packages' arms: all that import (default), none, or one "
                          "alone beside the fused arm (a peer's fault, e.g. an illegal memory "
@@ -271,10 +274,30 @@ class Bench:
                     torch.cuda.empty_cache()
                 continue
             self.report(case, d, name, ms, nbytes, copy, fused_ms)
+            if fused_ms is None and self.args.profile:
+                self.profile(case, d, self.fwd_bwd(fn, inputs))
             fused_ms = fused_ms or ms
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
         self.report(case, d, "copy of the same bytes", copy, nbytes, copy, fused_ms)
+
+    def profile(self, case, d, step, top=12):
+        """Where the fused arm's time goes: its kernels (and the torch ops between them) by
+        device time over 3 steps, so a GPU run says which one to look at."""
+        torch = self.torch
+        acts = [torch.profiler.ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            acts.append(torch.profiler.ProfilerActivity.CUDA)
+        step()
+        self.sync()
+        with torch.profiler.profile(activities=acts) as prof:
+            for _ in range(3):
+                step()
+            self.sync()
+        key = "self_cuda_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
+        print(f"--- profile of the fused arm, {case} d={d}, 3 steps (sorted by {key}):")
+        print(prof.key_averages().table(sort_by=key, row_limit=top, max_name_column_width=60))
+        sys.stdout.flush()
 
     # ---- cases ---------------------------------------------------------------------------
     def case_full(self, d):

@@ -54,6 +54,9 @@ def test_limits_that_are_not_four_whole_seconds_are_refused(limits):
 
 def test_the_benchmark_ran_every_arm(dry_run):
     _, out = dry_run
+    log = (out / "kernels.log").read_text()
+    for case in ("block", "full"):  # which kernel to look at, for a GPU run
+        assert f"--- profile of the fused arm, {case} d=64" in log
     rows = [json.loads(line) for line in open(out / "kernels.jsonl")]
     arms = {(r["case"], r["variant"]) for r in rows if r.get("ms") is not None}
     for case, variant in [("full", "fused triton (single read)"),
