@@ -449,7 +449,12 @@ GOLDEN = [
     ('denseformer_attend_option', M + "residual denseformer(heads: 4)\n", (),
      'spec.restopo', 2, 22,
      "option 'heads' does not apply to denseformer",
-     "'heads' is an option of full_attnres; denseformer takes gate"),
+     "'heads' is an option of full_attnres or block_attnres; denseformer takes gate"),
+    ('full_attnres_stream_option', M + "residual full_attnres(streams: 4)\n", (),
+     'spec.restopo', 2, 23,
+     "option 'streams' does not apply to full_attnres",
+     "'streams' is an option of hyper_connections, mhc or mhc_lite; full_attnres takes query, "
+     "gate, key_norm, heads or window"),
     ('attend_gate_none', M + "residual full_attnres(gate: none)\n", (),
      'spec.restopo', 2, 29,
      "gate 'none' applies to scalars only: depth attention normalises its weights with softmax or sigmoid",

@@ -32,6 +32,8 @@ ERRORS = [
      "mhc_lite mixes all n! permutation matrices: streams: 7 would need 5,040 of them per "
      "sublayer",
      "use streams: 6 or fewer, or mhc(streams: 7), whose Sinkhorn projection grows as n^2"),
+    ("residual mhc(streams: 4, sinkhorn: abc)\n", (), 2, 36,
+     "'sinkhorn' must be a number, got 'abc'", "e.g. sinkhorn: 20"),  # its default, not 1
     ("residual mhc_light(streams: 4)\n", (), 2, 10, "unknown topology 'mhc_light'",
      "did you mean 'mhc_lite'?"),
     ("residual hyper_connection(streams: 4)\n", (), 2, 10, "unknown topology 'hyper_connection'",
@@ -48,6 +50,13 @@ ERRORS = [
     ("residual custom { before sublayer: mhc(streams: 2, dynamic: true) }\n", (), 2, 52,
      "option 'dynamic' does not apply to mhc",
      "'dynamic' is an option of hyper_connections; mhc takes streams or sinkhorn"),
+    ("residual custom { before sublayer: mhc(streams: 4; key_norm: none) }\n", (), 2, 52,
+     "option 'key_norm' does not apply to mhc",
+     "mhc takes streams or sinkhorn (attend takes query, gate, key_norm or heads; scalars "
+     "takes gate)"),
+    ("residual custom { before sublayer: mhc_lite(streams: 3; gate: sigmoid) }\n", (), 2, 57,
+     "option 'gate' does not apply to mhc_lite",
+     "mhc_lite takes streams (attend takes query, gate, key_norm or heads; scalars takes gate)"),
     ("residual custom { blocks: 2; before sublayer: mhc(streams: 4) }\n", (), 2, 19,
      "'blocks' does not apply to mhc: n streams replace the blocks", "remove 'blocks'"),
     ("residual custom {\n before sublayer: mhc(streams: 4)\n before head: attend(embedding) }\n",

@@ -25,7 +25,7 @@ EXAMPLES = {"vocab": "vocab: 256", "width": "width: 64", "depth": "depth: 4",
             "lr": "lr: 3e-3", "min_lr": "min_lr: 3e-4", "weight_decay": "weight_decay: 0.1",
             "grad_clip": "grad_clip: 1.0", "window": "window(8)", "blocks": "blocks: 8",
             "block_size": "block_size: 4", "mlp ratio": "swiglu(4x)",
-            "mlp_ratio": "mlp_ratio: 4x"}
+            "mlp_ratio": "mlp_ratio: 4x", "sinkhorn": "sinkhorn: 20", "streams": "streams: 4"}
 
 
 @dataclass

@@ -68,10 +68,10 @@ def _named(view: View, c: Checker) -> ResidualSpec | None:
             c.error(f.key.pos, f"'{name.text}' takes no options, got '{k}'",
                     f"write 'residual {name.text}'")
             continue
-        owner = next((n for n, opts in NAMED_OPTIONS.items() if k in opts), None)
-        if owner:
+        owners = _owners(k, NAMED_OPTIONS)
+        if owners:
             c.error(f.key.pos, f"option '{k}' does not apply to {name.text}",
-                    f"'{k}' is an option of {owner}; {name.text} takes {alts(allowed)}")
+                    f"'{k}' is an option of {owners}; {name.text} takes {alts(allowed)}")
         else:
             c.error(f.key.pos, f"unknown option '{k}' for {name.text}",
                     did_you_mean(k, allowed))
@@ -284,11 +284,11 @@ def _rule(fl: Field, target: str, c: Checker) -> T.Rule | None:
     for k, fa in named.items():
         if k in takes:
             continue
-        owner = next((m for m, opts in STREAM_OPTIONS.items() if k in opts), None)
-        if owner is not None and k not in ATTEND_OPTIONS:
+        owners = _owners(k, STREAM_OPTIONS)
+        if owners and k not in ATTEND_OPTIONS:
             c.error(fa.key.pos, f"option '{k}' does not apply to {method}",
-                    f"'{k}' is an option of {owner}" + (f"; {method} takes {alts(takes)}"
-                                                        if takes else ""))
+                    f"'{k}' is an option of {owners}" + (f"; {method} takes {alts(takes)}"
+                                                         if takes else ""))
         elif k not in ATTEND_OPTIONS:
             c.error(fa.key.pos, f"unknown option '{k}' for {method}",
                     did_you_mean(k, takes) if takes else f"{method} takes no options")
@@ -346,11 +346,20 @@ def _rule(fl: Field, target: str, c: Checker) -> T.Rule | None:
 
 
 def _wrong_option_hint(method: str) -> str:
+    """For an option of attend given to another method."""
     if method == "scalars":
         return (f"scalars takes only gate ({alts(T.SCALAR_GATES)}); "
                 "query, key_norm and heads are options of attend")
-    return (f"{method} takes no options (attend takes {alts(ATTEND_OPTIONS)}; "
-            f"scalars takes gate)")
+    takes = METHOD_OPTIONS.get(method, ())
+    return (f"{method} takes " + (alts(takes) if takes else "no options")
+            + f" (attend takes {alts(ATTEND_OPTIONS)}; scalars takes gate)")
+
+
+def _owners(option: str, table: dict) -> str:
+    """Every method or topology of `table` that takes `option`, as a phrase ('' if none):
+    naming the first alone sent a person to hyper_connections for mhc's streams."""
+    return alts([name for name, opts in table.items() if option in opts]) \
+        if any(option in opts for opts in table.values()) else ""
 
 
 def _quiet_source(a: Arg):
