@@ -522,3 +522,28 @@ def test_docs_results_agree_with_todays_model_counts():
         compute = float(table[arm]["train_flops_per_token"]) * tokens
         want = math.exp((math.log(loss) - intercept) / slope) / compute
         assert float(ratio) == pytest.approx(want, abs=6e-4), arm
+
+
+def test_arms_of_one_spec_that_differ_in_topology_are_compared_not_called_sizes():
+    """`sweep tiny.restopo --vary residual=standard,full_attnres` made every arm 'baseline,
+    another size' (the family was the spec's name alone): no difference, no interval, and
+    --scaling fitted a compute curve through three topologies."""
+    def run(arm, seed, loss, *overrides):
+        r = _synthetic_run(arm, "tiny", seed, 10, loss)
+        r.job = {"spec": "/x/tiny.restopo", "overrides": ["train.steps=10", *overrides]}
+        return r
+
+    arms = report.group(
+        [run("standard", s, 2.0 + 0.01 * s, "residual=standard") for s in (0, 1)]
+        + [run("full_attnres", s, 1.9 + 0.01 * s, "residual=full_attnres") for s in (0, 1)]
+        + [run("width64", s, 1.8, "residual=standard", "model.width=64") for s in (0, 1)])
+    base = report.pick_baseline(arms, "standard")
+    report.compare(arms, base)
+    by = {a.name: a for a in arms}
+    assert by["full_attnres"].family != base.family and by["full_attnres"].diff is not None
+    assert report._diff(by["full_attnres"], base) != "baseline, another size"
+    # a size of the baseline stays one: width is not what the run is
+    assert by["width64"].family == base.family == "tiny [residual=standard]"
+    assert report._diff(by["width64"], base) == "baseline, another size"
+    # --baseline may still name the spec when it has one arm
+    assert report.pick_baseline([by["full_attnres"]], "tiny").name == "full_attnres"

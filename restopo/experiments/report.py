@@ -62,6 +62,10 @@ class Arm:
         return self.runs[0].family
 
     @property
+    def spec_name(self) -> str:
+        return self.runs[0].spec_name
+
+    @property
     def compute(self) -> float | None:
         """Training FLOPs of one run (all steps), from the IR's count per token."""
         r = self.runs[0]
@@ -104,12 +108,12 @@ def pick_baseline(arms: list[Arm], name: str | None) -> Arm | None:
     """The arm named `name` (or the only arm of that family); None without a name."""
     if name is None:
         return None
-    chosen = baseline_arm(name, [(a.name, a.family) for a in arms])
+    chosen = baseline_arm(name, [(a.name, a.spec_name) for a in arms])
     return next(a for a in arms if a.name == chosen)
 
 
 def baseline_arm(name: str, arms: list[tuple[str, str]]) -> str:
-    """Which of `arms` ((name, family: the spec's stem) pairs) --baseline `name` picks: the
+    """Which of `arms` ((name, the spec's stem) pairs) --baseline `name` picks: the
     arm of that name, or the one arm of that spec; ValueError says which case failed (a
     sweep checks its --baseline with this before any run trains, compare after)."""
     if any(arm == name for arm, _ in arms):

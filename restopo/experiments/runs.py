@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
+from ..spec.overrides import override_values
 from ..train.checkpoint import latest_checkpoint, read_meta
 from ..train.plots import read_metrics
 
@@ -21,6 +22,13 @@ _SEED = re.compile(r"^(?P<arm>.+)-s(?P<seed>\d+)$")
 
 class RunError(ValueError):
     """A folder that is not a run (message names it and says what was looked for)."""
+
+
+# Overrides that change a run's size (its compute), not what it is: runs of one spec that
+# differ only in these are one family at several sizes. The seed is not a size, but neither
+# does it make a family.
+SIZE_KEYS = frozenset({"model.width", "model.depth", "model.heads", "model.context",
+                       "train.steps", "train.batch", "train.seed"})
 
 
 @dataclass
@@ -103,9 +111,20 @@ class Run:
                           overrides=tuple(self.meta.get("overrides") or ()))
 
     @property
+    def spec_name(self) -> str:
+        """The spec file's stem (what --baseline may name)."""
+        return Path(str(self.meta.get("spec_path", self.job.get("spec", self.arm)))).stem
+
+    @property
     def family(self) -> str:
-        """What the run trained, without its size: the spec file's stem."""
-        return Path(str(self.meta.get("spec_path", self.arm))).stem
+        """What the run trained, without its size: the spec file's stem and every override
+        that is not a size (SIZE_KEYS). Arms of one spec that differ in topology or lr are
+        families of their own, compared with the baseline; those that differ in width or
+        steps are one family's sizes (compare --scaling fits them)."""
+        overrides = self.job.get("overrides") or self.meta.get("overrides") or ()
+        kept = sorted(f"{k}={v}" for k, v in override_values(overrides).items()
+                      if k not in SIZE_KEYS)
+        return self.spec_name + (f" [{', '.join(kept)}]" if kept else "")
 
 
 def reached_end(meta: dict) -> bool:
