@@ -126,29 +126,3 @@ def test_default_peak_by_device_name(monkeypatch):
         assert throughput.default_peak(torch.device("cuda", 0)) == peak
     t = throughput.Throughput.of(6.0, torch.device("cpu"), devices=4, peak_tflops=2.0)
     assert t.peak == 8e12 and t.mfu(1e12) == pytest.approx(0.75)
-
-
-@pytest.mark.parametrize("iters", [1, 20, 1000])
-def test_mhc_flops_count_its_sinkhorn_iterations(iters):
-    """A point's FLOPs grow with its Sinkhorn iterations (inspect gave one figure for 1, 20
-    and 1000): the part that does is what a trace of unrolled_sinkhorn runs, one operation
-    per element (sums, + eps, divides) and 4 per element of the softmax (max, exp, sum,
-    divide)."""
-    from restopo.nn.streams import unrolled_sinkhorn
-
-    n = 4
-    traced = 0
-    with torch.profiler.profile(record_shapes=True) as prof:
-        unrolled_sinkhorn(torch.randn(1, n, n), iters)
-    for e in prof.events():
-        per = {"aten::_softmax": 4, "aten::add": 1, "aten::add_": 1, "aten::div": 1,
-               "aten::div_": 1, "aten::sum": 1}.get(e.name, 0)
-        traced += per * math.prod(e.input_shapes[0])
-
-    def point(k):
-        return stream_flops(Aggregation(index=3, before="attn", method="mhc",
-                                        sources=("streams3",), block=1, j=0, streams=n,
-                                        sinkhorn=k), 64)
-
-    without = point(1) - (5 * n * n + 2 * n * n + n)  # the point with no Sinkhorn at all
-    assert point(iters) - without == traced

@@ -75,9 +75,8 @@ def aggregation_flops(g: IR, d: int) -> float:
 def stream_flops(a: Aggregation, d: int) -> float:
     """A multi-stream point (restopo.nn.streams), n streams: the read sum_i pre_i X_i, the
     write R X + post (x) v, and the coefficients' matrices (DHC's [d, n+2] per stream,
-    mHC's [n d, 2n + n^2] and mHC-lite's [n d, 2n + n!]), and mHC's Sinkhorn, which is
-    free of d but grows with its iterations (at 1000 it is half the forward of a small
-    model); the head sums the streams. Norms are linear in d, left out."""
+    mHC's [n d, 2n + n^2] and mHC-lite's [n d, 2n + n!]); the head sums the streams. Norms
+    and Sinkhorn's n x n iterations are linear in d or free of it, left out."""
     n = a.streams
     if a.is_head:
         return (n - 1) * d
@@ -85,14 +84,7 @@ def stream_flops(a: Aggregation, d: int) -> float:
     if a.method == "hyper_connections":
         return total + (2 * n * d * (n + 2) if a.dynamic else 0)
     k = n * n if a.method == "mhc" else math.factorial(n)
-    total += 2 * n * d * (2 * n + k)
-    return total + (sinkhorn_flops(n, a.sinkhorn) if a.method == "mhc" else 0)
-
-
-def sinkhorn_flops(n: int, iters: int) -> float:
-    """streams.unrolled_sinkhorn on one token's n x n logits: the softmax and its + eps (5 n^2),
-    then 2 iters - 1 normalisations, each a sum, + eps and a divide (2 n^2 + n)."""
-    return 5 * n * n + (2 * iters - 1) * (2 * n * n + n)
+    return total + 2 * n * d * (2 * n + k)
 
 
 def flops_per_token(g: IR, model) -> Flops:
