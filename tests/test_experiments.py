@@ -547,3 +547,21 @@ def test_arms_of_one_spec_that_differ_in_topology_are_compared_not_called_sizes(
     assert report._diff(by["width64"], base) == "baseline, another size"
     # --baseline may still name the spec when it has one arm
     assert report.pick_baseline([by["full_attnres"]], "tiny").name == "full_attnres"
+
+
+def test_vary_splits_at_the_commas_between_values_not_inside_them(tmp_path, capsys):
+    """`--vary residual=block_attnres(blocks: 4, gate: sigmoid),standard` split inside the
+    parentheses (error: "this '(' is never closed"): a topology of two options could not be
+    swept. The dry run prints each command quoted, so it can be pasted into a shell."""
+    key, values = parse_vary("residual=block_attnres(blocks: 4, gate: sigmoid),standard")
+    assert key == "residual" and values == ["block_attnres(blocks: 4, gate: sigmoid)", "standard"]
+    assert parse_vary('train.data="a,b.txt",c.txt')[1] == ['"a,b.txt"', "c.txt"]
+    jobs = make_grid(["x/tiny.restopo"], [0], [],
+                     ["residual=block_attnres(blocks: 4, gate: sigmoid),standard"])
+    assert [j.name for j in jobs] == ["block_attnres_blocks_4_gate_sigmoid-s0", "standard-s0"]
+    assert jobs[0].overrides[-1] == "residual=block_attnres(blocks: 4, gate: sigmoid)"
+    spec = _specs(tmp_path)[0]
+    assert main(["sweep", spec, "--out", str(tmp_path / "sw"), "--dry-run", "--vary",
+                 "residual=block_attnres(blocks: 2, gate: sigmoid),standard"]) == 0
+    listed = capsys.readouterr().out
+    assert "--set 'residual=block_attnres(blocks: 2, gate: sigmoid)'" in listed

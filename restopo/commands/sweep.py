@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import shlex
 import sys
 import threading
 import time
@@ -115,7 +116,8 @@ def run(args) -> int:
     if args.dry_run:
         for j in jobs:
             command = j.command(out, resume=states[j.name] == "resume")[3:]
-            print(f"  {j.name:40s} {states[j.name]:7s} {' '.join(command)}")
+            # quoted as a shell would need them: a pasted line runs as listed
+            print(f"  {j.name:40s} {states[j.name]:7s} {shlex.join(command)}")
         return 0
     from ..train.runlock import RunLocked, run_lock
     try:

@@ -7,7 +7,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..spec.overrides import FlagOverride
+from ..spec.overrides import FlagOverride, split_values
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class Job:
 def parse_vary(text: str) -> tuple[str, list[str]]:
     """'model.width=64,128' -> ('model.width', ['64', '128']); ValueError names the form."""
     key, eq, values = text.partition("=")
-    items = [v.strip() for v in values.split(",")]
+    items = [v.strip() for v in split_values(values)]
     if not eq or not key.strip() or not any(items):
         raise ValueError(f"--vary takes KEY=V1,V2,... e.g. model.width=64,128; got {text!r}")
     if not all(items):

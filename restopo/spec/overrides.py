@@ -26,6 +26,26 @@ def override_values(overrides) -> dict[str, str]:
     return out
 
 
+def split_values(values: str) -> list[str]:
+    """`--vary`'s values split at the commas between them, not at those inside a value's
+    parentheses or quotes: block_attnres(blocks: 4, gate: sigmoid),standard is two values.
+    Unstripped, so that columns can be counted in them."""
+    items, depth, quote, start = [], 0, "", 0
+    for i, ch in enumerate(values):
+        if quote:
+            quote = "" if ch == quote else quote
+        elif ch in "\"'":
+            quote = ch
+        elif ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth = max(0, depth - 1)
+        elif ch == "," and depth == 0:
+            items.append(values[start:i])
+            start = i + 1
+    return items + [values[start:]]
+
+
 class FlagOverride(str):
     """The override `key=value` a command's own flag stands for (`--steps 0`: train.steps=0;
     one value of `--vary model.width=32,64`), which an error shows as the flag the person
@@ -57,7 +77,7 @@ class FlagOverride(str):
         key = key_text.strip()
         key_base = len("--vary ") + len(key_text) - len(key_text.lstrip())
         out, col = [], len("--vary ") + len(key_text) + 1  # where the first value starts
-        for item in values.split(","):
+        for item in split_values(values):
             value = item.strip()
             one = cls(f"{key}={value}")
             at = col + len(item) - len(item.lstrip())
