@@ -121,7 +121,8 @@ def test_default_peak_by_device_name(monkeypatch):
     assert throughput.default_peak(torch.device("cpu")) is None
     for name, peak in [("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12),
                        ("NVIDIA H100 NVL", 835.5e12), ("NVIDIA H200 NVL", 835.5e12),
-                       ("NVIDIA H200", 989e12), ("NVIDIA L40", 181e12), ("NVIDIA L4", 121e12), ("Some GPU", None)]:
+                       ("NVIDIA H200", 989e12), ("NVIDIA L40", 181e12), ("NVIDIA L4", 121e12),
+                       ("Some GPU", None)]:
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, n=name: n)
         assert throughput.default_peak(torch.device("cuda", 0)) == peak
     t = throughput.Throughput.of(6.0, torch.device("cpu"), devices=4, peak_tflops=2.0)
