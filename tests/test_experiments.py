@@ -565,3 +565,30 @@ def test_vary_splits_at_the_commas_between_values_not_inside_them(tmp_path, caps
                  "residual=block_attnres(blocks: 2, gate: sigmoid),standard"]) == 0
     listed = capsys.readouterr().out
     assert "--set 'residual=block_attnres(blocks: 2, gate: sigmoid)'" in listed
+
+
+def test_a_damaged_newest_meta_is_passed_over_by_compare_and_sweep(tmp_path):
+    """A run whose newest checkpoint's meta.json was torn made compare and sweep stop with a
+    CheckpointError traceback; `train --resume` passes over such a checkpoint, and so do
+    they, reading the one before it."""
+    from restopo.experiments import runner
+    from restopo.experiments.grid import Job
+    from restopo.experiments.runs import read_run
+    from restopo.train.checkpoint import FILES
+
+    run = tmp_path / "sw" / "a-s0"
+    for step in (2, 4):
+        d = run / "ckpt" / f"step_{step:06d}"
+        d.mkdir(parents=True)
+        for name in FILES:
+            (d / name).write_bytes(b"x")
+        (d / "meta.json").write_text(json.dumps(
+            {"step": step, "spec_path": "/x/a.restopo", "overrides": ["train.seed=0"],
+             "config": {"steps": 4, "seed": 0}}))
+    (run / "ckpt" / "latest").write_text("step_000004")
+    (run / "ckpt" / "step_000004" / "meta.json").write_text('{"step": 4')  # torn
+    assert read_run(run).meta["step"] == 2
+    job = Job("a-s0", "a", str(tmp_path / "a.restopo"), (), 0)
+    assert runner.state(tmp_path / "sw", job) == "resume"  # train --resume falls back
+    # step 2 was trained as the job asks (its seed, no other override): nothing changed
+    assert runner.changed(tmp_path / "sw", job) is None

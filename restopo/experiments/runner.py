@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ..io import write_atomic
 from ..spec.overrides import override_values
-from ..train.checkpoint import latest_checkpoint, read_meta
+from ..train.checkpoint import latest_checkpoint, newest_meta
 from ..train.runlock import held_by
 from ..worker import STOP_WITH_PARENT, signals_handled
 from .grid import Job
@@ -44,10 +44,10 @@ def state(out: Path, job: Job) -> str:
     """done (finished all its steps), resume (has a checkpoint), or new."""
     folder = out / job.name
     info = _read(folder / RUN_FILE)
-    ckpt = latest_checkpoint(folder / "ckpt")
-    if ckpt is None:
+    if latest_checkpoint(folder / "ckpt") is None:
         return "new"
-    return "done" if reached_end(read_meta(ckpt)) and info.get("status") == "done" else "resume"
+    _, meta = newest_meta(folder / "ckpt")  # a damaged newest one: train --resume passes it
+    return "done" if reached_end(meta) and info.get("status") == "done" else "resume"
 
 
 def changed(out: Path, job: Job) -> str | None:
@@ -55,10 +55,9 @@ def changed(out: Path, job: Job) -> str | None:
     (its newest checkpoint's spec text and overrides against the spec file's and the
     job's), else None. A sweep must not count such a run as one of its own, nor resume it
     under other settings."""
-    ckpt = latest_checkpoint(out / job.name / "ckpt")
+    ckpt, meta = newest_meta(out / job.name / "ckpt")
     if ckpt is None:
-        return None  # nothing trained yet: the run starts afresh
-    meta = read_meta(ckpt)
+        return None  # nothing trained yet (or nothing readable): the run starts afresh
     # what `restopo train` records: the job's --set values, then --seed as train.seed
     then = override_values(meta.get("overrides", ()))
     now = override_values((*job.overrides, f"train.seed={job.seed}"))

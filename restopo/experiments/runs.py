@@ -13,7 +13,7 @@ from functools import cached_property
 from pathlib import Path
 
 from ..spec.overrides import override_values
-from ..train.checkpoint import latest_checkpoint, read_meta
+from ..train.checkpoint import newest_meta
 from ..train.plots import read_metrics
 
 RUN_FILE = "run.json"
@@ -137,8 +137,7 @@ def read_run(path: str | Path) -> Run:
     """The run in folder `path`; RunError when it holds neither metrics nor checkpoints."""
     path = Path(path)
     info = _json(path / RUN_FILE)
-    ckpt = latest_checkpoint(path / "ckpt")
-    meta = read_meta(ckpt) if ckpt is not None else {}
+    _, meta = newest_meta(path / "ckpt")  # a damaged newest meta.json: the one before it
     records = read_metrics(path / "metrics.jsonl")
     if not meta and not records and not info:
         raise RunError(f"{path}: not a run folder (no metrics.jsonl, ckpt/ or {RUN_FILE})")

@@ -405,6 +405,22 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
     return candidates[-1] if candidates else None
 
 
+def newest_meta(root: str | os.PathLike) -> tuple[Path | None, dict]:
+    """(step folder, its meta.json) of the newest checkpoint under `root` whose meta.json
+    reads, newer ones with a damaged meta.json passed over (as `restopo train --resume`
+    passes over them); (None, {}) when none does. Files are not verified: for what a
+    report or a sweep reads of a run (its step, spec and overrides), not to resume from."""
+    newest = latest_checkpoint(root)
+    for p in [newest] + [q for q in reversed(list_checkpoints(root)) if q != newest]:
+        if p is None:
+            continue
+        try:
+            return p, read_meta(p)
+        except CheckpointError:
+            continue
+    return None, {}
+
+
 def check_checkpoint(step_dir: str | os.PathLike) -> str | None:
     """Why `step_dir` cannot be resumed from (damaged files, or contents that do not fit the
     schema), or None when it can."""
