@@ -103,40 +103,40 @@ def peer_arms(eps: float):
     def normed(y, nw):
         return y if nw is None else F.rms_norm(y, (y.shape[-1],), nw, eps)
 
-    try:
+    def fast():
         from attnres import attnres as fast_attnres  # fast-attnres: bf16 sources and query
+        return lambda s, w, g, nw=None: normed(
+            fast_attnres(list(s), w.to(s[0].dtype), eps=eps), nw)
 
-        def fast(s, w, g, nw=None):
-            return normed(fast_attnres(list(s), w.to(s[0].dtype), eps=eps), nw)
-        arms.append(("peer fast-attnres", fast, None))
-    except Exception as exc:  # a peer that fails to import (or to build) is left out
-        arms.append(("peer fast-attnres", None, f"does not import ({type(exc).__name__}: {exc})"))
-    try:
+    def fla():
         from fla.ops.attnres.fused import fused_attnres  # fla-core
 
-        def fla(s, w, g, nw=None):
+        def run(s, w, g, nw=None):
             d = s[0].shape[-1]
             out = fused_attnres(query=w, residuals=[x.reshape(-1, d) for x in s],
                                 rms_weight=g, output_rms_weight=nw, rms_eps=eps, scale=1.0,
                                 return_weights=False)
             out = out[0] if isinstance(out, tuple) else out
             return out.reshape(s[0].shape)
-        arms.append(("peer fla-core", fla, None))
-    except Exception as exc:  # a peer that fails to import (or to build) is left out
-        arms.append(("peer fla-core", None, f"does not import ({type(exc).__name__}: {exc})"))
-    try:
+        return run
+
+    def far():
         # flash-attn-res: its phase 1 over stacked [S, B, T, d] sources with [Q, d] queries;
         # one query makes it a single aggregation (the stacking copy is part of its call path)
         from flash_attn_res import phase_1_batched_attention_triton_op as far_phase1
 
-        def far(s, w, g, nw=None):
+        def run(s, w, g, nw=None):
             d = s[0].shape[-1]
             stacked = torch.stack([x.reshape(1, -1, d) for x in s])
             out, _ = far_phase1(stacked, w.reshape(1, d).to(s[0].dtype), eps)
             return normed(out[0].reshape(s[0].shape).to(s[0].dtype), nw)
-        arms.append(("peer flash-attn-res", far, None))
-    except Exception as exc:  # a peer that fails to import (or to build) is left out
-        arms.append(("peer flash-attn-res", None, f"does not import ({type(exc).__name__}: {exc})"))
+        return run
+
+    for name, make in zip(PEERS, (fast, fla, far)):
+        try:
+            arms.append((f"peer {name}", make(), None))
+        except Exception as exc:  # a peer that fails to import (or to build) is left out
+            arms.append((f"peer {name}", None, f"does not import ({type(exc).__name__}: {exc})"))
     return arms
 
 

@@ -77,7 +77,7 @@ def die_with_parent(signum: int) -> None:
 
 
 @contextmanager
-def signals_handled(names, handler: Callable) -> Iterator[None]:
+def signals_handled(names, handler: Callable) -> Iterator[Callable[[], None]]:
     """Within the block, `handler(signum, frame)` for each signal named in `names` that this
     platform has; the handlers before are back after, or sooner when the block calls what
     it is given (`with signals_handled(...) as put_back`: a handler that takes only the

@@ -44,9 +44,9 @@ def state(out: Path, job: Job) -> str:
     """done (finished all its steps), resume (has a checkpoint), or new."""
     folder = out / job.name
     info = _read(folder / RUN_FILE)
-    if latest_checkpoint(folder / "ckpt") is None:
+    ckpt, meta = newest_meta(folder / "ckpt")  # a damaged newest one: train --resume passes it
+    if ckpt is None and latest_checkpoint(folder / "ckpt") is None:
         return "new"
-    _, meta = newest_meta(folder / "ckpt")  # a damaged newest one: train --resume passes it
     return "done" if reached_end(meta) and info.get("status") == "done" else "resume"
 
 

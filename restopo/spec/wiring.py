@@ -358,8 +358,8 @@ def _wrong_option_hint(method: str) -> str:
 def _owners(option: str, table: dict) -> str:
     """Every method or topology of `table` that takes `option`, as a phrase ('' if none):
     naming the first alone sent a person to hyper_connections for mhc's streams."""
-    return alts([name for name, opts in table.items() if option in opts]) \
-        if any(option in opts for opts in table.values()) else ""
+    owners = [name for name, opts in table.items() if option in opts]
+    return alts(owners) if owners else ""
 
 
 def _quiet_source(a: Arg):

@@ -411,9 +411,8 @@ def newest_meta(root: str | os.PathLike) -> tuple[Path | None, dict]:
     passes over them); (None, {}) when none does. Files are not verified: for what a
     report or a sweep reads of a run (its step, spec and overrides), not to resume from."""
     newest = latest_checkpoint(root)
-    for p in [newest] + [q for q in reversed(list_checkpoints(root)) if q != newest]:
-        if p is None:
-            continue
+    older = [q for q in reversed(list_checkpoints(root)) if q != newest]
+    for p in ([newest] if newest is not None else []) + older:
         try:
             return p, read_meta(p)
         except CheckpointError:

@@ -11,7 +11,6 @@ at different steps would wait on each other forever. There the signal works as b
 from __future__ import annotations
 
 import signal
-import threading
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
@@ -32,9 +31,10 @@ def deferred_interrupt(enabled: bool, say: Callable[[str], None],
     of raising or ending the process; the handlers before the block are back for the
     second, and after the block.
     `saving`: whether the step is saved then (checkpoints may be off). `enabled` False
-    (several processes, or not the main thread): nothing changes."""
+    (several processes), or not the main thread (signals_handled sets nothing there):
+    nothing changes."""
     stop = Stop()
-    if not enabled or threading.current_thread() is not threading.main_thread():
+    if not enabled:
         yield stop
         return
     put_back = None
