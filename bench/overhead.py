@@ -85,6 +85,10 @@ def parse_args(argv=None):
     p.add_argument("--first-step", choices=("compile", "regional"), help=argparse.SUPPRESS)
     p.add_argument("--quick", action="store_true",
                    help="tiny smoke run: width 64, depth 4, context 64, batch 2, 2 rounds")
+    p.add_argument("--profile", type=int, default=0, metavar="ROWS",
+                   help="after the timing, profile 3 steps of each topology in each mode "
+                        "(torch.profiler) and print its top ROWS ops by self CPU time and, "
+                        "on CUDA, by self device time: where a fixed cost per call hides")
     p.add_argument("--examples", action="store_true",
                    help="the size of examples/*.restopo: width 64, depth 16, context 128, "
                         "batch 16, heads 4, one thread (unless --threads)")
@@ -176,6 +180,9 @@ def compiled(mode: str, model):
 
 def measure(args, mode: str, models: dict, base: str = "standard") -> dict:
     both = {name: compiled(mode, m) for name, m in models.items()}
+    if args.profile:
+        for name, (fn, m) in both.items():
+            profile(args, mode, fn, m, name)
     fns = {name: fn for name, (fn, _) in both.items()}
     models = {name: m for name, (_, m) in both.items()}
     idx = torch.randint(0, args.vocab, (args.batch, args.context), device=args.device)
@@ -199,6 +206,29 @@ def measure(args, mode: str, models: dict, base: str = "standard") -> dict:
     return {name: dict(step=min(times[name]), median=statistics.median(times[name]),
                        ratios=[t / b for t, b in zip(times[name], base)],
                        saved=saved[name]) for name in fns}
+
+
+def profile(args, mode: str, fn, model, name: str) -> None:
+    """3 steps of `fn` under torch.profiler: the host side (self CPU time, call counts) says
+    whether a topology's extra time is per call (dispatch, launches, host work) or per
+    byte (the device side)."""
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if str(args.device).startswith("cuda"):
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    idx = torch.randint(0, args.vocab, (args.batch, args.context), device=args.device)
+    step(fn, idx)
+    sync(args.device)
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(3):
+            for p in model.parameters():
+                p.grad = None
+            step(fn, idx)
+        sync(args.device)
+    table = prof.key_averages()
+    for key in ["self_cpu_time_total"] + (["self_device_time_total"] if len(acts) > 1 else []):
+        print(f"\n--- profile: {mode} {name}, 3 steps, by {key}")
+        print(table.table(sort_by=key, row_limit=args.profile, max_name_column_width=70))
+    sys.stdout.flush()
 
 
 def spread(ratios: list[float]) -> str:

@@ -18,6 +18,19 @@ def test_overhead_bench_quick(capsys):
     assert float(rows[3][7]) > 1.0  # so does mHC: its n streams at every sublayer
 
 
+def test_overhead_bench_profiles_each_topology(capsys):
+    """--profile N prints, per mode and topology, the top N ops of 3 profiled steps by self
+    CPU time (the host side, where a fixed cost per call shows)."""
+    bench = load_bench("overhead")
+    assert bench.main(["--quick", "--no-compile", "--streams", "0", "--iters", "1",
+                       "--profile", "4"]) == 0
+    out = capsys.readouterr().out
+    heads = [line for line in out.splitlines() if line.startswith("--- profile:")]
+    assert heads == [f"--- profile: eager {t}, 3 steps, by self_cpu_time_total"
+                     for t in ("standard", "full", "block2")]
+    assert out.count("Self CPU time total") == 3
+
+
 def test_overhead_bench_regional_mode(capsys, monkeypatch):
     """--regional measures each topology with its regions compiled (aot_eager here: the
     same regions without inductor's C++ builds), beside eager, as ratios to standard."""

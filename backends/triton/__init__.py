@@ -22,7 +22,8 @@ the eager backend does: o1 = h1 (the softmax's weighted sum), m1 = its log-sum-e
 
 Layout: runtime.py (availability, launching and autotuning, tiles), sources.py (the table of
 source addresses), single.py (single-read kernels), twophase.py (phase 1 / phase 2
-kernels), custom_ops.py (torch.library custom ops with fake implementations and autograd).
+kernels), custom_ops.py (torch.library custom ops with fake implementations and autograd:
+what torch.compile traces), functions.py (the same as autograd.Functions: what eager calls run).
 Tests: `pytest tests/triton` (interpreter on CPU, including an offline sm_90 compile of
 every kernel); benchmark: `python bench/triton_depth.py` on a GPU; `bench/gpu_check.sh`
 runs the whole GPU check.
@@ -39,17 +40,21 @@ from .sources import as_list
 __all__ = ["available", "depth_attention", "phase1", "phase2", "phase2_norm", "tiles"]
 
 _ops = None
+_functions = None
 
 
 def _load_ops():
-    """Register the custom ops on first use (needs triton importable)."""
-    global _ops
+    """The kernels' entry points for this call: the custom ops where dynamo traces (under
+    torch.compile and torch.export), their autograd.Functions otherwise (functions.py: the
+    same kernels without the dispatcher's per-call cost). Registers the custom ops on first
+    use (needs triton importable)."""
+    global _ops, _functions
     if _ops is None:
         if runtime.triton is None:
             raise RuntimeError(f"restopo triton backend unavailable: {available()[1]}")
-        from . import custom_ops
-        _ops = custom_ops
-    return _ops
+        from . import custom_ops, functions
+        _ops, _functions = custom_ops, functions
+    return _ops if torch.compiler.is_compiling() else _functions
 
 
 def unfused(*, gate: str, heads: int, input_dependent: bool) -> str | None:

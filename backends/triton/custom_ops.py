@@ -83,25 +83,32 @@ def _(dout, dlse, lse, sources, query, key_norm_weight, eps, key_norm, need_du):
             sources[0].new_empty(sources[0].shape[-1:], dtype=_acc(sources)))
 
 
-def _depth_setup(ctx, inputs, output):
+def depth_setup(ctx, inputs, output):
     sources, query, gain, eps, key_norm = inputs
     _, lse = output
     ctx.save_for_backward(query, gain, lse, *sources)
     ctx.eps, ctx.key_norm = eps, key_norm
 
 
-def _depth_backward(ctx, dout, dlse):
+def depth_grads(ctx, dout, dlse, needs: tuple[bool, bool], backward_op):
+    """(the sources' gradients, dquery, dgain): the backward of depth_attention, whose
+    query and gain gradients `needs` says are wanted, through `backward_op` (the custom op
+    here, the plain function in eager calls: functions.py)."""
     query, gain, lse, *sources = ctx.saved_tensors
-    needs = tuple(ctx.needs_input_grad[1:3])
     dout = _zeros_if_none(dout, sources[0])
-    dsources, du = depth_attention_backward_op(
+    dsources, du = backward_op(
         dout, _zeros_if_none(dlse, lse), lse, sources, query, gain, ctx.eps, ctx.key_norm,
         _wants_du(needs, gain, ctx.key_norm))
     dquery, dgain = _query_grads(du, query, gain, ctx.key_norm, needs)
-    return dsources, dquery, dgain, None, None
+    return dsources, dquery, dgain
 
 
-depth_attention_op.register_autograd(_depth_backward, setup_context=_depth_setup)
+def _depth_backward(ctx, dout, dlse):
+    return (*depth_grads(ctx, dout, dlse, tuple(ctx.needs_input_grad[1:3]),
+                         depth_attention_backward_op), None, None)
+
+
+depth_attention_op.register_autograd(_depth_backward, setup_context=depth_setup)
 
 
 # ---- phase 1 ------------------------------------------------------------------------------
@@ -139,7 +146,7 @@ def _(do1, dm1, ds1, completed, queries, key_norm_weights, z, m1, eps, key_norm,
             completed[0].new_empty(queries.shape, dtype=_acc(completed)))
 
 
-def _phase1_setup(ctx, inputs, output):
+def phase1_setup(ctx, inputs, output):
     completed, queries, gains, eps, key_norm = inputs
     o1, m1, _, z = output
     ctx.save_for_backward(queries, gains, z, m1, *completed)
@@ -147,19 +154,24 @@ def _phase1_setup(ctx, inputs, output):
     ctx.o1_like = (o1[0].shape, o1[0].dtype)
 
 
-def _phase1_backward(ctx, do1, dm1, ds1, dz):
+def phase1_grads(ctx, do1, dm1, ds1, needs: tuple[bool, bool], backward_op):
+    """(the completed blocks' gradients, dqueries, dgains), as depth_grads."""
     queries, gains, z, m1, *completed = ctx.saved_tensors
-    needs = tuple(ctx.needs_input_grad[1:3])
     shape, dtype = ctx.o1_like
     do1 = [g if g is not None else m1.new_zeros(shape, dtype=dtype) for g in do1]
-    dcompleted, du = phase1_backward_op(
+    dcompleted, du = backward_op(
         do1, _zeros_if_none(dm1, m1), _zeros_if_none(ds1, m1), completed, queries, gains, z,
         m1, ctx.eps, ctx.key_norm, _wants_du(needs, gains, ctx.key_norm))
     dqueries, dgains = _query_grads(du, queries, gains, ctx.key_norm, needs)
-    return dcompleted, dqueries, dgains, None, None
+    return dcompleted, dqueries, dgains
 
 
-phase1_op.register_autograd(_phase1_backward, setup_context=_phase1_setup)
+def _phase1_backward(ctx, do1, dm1, ds1, dz):
+    return (*phase1_grads(ctx, do1, dm1, ds1, tuple(ctx.needs_input_grad[1:3]),
+                          phase1_backward_op), None, None)
+
+
+phase1_op.register_autograd(_phase1_backward, setup_context=phase1_setup)
 
 
 # ---- phase 2 ------------------------------------------------------------------------------
@@ -208,21 +220,23 @@ def _(dh, dy, o1, m1, s1, partial, query, key_norm_weight, norm_weight, eps, nor
             o1.new_empty((d,), dtype=acc), o1.new_empty((d,), dtype=acc))
 
 
-def _phase2_setup(ctx, inputs, output):
+def phase2_setup(ctx, inputs, output):
     (o1, m1, s1, partial, query, gain, norm_weight, eps, norm_eps, key_norm,
      with_norm, with_h) = inputs
     ctx.save_for_backward(o1, m1, s1, partial, query, gain, norm_weight)
     ctx.args = (eps, norm_eps, key_norm, with_norm, with_h)
 
 
-def _phase2_backward(ctx, dh, dy):
+def phase2_grads(ctx, dh, dy, backward_op=phase2_backward_op):
+    """The gradients of phase2's 12 inputs (its custom op's and its autograd.Function's
+    (functions.py) alike), through `backward_op`."""
     o1, m1, s1, partial, query, gain, norm_weight = ctx.saved_tensors
     eps, norm_eps, key_norm, with_norm, with_h = ctx.args
     need = ctx.needs_input_grad
     dh = _zeros_if_none(dh, o1) if with_h else o1.new_empty((0,))
     dy = _zeros_if_none(dy, o1) if with_norm else o1.new_empty((0,))
     q_needs = (need[4], need[5])
-    do1, dm1, ds1, dp, du, dnw = phase2_backward_op(
+    do1, dm1, ds1, dp, du, dnw = backward_op(
         dh, dy, o1, m1, s1, partial, query, gain, norm_weight, eps, norm_eps, key_norm,
         with_norm, need[3], _wants_du(q_needs, gain, key_norm), need[6])
     if partial is None:  # h = o1 / s1: the query, its gain and m1 play no part
@@ -235,4 +249,4 @@ def _phase2_backward(ctx, dh, dy):
     return do1, dm1, ds1, dp, dquery, dgain, dnw, None, None, None, None, None
 
 
-phase2_op.register_autograd(_phase2_backward, setup_context=_phase2_setup)
+phase2_op.register_autograd(phase2_grads, setup_context=phase2_setup)
