@@ -207,15 +207,21 @@ def num_warps(elements: int) -> int:
     return max(4, min(16, elements // 256))
 
 
-def row_configs(block_d: int, rows=(1, 2, 4)) -> list[dict]:
+def row_configs(block_d: int, rows=(1, 2, 4), at_16_warps: int = 64) -> list[dict]:
     """GPU candidates for a kernel whose program holds BLOCK_R whole rows of block_d fp32
     channels: per row count, the warps that give about 16 values per thread and tile (4 to
     16 warps, at most 64 values), one with half the values per thread, and a 2-stage
-    variant of the first (5 configs at most, so tuning stays a few seconds a kernel)."""
+    variant of the first (5 configs at most, so tuning stays a few seconds a kernel).
+
+    At 16 warps a thread has at most 128 registers (the SM's 64k over 512 threads), so a
+    kernel that keeps many tiles alive spills there: `at_16_warps` caps the values per
+    thread of a 16-warp candidate (phase 2's backward: 16 values needed ~205 registers and
+    spilled 248 bytes a thread at d 2048, in an offline sm_90 compile; 8 fit)."""
     out = []
     for r in rows:
         w = min(16, max(4, r * block_d // 512))
-        if r * block_d // (32 * w) <= 64:
+        per_thread = r * block_d // (32 * w)
+        if per_thread <= 64 and (w < 16 or per_thread <= at_16_warps):
             out.append(dict(BLOCK_R=r, num_warps=w, num_stages=1))
     if out and out[0]["num_warps"] < 16 and block_d >= 256:
         out.insert(1, dict(out[0], num_warps=2 * out[0]["num_warps"]))

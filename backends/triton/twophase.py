@@ -221,12 +221,17 @@ def _phase1_configs(d: int, S: int, kernel: str) -> list[dict]:
     """GPU candidates (rows per program, channel chunk, warps) for "fwd", "dlogits" or
     "dsources": fwd and dlogits read things twice (their blocks, their S output gradients)
     and want few rows, so the second read hits L2; more rows spread pass A's reloads of the
-    query chunks; dsources reads each thing once and wants more rows (smaller partials)."""
+    query chunks; dsources reads each thing once and wants more rows (smaller partials).
+    Tiles hold 8192 [S, rows, chunk] values, 4096 in dsources, which keeps more of them
+    alive (the output gradients, the products over S, du): with 8192 it needed ~230
+    registers a thread, past the 128 of 16 warps, and spilled (offline sm_90 compile, d
+    2048); with 4096, 113 to 126."""
     block_s = rt.next_pow2(S)
     rows = (8, 16, 32) if kernel == "dsources" else (2, 4, 8)
+    tile = 4096 if kernel == "dsources" else 8192
     out = []
     for r in rows:
-        c = max(32, min(rt.next_pow2(d), 8192 // (block_s * r)))
+        c = max(32, min(rt.next_pow2(d), tile // (block_s * r)))
         out.append(dict(BLOCK_R=r, BLOCK_C=c, num_warps=rt.num_warps(r * block_s * c),
                         num_stages=1))
     return out
@@ -502,7 +507,7 @@ def phase2_backward(dh, dy, o1, m1, s1, partial, query, gain, norm_weight, eps, 
                    _rows2(dy, d).contiguous() if with_norm else o, o, m, s, p, u, nw, do1, dm1,
                    ds1, dp if need_dp else do1, du_part, dnw_part, rows, d, o.stride(0),
                    p.stride(0), eps, norm_eps),
-                  fixed=fixed, configs=rt.row_configs(block_d),
+                  fixed=fixed, configs=rt.row_configs(block_d, at_16_warps=8),
                   key=["D", "HAS_PARTIAL", "KEY_NORM", "HAS_NORM", "HAS_NW", "HAS_DH",
                        "HAS_DP", "HAS_DU", "HAS_DNW"],
                   HAS_PARTIAL=has_partial, KEY_NORM=key_norm, HAS_NORM=with_norm,

@@ -104,22 +104,69 @@ def cases():
                 yield fn, c, warps, stages, d, BIG_ROWS
 
 
+def candidates(d=2048):
+    """Every candidate the GPU autotunes over, for each kernel at the model's case (key
+    norm, bf16 sources, every gradient) at width d."""
+    S, bd = 4, rt.next_pow2(d)
+    src = dict(DT0=tl.bfloat16, DT1=tl.bfloat16, NGROUPS=1, ALIGNED=True, ACC=tl.float32,
+               KEY_NORM=True)
+    p2 = dict(HAS_PARTIAL=True, HAS_NORM=True, HAS_NW=True, KEY_NORM=True, ACC=tl.float32,
+              BLOCK_D=bd)
+    whole = [(single._depth_fwd, dict(src, BLOCK_D=bd), rt.row_configs(bd)),
+             (single._depth_bwd, dict(src, BLOCK_D=bd, HAS_DU=True), rt.row_configs(bd)),
+             (twophase._phase2_fwd, dict(p2, WRITE_H=False), rt.row_configs(bd)),
+             (twophase._phase2_bwd, dict(p2, HAS_DH=False, HAS_DP=True, HAS_DU=True,
+                                         HAS_DNW=True), rt.row_configs(bd, at_16_warps=8))]
+    for fn, kind, extra in ((twophase._phase1_fwd, "fwd", dict(ODT=tl.bfloat16)),
+                            (twophase._phase1_dlogits, "dlogits", dict(GDT=tl.bfloat16)),
+                            (twophase._phase1_dsources, "dsources",
+                             dict(GDT=tl.bfloat16, HAS_DU=True))):
+        whole.append((fn, dict(src, BLOCK_S=rt.next_pow2(S), **extra),
+                      twophase._phase1_configs(d, S, kind)))
+    for fn, constexprs, configs in whole:
+        for cfg in configs:
+            meta, warps, stages = _strip(cfg)
+            yield fn, dict(constexprs, **meta), warps, stages, d, 65536
+
+
+def _stack_bytes(cubin: bytes) -> int | None:
+    """Bytes of stack (spilled registers) a thread of the compiled kernel uses, from
+    cuobjdump's resource usage; None where no cuobjdump is at hand."""
+    import shutil
+    import tempfile
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                        "cuobjdump")
+    tool = tool if os.path.exists(tool) else shutil.which("cuobjdump")
+    if tool is None:
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True,
+                             text=True).stdout
+    found = re.findall(r"STACK:(\d+)", out)
+    return max(map(int, found)) if found else None
+
+
 def compile_all() -> int:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from triton.runtime.jit import JITFunction
-    for fn, constexprs, warps, stages, d, rows in cases():
-        sig = signature(fn, constexprs)
-        src = ASTSource(JITFunction(fn), sig, constexprs=constexprs,
-                        attrs=divisible(fn, sig, rows))
-        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                  options={"num_warps": warps, "num_stages": stages})
-        muls = re.findall(r"arith\.muli [^:]*: (\S+)", compiled.asm["ttir"])
-        print(json.dumps(dict(
-            kernel=fn.__name__, d=d, config=str(sorted((k, str(v)) for k, v in constexprs.items())),
-            warps=warps, cubin=bool(compiled.asm.get("cubin")),
-            muls=sorted(set(muls)), vector_loads=bool(re.search(r"ld\.global(\.nc)?\.v[24]",
-                                                                compiled.asm["ptx"])))))
+    for kind, each in (("first", cases()), ("candidate", candidates())):
+        for fn, constexprs, warps, stages, d, rows in each:
+            sig = signature(fn, constexprs)
+            src = ASTSource(JITFunction(fn), sig, constexprs=constexprs,
+                            attrs=divisible(fn, sig, rows))
+            compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                      options={"num_warps": warps, "num_stages": stages})
+            muls = re.findall(r"arith\.muli [^:]*: (\S+)", compiled.asm["ttir"])
+            print(json.dumps(dict(
+                kind=kind, kernel=fn.__name__, d=d, warps=warps, stages=stages,
+                config=str(sorted((k, str(v)) for k, v in constexprs.items())),
+                cubin=bool(compiled.asm.get("cubin")), muls=sorted(set(muls)),
+                stack=(_stack_bytes(compiled.asm["cubin"]) if kind == "candidate" else None),
+                vector_loads=bool(re.search(r"ld\.global(\.nc)?\.v[24]",
+                                            compiled.asm["ptx"])))))
     return 0
 
 
@@ -141,28 +188,48 @@ def compiled():
     return [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
 
 
-def test_kernels_compile_for_sm90(compiled):
-    assert len(compiled) == len(list(cases()))
-    assert all(c["cubin"] for c in compiled)
-    assert {c["kernel"] for c in compiled} == {
+@pytest.fixture(scope="module")
+def first(compiled):
+    return [c for c in compiled if c["kind"] == "first"]
+
+
+def test_kernels_compile_for_sm90(first):
+    assert len(first) == len(list(cases()))
+    assert all(c["cubin"] for c in first)
+    assert {c["kernel"] for c in first} == {
         "_depth_fwd", "_depth_bwd", "_phase1_fwd", "_phase1_dlogits", "_phase1_dsources",
         "_phase2_fwd", "_phase2_bwd"}
 
 
-def test_row_offsets_are_64_bit_past_2_31_over_d(compiled):
+def test_row_offsets_are_64_bit_past_2_31_over_d(first):
     """At d = 7168 and 2^31 / 7168 + 1 rows, every multiplication in every kernel is 64-bit
     (row x width, row x stride, source x query x row of the scratch)."""
-    for c in compiled:
+    for c in first:
         assert c["muls"], c
         assert all(t == "i64" or t.endswith("xi64>") for t in c["muls"]), c
 
 
-def test_sources_are_read_with_vector_loads(compiled):
+def test_sources_are_read_with_vector_loads(first):
     """The table's alignment hints reach the compiler: the whole-row kernels load their bf16
     rows 16 bytes at a time."""
-    for c in compiled:
+    for c in first:
         if c["kernel"] in ("_depth_fwd", "_depth_bwd", "_phase2_fwd", "_phase2_bwd"):
             assert c["vector_loads"], c
+
+
+def test_no_autotune_candidate_spills_at_d_2048(compiled):
+    """Every config the GPU autotunes over, for every kernel at d 2048, fits its registers:
+    a candidate that spills (two did: phase 2's backward at 4 rows and 16 warps, 248
+    bytes a thread; phase 1's dsources at 8192-value tiles) is slow, and the autotuner only
+    picks among the candidates it is given."""
+    got = [c for c in compiled if c["kind"] == "candidate"]
+    assert {c["kernel"] for c in got} == {
+        "_depth_fwd", "_depth_bwd", "_phase1_fwd", "_phase1_dlogits", "_phase1_dsources",
+        "_phase2_fwd", "_phase2_bwd"}
+    if any(c["stack"] is None for c in got):
+        pytest.skip("no cuobjdump to read the compiled kernels' resource usage")
+    spilled = [(c["kernel"], c["warps"], c["config"]) for c in got if c["stack"]]
+    assert not spilled, spilled
 
 
 if __name__ == "__main__":
