@@ -77,6 +77,16 @@ def test_shell_lines_name_real_commands_options_and_files(monkeypatch):
     assert seen >= 4
 
 
+def test_the_cli_table_names_every_command():
+    """The README's table of commands lists each one the CLI has, and no other."""
+    text = (ROOT / "README.md").read_text()
+    table = text[text.index("## The CLI"):]
+    table = table[:table.index("\n\n", table.index("| command |"))]
+    listed = re.findall(r"^\| `restopo (\w+)", table, re.M)
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    assert sorted(listed) == sorted(sub.choices)
+
+
 def test_check_transcript(tmp_path, monkeypatch, capsys):
     (block,) = [b for b in blocks("text") if b.startswith("$ restopo check")]
     first, *want = block.rstrip("\n").splitlines()
