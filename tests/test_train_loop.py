@@ -135,6 +135,20 @@ def test_diverging_loss_is_a_clear_error(tmp_path, corpus):
             lambda m: m.weight.fill_(float("nan")) if hasattr(m, "weight") else None)
     with pytest.raises(TrainingError, match="loss became nan at step 1; lower train.lr"):
         train(model, corpus, cfg(steps=3), tmp_path, progress=False)
+    assert (tmp_path / "loss.png").stat().st_size > 1000  # the curve up to there, drawn
+
+
+def test_a_plot_that_fails_does_not_hide_why_the_run_stopped(tmp_path, corpus, monkeypatch,
+                                                             capsys):
+    import restopo.train.loop as loop
+    monkeypatch.setattr(loop, "plot_losses", lambda *a, **k: 1 / 0)
+    model = tiny_model()
+    with torch.no_grad():
+        model.get_submodule("head").apply(
+            lambda m: m.weight.fill_(float("nan")) if hasattr(m, "weight") else None)
+    with pytest.raises(TrainingError, match="loss became nan"):
+        train(model, corpus, cfg(steps=3), tmp_path, progress=False)
+    assert "loss.png was not redrawn (ZeroDivisionError" in capsys.readouterr().err
 
 
 def test_batch_must_split_over_accumulation(tmp_path):

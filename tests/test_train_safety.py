@@ -211,6 +211,8 @@ def test_ctrl_c_saves_the_step_it_stops_at(spec, tmp_path, how):
     assert f"--resume continues from its checkpoint {saved}" in err
     stopped = int(saved.name.split("_")[1])
     assert 1 <= stopped < 1000
+    # the curve up to the stop is drawn (it was left undrawn: none after --overwrite)
+    assert (out / "loss.png").stat().st_size > 1000
     assert train(spec, "--out", out, "--resume", "--steps", stopped + 2) == 0
     assert [r["step"] for r in records(out)][-1] == stopped + 2
 

@@ -149,6 +149,12 @@ class MetricsLog:
             self.writer.close()
 
 
+def draw_losses(metrics: Path, out: Path, meta: dict | None) -> Path:
+    """OUT/loss.png from the run's metrics.jsonl."""
+    return plot_losses(read_metrics(metrics), out / "loss.png",
+                       title=(meta or {}).get("title", ""))
+
+
 def resume(step_dir, stepper: Stepper, optimizer, cfg: TrainConfig, device) -> tuple[dict, dict]:
     """Load a checkpoint of any layout into this process's share of the model and its AdamW
     state; (state, meta). A whole model loads a single-process checkpoint as it always did;
@@ -342,6 +348,15 @@ def train(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, out: str | o
                     paused += time.perf_counter() - t_save
                 if stop.asked and done < cfg.steps:
                     raise StoppedEarly(done, saved, ckpt_root)
+        except (StoppedEarly, TrainingError):
+            # a run stopped by Ctrl-C or by a diverged loss still gets its curve up to there
+            # (else loss.png is the previous run's, or none after --overwrite)
+            if ctx.is_main:
+                try:
+                    draw_losses(log.path, out, meta)
+                except Exception as e:  # the stop's own message matters more than the plot
+                    say(f"loss.png was not redrawn ({type(e).__name__}: {e})")
+            raise
         finally:
             bar.close()
             log.close()
@@ -353,9 +368,7 @@ def train(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, out: str | o
     if ctx.is_main:
         from .checkpoint import latest_checkpoint
 
-        records = read_metrics(log.path)
-        summary["plot"] = str(plot_losses(records, out / "loss.png",
-                                          title=(meta or {}).get("title", "")))
+        summary["plot"] = str(draw_losses(log.path, out, meta))
         found = latest_checkpoint(ckpt_root)
         summary["checkpoint"] = str(found) if found else None
     return summary
