@@ -336,7 +336,14 @@ def test_a_parallel_section_set_aside_by_one_process_is_said(spec, tmp_path, cap
     assert train(piped, "--out", tmp_path / "run", "--steps", 1) == 0
     err = capsys.readouterr().err
     assert "the spec's parallel section (pipeline 2x1) is for several processes" in err
-    assert "--nproc 2 runs the section" in err
+    assert "--nproc 2 runs it" in err
+    # a flag is named as the flag, not as the spec's section
+    assert train(spec, "--out", tmp_path / "run2", "--steps", 1, "--data", "fsdp") == 0
+    err = capsys.readouterr().err
+    assert "--data fsdp is for several processes" in err and "parallel section" not in err
+    assert train(piped, "--out", tmp_path / "run3", "--steps", 1, "--data", "fsdp") == 0
+    assert ("the spec's parallel section (pipeline 2x1) and --data fsdp are for several "
+            "processes" in capsys.readouterr().err)
 
 
 def test_resume_past_the_steps_asked_says_there_is_nothing_to_train(spec, tmp_path, capsys):

@@ -460,11 +460,15 @@ def _layout(args, spec, world: int):
     p = spec.parallel
     if world == 1 and args.pipeline is None and p is not None and p.sharded:
         # resolve sets the section aside for one process: say so
+        # name what asked for it: --data is a flag, not the spec's section
+        flag = args.data_parallel == "fsdp"
         what = ", ".join([f"pipeline {p.stages}x{p.virtual}"] * p.pipelined
-                         + ["FSDP"] * (p.data == "fsdp"))
-        _note(f"the spec's parallel section ({what}) is for several processes; this run of "
-              f"one trains the whole model in one process (--nproc {max(p.stages, 2)} runs "
-              "the section)")
+                         + ["FSDP"] * (p.data == "fsdp" and not flag))
+        asked = ([f"the spec's parallel section ({what})"] * bool(what)
+                 + ["--data fsdp"] * flag)
+        _note(f"{' and '.join(asked)} {'are' if len(asked) > 1 else 'is'} for several "
+              f"processes; this run of one trains the whole model in one process (--nproc "
+              f"{max(p.stages, 2)} runs {'them' if len(asked) > 1 else 'it'})")
     if chosen.pipeline is not None and spec.train.accum > 1:  # PipelinedStep.accum is 1
         micro = chosen.pipeline.microbatches or chosen.pipeline.stages
         _note(f"train.accum ({spec.train.accum}) is set aside in a pipeline: its {micro} "
