@@ -29,6 +29,8 @@ from .api import compile as compile_spec
 from .io import atomic_path
 
 SPEC_KEY, OVERRIDES_KEY = "restopo.spec", "restopo.overrides"
+# the folder the model's run read a relative train.data from (runspec.data_base)
+DATA_BASE_KEY = "restopo.data_base"
 
 
 class LoadError(ValueError):
@@ -63,10 +65,13 @@ def load(path: str | os.PathLike, backend: str = "auto", device: str | torch.dev
     return model.eval()
 
 
-def _compile(spec_text: str, overrides, path: Path, backend: str) -> nn.Module:
+def _compile(spec_text: str, overrides, path: Path, backend: str,
+             data_base: str | None) -> nn.Module:
     from .spec import parse_spec
-    spec = parse_spec(spec_text, path=f"<spec in {path}>", overrides=tuple(overrides))
-    return compile_spec(spec, backend=backend)
+    from .train.runspec import recorded
+    overrides = tuple(overrides)
+    spec = parse_spec(spec_text, path=f"<spec in {path}>", overrides=overrides)
+    return compile_spec(recorded(spec, len(overrides), data_base), backend=backend)
 
 
 def _from_checkpoint(p: Path, backend: str, device, say=None) -> nn.Module:
@@ -80,7 +85,6 @@ def _from_checkpoint(p: Path, backend: str, device, say=None) -> nn.Module:
         from .train.runspec import spec_from_meta
         model = compile_spec(spec_from_meta(meta), backend=backend)
         load_checkpoint(step_dir, model, map_location=device)  # strict: names what differs
-        model.restopo_data_base = meta.get("data_base")  # where a relative train.data is
         model.restopo_source = step_dir
     except CheckpointError as e:
         raise LoadError(str(e)) from None
@@ -98,7 +102,8 @@ def _from_pt(p: Path, backend: str, device) -> nn.Module:
     if not isinstance(blob, dict) or not {"spec", "state_dict"} <= set(blob):
         raise LoadError(f"{p}: not a restopo model file (no 'spec' and 'state_dict'); "
                         f"write one with restopo compile -o model.pt or restopo export")
-    model = _compile(blob["spec"], blob.get("overrides", ()), p, backend).to(device)
+    model = _compile(blob["spec"], blob.get("overrides", ()), p, backend,
+                     blob.get("data_base")).to(device)
     _load_strict(model, blob["state_dict"], p)
     return model
 
@@ -116,7 +121,8 @@ def _from_safetensors(p: Path, backend: str, device) -> nn.Module:
         raise LoadError(f"{p}: the file carries no restopo spec (metadata {SPEC_KEY!r}); "
                         f"export one with restopo export CKPT -o model.safetensors")
     overrides = json.loads(metadata.get(OVERRIDES_KEY, "[]"))
-    model = _compile(metadata[SPEC_KEY], overrides, p, backend).to(device)
+    model = _compile(metadata[SPEC_KEY], overrides, p, backend,
+                     metadata.get(DATA_BASE_KEY)).to(device)
     from safetensors.torch import load_file
     _load_strict(model, load_file(str(p), device=str(device)), p)
     return model
@@ -150,16 +156,21 @@ def export(model: nn.Module, path: str | os.PathLike) -> Path:
                         "save its state_dict (torch.save(model.state_dict(), path)) and load "
                         "it into restopo.rewire(YourModel(), spec) again")
     overrides = list(getattr(model, "restopo_overrides", ()) or ())
+    # a relative train.data keeps meaning the run's data, read from wherever it is loaded
+    from .train.runspec import data_base
+    base = None if spec is None else data_base(spec)
     # every key, tied ones as their own contiguous copies (safetensors refuses shared memory)
     state = {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
     if p.suffix == ".safetensors":
         from safetensors.torch import save_file
-        meta = {SPEC_KEY: spec_text, OVERRIDES_KEY: json.dumps(overrides)}
+        meta = {SPEC_KEY: spec_text, OVERRIDES_KEY: json.dumps(overrides),
+                **({DATA_BASE_KEY: base} if base else {})}
         with atomic_path(p) as tmp:
             save_file(state, tmp, metadata=meta)
     elif p.suffix == ".pt":
         with atomic_path(p) as tmp, open(tmp, "wb") as f:
-            torch.save({"spec": spec_text, "overrides": overrides, "state_dict": state}, f)
+            torch.save({"spec": spec_text, "overrides": overrides, "state_dict": state,
+                        **({"data_base": base} if base else {})}, f)
     else:
         raise LoadError(f"{p}: export writes .safetensors or .pt (for a standalone "
                         f"model.py use restopo export CKPT -o model.py)")

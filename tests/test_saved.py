@@ -255,6 +255,35 @@ def test_export_command_and_mistakes(run, tmp_path, capsys):
         assert f"restopo {command} " in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
+def test_an_export_reads_its_run_s_relative_data_from_any_folder(run, tmp_path, capsys,
+                                                                  monkeypatch, suffix):
+    """The spec's train.data, corpus.txt, is relative to the run's spec folder; an export
+    records that folder, so `restopo eval` of it (no --data) scores the run's held-out
+    split from anywhere (it read corpus.txt from the current folder: none, or other text)."""
+    folder, _ = run
+    out = tmp_path / f"e{suffix}"
+    assert main(["export", str(folder / "run"), "-o", str(out)]) == 0
+    monkeypatch.chdir(tmp_path)
+    assert main(["eval", str(out), "--format", "json", "--no-progress"]) == 0
+    from_export = json.loads(capsys.readouterr().out)
+    assert main(["eval", str(folder / "run"), "--format", "json", "--no-progress"]) == 0
+    from_run = json.loads(capsys.readouterr().out)
+    assert from_run.pop("checkpoint") != from_export.pop("checkpoint")
+    assert from_run == from_export and from_export["split"] == "val"
+
+
+def test_compile_pt_reads_relative_data_from_its_spec_folder(run, tmp_path, monkeypatch):
+    """restopo compile -o model.pt writes what restopo export does: the spec's data folder
+    too, so the model's spec reads its relative train.data from there."""
+    from restopo.train.runspec import data_base
+    folder, _ = run
+    out = tmp_path / "m.pt"
+    assert main(["compile", str(folder / "t.restopo"), "-o", str(out)]) == 0
+    monkeypatch.chdir(tmp_path)
+    assert data_base(load(out).restopo_spec) == str(folder.resolve())
+
+
 @pytest.fixture
 def damaged_run(run, tmp_path):
     """A copy of the run whose newest checkpoint (step 2) has a truncated weights file."""
@@ -306,7 +335,7 @@ def test_diagnose_reads_an_export(run, tmp_path, capsys, monkeypatch):
     folder, _ = run
     out = tmp_path / "e.safetensors"
     assert main(["export", str(folder / "run"), "-o", str(out)]) == 0
-    monkeypatch.chdir(folder)  # the spec's data path, corpus.txt, is relative
+    monkeypatch.chdir(tmp_path)  # not the run's folder: the export says where its data is
     assert main(["diagnose", str(out), "--batches", "1", "--batch-size", "2"]) == 0
     figures = tmp_path / "e-diagnose"
     assert (figures / "depth_attention.png").read_bytes()[:4] == b"\x89PNG"

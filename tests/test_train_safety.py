@@ -516,3 +516,24 @@ def test_a_checkpoint_from_before_manifests_resumes_with_a_note(spec, tmp_path, 
     err = capsys.readouterr().err
     assert "step_000004 has no manifest.json (saved by an older restopo)" in err
     assert ck.has_manifest(out / "ckpt" / "step_000008")
+
+
+def test_resume_from_another_folder_reads_the_run_s_relative_data(spec, tmp_path, monkeypatch,
+                                                                   capsys):
+    """A run given a relative train.data by --set, resumed from its checkpoint alone in
+    another folder, reads the data its run read (it read the path from the new folder:
+    silently other data, or none), unless the resume gives train.data anew."""
+    first, elsewhere = tmp_path / "first", tmp_path / "elsewhere"
+    first.mkdir()
+    elsewhere.mkdir()
+    (first / "notes.txt").write_text(CORPUS.read_text())
+    monkeypatch.chdir(first)
+    out = tmp_path / "run"
+    assert train(spec, "--out", out, "--steps", 4, "--set", 'train.data="notes.txt"') == 0
+    monkeypatch.chdir(elsewhere)
+    assert train("--out", out, "--resume", "--steps", 8) == 0
+    assert [r["step"] for r in records(out)][-1] == 8
+    # a train.data given with the resume is read from here, and missing here is said
+    err = one_line_error(capsys, ["train", "--out", out, "--resume", "--steps", 12, "--set",
+                                  'train.data="notes.txt"', "--no-progress"])
+    assert "notes.txt" in err and str(elsewhere) in err, err

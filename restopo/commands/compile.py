@@ -3,9 +3,10 @@
 model.py  a standalone Python module that imports only torch (restopo.commands.standalone):
           the sublayers, aggregation modules and eager kernels, and the generated forward;
           the .pt weights load into its build() with strict=True.
-model.pt  {"spec": text, "overrides": [...], "state_dict": ...}, loadable with
-          torch.load(weights_only=True); restopo.compile(spec, overrides=...) then
-          load_state_dict rebuilds the model.
+model.pt  {"spec": text, "overrides": [...], "data_base": folder, "state_dict": ...}
+          (restopo.saved.export), loadable with torch.load(weights_only=True);
+          restopo.compile(spec, overrides=...) then load_state_dict rebuilds the model, and
+          restopo.load reads a relative train.data from data_base.
 Both are written atomically (restopo.io).
 """
 from __future__ import annotations
@@ -65,17 +66,18 @@ def run(args) -> int:
     spec = load_spec(args.spec, overrides=tuple(args.overrides))
     import torch
     from .. import api
-    from ..io import atomic_path, write_atomic
+    from ..io import write_atomic
     torch.manual_seed(spec.train.seed if spec.train is not None else 0)
     try:
         model = api.compile(spec, backend=args.backend)
     except (ValueError, RuntimeError) as e:
         return _fail(str(e))
     if kind == ".pt":
-        blob = {"spec": spec.text, "overrides": list(args.overrides),
-                "state_dict": model.state_dict()}
-        with atomic_path(out) as tmp, open(tmp, "wb") as f:
-            torch.save(blob, f)  # a file object: torch names the archive after a path
+        from ..saved import LoadError, export
+        try:
+            export(model, out)  # the spec, its overrides and data folder, and the weights
+        except LoadError as e:
+            return _fail(str(e))
     else:
         from .standalone import module_source
         name = os.path.splitext(os.path.basename(out))[0]

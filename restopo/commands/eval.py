@@ -68,7 +68,7 @@ def run(args) -> int:
         from ..train.runspec import data_base
         base = None
         if args.data is None:  # the run's data, read from where the run read it
-            base = getattr(model, "restopo_data_base", None) or data_base(spec)
+            base = data_base(spec)
         corpus = open_corpus(source, base_dir=base, progress=not args.no_progress)
         split = args.split or ("all" if args.data is not None and not str(source).startswith(
             "builtin:") and not str(source).endswith(".bin") else "val")

@@ -180,6 +180,10 @@ class Spec:
     overrides: tuple[str, ...] = ()
     source: SourceText | None = field(default=None, compare=False, repr=False)
     resolved: Topology | None = field(default=None, compare=False, repr=False)
+    # A spec read back from a checkpoint or an exported model: (how many of `overrides`
+    # came recorded with it, the folder its run read a relative train.data from), so that
+    # data is read from there whatever the current folder (train.runspec.data_base)
+    recorded: tuple[int, str] | None = field(default=None, compare=False, repr=False)
 
     def _need_model(self, what: str) -> ModelSpec:
         if self.model is None:

@@ -318,12 +318,13 @@ def diagnose(checkpoint: str, out_dir: str | None = None, *, batches: int = 4,
     from a file (an export: figures beside it, data as its spec says)."""
     from .data import fixed_batches, open_corpus
     from .init_check import step0_report
+    from . import runspec
     from .runspec import model_from_meta
 
     if loaded is not None:  # a model file the caller loaded (restopo.load: an export)
         model = loaded
         step_dir, spec = Path(model.restopo_source), model.restopo_spec
-        meta = {"step": None, "data_base": getattr(model, "restopo_data_base", None)}
+        meta = {"step": None}
         if spec.train is None:
             raise CheckpointError(f"{step_dir}: its spec has no train section, so no data "
                                   f"to measure on")
@@ -336,7 +337,8 @@ def diagnose(checkpoint: str, out_dir: str | None = None, *, batches: int = 4,
         raise ValueError(f"{step_dir} holds NaN or infinite weights ({', '.join(bad[:3])}"
                          f"{', ...' if len(bad) > 3 else ''}): the run diverged before it was "
                          f"saved; diagnose an earlier checkpoint")
-    corpus = open_corpus(spec.train.data, base_dir=data_base or meta.get("data_base"))
+    # the spec, read back from a checkpoint or an export, knows where its run read its data
+    corpus = open_corpus(spec.train.data, base_dir=data_base or runspec.data_base(spec))
     corpus.check(spec.model.vocab, spec.model.context)
     val = fixed_batches(corpus.val, spec.model.context, batch_size, batches)
     graph = spec.ir()

@@ -6,8 +6,9 @@ resumed or diagnosed without the original file.
 from __future__ import annotations
 
 import dataclasses
-
+import math
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -30,14 +31,30 @@ def from_text(text: str, path: str, overrides=()):
 
 
 def data_base(spec) -> str:
-    """Folder a relative `data:` path is read from: the spec file's folder (kept in the
-    checkpoint, so a resumed run reads the same data from anywhere), or the current folder
-    when the data path came from --set on the command line."""
+    """Folder a relative `data:` path is read from: the spec file's folder, or the current
+    folder when the data path came from --set on the command line. A spec read back from a
+    checkpoint or an export (`spec.recorded`) reads it where its run did, from any folder,
+    unless this command line gives train.data anew."""
     pos = spec.train.where("data")
-    path = str(spec.path)
-    if (pos is not None and from_command_line(pos.source)) or path.startswith("<"):
+    given = pos is not None and from_command_line(pos.source)
+    if spec.recorded is not None and spec.recorded[1]:
+        if not given or _override_number(pos.source) <= spec.recorded[0]:
+            return spec.recorded[1]
+    if given or str(spec.path).startswith("<"):
         return os.getcwd()
-    return str(Path(path).resolve().parent)
+    return str(Path(str(spec.path)).resolve().parent)
+
+
+def _override_number(source) -> float:
+    """N of an override's source `<--set N>` (a flag's, `<--steps>`, counts as the last)."""
+    found = re.fullmatch(r"<--set (\d+)>", str(source))
+    return int(found.group(1)) if found else math.inf
+
+
+def recorded(spec, overrides: int, base: str | None):
+    """`spec` knowing that its first `overrides` overrides, and its relative train.data,
+    were recorded with a run that read that data from `base` (None: not recorded)."""
+    return spec if base is None else dataclasses.replace(spec, recorded=(overrides, base))
 
 
 def build_model(spec, backend: str = "auto", seed: int | None = None, *,
@@ -80,8 +97,10 @@ def open_data(spec, *, progress: bool = True):
 def spec_from_meta(meta: dict, extra_overrides=()):
     if "spec_text" not in meta:
         raise CheckpointError("this checkpoint carries no spec text (meta.json: spec_text)")
-    return from_text(meta["spec_text"], meta.get("spec_path", "<checkpoint>"),
-                     tuple(meta.get("overrides", ())) + tuple(extra_overrides))
+    kept = tuple(meta.get("overrides", ()))
+    spec = from_text(meta["spec_text"], meta.get("spec_path", "<checkpoint>"),
+                     kept + tuple(extra_overrides))
+    return recorded(spec, len(kept), meta.get("data_base"))
 
 
 def model_from_meta(step_dir, backend: str = "eager"):
