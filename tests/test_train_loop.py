@@ -128,11 +128,17 @@ def test_resume_gives_exactly_the_uninterrupted_losses(tmp_path, corpus, accum):
         assert rb["lr"] == ra["lr"]
 
 
-def test_diverging_loss_is_a_clear_error(tmp_path, corpus):
+def nan_head_model():
+    """A tiny model whose loss is NaN from the first step."""
     model = tiny_model()
     with torch.no_grad():
         model.get_submodule("head").apply(
             lambda m: m.weight.fill_(float("nan")) if hasattr(m, "weight") else None)
+    return model
+
+
+def test_diverging_loss_is_a_clear_error(tmp_path, corpus):
+    model = nan_head_model()
     with pytest.raises(TrainingError, match="loss became nan at step 1; lower train.lr"):
         train(model, corpus, cfg(steps=3), tmp_path, progress=False)
     assert (tmp_path / "loss.png").stat().st_size > 1000  # the curve up to there, drawn
@@ -142,10 +148,7 @@ def test_a_plot_that_fails_does_not_hide_why_the_run_stopped(tmp_path, corpus, m
                                                              capsys):
     import restopo.train.loop as loop
     monkeypatch.setattr(loop, "plot_losses", lambda *a, **k: 1 / 0)
-    model = tiny_model()
-    with torch.no_grad():
-        model.get_submodule("head").apply(
-            lambda m: m.weight.fill_(float("nan")) if hasattr(m, "weight") else None)
+    model = nan_head_model()
     with pytest.raises(TrainingError, match="loss became nan"):
         train(model, corpus, cfg(steps=3), tmp_path, progress=False)
     assert "loss.png was not redrawn (ZeroDivisionError" in capsys.readouterr().err
