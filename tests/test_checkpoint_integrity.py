@@ -254,3 +254,29 @@ def test_the_index_weight_map_names_only_tensors_one_file_holds():
     assert index["weight_map"] == {"model/b": "s0"}
     assert [p["file"] for p in index["tensors"]["model/w"]["parts"]] == ["s0", "s1"]
 
+
+
+def test_a_checkpoint_without_optimizer_state_loads_as_a_model_not_to_resume(tmp_path):
+    """optimizer.pt deleted (it is twice the weights' size; evaluating needs none of it):
+    eval and export refused the folder as incomplete and used an older step, and
+    `restopo train` moved it to damaged/. A model loads from it; resuming does not."""
+    m, opt = _trained()
+    root = tmp_path / "run" / "ckpt"
+    _save(root, 1, m, opt)
+    newer = _save(root, 2, m, opt)
+    (newer / "optimizer.pt").unlink()
+    heard = []
+    assert ck.resolve_checkpoint(tmp_path / "run", say=heard.append) == newer and not heard
+    assert ck.resolve_checkpoint(newer) == newer
+    m2 = Tied()
+    ck.load_checkpoint(newer, m2)
+    assert torch.equal(m2.mix.weight, m.mix.weight)
+    with pytest.raises(CheckpointError, match="optimizer.pt missing"):
+        ck.load_checkpoint(newer, Tied(), torch.optim.AdamW(Tied().parameters()))
+    assert ck.find_resumable(root)[0].name == "step_000001"
+    assert ck.clean_leftovers(root) == [] and newer.is_dir()  # not a leftover: kept in place
+    assert ck.newest_meta(root)[0] == newer
+    # the weights are still checked against the manifest
+    _flip(newer / "model.safetensors", 100)
+    with pytest.raises(CheckpointError, match="model.safetensors does not match"):
+        ck.resolve_checkpoint(newer)

@@ -172,3 +172,25 @@ def test_relative_data_is_read_next_to_the_spec_even_when_resuming(spec, tmp_pat
     monkeypatch.chdir(elsewhere)  # resumed from another folder, without the spec file
     assert main(["train", "--resume", "--out", str(out), "--steps", "6", "--no-progress"]) == 0
     assert [r["step"] for r in metrics(out)] == list(range(1, 7))
+
+
+def test_a_checkpoint_without_optimizer_state_evaluates_and_exports_but_does_not_resume(
+        spec, tmp_path, capsys):
+    """Deleting optimizer.pt (needed only to train on) made eval and export refuse the step
+    or fall back to an older one; train --resume must refuse it, saying why, not train on
+    from an older step (which would replace it)."""
+    out = tmp_path / "run"
+    assert main(["train", str(spec), "--out", str(out), "--no-progress"]) == 0
+    newest = out / "ckpt" / "step_000008"
+    (newest / "optimizer.pt").unlink()
+    capsys.readouterr()
+    for argv in (["eval", str(out), "--no-progress", "--format", "json"],
+                 ["eval", str(newest), "--no-progress", "--format", "json"]):
+        assert main(argv) == 0
+        said = capsys.readouterr()
+        assert json.loads(said.out)["checkpoint"] == str(newest) and "note" not in said.err
+    assert main(["export", str(out), "-o", str(tmp_path / "m.safetensors")]) == 0
+    assert "note" not in capsys.readouterr().err
+    err = _error(capsys, ["train", str(spec), "--out", str(out), "--resume", "--steps", "12"])
+    assert "step_000008 has no optimizer.pt" in err and "step_000004" in err
+    assert (newest / "model.safetensors").is_file() and not (out / "ckpt" / "damaged").exists()

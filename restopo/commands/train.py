@@ -302,7 +302,7 @@ def _fresh_start(out: Path, overwrite: bool) -> bool:
     command with --overwrite deleted the run it was refused for)."""
     from ..train.checkpoint import latest_checkpoint
 
-    old = latest_checkpoint(out / "ckpt")
+    old = latest_checkpoint(out / "ckpt", resume=False)  # weights alone are a run's too
     found = [name for name in RUN_FILES if (out / name).exists()]
     if old is None and not found:
         return
@@ -334,6 +334,7 @@ def _resume_point(out: Path, required: bool):
     from ..train.checkpoint import find_resumable, has_manifest, quarantine
 
     step_dir, skipped = find_resumable(out / "ckpt")
+    _refuse_newer_weights(out, step_dir)
     for bad, why in skipped:
         where = ""
         if _is_writer():
@@ -353,6 +354,28 @@ def _resume_point(out: Path, required: bool):
             "drop --resume to start a new run"
         raise _Stop(f"--resume: {what} in {out / 'ckpt'} to resume from; {instead}")
     return step_dir
+
+
+def _refuse_newer_weights(out: Path, step_dir) -> None:
+    """Refuse to resume when a newer checkpoint than `step_dir` holds weights but not the
+    optimizer state resuming needs (deleted to save space): training on from an older
+    step would replace it at its step, and its steps would be trained again."""
+    from ..train.checkpoint import RESUME_ONLY, check_checkpoint, list_checkpoints
+
+    found = list_checkpoints(out / "ckpt", resume=False)  # oldest first
+    whole = list_checkpoints(out / "ckpt")
+    # newer ones that lack only what resuming needs (damaged ones: find_resumable's to say)
+    newer = [p for p in found[found.index(step_dir) + 1 if step_dir in found else 0:]
+             if p not in whole and check_checkpoint(p, resume=False) is None]
+    if not newer:
+        return
+    p = newer[-1]
+    gone = " and ".join(f for f in RESUME_ONLY if not (p / f).exists())
+    instead = (f"to resume from {step_dir.name}, the newest checkpoint that has it, move "
+               f"{p.name} out of {out / 'ckpt'} first" if step_dir is not None else
+               "start a new run in another --out (--overwrite would delete it)")
+    raise _Stop(f"--resume: {p} has no {gone}, the optimizer state resuming needs "
+                f"(restopo eval and export read its weights without it); {instead}")
 
 
 def _load_spec(args, out: Path):

@@ -2,7 +2,8 @@
 
 Layout under a run's checkpoint folder (OUT/ckpt):
     step_000100/model.safetensors   weights (tied tensors stored once, safetensors.torch)
-    step_000100/optimizer.pt        optimizer state_dict (tensors and numbers only)
+    step_000100/optimizer.pt        optimizer state_dict (tensors and numbers only; only
+                                    resuming reads it: RESUME_ONLY)
     step_000100/state.pt            RNG states, data position (tensors and numbers only)
     step_000100/meta.json           step, spec text, overrides, schedule
     step_000100/manifest.json       size and SHA-256 of each file above; written last
@@ -51,6 +52,10 @@ from .shards import INDEX, STATE, Reader, ShardError, files_in_index, is_sharded
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
 FILES = ("model.safetensors", "optimizer.pt", "state.pt", "meta.json")
 SHARDED_FILES = (INDEX, STATE, "meta.json")  # and the shards index.json names
+# Files only resuming reads: a checkpoint without them (deleted to save space) still holds
+# a model that eval, export and generate load. Each function that takes `resume` asks for
+# them when it is True (training on), and does without them when it is False.
+RESUME_ONLY = ("optimizer.pt",)
 MANIFEST = "manifest.json"
 DAMAGED = "damaged"
 # Leftovers of an interrupted save, prune or atomic write (removed by `clean_leftovers`).
@@ -90,6 +95,13 @@ def checkpoint_files(step_dir: str | os.PathLike) -> tuple[str, ...] | None:
         return None
 
 
+def needed_files(step_dir: str | os.PathLike, resume: bool = True) -> tuple[str, ...] | None:
+    """The files of `step_dir` that resuming (`resume`) or loading its model needs."""
+    files = checkpoint_files(step_dir)
+    return files if resume or files is None else tuple(f for f in files
+                                                        if f not in RESUME_ONLY)
+
+
 def write_manifest(step_dir: str | os.PathLike) -> None:
     """manifest.json: size and SHA-256 of every checkpoint file, and its own hash, written
     in one canonical form (so a changed byte anywhere in it is seen too)."""
@@ -113,13 +125,14 @@ def _signature(step_dir: Path) -> tuple | None:
         return None
 
 
-def verify_checkpoint(step_dir: str | os.PathLike) -> str | None:
+def verify_checkpoint(step_dir: str | os.PathLike, resume: bool = True) -> str | None:
     """Why the files of `step_dir` are not what was saved (a short reason naming the file),
     or None when every file matches its manifest. A folder saved before restopo wrote
     manifests (no manifest.json, every file present) passes: see `has_manifest`. Files
-    unchanged since they last verified in this process are not read again."""
+    unchanged since they last verified in this process are not read again. `resume`
+    False: the files of RESUME_ONLY may be missing (those present are verified)."""
     step_dir = Path(step_dir)
-    files = checkpoint_files(step_dir)
+    files = needed_files(step_dir, resume)
     if files is None:
         return f"{INDEX} unreadable"
     missing = [f for f in files if not (step_dir / f).is_file()]
@@ -152,6 +165,8 @@ def _verify_manifest(step_dir: Path) -> str | None:
     for name in checkpoint_files(step_dir):
         want = body["files"][name]
         path = step_dir / name
+        if name in RESUME_ONLY and not path.exists():  # verify_checkpoint allowed it
+            continue
         try:
             size = path.stat().st_size
             if not isinstance(want, dict) or size != want.get("bytes"):
@@ -323,18 +338,19 @@ def _agree(errors) -> None:
         raise CheckpointError(f"saving a sharded checkpoint failed: {first}")
 
 
-def _complete(path: Path) -> bool:
-    files = checkpoint_files(path)
+def _complete(path: Path, resume: bool = True) -> bool:
+    files = needed_files(path, resume)
     return files is not None and all((path / f).is_file() for f in files)
 
 
-def list_checkpoints(root: str | os.PathLike) -> list[Path]:
-    """Complete step folders (every file present; not yet verified), oldest first."""
+def list_checkpoints(root: str | os.PathLike, resume: bool = True) -> list[Path]:
+    """Complete step folders (every file present, or every file but RESUME_ONLY's when not
+    `resume`; not yet verified), oldest first."""
     root = Path(root)
     if not root.is_dir():
         return []
     found = [(int(m.group(1)), p) for p in root.iterdir()
-             if (m := STEP_DIR.match(p.name)) and p.is_dir() and _complete(p)]
+             if (m := STEP_DIR.match(p.name)) and p.is_dir() and _complete(p, resume)]
     return [p for _, p in sorted(found)]
 
 
@@ -390,16 +406,16 @@ def _step_of(path: Path) -> int:
     return int(m.group(1)) if m else -1
 
 
-def latest_checkpoint(root: str | os.PathLike) -> Path | None:
+def latest_checkpoint(root: str | os.PathLike, resume: bool = True) -> Path | None:
     """The folder `latest` names, or the newest complete one if the pointer is missing or
     stale (a crash between the folder rename and the pointer update). Not verified: see
     `find_resumable`."""
     root = Path(root)
     pointer = root / "latest"
-    candidates = list_checkpoints(root)
+    candidates = list_checkpoints(root, resume)
     if pointer.is_file():
         named = root / pointer.read_text(errors="replace").strip()
-        if STEP_DIR.match(named.name) and named.is_dir() and _complete(named):
+        if STEP_DIR.match(named.name) and named.is_dir() and _complete(named, resume):
             newer = [p for p in candidates if _step_of(p) > _step_of(named)]
             return newer[-1] if newer else named
     return candidates[-1] if candidates else None
@@ -409,9 +425,10 @@ def newest_meta(root: str | os.PathLike) -> tuple[Path | None, dict]:
     """(step folder, its meta.json) of the newest checkpoint under `root` whose meta.json
     reads, newer ones with a damaged meta.json passed over (as `restopo train --resume`
     passes over them); (None, {}) when none does. Files are not verified: for what a
-    report or a sweep reads of a run (its step, spec and overrides), not to resume from."""
-    newest = latest_checkpoint(root)
-    older = [q for q in reversed(list_checkpoints(root)) if q != newest]
+    report or a sweep reads of a run (its step, spec and overrides), not to resume from
+    (so a checkpoint without its optimizer state counts)."""
+    newest = latest_checkpoint(root, resume=False)
+    older = [q for q in reversed(list_checkpoints(root, resume=False)) if q != newest]
     for p in ([newest] if newest is not None else []) + older:
         try:
             return p, read_meta(p)
@@ -420,11 +437,11 @@ def newest_meta(root: str | os.PathLike) -> tuple[Path | None, dict]:
     return None, {}
 
 
-def check_checkpoint(step_dir: str | os.PathLike) -> str | None:
-    """Why `step_dir` cannot be resumed from (damaged files, or contents that do not fit the
-    schema), or None when it can."""
+def check_checkpoint(step_dir: str | os.PathLike, resume: bool = True) -> str | None:
+    """Why `step_dir` cannot be resumed from (`resume`), or its model loaded (damaged
+    files, or contents that do not fit the schema), or None when it can."""
     step_dir = Path(step_dir)
-    damage = verify_checkpoint(step_dir)
+    damage = verify_checkpoint(step_dir, resume)
     if damage is not None:
         return damage
     try:
@@ -435,12 +452,14 @@ def check_checkpoint(step_dir: str | os.PathLike) -> str | None:
     return None
 
 
-def find_resumable(root: str | os.PathLike) -> tuple[Path | None, list[tuple[Path, str]]]:
-    """The newest checkpoint under `root` that verifies and fits the schema, and the newer
-    ones passed over, each with why (newest first)."""
+def find_resumable(root: str | os.PathLike, resume: bool = True
+                   ) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest checkpoint under `root` that verifies and fits the schema (with what
+    resuming needs: `resume`), and the newer ones passed over, each with why (newest
+    first)."""
     skipped = []
-    for p in reversed(list_checkpoints(root)):
-        why = check_checkpoint(p)
+    for p in reversed(list_checkpoints(root, resume)):
+        why = check_checkpoint(p, resume)
         if why is None:
             return p, skipped
         skipped.append((p, why))
@@ -449,25 +468,28 @@ def find_resumable(root: str | os.PathLike) -> tuple[Path | None, list[tuple[Pat
 
 def resolve_checkpoint(path: str | os.PathLike, say=None) -> Path:
     """A step folder from a step folder, a checkpoint folder (with `latest`) or a run folder
-    (with ckpt/): the newest that verifies; `say(line)` hears of each one passed over.
-    Raises CheckpointError saying what was looked for."""
+    (with ckpt/): the newest whose model verifies (its optimizer state may be gone: see
+    RESUME_ONLY); `say(line)` hears of each one passed over. Raises CheckpointError
+    saying what was looked for."""
     p = Path(path)
     if not p.exists():
         raise CheckpointError(f"checkpoint {str(p)!r} does not exist")
-    if p.is_dir() and _complete(p):
-        why = check_checkpoint(p)
+    if p.is_dir() and _complete(p, resume=False):
+        why = check_checkpoint(p, resume=False)
         if why is not None:
             raise CheckpointError(f"checkpoint {p} is damaged: {why}")
         return _unverified_said(p, say)
     if p.is_dir() and STEP_DIR.match(p.name) and not (p / "ckpt").is_dir():
         # a step folder given, missing a file: say which
-        raise CheckpointError(f"checkpoint {p} is incomplete: {verify_checkpoint(p)}; give "
+        raise CheckpointError(f"checkpoint {p} is incomplete: "
+                              f"{verify_checkpoint(p, resume=False)}; give "
                               "its run folder to use the newest complete one")
     for root in (p, p / "ckpt"):
-        found, skipped = find_resumable(root)
+        found, skipped = find_resumable(root, resume=False)
         # newer step folders missing a file are passed over too, and said so (a damaged
         # file was; a missing one was not, and an older step was used without a word)
-        skipped += [(q, f"incomplete: {verify_checkpoint(q)}") for q in _incomplete(root)
+        skipped += [(q, f"incomplete: {verify_checkpoint(q, resume=False)}")
+                    for q in _incomplete(root)
                     if found is None or _step_of(q) > _step_of(found)]
         for bad, why in sorted(skipped, key=lambda x: -_step_of(x[0])):
             if say is not None:
@@ -482,13 +504,15 @@ def resolve_checkpoint(path: str | os.PathLike, say=None) -> Path:
 
 
 def _incomplete(root: Path) -> list[Path]:
-    """Step folders under `root` missing a file (list_checkpoints leaves them out)."""
+    """Step folders under `root` missing a file a model needs."""
     return [q for q in root.iterdir() if _incomplete_step(q)] if root.is_dir() else []
 
 
 def _incomplete_step(p: Path) -> bool:
-    """Whether `p` is a step folder missing a file."""
-    return bool(STEP_DIR.match(p.name)) and p.is_dir() and not _complete(p)
+    """Whether `p` is a step folder missing a file its model needs (one without just the
+    optimizer state is no leftover of a save, which never leaves one: a person removed it,
+    and its weights are kept in place)."""
+    return bool(STEP_DIR.match(p.name)) and p.is_dir() and not _complete(p, resume=False)
 
 
 def _unverified_said(step_dir: Path, say) -> Path:
@@ -621,7 +645,7 @@ def load_checkpoint(step_dir: str | os.PathLike, model: torch.nn.Module,
     if is_sharded(step_dir):
         return load_into(step_dir, model.named_parameters(), optimizer,
                          aliases=tie_aliases(model))
-    state, meta = _checked(step_dir)
+    state, meta = _checked(step_dir, resume=optimizer is not None)
     opt_state = _load_pt(step_dir, "optimizer.pt", map_location) if optimizer else None
     if opt_state is not None and not (isinstance(opt_state, dict)
                                       and isinstance(opt_state.get("state"), dict)
@@ -647,9 +671,10 @@ def load_checkpoint(step_dir: str | os.PathLike, model: torch.nn.Module,
     return state, meta
 
 
-def _checked(step_dir: Path) -> tuple[dict, dict]:
-    """(state, meta) of a checkpoint that verifies against its manifest and schema."""
-    damage = verify_checkpoint(step_dir)
+def _checked(step_dir: Path, resume: bool = True) -> tuple[dict, dict]:
+    """(state, meta) of a checkpoint that verifies against its manifest and schema (with
+    the files only resuming needs when `resume`)."""
+    damage = verify_checkpoint(step_dir, resume)
     if damage is not None:
         raise CheckpointError(f"cannot load checkpoint {step_dir}: it is damaged: {damage}")
     meta = read_meta(step_dir)
