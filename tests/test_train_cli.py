@@ -194,3 +194,24 @@ def test_a_checkpoint_without_optimizer_state_evaluates_and_exports_but_does_not
     err = _error(capsys, ["train", str(spec), "--out", str(out), "--resume", "--steps", "12"])
     assert "step_000008 has no optimizer.pt" in err and "step_000004" in err
     assert (newest / "model.safetensors").is_file() and not (out / "ckpt" / "damaged").exists()
+
+
+def test_resume_keeps_the_seed_the_run_was_started_with(spec, tmp_path, capsys):
+    """`train SPEC --resume` without --seed recorded seed 0 for a run started with --seed 5
+    (the seed only drew its first weights and data order, which the checkpoint restores:
+    another one on resume changes nothing but the record, so asking for one is refused)."""
+    out = tmp_path / "run"
+    assert main(["train", str(spec), "--out", str(out), "--steps", "4", "--seed", "5",
+                 "--no-progress"]) == 0
+    for argv, shown in (([str(spec), "--seed", "7"], "--seed 7"),
+                        (["--set", "train.seed=7"], "--set train.seed=7")):  # no SPEC
+        err = _error(capsys, ["train", *argv, "--out", str(out), "--resume", "--steps", "8"])
+        assert "step_000004 is a run of seed 5" in err and f"leave {shown} out" in err
+    assert main(["train", str(spec), "--out", str(out), "--resume", "--steps", "8",
+                 "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert "train.seed" not in err and "seed 5" not in err  # nothing changed: nothing said
+    meta = json.loads((out / "ckpt" / "step_000008" / "meta.json").read_text())
+    assert meta["config"]["seed"] == 5 and "train.seed=5" in meta["overrides"]
+    assert main(["train", str(spec), "--out", str(out), "--resume", "--steps", "10",
+                 "--seed", "5", "--no-progress"]) == 0  # the same seed again: fine

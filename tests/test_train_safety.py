@@ -359,16 +359,17 @@ def test_resume_past_the_steps_asked_says_there_is_nothing_to_train(spec, tmp_pa
 
 
 def test_resume_with_other_training_settings_names_them(spec, tmp_path, capsys):
+    """(Another seed on resume is refused: test_train_cli, the seed the run started with.)"""
     out = tmp_path / "run"
     assert train(spec, "--out", out, "--steps", 2) == 0
     capsys.readouterr()
     assert train(spec, "--out", out, "--resume", "--steps", 3, "--set", "train.batch=2",
-                 "--set", "train.seed=5") == 0
+                 "--set", "train.lr=1e-3") == 0
     err = capsys.readouterr().err
-    assert "other settings than" in err and "batch 4 there, 2 here; seed 0 there, 5 here" \
-        in err, err
+    assert "other settings than" in err and "batch 4 there, 2 here; lr 0.003 there, 0.001 " \
+        "here" in err, err
     assert train(spec, "--out", out, "--resume", "--steps", 4, "--set", "train.batch=2",
-                 "--set", "train.seed=5") == 0
+                 "--set", "train.lr=1e-3") == 0
     assert "other settings" not in capsys.readouterr().err  # now the same as the checkpoint's
 
 

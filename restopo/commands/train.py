@@ -391,11 +391,15 @@ def _load_spec(args, out: Path):
                         "a run from its checkpoint)")
         step_dir = _resume_point(out, required=True)
         spec = runspec.spec_from_meta(read_meta(step_dir), overrides)
+        _run_seed(spec, read_meta(step_dir), step_dir, overrides)
         _note_resume(spec, step_dir, spec_file=False)
         return spec, step_dir
     spec = runspec.load(args.spec, overrides)
     resume = args.resume or restart_count() > 0
     step_dir = _resume_point(out, required=args.resume) if resume else None
+    kept = _run_seed(spec, read_meta(step_dir), step_dir, overrides) if step_dir else None
+    if kept is not None:  # the spec file's seed is not the run's
+        spec = runspec.load(args.spec, overrides + (kept,))
     if restart_count() > 0:  # torchrun restarted the workers (--max-restarts): say so
         left = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) - restart_count()
         _note(f"restart {restart_count()} after a worker failed ({max(left, 0)} left): "
@@ -417,6 +421,26 @@ def _load_spec(args, out: Path):
                 first = f"{origin}, whose text differs; resuming with {args.spec}"
         _note_resume(spec, step_dir, first=first, origin=origin)
     return spec, step_dir
+
+
+def _run_seed(spec, meta: dict, step_dir, overrides) -> str | None:
+    """The override that keeps the seed of the run resumed from `step_dir` (None: `spec`
+    has it already). The seed drew the run's first weights and its data order, which
+    resuming restores from the checkpoint: another one would change nothing but what the
+    run records, so one asked for on this command (`overrides`) is refused."""
+    from ..spec.overrides import override_values
+
+    seed = (meta.get("config") or {}).get("seed")
+    if type(seed) is not int or seed == spec.train.seed:
+        return None
+    asked = [o for o in overrides if override_values([o]).get("train.seed") is not None]
+    if asked:
+        shown = getattr(asked[-1], "shown", f"--set {asked[-1]}")
+        raise _Stop(f"{step_dir} is a run of seed {seed}: its first weights and data order "
+                    f"were drawn from it and resuming restores them, so {shown} would change "
+                    f"only what the run records; leave {shown} out to resume it, or train "
+                    f"seed {spec.train.seed} as a new run (another --out)")
+    return f"train.seed={seed}"
 
 
 def _same_file(a: str, b: str) -> bool:
