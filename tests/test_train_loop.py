@@ -199,13 +199,13 @@ def test_a_compile_failing_after_a_stop_was_asked_is_that_stop(tmp_path):
     CompileFailed = type("CppCompileError", (RuntimeError,), {"__module__": "torch._inductor.exc"})
     stop = Stop()
     with pytest.raises(CompileFailed):  # no stop asked: the compiler's error as it is
-        with _compile_stopped(stop, StoppedEarly(0, None, tmp_path, saving=True)):
+        with _compile_stopped(stop, StoppedEarly(0, None, tmp_path)):
             raise CompileFailed("g++ failed")
     stop.asked = True
     with pytest.raises(StoppedEarly) as e:
-        with _compile_stopped(stop, StoppedEarly(0, None, tmp_path, saving=True)):
+        with _compile_stopped(stop, StoppedEarly(0, None, tmp_path)):
             raise CompileFailed("g++ failed")
     assert "stopped after step 0, before its first checkpoint" in str(e.value)
     with pytest.raises(ValueError):  # another failure is not taken for the stop
-        with _compile_stopped(stop, StoppedEarly(0, None, tmp_path, saving=True)):
+        with _compile_stopped(stop, StoppedEarly(0, None, tmp_path)):
             raise ValueError("a bug")

@@ -131,13 +131,20 @@ def test_checkpoint_contents_that_load_but_are_wrong(spec, tmp_path, capsys):
 # -- #3: documented settings ------------------------------------------------------------------
 @pytest.mark.slow
 def test_save_every_and_eval_every_zero_turn_them_off(spec, tmp_path, capsys):
+    """save_every 0 turns the periodic checkpoints off, not the last one: a finished run
+    left no model (nothing to eval or export), and a sweep, finding no final checkpoint,
+    trained it again."""
+    from restopo.experiments import runner
+    from restopo.experiments.grid import Job
     out = tmp_path / "run"
     assert train(spec, "--out", out, "--set", "train.save_every=0",
                  "--set", "train.eval_every=0", "--set", "train.steps=6") == 0
     printed = capsys.readouterr().out
-    assert "checkpoint  none (train.save_every is 0)" in printed
-    assert not (out / "ckpt").exists()
+    assert f"checkpoint  {out / 'ckpt' / 'step_000006'}" in printed
+    assert [p.name for p in ck.list_checkpoints(out / "ckpt")] == ["step_000006"]
     assert all(r["val_loss"] is None for r in records(out)) and len(records(out)) == 6
+    (out / "run.json").write_text(json.dumps({"status": "done"}))  # as a sweep's run
+    assert runner.state(tmp_path, Job("run", "run", str(spec), (), 0)) == "done"
 
 
 # -- #4: one run per folder -------------------------------------------------------------------
@@ -193,14 +200,15 @@ def test_two_runs_into_one_folder(spec, tmp_path):
         ["latest"]  # no temporary or empty folders
 
 
-@pytest.mark.parametrize("how", ["SIGINT", "SIGTERM"])
-def test_ctrl_c_saves_the_step_it_stops_at(spec, tmp_path, how):
+@pytest.mark.parametrize("how, every", [("SIGINT", 1000), ("SIGTERM", 1000), ("SIGINT", 0)])
+def test_ctrl_c_saves_the_step_it_stops_at(spec, tmp_path, how, every):
     """The first Ctrl-C ends the run after the step it is in, with a checkpoint of that
-    step (save_every 1000 here: without it every step would be lost), and says where
-    --resume continues; the resumed run then goes on from that step. SIGTERM (a
-    scheduler's preemption) is taken the same way: it ended the run at once, unsaved."""
+    step (save_every 1000 here: without it every step would be lost; 0, no periodic
+    checkpoints, lost them all), and says where --resume continues; the resumed run then
+    goes on from that step. SIGTERM (a scheduler's preemption) is taken the same way: it
+    ended the run at once, unsaved."""
     out = tmp_path / "run"
-    run, _, _ = started_run(spec, out, "100000", "train.save_every=1000")
+    run, _, _ = started_run(spec, out, "100000", f"train.save_every={every}")
     run.send_signal(getattr(signal, how))
     _, err = run.communicate(timeout=120)
     assert run.returncode == 130, err
@@ -210,7 +218,7 @@ def test_ctrl_c_saves_the_step_it_stops_at(spec, tmp_path, how):
     assert saved is not None and ck.verify_checkpoint(saved) is None
     assert f"--resume continues from its checkpoint {saved}" in err
     stopped = int(saved.name.split("_")[1])
-    assert 1 <= stopped < 1000
+    assert 1 <= stopped < 1000 or every == 0
     # the curve up to the stop is drawn (it was left undrawn: none after --overwrite)
     assert (out / "loss.png").stat().st_size > 1000
     assert train(spec, "--out", out, "--resume", "--steps", stopped + 2) == 0

@@ -607,5 +607,5 @@ def _train(args, out: Path) -> int:
               + f" ({summary['seconds']:.0f} s)")
         print(f"  metrics     {summary['metrics']}")
         print(f"  loss plot   {summary['plot']}")
-        print(f"  checkpoint  {summary['checkpoint'] or 'none (train.save_every is 0)'}")
+        print(f"  checkpoint  {summary['checkpoint'] or 'none'}")
     return 0

@@ -191,7 +191,7 @@ def check_train(view: View, c: Checker) -> TrainSpec | None:
     got = {}
     ints = {"steps": 1, "batch": 1, "warmup": 0, "accum": 1, "eval_every": 0, "eval_batches": 1,
             "save_every": 0, "seed": 0, "log_every": 1, "keep": 1}
-    whys = {"eval_every": "0 turns evaluation off", "save_every": "0 turns checkpoints off",
+    whys = {"eval_every": "0 turns evaluation off", "save_every": "0 saves the last step only",
             "steps": "the number of optimizer steps", "batch": "sequences per optimizer step",
             "log_every": "steps between log lines", "eval_batches": "batches per evaluation",
             "accum": "gradient accumulation steps per optimizer step",

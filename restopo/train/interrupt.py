@@ -25,14 +25,11 @@ class Stop:
 
 
 @contextmanager
-def deferred_interrupt(enabled: bool, say: Callable[[str], None],
-                       saving: bool = True) -> Iterator[Stop]:
+def deferred_interrupt(enabled: bool, say: Callable[[str], None]) -> Iterator[Stop]:
     """Within the block, the first SIGINT or SIGTERM sets `stop.asked` (and says so) instead
     of raising or ending the process; the handlers before the block are back for the
-    second, and after the block.
-    `saving`: whether the step is saved then (checkpoints may be off). `enabled` False
-    (several processes), or not the main thread (signals_handled sets nothing there):
-    nothing changes."""
+    second, and after the block. `enabled` False (several processes), or not the main
+    thread (signals_handled sets nothing there): nothing changes."""
     stop = Stop()
     if not enabled:
         yield stop
@@ -43,8 +40,8 @@ def deferred_interrupt(enabled: bool, say: Callable[[str], None],
         stop.asked = True
         put_back()  # the second signal stops at once
         by = "" if signum == signal.SIGINT else f" ({signal.Signals(signum).name})"
-        say(f"stopping after this step{by}" + (", with a checkpoint of it" if saving else "")
-            + " (Ctrl-C again to stop now)")
+        say(f"stopping after this step{by}, with a checkpoint of it (Ctrl-C again to stop "
+            "now)")
 
     with signals_handled(("SIGINT", "SIGTERM"), first) as put_back:
         yield stop

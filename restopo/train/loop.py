@@ -169,20 +169,16 @@ def resume(step_dir, stepper: Stepper, optimizer, cfg: TrainConfig, device) -> t
 
 class StoppedEarly(KeyboardInterrupt):
     """The run stopped at Ctrl-C after step `step`; `saved`: the step of its newest
-    checkpoint (None: none yet, checkpoints being off)."""
+    checkpoint (None: none yet)."""
 
-    def __init__(self, step: int, saved: int | None, ckpt_root: Path, saving: bool = False):
+    def __init__(self, step: int, saved: int | None, ckpt_root: Path):
         super().__init__(step)
         self.step, self.saved, self.ckpt_root = step, saved, ckpt_root
-        self.saving = saving  # checkpoints are on: a missing one means none was due yet
 
     def __str__(self) -> str:
-        if self.saved is None and self.saving:
+        if self.saved is None:
             return (f"stopped after step {self.step}, before its first checkpoint; run it "
                     f"again (with --overwrite) to start over")
-        if self.saved is None:
-            return (f"stopped after step {self.step}; no checkpoint (train.save_every is "
-                    f"0), so --resume has nothing to continue from")
         return (f"stopped after step {self.step}; --resume continues from its checkpoint "
                 f"{self.ckpt_root / step_dir_name(self.saved)}")
 
@@ -290,7 +286,7 @@ def train(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, out: str | o
     def say(line: str) -> None:
         bar.write(f"restopo train: {line}", file=sys.stderr)
 
-    with deferred_interrupt(ctx.world == 1, say, saving=cfg.save_every > 0) as stop:
+    with deferred_interrupt(ctx.world == 1, say) as stop:
         try:
             for step in range(start, cfg.steps):
                 lr = lr_at(step, cfg)
@@ -298,8 +294,7 @@ def train(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, out: str | o
                     group["lr"] = lr
                 x, y = sampler.next()
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                with _compile_stopped(stop, StoppedEarly(step, saved, ckpt_root,
-                                                         cfg.save_every > 0)):
+                with _compile_stopped(stop, StoppedEarly(step, saved, ckpt_root)):
                     loss = stepper.step(x, y)
                 if cfg.grad_clip > 0:
                     stepper.clip_grad_norm_(cfg.grad_clip)
@@ -314,7 +309,9 @@ def train(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, out: str | o
                     bar.write(compiled_line(compiled, time.perf_counter() - t0), file=sys.stderr)
 
                 val_loss = None
-                # 0 turns evaluation (eval_every) and checkpoints (save_every) off
+                # 0 turns evaluation (eval_every) and the periodic checkpoints (save_every)
+                # off; the last step, and the one a stop ends at, are saved all the same:
+                # a run must not end with its training lost
                 if cfg.eval_every > 0 and (done % cfg.eval_every == 0 or done == cfg.steps):
                     t_eval = time.perf_counter()
                     val_loss = stepper.evaluate(val_batches)
@@ -340,8 +337,8 @@ def train(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, out: str | o
                                         + f" {rate:,.0f} tok/s"
                                         + (f" MFU {mfu:.1%}" if mfu is not None else ""),
                                         refresh=False)
-                if cfg.save_every > 0 and (done % cfg.save_every == 0 or done == cfg.steps
-                                           or stop.asked):
+                if (cfg.save_every > 0 and done % cfg.save_every == 0) or done == cfg.steps \
+                        or stop.asked:
                     t_save = time.perf_counter()
                     save(done)
                     saved = done
