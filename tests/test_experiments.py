@@ -315,6 +315,27 @@ def test_an_unfinished_run_is_left_out_of_the_final_losses_and_named(tmp_path):
     assert report.scale_note(report.group([bare])).startswith("Scale: not known")
 
 
+def test_a_diverged_run_is_said_to_have_diverged_not_to_be_unfinished():
+    """A run whose loss became NaN (train stops it, recording the step) was counted and
+    named 'unfinished', with `restopo train --resume` offered to finish it: resuming it
+    only diverges again."""
+    diverged = _synthetic_run("blk", "blk", 1, 400, 2.6)
+    diverged.meta = {**diverged.meta, "step": 200}
+    diverged.records = [{"step": 200, "val_loss": 2.6, "elapsed": 1.0},
+                        {"step": 230, "diverged": "nan", "elapsed": 1.2}]
+    runs = [_synthetic_run(a, a, s, 400, 2.0) for a in ("std", "blk") for s in (0,)]
+    arms = report.group(runs + [diverged])
+    assert diverged.diverged == 230 and not diverged.finished
+    assert arms[1].finals == {0: 2.0} and arms[1].unfinished == []
+    report.compare(arms, arms[0])
+    assert report.rows(arms, arms[0])[1][1] == "1 (+1 diverged)"
+    said = "\n".join(report.reading(arms, arms[0]))
+    assert "unfinished" not in said
+    assert "blk-s1 (diverged at step 230: loss nan)" in said and "train.lr" in said
+    rows = list(csv.DictReader(io.StringIO(report.csv_text(arms, arms[0]))))
+    assert rows[1]["diverged_runs"] == "blk-s1" and rows[1]["unfinished_runs"] == ""
+
+
 def test_a_baseline_named_by_a_spec_of_several_sizes_says_so():
     """`--baseline standard` over a width sweep of standard.restopo said 'names no arm (or
     several)': which of the two, and what to name instead, was left to guess."""

@@ -141,6 +141,8 @@ def test_diverging_loss_is_a_clear_error(tmp_path, corpus):
     model = nan_head_model()
     with pytest.raises(TrainingError, match="loss became nan at step 1; lower train.lr"):
         train(model, corpus, cfg(steps=3), tmp_path, progress=False)
+    # recorded, so that compare can say the run diverged rather than call it unfinished
+    assert records(tmp_path)[-1]["step"] == 1 and records(tmp_path)[-1]["diverged"] == "nan"
     assert (tmp_path / "loss.png").stat().st_size > 1000  # the curve up to there, drawn
 
 

@@ -37,7 +37,12 @@ class Arm:
 
     @property
     def unfinished(self) -> list[Run]:
-        return [r for r in self.runs if not r.finished]
+        """The runs that stopped early and can go on (not those that diverged)."""
+        return [r for r in self.runs if not r.finished and r.diverged is None]
+
+    @property
+    def diverged(self) -> list[Run]:
+        return [r for r in self.runs if not r.finished and r.diverged is not None]
 
     def by_seed(self, value) -> dict:
         """value(run) per seed, over the finished runs (an unfinished run's last loss is
@@ -194,8 +199,9 @@ def rows(arms: list[Arm], baseline: Arm | None) -> list[list[str]]:
     out = []
     for a in arms:
         sps = a.seconds_per_step
-        seeds = str(len(a.finals)) + (f" (+{len(a.unfinished)} unfinished)"
-                                      if a.unfinished else "")
+        seeds = str(len(a.finals)) + "".join(f" (+{len(left)} {what})" for what, left in
+                                             (("unfinished", a.unfinished),
+                                              ("diverged", a.diverged)) if left)
         out.append([a.name, seeds, _pm(a.finals), _pm(a.bests), _diff(a, baseline),
                     "-" if sps is None else f"{sps:.3f}",
                     "-" if a.parameters is None else f"{a.parameters:,}",
@@ -217,7 +223,7 @@ def csv_text(arms: list[Arm], baseline: Arm | None) -> str:
     w.writerow(["arm", "seeds", "final_val_mean", "final_val_std", "best_val_mean",
                 "best_val_std", "diff_mean", "diff_low", "diff_high", "paired",
                 "seconds_per_step", "parameters", "live_values_per_token",
-                "train_flops_per_token", "unfinished_runs"])
+                "train_flops_per_token", "unfinished_runs", "diverged_runs"])
     for a in arms:
         fm, fs = mean_std(a.finals.values()) if a.finals else (None, None)
         bm, bs = mean_std(a.bests.values()) if a.bests else (None, None)
@@ -226,7 +232,8 @@ def csv_text(arms: list[Arm], baseline: Arm | None) -> str:
                     d.mean if d else "", d.low if d else "", d.high if d else "",
                     d.paired if d else "", a.seconds_per_step or "", a.parameters or "",
                     a.live_values or "", a.train_flops_per_token or "",
-                    " ".join(r.name for r in a.unfinished)])
+                    " ".join(r.name for r in a.unfinished),
+                    " ".join(r.name for r in a.diverged)])
     return buf.getvalue()
 
 
@@ -269,14 +276,23 @@ def reading(arms: list[Arm], baseline: Arm | None) -> list[str]:
 
 
 def unfinished_note(arms: list[Arm]) -> list[str]:
-    """The runs left out of the final and best losses because they stopped early."""
+    """The runs left out of the final and best losses because they stopped early, or
+    diverged."""
     left = [r for a in arms for r in a.unfinished]
-    if not left:
-        return []
-    return [f"- **Left out of the final and best losses, unfinished** ({len(left)} "
-            f"run{'s' * (len(left) != 1)}; `restopo sweep` again, or `restopo train "
-            f"--resume`, finishes them): "
-            + "; ".join(f"{r.name} ({r.progress})" for r in left) + "."]
+    lost = [r for a in arms for r in a.diverged]
+    out = []
+    if left:
+        out.append(f"- **Left out of the final and best losses, unfinished** ({len(left)} "
+                   f"run{'s' * (len(left) != 1)}; `restopo sweep` again, or `restopo train "
+                   f"--resume`, finishes them): "
+                   + "; ".join(f"{r.name} ({r.progress})" for r in left) + ".")
+    if lost:
+        out.append(f"- **Left out of the final and best losses, diverged** ({len(lost)} "
+                   f"run{'s' * (len(lost) != 1)}: the loss became NaN or infinite and "
+                   f"training stopped; resumed as they are they diverge again, so lower "
+                   f"train.lr or train.grad_clip and train them anew): "
+                   + "; ".join(f"{r.name} ({r.progress})" for r in lost) + ".")
+    return out
 
 
 def timing_note(runs) -> str:

@@ -38,7 +38,7 @@ class Run:
     seed: int | None
     meta: dict = field(repr=False)
     records: list[dict] = field(repr=False)
-    status: str = "done"           # done | partial | failed (from run.json, else inferred)
+    status: str = "done"  # done | partial | failed | diverged (run.json, else inferred)
     load: dict = field(default_factory=dict, repr=False)  # load_mean/max, cpus (run.json)
     job: dict = field(default_factory=dict, repr=False)   # spec, overrides (run.json)
 
@@ -67,8 +67,19 @@ class Run:
         return reached_end(self.meta)
 
     @property
+    def diverged(self) -> int | None:
+        """The step at which the run stopped because its loss became NaN or infinite (as
+        its metrics record), else None. Such a run is not unfinished: resuming it from its
+        last checkpoint diverges again."""
+        last = self.records[-1] if self.records else {}
+        return last["step"] if last.get("diverged") is not None else None
+
+    @property
     def progress(self) -> str:
-        """'step 300 of 400' (or 'no checkpoint') for a note on an unfinished run."""
+        """'step 300 of 400' (or 'no checkpoint', or 'diverged at step 230: loss nan') for a
+        note on a run that did not finish."""
+        if self.diverged is not None:
+            return f"diverged at step {self.diverged}: loss {self.records[-1]['diverged']}"
         if not self.meta:
             return "no checkpoint"
         return f"step {self.steps} of {self.planned_steps}"
@@ -148,7 +159,10 @@ def read_run(path: str | Path) -> Run:
     status = info.get("status") or ("done" if reached_end(meta) else "partial")
     load = {k: info[k] for k in ("load_mean", "load_max", "cpus") if k in info}
     job = {k: info[k] for k in ("spec", "overrides") if k in info}
-    return Run(path, arm, seed, meta, records, status, load, job)
+    run = Run(path, arm, seed, meta, records, status, load, job)
+    if run.diverged is not None and not run.finished:  # more than run.json's 'failed' says
+        run.status = "diverged"
+    return run
 
 
 def find_runs(paths) -> list[Run]:

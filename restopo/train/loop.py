@@ -321,6 +321,10 @@ def train(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, out: str | o
                         or val_loss is not None:
                     loss_value = mean_over_ranks(loss.item(), ctx)
                     if not math.isfinite(loss_value):
+                        # recorded, so that a report says the run diverged (resuming it
+                        # diverges again), not that it is unfinished
+                        log.write({"step": done, "diverged": str(loss_value),
+                                   "elapsed": elapsed0 + time.perf_counter() - t0})
                         raise TrainingError(f"the loss became {loss_value} at step {done}; lower "
                                             f"train.lr (now {cfg.lr:g}) or train.grad_clip")
                     now = time.perf_counter()
