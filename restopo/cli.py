@@ -91,6 +91,23 @@ def finite_float(text: str) -> float:
     return x
 
 
+class SetOverride(argparse.Action):
+    """--set KEY=VALUE, repeatable, collected in order. A key set twice is a usage error
+    naming both values: applied in turn, the last would win silently."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        from .spec.overrides import override_key
+
+        given = list(getattr(namespace, self.dest, None) or [])  # never the shared default
+        key = override_key(value)
+        for old in given:
+            if key is not None and override_key(old) == key:
+                raise argparse.ArgumentError(
+                    self, f"{key} is set twice, to {old.partition('=')[2].strip()} and to "
+                          f"{value.partition('=')[2].strip()}; give it once")
+        setattr(namespace, self.dest, given + [value])
+
+
 def device_arg(text: str) -> str:
     """An argparse `type` for --device: cuda where torch sees no CUDA device is a usage
     error that says what to give instead, not a failure deep in loading a checkpoint."""

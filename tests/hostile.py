@@ -238,6 +238,10 @@ def run_case(path: str, overrides, limit_s: float) -> tuple[str, str]:
     first = text.splitlines()[0] if text.strip() else ""
     if code == 1 and CLEAN.match(first):
         return "clean", first[:160]
+    # argparse's usage error (a --set key given twice): the usage, then one error line
+    last = text.splitlines()[-1] if text.strip() else ""
+    if code == 2 and first.startswith("usage: ") and CLEAN.match(last):
+        return "clean", last[:160]
     return "traceback", f"exit {code} with stderr {text[:200]!r}"
 
 

@@ -288,3 +288,28 @@ def test_an_extra_argument_is_said_with_the_commands_own_usage(capsys):
         "restopo inspect: error: unrecognized arguments: extra.restopo" in err, err
     assert main(["--bogus"]) == 2
     assert "restopo: error: unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["check", "inspect", "graph", "compile", "train", "sweep"])
+def test_a_key_set_twice_is_a_usage_error_naming_both_values(command, tmp_path, capsys):
+    """`--set model.width=32 --set model.width=64` used the last silently."""
+    out = tmp_path / "out"
+    where = {"graph": ["-o", f"{out}.dot"], "compile": ["-o", f"{out}.pt"],
+             "train": ["--out", str(out)], "sweep": ["--out", str(out)]}.get(command, [])
+    assert main([command, TINY, *where, "--set", "model.width=32", "--set", "model.depth=4",
+                 "--set", " model.width = 64"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: restopo {command}"), err
+    assert (f"restopo {command}: error: argument --set: model.width is set twice, to 32 and "
+            "to 64; give it once") in err, err
+    assert "Traceback" not in err and not list(tmp_path.iterdir())
+
+
+def test_a_key_set_twice_is_told_in_any_spelling_and_other_keys_are_not(capsys):
+    """`before_head` is `before head` (the command line's spelling of the key)."""
+    assert main(["check", TINY, "--set", "residual.before_head=sum(embedding, sublayers)",
+                 "--set", "residual.before head=sum(embedding)"]) == 2
+    assert "residual.before head is set twice" in capsys.readouterr().err
+    assert main(["check", TINY, "--set", "model.width=64", "--set", "model.depth=4",
+                 "--set", "residual=standard", "--set", "residual.blocks=2"]) in (0, 1)
+    assert "set twice" not in capsys.readouterr().err

@@ -72,6 +72,11 @@ def test_a_grid_that_would_collide_or_drop_a_value_is_refused():
         make_grid(["a/std.restopo"], [0], [], ["model.width=32", "model.width=64"])
     with pytest.raises(ValueError, match="repeat one"):
         make_grid(["a/std.restopo"], [1, 1])
+    # each run's `train --set` would give the key twice (the --vary value won silently)
+    with pytest.raises(ValueError, match=re.escape(
+            "--set model.width=16 and --vary model.width=32,64 both set model.width; give "
+            "it in one of them")):
+        make_grid(["a/std.restopo"], [0], ["model.width=16"], ["model.width=32,64"])
     # distinct values that a run's name writes alike: one folder for two runs
     for vary, said in (("residual=block_attnres(blocks: 4),block_attnres(blocks:4)",
                         "'residual=block_attnres(blocks: 4)' and 'residual=block_attnres"

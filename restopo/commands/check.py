@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..cli import SetOverride
+
 EXAMPLES = """\
 examples:
   restopo check examples/*.restopo
@@ -24,7 +26,7 @@ def register(subparsers) -> None:
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("files", nargs="+", metavar="FILE",
                    help=".restopo spec files (- reads one from standard input)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+    p.add_argument("--set", dest="overrides", action=SetOverride, default=[], metavar="KEY=VALUE",
                    help="override a value in every file, e.g. --set model.width=64 (repeatable)")
     p.add_argument("-q", "--quiet", action="store_true", help="print only mistakes")
     p.set_defaults(func=run)

@@ -15,7 +15,7 @@ import argparse
 import os
 import sys
 
-from ..cli import output_error
+from ..cli import SetOverride, output_error
 
 EXAMPLES = """\
 examples:
@@ -41,7 +41,7 @@ def register(subparsers) -> None:
                         "they build (default: triton on CUDA when available, else the fused "
                         "C kernels on the CPU). What is written does not depend on it: a .py "
                         "holds the eager forms, and a .pt's loader picks its own backend")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+    p.add_argument("--set", dest="overrides", action=SetOverride, default=[], metavar="KEY=VALUE",
                    help="override a spec value, e.g. --set model.width=64 (repeatable)")
     p.set_defaults(func=run)
 

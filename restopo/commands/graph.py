@@ -12,7 +12,7 @@ import os
 import shutil
 import subprocess
 
-from ..cli import output_error
+from ..cli import SetOverride, output_error
 from ..io import write_atomic
 
 EXAMPLES = """\
@@ -37,7 +37,7 @@ def register(subparsers) -> None:
     p.add_argument("file", metavar="FILE", help="a .restopo spec")
     p.add_argument("-o", "--output", required=True, metavar="OUT",
                    help="output file: .dot/.gv (Graphviz text), .png or .svg")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+    p.add_argument("--set", dest="overrides", action=SetOverride, default=[], metavar="KEY=VALUE",
                    help="override a spec value, e.g. --set residual.blocks=4 (repeatable)")
     p.add_argument("--engine", choices=("auto", "graphviz", "matplotlib"), default="auto",
                    help="how to draw .png/.svg (default: graphviz when `dot` is installed)")

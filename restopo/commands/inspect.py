@@ -12,6 +12,7 @@ import json
 import re
 import sys
 
+from ..cli import SetOverride
 from ..registry import get_backend
 
 EXAMPLES = """\
@@ -40,7 +41,7 @@ def register(subparsers) -> None:
     p.add_argument("file", metavar="FILE", help="a .restopo spec")
     p.add_argument("--format", choices=("text", "json"), default="text",
                    help="text (a table, default) or json")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+    p.add_argument("--set", dest="overrides", action=SetOverride, default=[], metavar="KEY=VALUE",
                    help="override a spec value, e.g. --set model.width=64 (repeatable)")
     # Further views (e.g. --pipeline PxV) add their arguments here and a key in build_report.
     # -- pipeline view (the pipeline backend's report) --

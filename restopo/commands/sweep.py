@@ -9,6 +9,8 @@ import threading
 import time
 from pathlib import Path
 
+from ..cli import SetOverride
+
 EXAMPLES = """\
 examples:
   restopo sweep examples/standard.restopo examples/block_attnres.restopo --seeds 3 \\
@@ -37,7 +39,7 @@ def register(subparsers) -> None:
     p.add_argument("--seeds", type=int, default=1, metavar="N",
                    help="seeds 0..N-1 for every arm (default 1)")
     p.add_argument("--seed-list", metavar="S,S,...", help="these seeds instead of 0..N-1")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+    p.add_argument("--set", dest="overrides", action=SetOverride, default=[], metavar="KEY=VALUE",
                    help="override a spec value in every run (repeatable)")
     p.add_argument("--vary", action="append", default=[], metavar="KEY=V1,V2",
                    help="an axis of the grid: one arm per value (repeatable: all combinations)")

@@ -7,7 +7,7 @@ import signal
 import sys
 from pathlib import Path
 
-from ..cli import device_arg, int_range, noter
+from ..cli import SetOverride, device_arg, int_range, noter
 from ..spec.objects import COMPILE, COMPILE_ALIASES, RECOMPUTE
 
 EXAMPLES = """\
@@ -56,7 +56,7 @@ def register(subparsers) -> None:
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("spec", nargs="?", metavar="SPEC",
                    help="the .restopo file (optional with --resume: the checkpoint has it)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+    p.add_argument("--set", dest="overrides", action=SetOverride, default=[], metavar="KEY=VALUE",
                    help="override a spec value, e.g. --set model.width=64 (repeatable)")
     p.add_argument("--out", metavar="DIR", help="run folder (default: runs/<spec name>)")
     p.add_argument("--steps", type=int, metavar="N", help="same as --set train.steps=N")

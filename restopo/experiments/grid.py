@@ -7,7 +7,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..spec.overrides import FlagOverride, split_values
+from ..spec.overrides import FlagOverride, override_key, split_values
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,11 @@ def make_grid(specs, seeds, sets=(), varies=()) -> list[Job]:
     if again:
         raise ValueError(f"--vary {again[0]} is given more than once; give all its values in "
                          f"one --vary {again[0]}=V1,V2,...")
+    for text in varies:  # a run's `train --set` would give the key twice, which it refuses
+        both = [s for s in sets if override_key(s) == override_key(text)]
+        if both:
+            raise ValueError(f"--set {both[0]} and --vary {text} both set "
+                             f"{override_key(text)}; give it in one of them")
     if len(set(seeds)) != len(seeds):
         raise ValueError(f"the seeds {', '.join(map(str, seeds))} repeat one; each seed is one "
                          f"run of every arm")

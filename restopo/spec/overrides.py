@@ -26,6 +26,19 @@ def override_values(overrides) -> dict[str, str]:
     return out
 
 
+def override_key(text: str) -> str | None:
+    """The key a `section.key=value` override sets, as apply_overrides reads it (blanks
+    around the parts dropped, `before_head` as `before head`); None without an '='."""
+    path, eq, _ = str(text).partition("=")
+    if not eq:
+        return None
+    section, dot, key = path.partition(".")
+    if not dot:
+        return section.strip()
+    words = key.replace("_", " ").split() if key.strip().startswith("before") else [key.strip()]
+    return f"{section.strip()}.{' '.join(words)}"
+
+
 def split_values(values: str) -> list[str]:
     """`--vary`'s values split at the commas between them, not at those inside a value's
     parentheses or quotes: block_attnres(blocks: 4, gate: sigmoid),standard is two values.
