@@ -29,7 +29,7 @@ from .api import compile as compile_spec
 from .io import atomic_path
 
 SPEC_KEY, OVERRIDES_KEY = "restopo.spec", "restopo.overrides"
-# the folder the model's run read a relative train.data from (runspec.data_base)
+# the folder the model's run read a relative train.data from (spec.datapath.data_base)
 DATA_BASE_KEY = "restopo.data_base"
 
 
@@ -157,7 +157,7 @@ def export(model: nn.Module, path: str | os.PathLike) -> Path:
                         "it into restopo.rewire(YourModel(), spec) again")
     overrides = list(getattr(model, "restopo_overrides", ()) or ())
     # a relative train.data keeps meaning the run's data, read from wherever it is loaded
-    from .train.runspec import data_base
+    from .spec.datapath import data_base
     base = None if spec is None else data_base(spec)
     # every key, tied ones as their own contiguous copies (safetensors refuses shared memory)
     state = {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}

@@ -313,3 +313,28 @@ def test_a_key_set_twice_is_told_in_any_spelling_and_other_keys_are_not(capsys):
     assert main(["check", TINY, "--set", "model.width=64", "--set", "model.depth=4",
                  "--set", "residual=standard", "--set", "residual.blocks=2"]) in (0, 1)
     assert "set twice" not in capsys.readouterr().err
+
+
+def test_check_reports_a_data_path_that_is_not_there_where_train_looks(tmp_path, monkeypatch,
+                                                                       capsys):
+    """check passed a spec whose train.data names nothing; train then refused it. A path
+    in the file is read from the file's folder, one given by --set from the current one."""
+    folder = tmp_path / "specs"
+    folder.mkdir()
+    (folder / "corpus.txt").write_text("text " * 100)
+    spec = folder / "t.restopo"
+    spec.write_text(Path(TINY).read_text().replace("builtin:stdlib", '"corpus.txt"'))
+    monkeypatch.chdir(tmp_path)
+    assert main(["check", str(spec), "--set", "train.data=specs/corpus.txt"]) == 0
+    assert main(["check", str(spec)]) == 0
+    capsys.readouterr()
+    spec.write_text(Path(TINY).read_text().replace("builtin:stdlib", '"missing.txt"'))
+    assert main(["check", str(spec)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"{spec}:14:9: error: data path "
+                          f"'{(folder / 'missing.txt').resolve()}' does not exist"), err
+    assert '    data: "missing.txt"' in err and "Traceback" not in err
+    assert main(["check", str(spec), "--set", "train.data=corpus.txt"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"<--set 1>:1:18: error: data path "
+                          f"'{tmp_path.resolve() / 'corpus.txt'}' does not exist"), err

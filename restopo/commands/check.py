@@ -22,7 +22,8 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "check", help="check specs and report every mistake",
         description="Parse and check .restopo specs (syntax, names, ranges, block counts, "
-                    "and that the topology builds for the model).",
+                    "that the topology builds for the model, and that a train.data path "
+                    "names something there, read as train reads it).",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("files", nargs="+", metavar="FILE",
                    help=".restopo spec files (- reads one from standard input)")
@@ -59,6 +60,7 @@ def _n(k: int, what: str) -> str:
 def run(args) -> int:
     from ..cli import file_error
     from ..spec import SpecError, load_spec
+    from ..spec.datapath import check_data_path
     bad, shown = 0, set()
     for path in args.files:
         name = "<stdin>" if path == "-" else path  # as errors name it
@@ -69,6 +71,7 @@ def run(args) -> int:
                 spec = parse_spec(read_spec_stdin(name), name, tuple(args.overrides))
             else:
                 spec = load_spec(path, overrides=tuple(args.overrides))
+            check_data_path(spec)  # where train would read it: a path with nothing there
             line = f"{name}: ok ({describe(spec)})"
         except SpecError as e:
             text = e.render()

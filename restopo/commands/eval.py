@@ -65,7 +65,7 @@ def run(args) -> int:
             if spec.train is None:
                 return _fail("the checkpoint's spec has no train.data; give --data")
             source = spec.train.data
-        from ..train.runspec import data_base
+        from ..spec.datapath import data_base
         base = None
         if args.data is None:  # the run's data, read from where the run read it
             base = data_base(spec)

@@ -182,7 +182,7 @@ class Spec:
     resolved: Topology | None = field(default=None, compare=False, repr=False)
     # A spec read back from a checkpoint or an exported model: (how many of `overrides`
     # came recorded with it, the folder its run read a relative train.data from), so that
-    # data is read from there whatever the current folder (train.runspec.data_base)
+    # data is read from there whatever the current folder (spec.datapath.data_base)
     recorded: tuple[int, str] | None = field(default=None, compare=False, repr=False)
 
     def _need_model(self, what: str) -> ModelSpec:

@@ -28,6 +28,8 @@ import numpy as np
 import torch
 
 from ..io import atomic_folder, cache_root
+from ..spec.datapath import DataPathError, data_mode, data_path
+from ..spec.datapath import shown as _shown
 
 BUILTIN_STDLIB = "builtin:stdlib"
 BYTE_VOCAB = 256
@@ -90,31 +92,18 @@ def open_corpus(source: str, *, base_dir: str | os.PathLike | None = None,
     if source.startswith("builtin:"):
         raise DataError(f"unknown builtin corpus {source!r}; the builtin corpus is "
                         f"{BUILTIN_STDLIB}")
-    path = Path(source).expanduser()
-    if not path.is_absolute() and base_dir is not None:
-        path = Path(base_dir) / path
+    path = data_path(source, base_dir)
     try:
-        mode = path.stat().st_mode
-    except FileNotFoundError:
-        raise DataError(f"data path {str(path)!r} does not exist; give a text file, a folder "
-                        f"of text files, a .bin of uint16 token ids or builtin:stdlib") from None
-    except OSError as e:  # a name too long, a link loop, no permission
-        raise DataError(f"cannot use data path {_shown(path)}: {e.strerror or e}") from None
+        mode = data_mode(path)
+    except DataPathError as e:
+        raise DataError(str(e)) from None
     if stat.S_ISDIR(mode):
         if (path / "train.bin").is_file():
             return _bin_folder(path)
         return _text_folder(path)
-    if not stat.S_ISREG(mode):
-        raise DataError(f"data path {_shown(path)} is not a regular file or a folder (a pipe "
-                        f"or a device?); give a text file, a folder or a .bin")
     if path.suffix.lower() == ".bin":  # .BIN too: token ids read as text would train
         return _bin_file(path)
     return _text_file(path)
-
-
-def _shown(path: Path) -> str:
-    text = str(path)
-    return repr(text if len(text) <= 120 else text[:100] + "..." + text[-17:])
 
 
 # --- builtin:stdlib ----------------------------------------------------------------------

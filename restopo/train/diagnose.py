@@ -318,7 +318,7 @@ def diagnose(checkpoint: str, out_dir: str | None = None, *, batches: int = 4,
     from a file (an export: figures beside it, data as its spec says)."""
     from .data import fixed_batches, open_corpus
     from .init_check import step0_report
-    from . import runspec
+    from ..spec.datapath import data_base as spec_data_base
     from .runspec import model_from_meta
 
     if loaded is not None:  # a model file the caller loaded (restopo.load: an export)
@@ -338,7 +338,7 @@ def diagnose(checkpoint: str, out_dir: str | None = None, *, batches: int = 4,
                          f"{', ...' if len(bad) > 3 else ''}): the run diverged before it was "
                          f"saved; diagnose an earlier checkpoint")
     # the spec, read back from a checkpoint or an export, knows where its run read its data
-    corpus = open_corpus(spec.train.data, base_dir=data_base or runspec.data_base(spec))
+    corpus = open_corpus(spec.train.data, base_dir=data_base or spec_data_base(spec))
     corpus.check(spec.model.vocab, spec.model.context)
     val = fixed_batches(corpus.val, spec.model.context, batch_size, batches)
     graph = spec.ir()

@@ -6,14 +6,12 @@ resumed or diagnosed without the original file.
 from __future__ import annotations
 
 import dataclasses
-import math
-import os
-import re
+
 from pathlib import Path
 
 import torch
 
-from ..spec.nodes import from_command_line
+from ..spec.datapath import data_base
 from ..spec.overrides import override_values
 from .checkpoint import CheckpointError, read_meta
 
@@ -28,27 +26,6 @@ def from_text(text: str, path: str, overrides=()):
     from ..spec import parse_spec
 
     return parse_spec(text, path=path, overrides=tuple(overrides))
-
-
-def data_base(spec) -> str:
-    """Folder a relative `data:` path is read from: the spec file's folder, or the current
-    folder when the data path came from --set on the command line. A spec read back from a
-    checkpoint or an export (`spec.recorded`) reads it where its run did, from any folder,
-    unless this command line gives train.data anew."""
-    pos = spec.train.where("data")
-    given = pos is not None and from_command_line(pos.source)
-    if spec.recorded is not None and spec.recorded[1]:
-        if not given or _override_number(pos.source) <= spec.recorded[0]:
-            return spec.recorded[1]
-    if given or str(spec.path).startswith("<"):
-        return os.getcwd()
-    return str(Path(str(spec.path)).resolve().parent)
-
-
-def _override_number(source) -> float:
-    """N of an override's source `<--set N>` (a flag's, `<--steps>`, counts as the last)."""
-    found = re.fullmatch(r"<--set (\d+)>", str(source))
-    return int(found.group(1)) if found else math.inf
 
 
 def recorded(spec, overrides: int, base: str | None):
