@@ -11,6 +11,7 @@ target, its files fsynced, then one rename (`atomic_folder`, `replace_folder`). 
 """
 from __future__ import annotations
 
+import errno
 import os
 import shlex
 import shutil
@@ -28,6 +29,45 @@ def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
         return Path(cache_dir)
     env = os.environ.get("RESTOPO_CACHE")
     return Path(env) if env else Path.home() / ".cache" / "restopo"
+
+
+def cache_folder(*parts: str, cache_dir: str | os.PathLike | None = None) -> Path:
+    """cache_root(cache_dir) / parts, made if need be, for restopo to write in. An OSError
+    that says which setting to change where it cannot be (a $RESTOPO_CACHE at a file, or
+    somewhere not writable, was named by the path alone, as if the path were a mistake)."""
+    folder = cache_root(cache_dir).joinpath(*parts)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(folder))
+    except OSError as e:
+        why = _why_no_folder(folder, e)
+        env = os.environ.get("RESTOPO_CACHE")
+        if cache_dir is not None:
+            what = f"cannot keep a cache in {cache_dir}: {why}; give a folder you can write to"
+        elif env:
+            what = (f"RESTOPO_CACHE={env} cannot hold restopo's cache: {why}; set "
+                    f"RESTOPO_CACHE to a folder you can write to, or unset it to use "
+                    f"~/.cache/restopo")
+        else:
+            what = (f"cannot keep restopo's cache in {cache_root()}: {why}; set RESTOPO_CACHE "
+                    f"to a folder you can write to")
+        raise type(e)(e.errno, what) from None
+    return folder
+
+
+def _why_no_folder(path: Path, e: OSError) -> str:
+    """Why the folder `path` could not be made (or written in), naming the part at fault:
+    the nearest part of it that is there (or a symbolic link that leads nowhere)."""
+    path = Path(path)
+    part = next((p for p in (path, *path.parents) if os.path.lexists(p)), Path("."))
+    if os.path.islink(part) and not os.path.exists(part):
+        return f"{part} is a symbolic link to {os.readlink(part)}, which does not exist"
+    if part.exists() and not part.is_dir():
+        return f"{part} is a file, not a folder"
+    if part == path:
+        return f"{path} is not writable"
+    return f"cannot make a folder in {part} ({e.strerror or e})"
 
 
 def write_atomic(path: str | os.PathLike, content: str | bytes | Callable[[str], object]) -> None:

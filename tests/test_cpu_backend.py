@@ -844,3 +844,15 @@ def test_a_shared_buffer_it_cannot_write_gets_the_gradient_handed_back():
     got = torch.autograd.grad(Strided.apply(out[0], sink).sum() + out[1].sum(), v)
     for a, b in zip(got, want):
         assert torch.allclose(a, b, atol=1e-12)
+
+
+def test_a_cache_that_cannot_be_made_is_said_once_naming_restopo_cache(tmp_path):
+    """The reason said '[Errno 20] Not a directory: ...' once per set of compiler flags."""
+    (tmp_path / "file").write_text("")
+    code = ("from restopo.registry import get_backend\n"
+            "print(get_backend('cpu').available()[1])\n")
+    out = _run(code, RESTOPO_CACHE=str(tmp_path / "file"))
+    assert out.returncode == 0, out.stderr
+    why = out.stdout.splitlines()[0]
+    assert f"RESTOPO_CACHE={tmp_path / 'file'} cannot hold restopo's cache" in why, why
+    assert why.count("RESTOPO_CACHE=") == 1 and "Errno" not in why, why

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from restopo.io import atomic_folder, atomic_path, replace_folder, write_atomic
+from restopo import io as rio
+from restopo.io import atomic_folder, atomic_path, cache_folder, replace_folder, write_atomic
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -193,3 +194,18 @@ def test_a_full_disk_is_an_oserror_naming_the_file(tmp_path, monkeypatch):
         ck.save_checkpoint(tmp_path / "ckpt", 3, torch.nn.Linear(2, 2), None, {}, {})
     assert got.value.filename == str(tmp_path / "ckpt" / "step_000003")
     assert os.listdir(tmp_path / "ckpt") == []
+
+
+def test_a_cache_folder_restopo_cannot_write_in_names_the_setting(tmp_path, monkeypatch):
+    """(Root writes anywhere: os.access stands in for a folder the user cannot write in.)"""
+    monkeypatch.setenv("RESTOPO_CACHE", str(tmp_path / "cache"))
+    assert cache_folder("kernels") == tmp_path / "cache" / "kernels"
+    monkeypatch.setattr(rio.os, "access", lambda path, mode: False)
+    with pytest.raises(PermissionError) as e:
+        cache_folder("kernels")
+    assert str(e.value.strerror) == (
+        f"RESTOPO_CACHE={tmp_path / 'cache'} cannot hold restopo's cache: "
+        f"{tmp_path / 'cache' / 'kernels'} is not writable; set RESTOPO_CACHE to a folder you "
+        f"can write to, or unset it to use ~/.cache/restopo")
+    with pytest.raises(PermissionError, match=f"cannot keep a cache in {tmp_path}: "):
+        cache_folder(cache_dir=tmp_path)  # a folder given by the caller: no setting to name

@@ -215,3 +215,19 @@ def test_resume_keeps_the_seed_the_run_was_started_with(spec, tmp_path, capsys):
     assert meta["config"]["seed"] == 5 and "train.seed=5" in meta["overrides"]
     assert main(["train", str(spec), "--out", str(out), "--resume", "--steps", "10",
                  "--seed", "5", "--no-progress"]) == 0  # the same seed again: fine
+
+
+@pytest.mark.parametrize("where", ["file", "file/sub", "/proc/no-such/cache"])
+def test_a_cache_that_cannot_be_made_names_restopo_cache(spec, capsys, tmp_path, monkeypatch,
+                                                         where):
+    """The error named only the path ('afile: File exists'), not the setting to change."""
+    (tmp_path / "file").write_text("")
+    value = where if where.startswith("/") else str(tmp_path / where)
+    monkeypatch.setenv("RESTOPO_CACHE", value)
+    err = _error(capsys, ["train", str(spec), "--out", str(tmp_path / "o"), "--backend",
+                          "eager"])
+    assert err.startswith(f"restopo: error: RESTOPO_CACHE={value} cannot hold restopo's "
+                          "cache: "), err
+    assert "set RESTOPO_CACHE to a folder you can write to" in err and err.count("\n") == 1
+    if not where.startswith("/"):
+        assert f"{tmp_path / 'file'} is a file, not a folder" in err, err

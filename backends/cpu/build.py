@@ -20,7 +20,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from restopo.io import atomic_folder, cache_root
+from restopo.io import atomic_folder, cache_folder, cache_root
 
 SOURCE = Path(__file__).with_name("kernels.c")
 HEADER = "#include <math.h>\n#include <stdlib.h>\n#include <string.h>\n" \
@@ -104,7 +104,10 @@ def _build(cc: str, code: str) -> tuple[Path | None, str]:
         if lib.exists():
             return lib, ""
         try:
-            folder.parent.mkdir(parents=True, exist_ok=True)
+            cache_folder("kernels")
+        except OSError as e:  # every set of flags would meet it: say it once
+            return None, e.strerror
+        try:
             with atomic_folder(folder, keep_existing=True) as tmp:
                 (tmp / "kernels.c").write_text(code)
                 out = subprocess.run([cc, *flags, *STRICT, "-shared", "-fPIC", "-o",

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..io import atomic_folder, cache_root
+from ..io import atomic_folder, cache_folder, cache_root
 from ..spec.datapath import DataPathError, data_mode, data_path
 from ..spec.datapath import shown as _shown
 
@@ -141,6 +141,7 @@ def stdlib_corpus(cache_dir=None, *, progress: bool = True, root: str | None = N
     key = hashlib.sha1(json.dumps([sys.version, root, files]).encode()).hexdigest()[:16]
     folder = cache_root(cache_dir) / f"stdlib-{key}"
     if not (folder / "meta.json").is_file():
+        cache_folder(cache_dir=cache_dir)  # or an error that names RESTOPO_CACHE
         _prepare_stdlib(root, files, folder, progress)
     train = np.memmap(folder / "train.u8", dtype=np.uint8, mode="r")
     val = np.memmap(folder / "val.u8", dtype=np.uint8, mode="r")
@@ -153,7 +154,6 @@ def _prepare_stdlib(root: str, files, folder: Path, progress: bool) -> None:
     wins and the other's identical copy is dropped)."""
     from tqdm import tqdm
 
-    folder.parent.mkdir(parents=True, exist_ok=True)
     with atomic_folder(folder, keep_existing=True) as tmp:
         sizes = {"train": 0, "val": 0}
         with open(tmp / "train.u8", "wb") as ftrain, open(tmp / "val.u8", "wb") as fval:
