@@ -56,6 +56,19 @@ def cache_folder(*parts: str, cache_dir: str | os.PathLike | None = None) -> Pat
     return folder
 
 
+def make_folder(path: str | os.PathLike, instead: str = "choose another --out") -> Path:
+    """`path` as a folder, made with its parents if need be (a command's --out). An OSError
+    naming it that says which part of it is in the way and what to do (`instead`), where
+    mkdir's own said only 'Not a directory' or 'File exists'."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise type(e)(e.errno, f"cannot make this folder: {_why_no_folder(path, e)}; {instead}",
+                      str(path)) from None
+    return path
+
+
 def _why_no_folder(path: Path, e: OSError) -> str:
     """Why the folder `path` could not be made (or written in), naming the part at fault:
     the nearest part of it that is there (or a symbolic link that leads nowhere)."""

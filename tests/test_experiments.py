@@ -473,6 +473,22 @@ def test_compare_errors_are_one_line(tmp_path, capsys):
     assert "neither a run folder nor a folder of runs" in capsys.readouterr().err
 
 
+def test_an_out_folder_that_cannot_be_made_says_which_part_is_in_the_way(tmp_path, capsys):
+    """mkdir's own words named the path alone: 'Not a directory'."""
+    specs = _specs(tmp_path)
+    (tmp_path / "file").write_text("")
+    out = tmp_path / "file" / "out"
+    said = (f"restopo: error: {out}: cannot make this folder: {tmp_path / 'file'} is a file, "
+            "not a folder; choose another --out\n")
+    assert main(["sweep", specs[0], "--out", str(out), "--set", "train.steps=2"]) == 1
+    assert capsys.readouterr().err.endswith(said)
+    run = tmp_path / "run"
+    assert main(["train", specs[0], "--out", str(run), "--steps", "2", "--no-progress"]) == 0
+    capsys.readouterr()
+    assert main(["compare", str(run), "--out", str(out)]) == 1
+    assert capsys.readouterr().err == said
+
+
 @pytest.mark.slow
 def test_submitit_local_executor_runs_the_sweep(tmp_path):
     """--executor submitit-local: each run is a submitit job on this machine (the path a

@@ -231,3 +231,26 @@ def test_a_cache_that_cannot_be_made_names_restopo_cache(spec, capsys, tmp_path,
     assert "set RESTOPO_CACHE to a folder you can write to" in err and err.count("\n") == 1
     if not where.startswith("/"):
         assert f"{tmp_path / 'file'} is a file, not a folder" in err, err
+
+
+@pytest.mark.parametrize("blocker", ["file", "link"])
+def test_an_out_folder_that_cannot_be_made_says_which_part_is_in_the_way(spec, capsys, tmp_path,
+                                                                          blocker):
+    """mkdir's own words named the path alone: 'Not a directory', 'File exists'."""
+    (tmp_path / "file").write_text("")
+    (tmp_path / "link").symlink_to(tmp_path / "nowhere")
+    out = tmp_path / blocker / "run"
+    why = {"file": f"{tmp_path / 'file'} is a file, not a folder",
+           "link": f"{tmp_path / 'link'} is a symbolic link to {tmp_path / 'nowhere'}, which "
+                   f"does not exist"}[blocker]
+    err = _error(capsys, ["train", str(spec), "--out", str(out), "--steps", "2"])
+    assert err == f"restopo: error: {out}: cannot make this folder: {why}; choose another " \
+                  "--out\n"
+    # diagnose's figures go in a folder of their own (-o), made once the numbers are in
+    run = tmp_path / "run"
+    assert main(["train", str(spec), "--out", str(run), "--steps", "2", "--no-progress"]) == 0
+    capsys.readouterr()
+    assert main(["diagnose", str(run), "-o", str(out), "--batches", "1"]) == 1
+    err = capsys.readouterr().err
+    assert err == f"restopo: error: {out}: cannot make this folder: {why}; choose another " \
+                  "--out\n"

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..io import write_atomic
+from ..io import make_folder, write_atomic
 from .runs import Run
 from .stats import Difference, PowerLaw, difference, fit_power_law, mean_std
 
@@ -512,7 +512,7 @@ def machine() -> str:
 def write_report(arms: list[Arm], baseline: Arm | None, out: Path, command: list[str], *,
                  scaling: bool = False, title: str = "restopo compare") -> dict[str, Path]:
     """results.md, results.csv and the plots in `out`; returns their paths."""
-    out.mkdir(parents=True, exist_ok=True)
+    make_folder(out)
     paths = {"csv": out / "results.csv", "md": out / "results.md"}
     write_atomic(paths["csv"], csv_text(arms, baseline))
     paths["curves"] = plot_curves(arms, out / "val_loss_by_step.png", tokens=False)

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from ..ir import Aggregation, BlockSum, Embedding, Partial, Sublayer
 from ..ir.walk import Visitor, walk
-from ..io import write_atomic
+from ..io import make_folder, write_atomic
 from ..nn.streams import expand_streams, write_streams
 from .checkpoint import CheckpointError, load_checkpoint, resolve_checkpoint
 from .plots import plot_depth_lines, plot_depth_weights, plot_stream_coefficients
@@ -263,7 +263,7 @@ def _row_label(graph, node_id: str) -> str:
 
 def write_figures(numbers: dict, graph, out_dir: Path, title: str) -> dict[str, Path]:
     """The three PNGs and diagnose.json in out_dir."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+    make_folder(out_dir)
     kinds = numbers["kinds"]
     xlabels = [f"{i} {k}" for i, k in enumerate(kinds, start=1)]
     paths = {}

@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from ..io import make_folder
+
 LOCK_NAME = ".restopo.lock"
 ENV = "RESTOPO_RUN_LOCK"
 
@@ -43,7 +45,7 @@ def run_lock(out: str | os.PathLike, who: str = "run"):
         yield
         return
     created = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)
+    make_folder(out)
     # 0o666: the user's umask decides, as for every file a run writes
     fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)
     locked = False
