@@ -320,6 +320,25 @@ def test_an_unfinished_run_is_left_out_of_the_final_losses_and_named(tmp_path):
     assert report.scale_note(report.group([bare])).startswith("Scale: not known")
 
 
+def test_a_sweep_does_not_train_a_diverged_run_again(tmp_path):
+    """A run whose loss became NaN (its metrics say so) is skipped with why, not resumed or
+    restarted to diverge again; a run resumed past it (the record dropped) counts as usual."""
+    from restopo.experiments import runner
+    from restopo.experiments.grid import Job
+    job = Job("blk-s0", "blk", str(ROOT / "examples" / "block_attnres.restopo"), (), 0)
+    folder = tmp_path / job.name
+    folder.mkdir()
+    lines = [{"step": 1, "loss": 5.5}, {"step": 2, "diverged": "nan", "elapsed": 0.1}]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    events = []
+    results = runner.run_local([job], tmp_path, 1, events.append)
+    assert [r["status"] for r in results] == ["diverged"]
+    assert events[0]["event"] == "skip" and "diverged at step 2" in events[0]["error"]
+    assert "lower train.lr" in events[0]["error"]
+    (folder / "metrics.jsonl").write_text(json.dumps(lines[0]) + "\n")
+    assert runner.state(tmp_path, job) == "new"
+
+
 def test_a_diverged_run_is_said_to_have_diverged_not_to_be_unfinished():
     """A run whose loss became NaN (train stops it, recording the step) was counted and
     named 'unfinished', with `restopo train --resume` offered to finish it: resuming it

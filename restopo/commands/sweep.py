@@ -181,8 +181,10 @@ class _Progress:
             print(f"  {verb} {job.name}", file=sys.stderr, flush=True)
             return
         self.ended += 1
-        what = "already done" if event["event"] == "skip" else event["status"]
-        if event.get("status") == "failed":
+        what = event["status"]
+        if event["event"] == "skip":
+            what = "already done" if what == "done" else f"{what} before"
+        if event.get("status") in ("failed", "diverged"):
             what += f": {event.get('error')}"
         took = f" in {elapsed(event['seconds'])}" if "seconds" in event else ""
         print(f"  [{self.ended}/{self.total}] {job.name}: {what}{took} "

@@ -41,13 +41,38 @@ class Stopped(KeyboardInterrupt):
 
 
 def state(out: Path, job: Job) -> str:
-    """done (finished all its steps), resume (has a checkpoint), or new."""
+    """done (finished all its steps), diverged (stopped at a NaN or infinite loss, as its
+    metrics record: resumed, it would diverge again), resume (has a checkpoint), or new."""
     folder = out / job.name
+    if diverged_at(folder) is not None:  # before its first checkpoint too
+        return "diverged"
     info = _read(folder / RUN_FILE)
     ckpt, meta = newest_meta(folder / "ckpt")  # a damaged newest one: train --resume passes it
     if ckpt is None and latest_checkpoint(folder / "ckpt") is None:
         return "new"
     return "done" if reached_end(meta) and info.get("status") == "done" else "resume"
+
+
+def diverged_at(folder: Path) -> int | None:
+    """The step a run's loss became NaN or infinite at, as its metrics.jsonl records."""
+    from ..train.plots import read_metrics
+    last = (read_metrics(folder / "metrics.jsonl") or [{}])[-1]
+    return last.get("step") if last.get("diverged") is not None else None
+
+
+def _skipped(todo, out: Path, report) -> list[dict]:
+    """The results of the jobs a sweep does not run (done, or diverged), each reported."""
+    results = []
+    for job, s in todo:
+        if s in ("done", "diverged"):
+            event = {"name": job.name, "status": s, "skipped": True}
+            if s == "diverged":
+                event["error"] = (f"its loss diverged at step {diverged_at(out / job.name)}; "
+                                  f"not run again (lower train.lr or train.grad_clip, or "
+                                  f"delete {out / job.name} to train it afresh)")
+            report({"event": "skip", "job": job, **event})
+            results.append(event)
+    return results
 
 
 def changed(out: Path, job: Job) -> str | None:
@@ -158,12 +183,8 @@ def run_local(jobs: list[Job], out: Path, workers: int, report) -> list[dict]:
     """Run `jobs` with up to `workers` child processes at once. `report(event)` is called
     with each start and end. Ctrl-C stops the children (their last checkpoints stay)."""
     todo = [(job, state(out, job)) for job in jobs]
-    results = [{"name": j.name, "status": "done", "skipped": True}
-               for j, s in todo if s == "done"]
-    for j, s in todo:
-        if s == "done":
-            report({"event": "skip", "job": j})
-    pending = [(j, s) for j, s in todo if s != "done"]
+    results = _skipped(todo, out, report)
+    pending = [(j, s) for j, s in todo if s in ("new", "resume")]
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool, _stop_signals():
         futures = {}
         for job, s in pending:
@@ -238,12 +259,10 @@ def run_submitit(jobs: list[Job], out: Path, report, *, cluster: str = "slurm",
     executor = submitit.AutoExecutor(folder=str(out / ".submitit"), cluster=cluster)
     executor.update_parameters(**(parameters or {}))
     todo = [(job, state(out, job)) for job in jobs]
-    results = []
+    results = _skipped(todo, out, report)
     submitted = []
     for job, s in todo:
-        if s == "done":
-            report({"event": "skip", "job": job})
-            results.append({"name": job.name, "status": "done", "skipped": True})
+        if s not in ("new", "resume"):
             continue
         report({"event": "start", "job": job, "resume": s == "resume"})
         submitted.append((job, executor.submit(run_job, job, out, s == "resume")))
