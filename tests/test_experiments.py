@@ -94,7 +94,8 @@ def test_sweep_mistakes_are_refused_before_any_run(tmp_path, capsys):
     out = tmp_path / "sweep"
     for extra, said in ((["--seed-list", "a,b"], "--seed-list takes whole numbers"),
                         (["--baseline", "nosuch"], "names no arm and no spec"),
-                        (["--seeds", "1", "--vary", "model.width=abc,16"], "abc")):
+                        (["--seeds", "1", "--vary", "model.width=abc,16"], "abc"),
+                        (["--set", 'train.data="nosuch.txt"'], "nosuch.txt' does not exist")):
         assert main(["sweep", *specs, "--out", str(out), *extra]) in (1, 2)
         assert said in capsys.readouterr().err
         assert not out.exists()  # nothing trained, not even the folder made

@@ -90,6 +90,7 @@ def run(args) -> int:
     from ..experiments import runner
     from ..experiments.grid import make_grid
     from ..spec import load_spec
+    from ..spec.datapath import check_data_path
 
     out = Path(args.out)
     try:
@@ -97,9 +98,9 @@ def run(args) -> int:
             raise ValueError("--seeds and --jobs must be at least 1")
         seeds = _seeds(args)
         jobs = make_grid(args.specs, seeds, args.overrides, args.vary)
-        # every run's spec and overrides check before any run trains
+        # every run's spec, overrides and data path check before any run trains
         for spec, overrides in dict.fromkeys((j.spec, j.overrides) for j in jobs):
-            load_spec(spec, overrides=overrides)
+            check_data_path(load_spec(spec, overrides=overrides))
         slurm = _parameters(args.slurm)
         _check_baseline(args.baseline, jobs)
     except ValueError as e:
