@@ -379,6 +379,11 @@ def test_resume_with_other_training_settings_names_them(spec, tmp_path, capsys):
     assert train(spec, "--out", out, "--resume", "--steps", 4, "--set", "train.batch=2",
                  "--set", "train.lr=1e-3") == 0
     assert "other settings" not in capsys.readouterr().err  # now the same as the checkpoint's
+    # how validation is measured changes the curve, not the training: said apart
+    assert train(spec, "--out", out, "--resume", "--steps", 5, "--set", "train.batch=2",
+                 "--set", "train.lr=1e-3", "--set", "train.eval_batches=2") == 0
+    err = capsys.readouterr().err
+    assert "train.eval_batches is now 2 (1 in" in err and "other settings" not in err, err
 
 
 def test_a_second_ctrl_c_stops_at_once_and_the_handler_is_put_back():

@@ -165,6 +165,11 @@ def resume_notes(spec, meta: dict, step_dir, *, spec_file: bool = True) -> list[
             notes.append(f"this run trains on with other settings than {step_dir} was "
                          f"trained with ({'; '.join(changed)}): the steps from {step} on use "
                          "this run's")
+        if old.eval_batches != new.eval_batches:  # measures, not trains: a note of its own
+            notes.append(f"train.eval_batches is now {new.eval_batches} ({old.eval_batches} in "
+                         f"{step_dir}): validation losses from step {step} on average other "
+                         f"batches than the ones before, so the curve's two parts do not "
+                         f"compare")
         if step >= new.steps:
             notes.append(f"{step_dir} is at step {step}, at or past train.steps ({new.steps}):"
                          " there is nothing to train; give more --steps to go on")
