@@ -133,14 +133,17 @@ _FULL_WORDS = ("No space left on device", "os error 28", "Disk quota exceeded")
 @contextmanager
 def full_disk_said(path: str | os.PathLike) -> Iterator[None]:
     """Within the block, a writer library's error for a full disk (while writing `path`)
-    becomes OSError(ENOSPC) naming `path`, which the commands say in one line; any other
-    error stays as it is. Looked at before the caller removes its partial file, while the
-    free space is what the write left."""
+    becomes OSError(ENOSPC) naming `path`, which the commands say in one line, and so does
+    an OSError that names no file (a write() to an open file: 'No space left on device',
+    of nothing); any other error stays as it is. Looked at before the caller removes its
+    partial file, while the free space is what the write left."""
     import errno
     try:
         yield
     except Exception as e:
         if isinstance(e, OSError):
+            if e.filename is None and e.errno is not None:
+                raise type(e)(e.errno, e.strerror or str(e), os.fspath(path)) from None
             raise
         try:
             st = os.statvfs(os.path.dirname(os.path.abspath(path)))

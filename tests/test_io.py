@@ -196,6 +196,33 @@ def test_a_full_disk_is_an_oserror_naming_the_file(tmp_path, monkeypatch):
     assert os.listdir(tmp_path / "ckpt") == []
 
 
+def test_a_full_disk_met_appending_metrics_names_the_file(tmp_path, monkeypatch):
+    """A write() to an open file says 'No space left on device' of no file; the metrics
+    log, appended to at every logged step, now names itself (the commands say the
+    OSError as FILE: WHAT)."""
+    import errno
+
+    from restopo.train import loop
+
+    class Full:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def write(self, text):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    log = loop.MetricsLog(tmp_path, True, None)
+    monkeypatch.setattr(loop, "open", lambda *a, **k: Full(), raising=False)
+    with pytest.raises(OSError) as got:
+        log.write({"step": 1, "loss": 2.0})
+    assert got.value.errno == errno.ENOSPC and got.value.filename == str(log.path)
+    from restopo.cli import file_error
+    assert file_error(got.value) == f"restopo: error: {log.path}: No space left on device"
+
+
 def test_a_cache_folder_restopo_cannot_write_in_names_the_setting(tmp_path, monkeypatch):
     """(Root writes anywhere: os.access stands in for a folder the user cannot write in.)"""
     monkeypatch.setenv("RESTOPO_CACHE", str(tmp_path / "cache"))

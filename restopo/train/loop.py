@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from ..io import write_atomic
+from ..io import full_disk_said, write_atomic
 from ..spec.objects import TrainSpec
 from .checkpoint import (CheckpointError, is_sharded, load_checkpoint, load_into,
                          save_checkpoint, save_sharded, step_dir_name, tie_aliases)
@@ -137,7 +137,7 @@ class MetricsLog:
     def write(self, record: dict) -> None:
         if not self.enabled:
             return
-        with open(self.path, "a") as f:
+        with full_disk_said(self.path), open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
         if self.writer is not None:
             for k, v in record.items():
