@@ -654,3 +654,15 @@ def test_a_damaged_newest_meta_is_passed_over_by_compare_and_sweep(tmp_path):
     assert runner.state(tmp_path / "sw", job) == "resume"  # train --resume falls back
     # step 2 was trained as the job asks (its seed, no other override): nothing changed
     assert runner.changed(tmp_path / "sw", job) is None
+
+
+def test_two_runs_of_one_arm_and_seed_are_refused_not_one_dropped():
+    """by_seed kept the last run of a seed: a second copy of a run (another sweep's folder
+    of the same name) silently replaced the first in the arm's figures."""
+    a = _synthetic_run("blk", "blk", 0, 100, 2.5)
+    b = _synthetic_run("blk", "blk", 0, 100, 2.7)
+    b.path = Path("/y/blk-s0")
+    with pytest.raises(ValueError, match="/x/blk-s0 and /y/blk-s0 are both arm 'blk', seed 0"):
+        report.group([a, b])
+    b.seed = 1
+    assert [len(arm.runs) for arm in report.group([a, b])] == [2]

@@ -85,10 +85,21 @@ class Arm:
 
 
 def group(runs: list[Run]) -> list[Arm]:
-    """Arms in the order their first run appears; only runs with validation losses count."""
+    """Arms in the order their first run appears; only runs with validation losses count.
+    Two runs of one arm and one seed are refused: an arm's figures are per seed, and one of
+    them was silently left out (and they are no independent samples anyway)."""
     arms: dict[str, Arm] = {}
     for r in runs:
         arms.setdefault(r.arm, Arm(r.arm, [])).runs.append(r)
+    for arm in arms.values():
+        seen: dict[int, Run] = {}
+        for r in arm.runs:
+            if r.seed is not None and seen.setdefault(r.seed, r) is not r:
+                raise ValueError(
+                    f"{seen[r.seed].path} and {r.path} are both arm {arm.name!r}, seed "
+                    f"{r.seed}: an arm counts each seed once; compare one of them (or give "
+                    f"the other a folder of another name: the arm is the folder's name less "
+                    f"-s<seed>, or what a sweep's run.json says)")
     return list(arms.values())
 
 
