@@ -29,6 +29,19 @@ SMALL = ["--set", "model.width=32", "--set", "model.context=32", "--set", "train
          "--device", "cpu", "--backend", "eager"]
 
 
+def small(**train):
+    """SMALL with these train.KEY=VALUE settings in place of its own (a key given twice by
+    --set is refused)."""
+    out, args = [], list(SMALL)
+    while args:
+        a = args.pop(0)
+        if a == "--set" and args[0].split("=")[0].removeprefix("train.") in train:
+            args.pop(0)
+            continue
+        out.append(a)
+    return [*out, *(x for k, v in train.items() for x in ("--set", f"train.{k}={v}"))]
+
+
 def env(**extra):
     return dict(os.environ, OMP_NUM_THREADS="1", RESTOPO_DIST_TIMEOUT="60", **extra)
 
@@ -131,8 +144,7 @@ def test_fsdp_resumes_exactly_after_an_evaluation_at_the_save_step(tmp_path):
     as one process) to 6: every loss equals an uninterrupted one-process run. (FSDP2 keeps
     the root unit whole after a forward with no backward; the saved shards were then whole
     tensors and the resumed run drifted from step 5: 4.735983 against 4.765119.)"""
-    resumes_exactly(tmp_path, [*SMALL, "--set", "train.save_every=3", "--set",
-                               "train.eval_every=3"], 3, 6,
+    resumes_exactly(tmp_path, small(save_every=3, eval_every=3), 3, 6,
                     first=["--data", "fsdp", "--nproc", 2], then=["--data", "fsdp", "--nproc", 2])
 
 

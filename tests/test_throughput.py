@@ -64,11 +64,11 @@ def test_inspect_reports_flops_per_token(example, capsys):
     assert f"{f.forward:,.0f} forward" in line and f"{f.train:,.0f} per training step" in line
 
 
-def _train(tmp_path, *extra):
+def _train(tmp_path, *extra, every=0):
     out = tmp_path / "run"
     argv = ["train", "examples/tiny.restopo", "--out", str(out), "--no-progress", "--steps", "3",
-            "--set", "train.batch=2", "--set", "train.eval_every=0", "--set",
-            "train.save_every=0", "--set", "train.log_every=1", *extra]
+            "--set", "train.batch=2", "--set", f"train.eval_every={every}", "--set",
+            f"train.save_every={every}", "--set", "train.log_every=1", *extra]
     assert main(argv) == 0
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -97,8 +97,7 @@ def test_tokens_per_s_leaves_out_evaluation_and_checkpoints(tmp_path, monkeypatc
     monkeypatch.setattr(loop.DataParallelStep, "evaluate",
                         slow(loop.DataParallelStep.evaluate))
     monkeypatch.setattr(loop, "save_checkpoint", slow(loop.save_checkpoint))
-    records = _train(tmp_path, "--set", "train.eval_every=1", "--set", "train.save_every=1",
-                     "--set", "train.keep=1")
+    records = _train(tmp_path, "--set", "train.keep=1", every=1)
     assert [r["val_loss"] is not None for r in records] == [True] * 3
     assert all(r["tokens_per_s"] > 4 * 128 for r in records), records
     assert (tmp_path / "run" / "ckpt" / "step_000003").is_dir()
