@@ -137,7 +137,6 @@ def full_disk_said(path: str | os.PathLike) -> Iterator[None]:
     an OSError that names no file (a write() to an open file: 'No space left on device',
     of nothing); any other error stays as it is. Looked at before the caller removes its
     partial file, while the free space is what the write left."""
-    import errno
     try:
         yield
     except Exception as e:
