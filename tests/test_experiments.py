@@ -95,7 +95,9 @@ def test_sweep_mistakes_are_refused_before_any_run(tmp_path, capsys):
     for extra, said in ((["--seed-list", "a,b"], "--seed-list takes whole numbers"),
                         (["--baseline", "nosuch"], "names no arm and no spec"),
                         (["--seeds", "1", "--vary", "model.width=abc,16"], "abc"),
-                        (["--set", 'train.data="nosuch.txt"'], "nosuch.txt' does not exist")):
+                        (["--set", 'train.data="nosuch.txt"'], "nosuch.txt' does not exist"),
+                        (["--set", "train.seed=3"], "give --seeds N or --seed-list"),
+                        (["--vary", "train.seed=1,2"], "the seed is the sweep's to give")):
         assert main(["sweep", *specs, "--out", str(out), *extra]) in (1, 2)
         assert said in capsys.readouterr().err
         assert not out.exists()  # nothing trained, not even the folder made

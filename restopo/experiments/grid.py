@@ -81,6 +81,11 @@ def make_grid(specs, seeds, sets=(), varies=()) -> list[Job]:
         if both:
             raise ValueError(f"--set {both[0]} and --vary {text} both set "
                              f"{override_key(text)}; give it in one of them")
+    for text in (*sets, *varies):  # each run is given --seed S, which train.seed would meet
+        if override_key(text) == "train.seed":
+            flag = "--set" if text in sets else "--vary"
+            raise ValueError(f"{flag} {text}: the seed is the sweep's to give, one run per "
+                             f"seed; give --seeds N or --seed-list S,S,... instead")
     if len(set(seeds)) != len(seeds):
         raise ValueError(f"the seeds {', '.join(map(str, seeds))} repeat one; each seed is one "
                          f"run of every arm")
