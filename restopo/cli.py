@@ -96,15 +96,17 @@ class SetOverride(argparse.Action):
     naming both values: applied in turn, the last would win silently."""
 
     def __call__(self, parser, namespace, value, option_string=None):
-        from .spec.overrides import override_key
+        from .spec.overrides import override_key, same_setting
 
         given = list(getattr(namespace, self.dest, None) or [])  # never the shared default
         key = override_key(value)
         for old in given:
-            if key is not None and override_key(old) == key:
-                raise argparse.ArgumentError(
-                    self, f"{key} is set twice, to {old.partition('=')[2].strip()} and to "
-                          f"{value.partition('=')[2].strip()}; give it once")
+            before = override_key(old)
+            if same_setting(key, before):
+                was, now = old.partition("=")[2].strip(), value.partition("=")[2].strip()
+                raise argparse.ArgumentError(self, (
+                    f"{key} is set twice, to {was} and to {now}; give it once" if key == before
+                    else f"{before}={was} and {key}={now} set one thing; give one of them"))
         setattr(namespace, self.dest, given + [value])
 
 

@@ -313,6 +313,12 @@ def test_a_key_set_twice_is_told_in_any_spelling_and_other_keys_are_not(capsys):
     assert main(["check", TINY, "--set", "model.width=64", "--set", "model.depth=4",
                  "--set", "residual=standard", "--set", "residual.blocks=2"]) in (0, 1)
     assert "set twice" not in capsys.readouterr().err
+    # two ways of one setting: the blocks by count and by size (the later replaced the
+    # earlier: 16 blocks of 2 where 4 were asked for too)
+    assert main(["check", TINY, "--set", "residual.blocks=4", "--set",
+                 "residual.block_size=2"]) == 2
+    assert ("residual.blocks=4 and residual.block_size=2 set one thing; give one of them"
+            in capsys.readouterr().err)
 
 
 def test_check_reports_a_data_path_that_is_not_there_where_train_looks(tmp_path, monkeypatch,

@@ -97,6 +97,8 @@ def test_sweep_mistakes_are_refused_before_any_run(tmp_path, capsys):
                         (["--seeds", "1", "--vary", "model.width=abc,16"], "abc"),
                         (["--set", 'train.data="nosuch.txt"'], "nosuch.txt' does not exist"),
                         (["--set", "train.seed=3"], "give --seeds N or --seed-list"),
+                        (["--set", "residual.blocks=2", "--vary", "residual.block_size=2,4"],
+                         "both set residual.block_size"),
                         (["--vary", "train.seed=1,2"], "the seed is the sweep's to give")):
         assert main(["sweep", *specs, "--out", str(out), *extra]) in (1, 2)
         assert said in capsys.readouterr().err

@@ -7,7 +7,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..spec.overrides import FlagOverride, override_key, split_values
+from ..spec.overrides import FlagOverride, override_key, same_setting, split_values
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ def make_grid(specs, seeds, sets=(), varies=()) -> list[Job]:
         raise ValueError(f"--vary {again[0]} is given more than once; give all its values in "
                          f"one --vary {again[0]}=V1,V2,...")
     for text in varies:  # a run's `train --set` would give the key twice, which it refuses
-        both = [s for s in sets if override_key(s) == override_key(text)]
+        both = [s for s in sets if same_setting(override_key(s), override_key(text))]
         if both:
             raise ValueError(f"--set {both[0]} and --vary {text} both set "
                              f"{override_key(text)}; give it in one of them")

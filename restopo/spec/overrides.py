@@ -39,6 +39,16 @@ def override_key(text: str) -> str | None:
     return f"{section.strip()}.{' '.join(words)}"
 
 
+# keys that set one thing: the later of two replaces the earlier (apply_overrides)
+ONE_SETTING = ({"residual.blocks", "residual.block_size"},)
+
+
+def same_setting(a: str | None, b: str | None) -> bool:
+    """Whether two override keys (override_key) set one thing: the same key, or two ways
+    of one setting (residual.blocks and residual.block_size both cut the blocks)."""
+    return a is not None and (a == b or any({a, b} <= keys for keys in ONE_SETTING))
+
+
 def split_values(values: str) -> list[str]:
     """`--vary`'s values split at the commas between them, not at those inside a value's
     parentheses or quotes: block_attnres(blocks: 4, gate: sigmoid),standard is two values.
