@@ -256,22 +256,23 @@ def test_the_index_weight_map_names_only_tensors_one_file_holds():
 
 
 
-def test_a_checkpoint_without_optimizer_state_loads_as_a_model_not_to_resume(tmp_path):
-    """optimizer.pt deleted (it is twice the weights' size; evaluating needs none of it):
-    eval and export refused the folder as incomplete and used an older step, and
-    `restopo train` moved it to damaged/. A model loads from it; resuming does not."""
+@pytest.mark.parametrize("gone", ["optimizer.pt", "state.pt"])
+def test_a_checkpoint_without_optimizer_state_loads_as_a_model_not_to_resume(tmp_path, gone):
+    """optimizer.pt deleted (it is twice the weights' size; evaluating needs none of it),
+    or state.pt: eval and export refused the folder as incomplete and used an older step,
+    and `restopo train` moved it to damaged/. A model loads from it; resuming does not."""
     m, opt = _trained()
     root = tmp_path / "run" / "ckpt"
     _save(root, 1, m, opt)
     newer = _save(root, 2, m, opt)
-    (newer / "optimizer.pt").unlink()
+    (newer / gone).unlink()
     heard = []
     assert ck.resolve_checkpoint(tmp_path / "run", say=heard.append) == newer and not heard
     assert ck.resolve_checkpoint(newer) == newer
     m2 = Tied()
     ck.load_checkpoint(newer, m2)
     assert torch.equal(m2.mix.weight, m.mix.weight)
-    with pytest.raises(CheckpointError, match="optimizer.pt missing"):
+    with pytest.raises(CheckpointError, match=f"{gone} missing"):
         ck.load_checkpoint(newer, Tied(), torch.optim.AdamW(Tied().parameters()))
     assert ck.find_resumable(root)[0].name == "step_000001"
     assert ck.clean_leftovers(root) == [] and newer.is_dir()  # not a leftover: kept in place

@@ -374,8 +374,9 @@ def _refuse_newer_weights(out: Path, step_dir) -> None:
     instead = (f"to resume from {step_dir.name}, the newest checkpoint that has it, move "
                f"{p.name} out of {out / 'ckpt'} first" if step_dir is not None else
                "start a new run in another --out (--overwrite would delete it)")
-    raise _Stop(f"--resume: {p} has no {gone}, the optimizer state resuming needs "
-                f"(restopo eval and export read its weights without it); {instead}")
+    raise _Stop(f"--resume: {p} has no {gone}, which resuming needs (the optimizer state, "
+                f"the RNG states and data position; restopo eval and export read its weights "
+                f"without them); {instead}")
 
 
 def _load_spec(args, out: Path):

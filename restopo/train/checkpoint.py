@@ -4,7 +4,8 @@ Layout under a run's checkpoint folder (OUT/ckpt):
     step_000100/model.safetensors   weights (tied tensors stored once, safetensors.torch)
     step_000100/optimizer.pt        optimizer state_dict (tensors and numbers only; only
                                     resuming reads it: RESUME_ONLY)
-    step_000100/state.pt            RNG states, data position (tensors and numbers only)
+    step_000100/state.pt            RNG states, data position (tensors and numbers only;
+                                    only resuming needs it: RESUME_ONLY)
     step_000100/meta.json           step, spec text, overrides, schedule
     step_000100/manifest.json       size and SHA-256 of each file above; written last
     latest                          the name of the newest complete step folder
@@ -55,7 +56,7 @@ SHARDED_FILES = (INDEX, STATE, "meta.json")  # and the shards index.json names
 # Files only resuming reads: a checkpoint without them (deleted to save space) still holds
 # a model that eval, export and generate load. Each function that takes `resume` asks for
 # them when it is True (training on), and does without them when it is False.
-RESUME_ONLY = ("optimizer.pt",)
+RESUME_ONLY = ("optimizer.pt", "state.pt")
 MANIFEST = "manifest.json"
 DAMAGED = "damaged"
 # Leftovers of an interrupted save, prune or atomic write (removed by `clean_leftovers`).
@@ -446,7 +447,7 @@ def check_checkpoint(step_dir: str | os.PathLike, resume: bool = True) -> str | 
         return damage
     try:
         meta = read_meta(step_dir)
-        read_state(step_dir, meta.get("step"))
+        _state_if_there(step_dir, meta, resume)
     except CheckpointError as e:
         return str(e).removeprefix(f"cannot load checkpoint {step_dir}: ")
     return None
@@ -678,7 +679,15 @@ def _checked(step_dir: Path, resume: bool = True) -> tuple[dict, dict]:
     if damage is not None:
         raise CheckpointError(f"cannot load checkpoint {step_dir}: it is damaged: {damage}")
     meta = read_meta(step_dir)
-    return read_state(step_dir, meta.get("step")), meta
+    return _state_if_there(step_dir, meta, resume), meta
+
+
+def _state_if_there(step_dir: Path, meta: dict, resume: bool) -> dict:
+    """The checked state of `step_dir`; {} for a model-only load of a single-process
+    checkpoint whose state.pt is gone (RESUME_ONLY: verify_checkpoint allowed it)."""
+    if not resume and not is_sharded(step_dir) and not (step_dir / "state.pt").exists():
+        return {}
+    return read_state(step_dir, meta.get("step"))
 
 
 def load_into(step_dir: str | os.PathLike, named, optimizer=None, *, order=None,
