@@ -188,14 +188,20 @@ def started_run(spec, out, steps: str, setting: str, *more: str):
 
 @pytest.mark.slow
 def test_two_runs_into_one_folder(spec, tmp_path):
+    """The second run is refused while the first trains (the first, of 200 steps, could end
+    before the second had started on a loaded machine: 'already holds a run'); the first,
+    then stopped, is whole."""
     out = tmp_path / "run"
-    first, cmd, env = started_run(spec, out, "200", "train.save_every=20")
+    first, cmd, env = started_run(spec, out, "100000", "train.save_every=20")
     second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    first.send_signal(signal.SIGINT)
     _, first_err = first.communicate(timeout=600)
-    assert first.returncode == 0, first_err
+    assert first.returncode == 130, first_err
     assert second.returncode == 1 and "is in use by another run" in second.stderr
     steps = [r["step"] for r in records(out)]
-    assert steps == sorted(set(steps)) and steps[-1] == 200
+    saved = ck.latest_checkpoint(out / "ckpt")
+    assert steps == sorted(set(steps)) and steps[-1] == int(saved.name.split("_")[1])
+    assert ck.verify_checkpoint(saved) is None
     assert [p.name for p in (out / "ckpt").iterdir() if not p.name.startswith("step")] == \
         ["latest"]  # no temporary or empty folders
 
