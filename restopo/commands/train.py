@@ -391,14 +391,16 @@ def _load_spec(args, out: Path):
             raise _Stop("give a SPEC file (or --resume with --out DIR to continue "
                         "a run from its checkpoint)")
         step_dir = _resume_point(out, required=True)
-        spec = runspec.spec_from_meta(read_meta(step_dir), overrides)
-        _run_seed(spec, read_meta(step_dir), step_dir, overrides)
-        _note_resume(spec, step_dir, spec_file=False)
+        old = read_meta(step_dir)
+        spec = runspec.spec_from_meta(old, overrides)
+        _run_seed(spec, old, step_dir, overrides)
+        _note_resume(spec, step_dir, old, spec_file=False)
         return spec, step_dir
     spec = runspec.load(args.spec, overrides)
     resume = args.resume or restart_count() > 0
     step_dir = _resume_point(out, required=args.resume) if resume else None
-    kept = _run_seed(spec, read_meta(step_dir), step_dir, overrides) if step_dir else None
+    old = read_meta(step_dir) if step_dir is not None else None
+    kept = _run_seed(spec, old, step_dir, overrides) if old is not None else None
     if kept is not None:  # the spec file's seed is not the run's
         spec = runspec.load(args.spec, overrides + (kept,))
     if restart_count() > 0:  # torchrun restarted the workers (--max-restarts): say so
@@ -409,7 +411,6 @@ def _load_spec(args, out: Path):
     if not resume:
         args.replace_old_run = _fresh_start(out, args.overwrite)
     if step_dir is not None:
-        old = read_meta(step_dir)
         first = origin = None
         if old.get("spec_text") != spec.text:
             then = str(old.get("spec_path") or "")
@@ -420,7 +421,7 @@ def _load_spec(args, out: Path):
                 origin = (f"{step_dir} was trained from {then or 'another spec'}, not from "
                           f"{args.spec}")
                 first = f"{origin}, whose text differs; resuming with {args.spec}"
-        _note_resume(spec, step_dir, first=first, origin=origin)
+        _note_resume(spec, step_dir, old, first=first, origin=origin)
     return spec, step_dir
 
 
@@ -429,12 +430,12 @@ def _run_seed(spec, meta: dict, step_dir, overrides) -> str | None:
     has it already). The seed drew the run's first weights and its data order, which
     resuming restores from the checkpoint: another one would change nothing but what the
     run records, so one asked for on this command (`overrides`) is refused."""
-    from ..spec.overrides import override_values
+    from ..spec.overrides import override_key
 
     seed = (meta.get("config") or {}).get("seed")
     if type(seed) is not int or seed == spec.train.seed:
         return None
-    asked = [o for o in overrides if override_values([o]).get("train.seed") is not None]
+    asked = [o for o in overrides if override_key(o) == "train.seed"]
     if asked:
         shown = getattr(asked[-1], "shown", f"--set {asked[-1]}")
         raise _Stop(f"{step_dir} is a run of seed {seed}: its first weights and data order "
@@ -452,15 +453,16 @@ def _same_file(a: str, b: str) -> bool:
         return os.path.abspath(a) == os.path.abspath(b)
 
 
-def _note_resume(spec, step_dir, spec_file: bool = True, first: str | None = None,
-                 origin: str | None = None) -> None:
-    """The notes on resuming `spec` from `step_dir`, `first` (if any) before them; none
-    when resume_notes refuses it (a note saying 'resuming with' then an error said no):
-    the refusal then carries `origin`, the spec file the run was trained from."""
+def _note_resume(spec, step_dir, meta: dict, spec_file: bool = True,
+                 first: str | None = None, origin: str | None = None) -> None:
+    """The notes on resuming `spec` from `step_dir` (its meta.json: `meta`), `first` (if
+    any) before them; none when resume_notes refuses it (a note saying 'resuming with' then
+    an error said no): the refusal then carries `origin`, the spec file the run was trained
+    from."""
     from ..train import runspec
-    from ..train.checkpoint import CheckpointError, read_meta
+    from ..train.checkpoint import CheckpointError
     try:
-        notes = runspec.resume_notes(spec, read_meta(step_dir), step_dir, spec_file=spec_file)
+        notes = runspec.resume_notes(spec, meta, step_dir, spec_file=spec_file)
     except CheckpointError as e:
         if origin is None:
             raise

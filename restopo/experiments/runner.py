@@ -22,7 +22,7 @@ from ..train.checkpoint import latest_checkpoint, newest_meta
 from ..train.runlock import held_by
 from ..worker import STOP_WITH_PARENT, signals_handled
 from .grid import Job
-from .runs import RUN_FILE, reached_end
+from .runs import RUN_FILE, diverged_step, reached_end
 
 TAIL = 20  # lines of a failed run's log kept as its error
 # How a run stopped by Ctrl-C or the sweep's SIGTERM exits: restopo's 130, or the signal.
@@ -56,8 +56,7 @@ def state(out: Path, job: Job) -> str:
 def diverged_at(folder: Path) -> int | None:
     """The step a run's loss became NaN or infinite at, as its metrics.jsonl records."""
     from ..train.plots import read_metrics
-    last = (read_metrics(folder / "metrics.jsonl") or [{}])[-1]
-    return last.get("step") if last.get("diverged") is not None else None
+    return diverged_step(read_metrics(folder / "metrics.jsonl"))
 
 
 def _skipped(todo, out: Path, report) -> list[dict]:

@@ -71,8 +71,7 @@ class Run:
         """The step at which the run stopped because its loss became NaN or infinite (as
         its metrics record), else None. Such a run is not unfinished: resuming it from its
         last checkpoint diverges again."""
-        last = self.records[-1] if self.records else {}
-        return last["step"] if last.get("diverged") is not None else None
+        return diverged_step(self.records)
 
     @property
     def progress(self) -> str:
@@ -142,6 +141,13 @@ def reached_end(meta: dict) -> bool:
     """Whether a checkpoint's meta.json is of its run's last step (train.steps)."""
     planned = int(meta.get("config", {}).get("steps") or 0)
     return planned > 0 and int(meta.get("step") or 0) >= planned
+
+
+def diverged_step(records: list[dict]) -> int | None:
+    """The step a run's loss became NaN or infinite at, as the last of its metrics records
+    (restopo train writes it before it stops), else None."""
+    last = records[-1] if records else {}
+    return last.get("step") if last.get("diverged") is not None else None
 
 
 def read_run(path: str | Path) -> Run:

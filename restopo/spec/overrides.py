@@ -39,7 +39,8 @@ def override_key(text: str) -> str | None:
     return f"{section.strip()}.{' '.join(words)}"
 
 
-# keys that set one thing: the later of two replaces the earlier (apply_overrides)
+# keys that set one thing: an override of one replaces the others (apply_overrides), and
+# two on one command line are refused (cli.SetOverride)
 ONE_SETTING = ({"residual.blocks", "residual.block_size"},)
 
 
@@ -183,10 +184,11 @@ def apply_overrides(views: dict[str, View], overrides, c: Checker) -> None:
                 isinstance(old.value, Name) and old.value.text.lower() in text.keeps:
             continue
         view.fields[k.text] = Field(k, value, at(0, len(text)))
-        # setting one way of cutting blocks replaces the other
-        other = {"blocks": "block_size", "block_size": "blocks"}.get(k.text)
-        if sec == "residual" and other:
-            view.fields.pop(other, None)
+        # setting one way of a setting replaces the others (blocks by count or by size)
+        for keys in ONE_SETTING:
+            if f"{sec}.{k.text}" in keys:
+                for other in keys - {f"{sec}.{k.text}"}:
+                    view.fields.pop(other.partition(".")[2], None)
 
 
 def _bare_path(text: str) -> bool:
