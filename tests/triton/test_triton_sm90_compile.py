@@ -100,7 +100,7 @@ def cases():
                 out = tl.bfloat16 if srcs is src else tl.float32
                 c["ODT" if kind == "fwd" else "GDT"] = out
                 if kind == "dsources":
-                    c["HAS_DU"] = True
+                    c.update(HAS_DU=True, DOT_S=max(16, rt.next_pow2(S)))
                 yield fn, c, warps, stages, d, BIG_ROWS
 
 
@@ -120,7 +120,7 @@ def candidates(d=2048):
     for fn, kind, extra in ((twophase._phase1_fwd, "fwd", dict(ODT=tl.bfloat16)),
                             (twophase._phase1_dlogits, "dlogits", dict(GDT=tl.bfloat16)),
                             (twophase._phase1_dsources, "dsources",
-                             dict(GDT=tl.bfloat16, HAS_DU=True))):
+                             dict(GDT=tl.bfloat16, HAS_DU=True, DOT_S=16))):
         whole.append((fn, dict(src, BLOCK_S=rt.next_pow2(S), **extra),
                       twophase._phase1_configs(d, S, kind)))
     for fn, constexprs, configs in whole:
