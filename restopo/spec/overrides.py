@@ -18,11 +18,12 @@ from .sections import BUILTIN_DATA, SECTIONS, line_head, parallel_head
 
 def override_values(overrides) -> dict[str, str]:
     """`section.key=value` texts as the value each key is left with (the last of a key
-    wins, as when they are applied), keys and values stripped; not checked."""
+    wins, as when they are applied), keyed as override_key spells them (`model. width` and
+    `model.width` are one key) and values stripped; not checked."""
     out = {}
     for text in overrides:
-        key, _, value = str(text).partition("=")
-        out[key.strip()] = value.strip()
+        path, _, value = str(text).partition("=")
+        out[override_key(text) or path.strip()] = value.strip()
     return out
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from ..spec.datapath import data_base
-from ..spec.overrides import override_values
+from ..spec.overrides import override_values, same_setting
 from .checkpoint import CheckpointError, read_meta
 
 
@@ -147,7 +147,7 @@ def resume_notes(spec, meta: dict, step_dir, *, spec_file: bool = True) -> list[
     # again with another value, e.g. --steps, is a change this run asks for)
     given = override_values(spec.overrides or ())
     missing = [f"{k}={v}" for k, v in override_values(meta.get("overrides", ())).items()
-               if k not in given]
+               if not any(same_setting(k, g) for g in given)]
     if missing:
         flags = " ".join(f"--set {o}" for o in missing)
         notes.append(f"{step_dir} was trained with {flags}; this run does not give it, so "
