@@ -120,11 +120,14 @@ def device_arg(text: str) -> str:
     return text
 
 
-def output_error(out: str, *inputs: str) -> str | None:
+def output_error(out: str, *inputs: str, folder: bool = False) -> str | None:
     """Why a command must not write its output to `out` (None: it may): `out` is one of
     the command's own input files (the spec, the model being exported), a write-protected
     file (the atomic rename would replace it regardless), or lies in a checkpoint, whose
-    manifest then no longer matches and which later loads pass over as damaged."""
+    manifest then no longer matches and which later loads pass over as damaged. A file's
+    folder that cannot take it is said too, before the work rather than after it (`folder`:
+    `out` is a folder the command makes, parents and all: io.output_folder's to check)."""
+    from .io import beside_error
     from .train.checkpoint import holding_checkpoint
 
     for given in inputs:
@@ -139,7 +142,8 @@ def output_error(out: str, *inputs: str) -> str | None:
     if held is not None:
         return (f"{out} is inside the checkpoint {held}, which restopo writes only when "
                 f"saving; write the output outside it")
-    return None
+    e = None if folder else beside_error(out)
+    return f"{out}: {e.strerror}" if e is not None else None
 
 
 def noter(command: str):

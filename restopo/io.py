@@ -69,6 +69,46 @@ def make_folder(path: str | os.PathLike, instead: str = "choose another --out") 
     return path
 
 
+@contextmanager
+def output_folder(path: str | os.PathLike, instead: str = "choose another --out"
+                  ) -> Iterator[Path]:
+    """make_folder(path) for a block that fills it: made before the work, so a folder that
+    cannot be made is said before the work is done, not after (and the work lost). If the
+    block fails, the folders made here are removed again when they are still empty."""
+    path = Path(path)
+    made = [p for p in (path, *path.parents) if not os.path.lexists(p)]
+    make_folder(path, instead)
+    try:
+        yield path
+    except BaseException:
+        for p in made:  # innermost first; rmdir keeps any that holds something
+            try:
+                p.rmdir()
+            except OSError:
+                break
+        raise
+
+
+def beside_error(path: str | os.PathLike) -> OSError | None:
+    """The error write_atomic(path) would meet at the end of a command's work (the folder
+    to write it in missing, not a folder, or not writable), found before the work starts;
+    None when none is foreseen. Its strerror says what to do."""
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(folder):
+        if os.access(folder, os.W_OK | os.X_OK):
+            return None
+        return PermissionError(errno.EACCES, f"cannot write a file in {folder} (permission "
+                               f"denied); write it to another path, or fix the folder's "
+                               f"permissions", path)
+    e = FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), folder)
+    why = _why_no_folder(Path(folder), e)
+    if why.startswith("cannot make"):  # only missing: as the write would say it
+        return _as_users(e, path, "write")
+    return NotADirectoryError(errno.ENOTDIR, f"cannot write it there: {why}; write it to "
+                              f"another path", path)
+
+
 def _why_no_folder(path: Path, e: OSError) -> str:
     """Why the folder `path` could not be made (or written in), naming the part at fault:
     the nearest part of it that is there (or a symbolic link that leads nowhere)."""

@@ -101,3 +101,36 @@ def test_a_folder_that_exists_but_takes_no_files_is_not_called_missing(tmp_path,
     # and says what to do, with the folder as a shell takes it
     assert f"make it first (mkdir -p {tmp_path / 'none'})" in err
     assert not (tmp_path / "none").exists()
+
+
+def test_an_output_folder_that_cannot_take_it_is_said_before_the_work(tmp_path, capsys,
+                                                                      monkeypatch):
+    """compile, export and graph built the model (or loaded the checkpoint) and only then
+    found the output's folder missing, in the way or not writable."""
+    import restopo.api
+    import restopo.cli
+    import restopo.draw.dot
+
+    worked = []
+    for module, name in ((restopo.api, "compile"), (restopo.cli, "load_model"),
+                         (restopo.draw.dot, "to_dot")):
+        monkeypatch.setattr(module, name, lambda *a, name=name, **k: worked.append(name))
+    (tmp_path / "file").write_text("")
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real = os.access
+    # root may write anywhere, so the protection is seen through os.access, as a user's
+    monkeypatch.setattr(os, "access", lambda p, mode: False if Path(p) == locked
+                        else real(p, mode))
+    for argv in (["compile", str(TINY), "-o"], ["export", str(tmp_path), "-o"],
+                 ["graph", str(TINY), "-o"]):
+        ext = ".dot" if argv[0] == "graph" else ".pt"
+        err = error(capsys, argv + [str(tmp_path / "none" / f"m{ext}")])
+        assert "the folder to write it in does not exist; make it first" in err
+        err = error(capsys, argv + [str(tmp_path / "file" / f"m{ext}")])
+        assert f"{tmp_path / 'file'} is a file, not a folder; write it to another path" in err
+        err = error(capsys, argv + [str(locked / f"m{ext}")])
+        assert err.count("\n") == 1 and f"{locked / f'm{ext}'}: cannot write a file in " \
+            f"{locked} (permission denied); write it to another path, or fix the folder's " \
+            "permissions" in err
+    assert worked == []

@@ -233,6 +233,36 @@ def test_a_cache_that_cannot_be_made_names_restopo_cache(spec, capsys, tmp_path,
         assert f"{tmp_path / 'file'} is a file, not a folder" in err, err
 
 
+def test_diagnose_and_compare_make_their_folder_before_the_work(spec, capsys, tmp_path,
+                                                                monkeypatch):
+    """The folder was made once the numbers were in: one that could not be was said after
+    the work was done, and the work lost. A folder they made is gone again if the work fails."""
+    from restopo.experiments import report
+    from restopo.train import diagnose
+
+    run = tmp_path / "run"
+    assert main(["train", str(spec), "--out", str(run), "--steps", "2", "--no-progress"]) == 0
+    capsys.readouterr()
+    (tmp_path / "file").write_text("")
+    out = tmp_path / "file" / "figures"
+    worked = []
+    for module, name in ((diagnose, "collect"), (report, "describe_models")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, real=real, name=name, **k: (
+            worked.append(name), real(*a, **k))[1])
+    said = (f"restopo: error: {out}: cannot make this folder: {tmp_path / 'file'} is a file, "
+            "not a folder; choose another --out\n")
+    for argv in (["diagnose", str(run), "-o", str(out), "--batches", "1"],
+                 ["compare", str(run), "--out", str(out)]):
+        assert _error(capsys, argv) == said
+    assert worked == []
+    new = tmp_path / "new" / "figures"  # the work fails: no empty folders left behind
+    assert _error(capsys, ["compare", str(run), "--out", str(new), "--baseline", "nope"])
+    assert worked == ["describe_models"] and not (tmp_path / "new").exists()
+    assert main(["diagnose", str(run), "-o", str(new), "--batches", "1"]) == 0
+    assert worked[-1] == "collect" and (new / "diagnose.json").is_file()
+
+
 @pytest.mark.parametrize("blocker", ["file", "link"])
 def test_an_out_folder_that_cannot_be_made_says_which_part_is_in_the_way(spec, capsys, tmp_path,
                                                                           blocker):
@@ -246,7 +276,7 @@ def test_an_out_folder_that_cannot_be_made_says_which_part_is_in_the_way(spec, c
     err = _error(capsys, ["train", str(spec), "--out", str(out), "--steps", "2"])
     assert err == f"restopo: error: {out}: cannot make this folder: {why}; choose another " \
                   "--out\n"
-    # diagnose's figures go in a folder of their own (-o), made once the numbers are in
+    # diagnose's figures go in a folder of their own (-o), made before the numbers are taken
     run = tmp_path / "run"
     assert main(["train", str(spec), "--out", str(run), "--steps", "2", "--no-progress"]) == 0
     capsys.readouterr()

@@ -42,25 +42,28 @@ def register(subparsers) -> None:
 def run(args) -> int:
     from ..experiments import report
     from ..experiments.runs import RunError, find_runs
+    from ..io import output_folder
 
     if args.out and os.path.exists(args.out) and not os.path.isdir(args.out):
         print(f"restopo compare: error: --out {args.out} is a file; give a folder for "
               f"results.md, results.csv and the plots", file=sys.stderr)
         return 1
+    out = Path(args.out) if args.out else (Path(args.runs[0]) if len(args.runs) == 1
+                                           else Path("compare"))
     try:
-        runs = find_runs(args.runs)
-        arms = report.group(runs)
-        report.describe_models(arms)
-        baseline = report.pick_baseline(arms, args.baseline)
-        report.compare(arms, baseline)
-        out = Path(args.out) if args.out else (Path(args.runs[0]) if len(args.runs) == 1
-                                               else Path("compare"))
-        command = ["restopo", "compare", *args.runs] + \
-            (["--baseline", args.baseline] if args.baseline else []) + \
-            (["--out", args.out] if args.out else []) + (["--scaling"] if args.scaling else []) \
-            + (["--title", args.title] if args.title != "restopo compare" else [])
-        paths = report.write_report(arms, baseline, out, command, scaling=args.scaling,
-                                    title=args.title)
+        runs = find_runs(args.runs)  # the runs first: a missing one is not an output error
+        with output_folder(out):  # before the models are built and the runs compared
+            arms = report.group(runs)
+            report.describe_models(arms)
+            baseline = report.pick_baseline(arms, args.baseline)
+            report.compare(arms, baseline)
+            command = ["restopo", "compare", *args.runs] + \
+                (["--baseline", args.baseline] if args.baseline else []) + \
+                (["--out", args.out] if args.out else []) + \
+                (["--scaling"] if args.scaling else []) + \
+                (["--title", args.title] if args.title != "restopo compare" else [])
+            paths = report.write_report(arms, baseline, out, command, scaling=args.scaling,
+                                        title=args.title)
     except (RunError, ValueError) as e:
         print(f"restopo compare: error: {e}", file=sys.stderr)
         return 1

@@ -50,7 +50,7 @@ def run(args) -> int:
         print(f"restopo diagnose: error: -o {args.out} is a file, not a folder; choose "
               f"another -o", file=sys.stderr)
         return 1
-    why = args.out and output_error(args.out, args.checkpoint)
+    why = args.out and output_error(args.out, args.checkpoint, folder=True)
     if why:
         print(f"restopo diagnose: error: {why}", file=sys.stderr)
         return 1

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from ..ir import Aggregation, BlockSum, Embedding, Partial, Sublayer
 from ..ir.walk import Visitor, walk
-from ..io import make_folder, write_atomic
+from ..io import make_folder, output_folder, write_atomic
 from ..nn.streams import expand_streams, write_streams
 from .checkpoint import CheckpointError, load_checkpoint, resolve_checkpoint
 from .plots import plot_depth_lines, plot_depth_weights, plot_stream_coefficients
@@ -337,27 +337,29 @@ def diagnose(checkpoint: str, out_dir: str | None = None, *, batches: int = 4,
         raise ValueError(f"{step_dir} holds NaN or infinite weights ({', '.join(bad[:3])}"
                          f"{', ...' if len(bad) > 3 else ''}): the run diverged before it was "
                          f"saved; diagnose an earlier checkpoint")
-    # the spec, read back from a checkpoint or an export, knows where its run read its data
-    corpus = open_corpus(spec.train.data, base_dir=data_base or spec_data_base(spec))
-    corpus.check(spec.model.vocab, spec.model.context)
-    val = fixed_batches(corpus.val, spec.model.context, batch_size, batches)
-    graph = spec.ir()
-    numbers = collect(model, graph, val, torch.device(device))
-    if not all(math.isfinite(x) for k in ("output_rms", "input_rms", "param_grad_norm",
-                                          "output_grad_rms") for x in numbers[k]):
-        raise ValueError(f"{step_dir}: the model's activations or gradients overflow to NaN or "
-                         f"infinity on the validation batches, so there is nothing to plot")
-    numbers["checkpoint"] = str(step_dir)
-    numbers["step"] = meta.get("step")
-    # The spec's model as training initialised it, against the standard residual.
-    numbers["step0"] = step0_report(spec.model, spec.topology, graph, val[0][0],
-                                    seed=spec.train.seed)
     out = Path(out_dir) if out_dir else (
         step_dir.parent / f"{step_dir.stem}-diagnose" if step_dir.is_file()
         else step_dir.parent.parent / "diagnose")
-    name = spec.topology.name
-    when = step_dir.name if meta.get("step") is None else f"step {meta['step']}"
-    paths = write_figures(numbers, graph, out, f"{name} {when}")
+    with output_folder(out):  # before measuring: a folder that cannot be made is said first
+        # the spec, read back from a checkpoint or an export, knows where its run read its data
+        corpus = open_corpus(spec.train.data, base_dir=data_base or spec_data_base(spec))
+        corpus.check(spec.model.vocab, spec.model.context)
+        val = fixed_batches(corpus.val, spec.model.context, batch_size, batches)
+        graph = spec.ir()
+        numbers = collect(model, graph, val, torch.device(device))
+        if not all(math.isfinite(x) for k in ("output_rms", "input_rms", "param_grad_norm",
+                                              "output_grad_rms") for x in numbers[k]):
+            raise ValueError(f"{step_dir}: the model's activations or gradients overflow to "
+                             f"NaN or infinity on the validation batches, so there is nothing "
+                             f"to plot")
+        numbers["checkpoint"] = str(step_dir)
+        numbers["step"] = meta.get("step")
+        # The spec's model as training initialised it, against the standard residual.
+        numbers["step0"] = step0_report(spec.model, spec.topology, graph, val[0][0],
+                                        seed=spec.train.seed)
+        name = spec.topology.name
+        when = step_dir.name if meta.get("step") is None else f"step {meta['step']}"
+        paths = write_figures(numbers, graph, out, f"{name} {when}")
     return {"out": str(out), "paths": {k: str(p) for k, p in paths.items()},
             "reconstruction_error": numbers["reconstruction_error"],
             "step0": numbers["step0"]["line"]}
