@@ -59,13 +59,17 @@ def cache_folder(*parts: str, cache_dir: str | os.PathLike | None = None) -> Pat
 def make_folder(path: str | os.PathLike, instead: str = "choose another --out") -> Path:
     """`path` as a folder, made with its parents if need be (a command's --out). An OSError
     naming it that says which part of it is in the way and what to do (`instead`), where
-    mkdir's own said only 'Not a directory' or 'File exists'."""
+    mkdir's own said only 'Not a directory' or 'File exists'; and one for a folder already
+    there that cannot be written in (said by the first file written, after the work)."""
     path = Path(path)
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise type(e)(e.errno, f"cannot make this folder: {_why_no_folder(path, e)}; {instead}",
                       str(path)) from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise PermissionError(errno.EACCES, f"cannot write in this folder (permission denied); "
+                              f"{instead}, or fix the folder's permissions", str(path))
     return path
 
 

@@ -1,8 +1,11 @@
 """`restopo train` through the CLI: a run, resume without the spec file, and user mistakes
 (bad overrides, bad data) as one clear error with exit 1 and no traceback."""
+import errno
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -261,6 +264,47 @@ def test_diagnose_and_compare_make_their_folder_before_the_work(spec, capsys, tm
     assert worked == ["describe_models"] and not (tmp_path / "new").exists()
     assert main(["diagnose", str(run), "-o", str(new), "--batches", "1"]) == 0
     assert worked[-1] == "collect" and (new / "diagnose.json").is_file()
+
+
+def test_an_out_folder_that_cannot_be_written_says_so_in_one_line(spec, capsys, tmp_path,
+                                                                   monkeypatch):
+    """An existing --out whose lock file could not be opened was said as '.restopo.lock:
+    permission denied', naming neither the folder nor what to do; compare and diagnose
+    found theirs unwritable only when writing, after the work."""
+    import restopo.train.runlock as runlock
+
+    run = tmp_path / "run"
+    assert main(["train", str(spec), "--out", str(run), "--steps", "2", "--no-progress"]) == 0
+    capsys.readouterr()
+    out = tmp_path / "out"
+    out.mkdir()
+    real_open = os.open
+
+    def refused(path, *a, **k):
+        if os.path.basename(path) == runlock.LOCK_NAME:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
+        return real_open(path, *a, **k)
+
+    monkeypatch.setattr(os, "open", refused)
+    said = (f"restopo: error: {out}: cannot write in this folder (permission denied opening "
+            f"its lock file .restopo.lock); choose another --out, or fix the folder's "
+            "permissions\n")
+    assert _error(capsys, ["train", str(spec), "--out", str(out), "--steps", "2"]) == said
+    err = _error(capsys, ["sweep", str(spec), "--out", str(out), "--set", "train.steps=2"])
+    assert err.endswith(said) and err.count("\n") == 2, err  # its count of runs, then this
+    assert os.listdir(out) == []
+    monkeypatch.setattr(os, "open", real_open)
+    real_access = os.access
+    # root may write anywhere, so the protection is seen through os.access, as a user's
+    monkeypatch.setattr(os, "access", lambda p, mode: False if Path(p) == out
+                        else real_access(p, mode))
+    said = (f"restopo: error: {out}: cannot write in this folder (permission denied); "
+            "choose another --out, or fix the folder's permissions\n")
+    for argv in (["train", str(spec), "--out", str(out), "--steps", "2"],
+                 ["diagnose", str(run), "-o", str(out), "--batches", "1"],
+                 ["compare", str(run), "--out", str(out)]):
+        assert _error(capsys, argv) == said
+    assert os.listdir(out) == []
 
 
 @pytest.mark.parametrize("blocker", ["file", "link"])

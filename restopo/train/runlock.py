@@ -46,8 +46,16 @@ def run_lock(out: str | os.PathLike, who: str = "run"):
         return
     created = not out.exists()
     make_folder(out)
-    # 0o666: the user's umask decides, as for every file a run writes
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)
+    try:  # 0o666: the user's umask decides, as for every file a run writes
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)
+    except OSError as e:  # named for the folder the user gave, not the lock file alone
+        if created:  # made just now, for nothing
+            with contextlib.suppress(OSError):
+                out.rmdir()
+        why = "permission denied" if isinstance(e, PermissionError) else (e.strerror or e)
+        raise type(e)(e.errno, f"cannot write in this folder ({why} opening its lock file "
+                      f"{LOCK_NAME}); choose another --out, or fix the folder's permissions",
+                      str(out)) from None
     locked = False
     try:
         try:
