@@ -199,6 +199,28 @@ def test_a_checkpoint_without_optimizer_state_evaluates_and_exports_but_does_not
     assert (newest / "model.safetensors").is_file() and not (out / "ckpt" / "damaged").exists()
 
 
+def test_a_damaged_checkpoint_without_optimizer_state_is_passed_over_as_damaged(
+        spec, tmp_path, capsys):
+    """The newest checkpoint lacking optimizer.pt whose weights were damaged too was passed
+    over without a word: --resume trained on from the step before it and saved over it. Its
+    weights are nothing to keep, so it is passed over as a damaged one is: said, naming it
+    and why, and moved to ckpt/damaged/."""
+    out = tmp_path / "run"
+    assert main(["train", str(spec), "--out", str(out), "--no-progress"]) == 0
+    newest = out / "ckpt" / "step_000008"
+    (newest / "optimizer.pt").unlink()
+    weights = newest / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    capsys.readouterr()
+    assert main(["train", str(spec), "--out", str(out), "--resume", "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert (f"{newest} is damaged (model.safetensors has 1,000 bytes, the manifest says "
+            in err and "and it has no optimizer.pt); moved to ckpt/damaged/step_000008" in err)
+    assert "resuming from step_000004, the newest checkpoint that verifies" in err
+    assert (out / "ckpt" / "damaged" / "step_000008" / "model.safetensors").stat().st_size \
+        == 1000  # kept aside, not saved over
+
+
 def test_resume_keeps_the_seed_the_run_was_started_with(spec, tmp_path, capsys):
     """`train SPEC --resume` without --seed recorded seed 0 for a run started with --seed 5
     (the seed only drew its first weights and data order, which the checkpoint restores:

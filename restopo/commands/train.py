@@ -331,10 +331,11 @@ def _replace_old_run(args, out: Path) -> None:
 def _resume_point(out: Path, required: bool):
     """The newest checkpoint under OUT/ckpt that verifies; the newer, damaged ones are said
     and (by the writer) moved to ckpt/damaged/."""
-    from ..train.checkpoint import find_resumable, has_manifest, quarantine
+    from ..train.checkpoint import STEP_DIR, find_resumable, has_manifest, quarantine
 
     step_dir, skipped = find_resumable(out / "ckpt")
-    _refuse_newer_weights(out, step_dir)
+    skipped = sorted(skipped + _refuse_newer_weights(out, step_dir), reverse=True,
+                     key=lambda s: int(STEP_DIR.match(s[0].name).group(1)))  # newest first
     for bad, why in skipped:
         where = ""
         if _is_writer():
@@ -356,21 +357,28 @@ def _resume_point(out: Path, required: bool):
     return step_dir
 
 
-def _refuse_newer_weights(out: Path, step_dir) -> None:
+def _refuse_newer_weights(out: Path, step_dir) -> list[tuple[Path, str]]:
     """Refuse to resume when a newer checkpoint than `step_dir` holds weights but not the
     optimizer state resuming needs (deleted to save space): training on from an older
-    step would replace it at its step, and its steps would be trained again."""
+    step would replace it at its step, and its steps would be trained again. Those newer
+    ones whose weights are damaged too hold nothing to keep: returned, each with why, to be
+    passed over as damaged ones are (find_resumable never lists them, so none was said)."""
     from ..train.checkpoint import RESUME_ONLY, check_checkpoint, list_checkpoints
 
     found = list_checkpoints(out / "ckpt", resume=False)  # oldest first
     whole = list_checkpoints(out / "ckpt")
-    # newer ones that lack only what resuming needs (damaged ones: find_resumable's to say)
     newer = [p for p in found[found.index(step_dir) + 1 if step_dir in found else 0:]
-             if p not in whole and check_checkpoint(p, resume=False) is None]
+             if p not in whole]
+    damaged = [(p, why) for p in newer if (why := check_checkpoint(p, resume=False))]
+    newer = [p for p in newer if p not in dict(damaged)]
+
+    def lacks(p: Path) -> str:
+        return " and ".join(f for f in RESUME_ONLY if not (p / f).exists())
+
     if not newer:
-        return
+        return [(p, f"{why}, and it has no {lacks(p)}") for p, why in damaged]
     p = newer[-1]
-    gone = " and ".join(f for f in RESUME_ONLY if not (p / f).exists())
+    gone = lacks(p)
     instead = (f"to resume from {step_dir.name}, the newest checkpoint that has it, move "
                f"{p.name} out of {out / 'ckpt'} first" if step_dir is not None else
                "start a new run in another --out (--overwrite would delete it)")
