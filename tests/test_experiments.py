@@ -99,7 +99,11 @@ def test_sweep_mistakes_are_refused_before_any_run(tmp_path, capsys):
                         (["--set", "train.seed=3"], "give --seeds N or --seed-list"),
                         (["--set", "residual.blocks=2", "--vary", "residual.block_size=2,4"],
                          "both set residual.block_size"),
-                        (["--vary", "train.seed=1,2"], "the seed is the sweep's to give")):
+                        (["--vary", "train.seed=1,2"], "the seed is the sweep's to give"),
+                        # every run would fail in train, or --seeds be dropped silently
+                        (["--seed-list", "1,-2"], "'seed' must be at least 0, got -2"),
+                        (["--seed-list", "5000000000"], "'seed' is too large"),
+                        (["--seeds", "3", "--seed-list", "1"], "give one of them")):
         assert main(["sweep", *specs, "--out", str(out), *extra]) in (1, 2)
         assert said in capsys.readouterr().err
         assert not out.exists()  # nothing trained, not even the folder made

@@ -36,7 +36,7 @@ def register(subparsers) -> None:
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("specs", nargs="+", metavar="SPEC", help=".restopo files (the arms)")
     p.add_argument("--out", required=True, metavar="DIR", help="folder of the sweep's runs")
-    p.add_argument("--seeds", type=int, default=1, metavar="N",
+    p.add_argument("--seeds", type=int, metavar="N",
                    help="seeds 0..N-1 for every arm (default 1)")
     p.add_argument("--seed-list", metavar="S,S,...", help="these seeds instead of 0..N-1")
     p.add_argument("--set", dest="overrides", action=SetOverride, default=[], metavar="KEY=VALUE",
@@ -58,13 +58,27 @@ def register(subparsers) -> None:
 
 
 def _seeds(args) -> list[int]:
-    if args.seed_list:
-        try:
-            return [int(s) for s in args.seed_list.split(",")]
-        except ValueError:
-            raise ValueError(f"--seed-list takes whole numbers separated by commas, e.g. "
-                             f"0,1,2; got {args.seed_list!r}") from None
-    return list(range(args.seeds))
+    if args.seed_list is None:
+        return list(range(1 if args.seeds is None else args.seeds))
+    if args.seeds is not None:  # one would be dropped silently: --seed-list won
+        raise ValueError(f"--seeds {args.seeds} and --seed-list {args.seed_list} both say "
+                         "which seeds to run; give one of them")
+    try:
+        return [int(s) for s in args.seed_list.split(",")]
+    except ValueError:
+        raise ValueError(f"--seed-list takes whole numbers separated by commas, e.g. "
+                         f"0,1,2; got {args.seed_list!r}") from None
+
+
+def _check_seeds(seeds: list[int], job, flag: str) -> None:
+    """Each run is `train --seed S`: a seed train refuses (below 0, above the spec's bound)
+    is refused here, before any run, rather than fail every run of the sweep."""
+    from ..spec import load_spec
+    from ..spec.overrides import FlagOverride
+
+    for seed in dict.fromkeys((min(seeds), max(seeds))):  # the bounds are a range
+        load_spec(job.spec, overrides=job.overrides + (
+            FlagOverride.of(flag, "train.seed", str(seed)),))
 
 
 def _check_baseline(name: str | None, jobs) -> None:
@@ -94,10 +108,11 @@ def run(args) -> int:
 
     out = Path(args.out)
     try:
-        if args.seeds < 1 or args.jobs < 1:
+        if (args.seeds is not None and args.seeds < 1) or args.jobs < 1:
             raise ValueError("--seeds and --jobs must be at least 1")
         seeds = _seeds(args)
         jobs = make_grid(args.specs, seeds, args.overrides, args.vary)
+        _check_seeds(seeds, jobs[0], "--seeds" if args.seed_list is None else "--seed-list")
         # every run's spec, overrides and data path check before any run trains
         for spec, overrides in dict.fromkeys((j.spec, j.overrides) for j in jobs):
             check_data_path(load_spec(spec, overrides=overrides))
