@@ -289,6 +289,12 @@ def syntax_error(e: UnexpectedInput, text: str, path: str, what: str = "spec") -
             hint = 'paths are quoted, e.g. data: "data/corpus.txt"'
         elif char == "'":
             hint = 'strings use double quotes, e.g. data: "corpus.txt"'
+        elif char in "\u201c\u201d\u2018\u2019":  # a word processor's quotes
+            hint = 'strings use plain double quotes ("), e.g. data: "corpus.txt"'
+        elif char == '"' and '"' not in text[e.pos_in_stream + 1:].split("\n", 1)[0]:
+            # a string ends on its line: "expected a quoted string" named what was written
+            message = "this '\"' is never closed"
+            hint = 'end the string with " on the same line, e.g. data: "corpus.txt"'
         return SpecError(path, line, col, message, hint, _line(text, line))
 
     if isinstance(e, UnexpectedToken) and e.token.type != "$END":
