@@ -346,7 +346,12 @@ def test_diagnose_reads_an_export(run, tmp_path, capsys, monkeypatch):
     (["--prompt", "abc", "--prompt-ids", "65 66"], "not allowed with argument"),
     (["--temperature", "nan"], "--temperature: expected a finite number"),
     (["--temperature", "inf"], "--temperature: expected a finite number"),
-    (["--top-p", "nan"], "--top-p: expected a finite number")])
+    (["--top-p", "nan"], "--top-p: expected a finite number"),
+    # out of range: a usage error naming the flag (was decode's 'top_k must be', exit 1)
+    (["--top-k", "0"], "argument --top-k: must be at least 1, got 0"),
+    (["--top-p", "1.5"], "argument --top-p: must be above 0 and at most 1, got 1.5"),
+    (["--temperature", "-1"], "argument --temperature: must be 0 (greedy) or more"),
+    (["--max-new-tokens", "-3"], "argument --max-new-tokens: must be 0 or more")])
 def test_generate_flags_that_cannot_both_hold_or_are_not_numbers(run, capsys, flags, said):
     folder, _ = run
     assert main(["generate", str(folder / "run"), *flags]) == 2

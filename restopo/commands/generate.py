@@ -35,14 +35,18 @@ def register(subparsers) -> None:
     prompt.add_argument("--prompt-ids", metavar="IDS",
                         help="the prompt as token ids, e.g. '5 17 3' (for a vocab other than "
                              "bytes)")
-    p.add_argument("--max-new-tokens", type=int, default=200, metavar="N",
+    p.add_argument("--max-new-tokens", type=_bounded(int, lambda n: n >= 0, "0 or more"),
+                   default=200, metavar="N",
                    help="tokens to generate (default 200; past the model's context the "
                         "window slides, keeping the last context/2 tokens)")
-    p.add_argument("--temperature", type=finite_float, default=0.8, metavar="T",
+    p.add_argument("--temperature", default=0.8, metavar="T",
+                   type=_bounded(finite_float, lambda t: t >= 0, "0 (greedy) or more"),
                    help="sampling temperature; 0 is greedy (default 0.8)")
-    p.add_argument("--top-k", type=int, default=None, metavar="K",
+    p.add_argument("--top-k", type=_bounded(int, lambda k: k >= 1, "at least 1"),
+                   default=None, metavar="K",
                    help="sample among the K likeliest tokens only")
-    p.add_argument("--top-p", type=finite_float, default=None, metavar="P",
+    p.add_argument("--top-p", default=None, metavar="P",
+                   type=_bounded(finite_float, lambda q: 0 < q <= 1, "above 0 and at most 1"),
                    help="sample among the likeliest tokens holding probability P")
     p.add_argument("--seed", type=int_range(-2 ** 63, 2 ** 64 - 1, "a 64-bit seed"),
                    default=None, help="make the sampling repeatable")
@@ -52,6 +56,21 @@ def register(subparsers) -> None:
                         "waits for the compile (about a minute on a CPU), the rest come "
                         "faster; worth it for long generations (bench/decode.py)")
     p.set_defaults(func=run)
+
+
+def _bounded(kind, holds, said: str):
+    """An argparse type: `kind` of the text, refused as a usage error naming the flag unless
+    `holds`; decode's own check named the parameter (top_k) after the model had loaded."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if not holds(value):
+            raise argparse.ArgumentTypeError(f"must be {said}, got {text}")
+        return value
+    parse.__name__ = getattr(kind, "__name__", "value")
+    return parse
 
 
 def _fail(message: str) -> int:
@@ -88,8 +107,6 @@ def run(args) -> int:
     from ..decode import stream
     from ..cli import load_model
     from ..saved import LoadError
-    if args.max_new_tokens < 0:
-        return _fail("--max-new-tokens must be 0 or more")
     try:
         model = load_model("generate", args.checkpoint, device=args.device)
         vocab = model.embed.num_embeddings
