@@ -60,7 +60,7 @@ def test_grid_names_runs_by_what_differs():
         "block_attnres_blocks_4-compileoff-s0", "block_attnres_blocks_4-compilewhole-s0"]
     with pytest.raises(ValueError, match="KEY=V1,V2"):
         parse_vary("model.width")
-    with pytest.raises(ValueError, match="share a file name"):
+    with pytest.raises(ValueError, match="share the name 'std'"):
         make_grid(["a/std.restopo", "b/std.restopo"], [0])
 
 
@@ -72,6 +72,9 @@ def test_a_grid_that_would_collide_or_drop_a_value_is_refused():
         make_grid(["a/std.restopo"], [0], [], ["model.width=32", "model.width=64"])
     with pytest.raises(ValueError, match="repeat one"):
         make_grid(["a/std.restopo"], [1, 1])
+    with pytest.raises(ValueError, match=re.escape(  # named: it said "two specs" only
+            "a/std.restopo and b/std.restopo share the name 'std'; run names")):
+        make_grid(["a/std.restopo", "a/blk.restopo", "b/std.restopo"], [0])
     # each run's `train --set` would give the key twice (the --vary value won silently)
     with pytest.raises(ValueError, match=re.escape(
             "--set model.width=16 and --vary model.width=32,64 both set model.width; give "

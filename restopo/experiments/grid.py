@@ -65,8 +65,11 @@ def make_grid(specs, seeds, sets=(), varies=()) -> list[Job]:
     if twice:
         raise ValueError(f"{twice[0]} is given twice; give each spec once (--seeds repeats "
                          "runs)")
-    if len(set(stems)) != len(stems):
-        raise ValueError("two specs share a file name; run names come from file names, so "
+    alike = [(specs[stems.index(s)], spec) for i, (s, spec) in enumerate(zip(stems, specs))
+             if s in stems[:i]]
+    if alike:  # named, as among many (experiments/*/*.restopo) the pair is hard to find
+        raise ValueError(f"{alike[0][0]} and {alike[0][1]} share the name "
+                         f"{Path(alike[0][0]).stem!r}; run names come from file names, so "
                          "rename one")
     axes = [parse_vary(v) for v in varies]
     # each value as the override it makes, an error in which points into the --vary typed
