@@ -64,6 +64,33 @@ def test_grid_names_runs_by_what_differs():
         make_grid(["a/std.restopo", "b/std.restopo"], [0])
 
 
+def test_a_sweep_again_with_other_specs_keeps_the_folders_names(tmp_path, capsys):
+    """A lone spec's name is left out of its runs' names: sweeping a folder again with one
+    spec of the two it was swept with (to add a seed) named its runs anew and would have
+    trained them all again. They keep the folder's names, a new seed its arm's name."""
+    std, blk = _specs(tmp_path)
+    out = tmp_path / "sw"
+    for job in make_grid([std, blk], [0], [], ["model.width=16,32"]):
+        (out / job.name).mkdir(parents=True)
+        (out / job.name / "run.json").write_text(json.dumps(
+            {"arm": job.arm, "seed": job.seed, "spec": job.spec,
+             "overrides": list(job.overrides), "status": "done"}))
+    assert main(["sweep", std, "--vary", "model.width=16, 32", "--seeds", "2", "--out",
+                 str(out), "--dry-run"]) == 0
+    err = capsys.readouterr()
+    names = [line.split()[0] for line in err.out.splitlines()]
+    assert names == ["std-width16-s0", "std-width16-s1", "std-width32-s0", "std-width32-s1"]
+    assert "note: 4 runs keep the names" in err.err and "(this grid alone names it " \
+        "width16-s0)" in err.err
+    # another spec of one name is another arm: named by the grid
+    other = tmp_path / "o" / "std.restopo"
+    other.parent.mkdir()
+    other.write_text(Path(std).read_text())
+    assert main(["sweep", str(other), "--vary", "model.width=16", "--out", str(out),
+                 "--dry-run"]) == 0
+    assert capsys.readouterr().out.split()[0] == "width16-s0"
+
+
 def test_a_grid_that_would_collide_or_drop_a_value_is_refused():
     for vary, said in (("model.width=32,,64", "empty value"), ("model.width=32,32", "32 twice")):
         with pytest.raises(ValueError, match=said):

@@ -111,7 +111,8 @@ def run(args) -> int:
         if (args.seeds is not None and args.seeds < 1) or args.jobs < 1:
             raise ValueError("--seeds and --jobs must be at least 1")
         seeds = _seeds(args)
-        jobs = make_grid(args.specs, seeds, args.overrides, args.vary)
+        grid = make_grid(args.specs, seeds, args.overrides, args.vary)
+        jobs = runner.adopt_names(grid, out)  # the folder's names for runs it holds
         _check_seeds(seeds, jobs[0], "--seeds" if args.seed_list is None else "--seed-list")
         # every run's spec, overrides and data path check before any run trains
         for spec, overrides in dict.fromkeys((j.spec, j.overrides) for j in jobs):
@@ -128,6 +129,11 @@ def run(args) -> int:
              "would not be what this sweep asks for:", *changed]) + "\ngive another --out, "
             "or delete those run folders to train them again", file=sys.stderr)
         return 1
+    renamed = [(g.name, j.name) for g, j in zip(grid, jobs) if g.name != j.name]
+    if renamed:
+        print(f"restopo sweep: note: {len(renamed)} runs keep the names {out} gave their arms "
+              f"before, such as {renamed[0][1]} (this grid alone names it {renamed[0][0]})",
+              file=sys.stderr)
     states = {j.name: runner.state(out, j) for j in jobs}
     print(f"restopo sweep: {len(jobs)} runs in {out} ({sum(s == 'done' for s in states.values())}"
           f" done, {sum(s == 'resume' for s in states.values())} to resume)", file=sys.stderr)

@@ -101,11 +101,11 @@ def make_grid(specs, seeds, sets=(), varies=()) -> list[Job]:
             arm = "-".join(parts)
             for seed in seeds:
                 jobs.append(Job(f"{arm}-s{seed}", arm, spec, tuple(sets) + tuple(varied), seed))
-    _one_folder_each(jobs)
+    one_folder_each(jobs)
     return jobs
 
 
-def _one_folder_each(jobs: list[Job]) -> None:
+def one_folder_each(jobs: list[Job]) -> None:
     """Refuse two jobs that a name gives one folder: a name keeps a value's letters, digits,
     '_' and '.', so blocks: 4 and blocks:4, or data a/b.txt and a-b.txt, met in one folder
     (one run failed on the other's lock, or resumed it as its own)."""

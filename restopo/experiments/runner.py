@@ -8,6 +8,7 @@ failed one tried again; a failing run is recorded and never stops the others.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -21,7 +22,7 @@ from ..spec.overrides import override_values
 from ..train.checkpoint import latest_checkpoint, newest_meta
 from ..train.runlock import held_by
 from ..worker import STOP_WITH_PARENT, signals_handled
-from .grid import Job
+from .grid import Job, one_folder_each
 from .runs import RUN_FILE, diverged_step, reached_end
 
 TAIL = 20  # lines of a failed run's log kept as its error
@@ -72,6 +73,30 @@ def _skipped(todo, out: Path, report) -> list[dict]:
             report({"event": "skip", "job": job, **event})
             results.append(event)
     return results
+
+
+def adopt_names(jobs: list[Job], out: Path) -> list[Job]:
+    """The jobs, each named as the sweep's folder already names the same run (spec file,
+    overrides, seed; the arm's name for a new seed of a known arm). A name depends on the
+    grid (a lone spec's name is left out of it), so sweeping the folder again with another
+    set of specs named the runs anew and trained every one again."""
+    known: dict[tuple, str] = {}
+    for path in sorted(out.glob(f"*/{RUN_FILE}")):
+        info = _read(path)
+        if isinstance(info.get("arm"), str) and isinstance(info.get("spec"), str):
+            known.setdefault(_identity(info["spec"], info.get("overrides") or ()), info["arm"])
+    adopted = []
+    for job in jobs:
+        arm = known.get(_identity(job.spec, job.overrides), job.arm)
+        adopted.append(job if arm == job.arm else
+                       dataclasses.replace(job, arm=arm, name=f"{arm}-s{job.seed}"))
+    one_folder_each(adopted)
+    return adopted
+
+
+def _identity(spec: str, overrides) -> tuple:
+    """What makes two jobs one arm: the spec file and the settings the overrides give."""
+    return os.path.realpath(spec), frozenset(override_values(overrides).items())
 
 
 def changed(out: Path, job: Job) -> str | None:
