@@ -57,9 +57,12 @@ def load(path: str | os.PathLike, backend: str = "auto", device: str | torch.dev
         model = _from_pt(p, backend, device)
     elif p.suffix == ".safetensors":
         model = _from_safetensors(p, backend, device)
+    elif p.suffix == ".restopo":  # said to CLI users too (eval, generate, diagnose...)
+        raise LoadError(f"{p} is a spec, not a trained model; train it first (restopo train "
+                        f"{p}) and give its run folder or a checkpoint")
     else:
-        raise LoadError(f"{p}: not a model restopo saved (expected a folder, .pt or "
-                        f".safetensors); a .restopo spec is compiled with restopo.compile")
+        raise LoadError(f"{p}: not a model restopo saved (expected a run folder, .pt or "
+                        f".safetensors)")
     if p.is_file():
         model.restopo_source = p
     return model.eval()

@@ -104,7 +104,7 @@ def test_a_file_that_does_not_fit_is_refused(run, tmp_path):
     for path, message in ((tmp_path / "nope", "no such file"),
                           (tmp_path / "g.pt", "g.pt: is not a torch file"),
                           (tmp_path / "x.safetensors", "not a safetensors file"),
-                          (folder / "t.restopo", "not a model restopo saved"),
+                          (folder / "t.restopo", r"is a spec, not a trained model; train it"),
                           (tmp_path, "no complete checkpoint")):
         with pytest.raises(LoadError, match=message):
             load(path)
@@ -340,6 +340,23 @@ def test_diagnose_reads_an_export(run, tmp_path, capsys, monkeypatch):
     figures = tmp_path / "e-diagnose"
     assert (figures / "depth_attention.png").read_bytes()[:4] == b"\x89PNG"
     assert json.loads((figures / "diagnose.json").read_text())["checkpoint"] == str(out)
+
+
+@pytest.mark.parametrize("command, extra", [
+    ("eval", ["--no-progress"]), ("diagnose", []), ("export", ["-o", "OUT/e.safetensors"]),
+    ("generate", ["--prompt", "d", "--max-new-tokens", "2"])])
+def test_a_spec_given_for_a_model_says_to_train_it_first(run, tmp_path, capsys, command,
+                                                         extra):
+    """A command line's user is told what to run (it said 'a .restopo spec is compiled with
+    restopo.compile', the Python API)."""
+    folder, _ = run
+    spec = folder / "t.restopo"
+    extra = [x.replace("OUT", str(tmp_path)) for x in extra]
+    assert main([command, str(spec), *extra]) == 1
+    err = capsys.readouterr().err
+    assert err == (f"restopo {command}: error: {spec} is a spec, not a trained model; train "
+                   f"it first (restopo train {spec}) and give its run folder or a "
+                   f"checkpoint\n")
 
 
 @pytest.mark.parametrize("flags, said", [
