@@ -359,6 +359,29 @@ def test_a_spec_given_for_a_model_says_to_train_it_first(run, tmp_path, capsys, 
                    f"checkpoint\n")
 
 
+@pytest.mark.parametrize("command, extra", [
+    ("eval", ["--no-progress"]), ("diagnose", []), ("export", ["-o", "OUT/e.safetensors"]),
+    ("generate", ["--prompt", "d", "--max-new-tokens", "2"])])
+def test_a_sweep_folder_given_for_one_run_names_its_runs(run, tmp_path, capsys, command,
+                                                         extra):
+    """A sweep's --out holds runs, not a checkpoint: the error says so and names runs to give
+    (it said only 'no complete checkpoint in ...')."""
+    import shutil
+    folder, _ = run
+    sweep = tmp_path / "sw4"
+    for name in ("a-s0", "b-s0", "c-s0"):
+        shutil.copytree(folder / "run", sweep / name)
+        (sweep / name / "run.json").write_text(json.dumps({"arm": name[0], "seed": 0}))
+    shutil.rmtree(sweep / "a-s0" / "ckpt" / "step_000001")  # a run with no checkpoint yet
+    shutil.rmtree(sweep / "a-s0" / "ckpt" / "step_000002")
+    extra = [x.replace("OUT", str(tmp_path)) for x in extra]
+    assert main([command, str(sweep), *extra]) == 1
+    err = capsys.readouterr().err
+    assert err == (f"restopo {command}: error: {str(sweep)!r} is a sweep's folder (a folder of "
+                   f"runs), not one run; give one of its runs, e.g. {str(sweep / 'b-s0')!r} "
+                   f"or {str(sweep / 'c-s0')!r}\n")
+
+
 @pytest.mark.parametrize("flags, said", [
     (["--prompt", "abc", "--prompt-ids", "65 66"], "not allowed with argument"),
     (["--temperature", "nan"], "--temperature: expected a finite number"),

@@ -500,8 +500,21 @@ def resolve_checkpoint(path: str | os.PathLike, say=None) -> Path:
         if skipped:
             raise CheckpointError(f"no intact checkpoint in {str(root)!r}: "
                                   + "; ".join(f"{b.name}: {w}" for b, w in skipped))
+    runs = _runs_in(p)
+    if runs:  # a sweep's --out where one run is wanted: name runs to give instead
+        raise CheckpointError(f"{str(p)!r} is a sweep's folder (a folder of runs), not one "
+                              f"run; give one of its runs, e.g. "
+                              + " or ".join(repr(str(r)) for r in runs[:2]))
     raise CheckpointError(f"no complete checkpoint in {str(p)!r}; give a run folder (with "
                           f"ckpt/), its ckpt/ folder or a ckpt/step_NNNNNN folder")
+
+
+def _runs_in(p: Path) -> list[Path]:
+    """The run folders (with ckpt/) inside `p`, those with a complete checkpoint first."""
+    if not p.is_dir():
+        return []
+    runs = sorted(q for q in p.iterdir() if (q / "ckpt").is_dir())
+    return sorted(runs, key=lambda q: not list_checkpoints(q / "ckpt", resume=False))
 
 
 def _incomplete(root: Path) -> list[Path]:
