@@ -359,6 +359,25 @@ def test_an_unfinished_run_is_left_out_of_the_final_losses_and_named(tmp_path):
     assert report.scale_note(report.group([bare])).startswith("Scale: not known")
 
 
+def test_an_arm_with_no_finished_run_says_so_not_that_it_needs_seeds():
+    """An arm whose only run stopped early ('0 (+1 unfinished)') said '(needs 2+ seeds)',
+    as if one more seed would give it an interval: nothing finished, and it says that."""
+    def stopped(arm, seed):
+        r = _synthetic_run(arm, arm, seed, 400, 2.5)
+        r.meta = {**r.meta, "step": 300}
+        return r
+    std = [_synthetic_run("std", "std", s, 400, 2.0 + 0.01 * s) for s in (0, 1)]
+    arms = report.group(std + [stopped("blk", 0), _synthetic_run("one", "one", 0, 400, 1.9)])
+    report.compare(arms, arms[0])
+    table = report.rows(arms, arms[0])
+    assert [r[1] for r in table] == ["2", "0 (+1 unfinished)", "1"]
+    assert [r[4] for r in table] == ["baseline", "(no run finished)", "(needs 2+ seeds)"]
+    # the baseline with nothing finished: said of the baseline
+    arms = report.group([stopped("std", 0), _synthetic_run("b", "b", 0, 9, 1.0)])
+    report.compare(arms, arms[0])
+    assert report.rows(arms, arms[0])[1][4] == "(the baseline: no run finished)"
+
+
 def test_a_sweep_does_not_train_a_diverged_run_again(tmp_path):
     """A run whose loss became NaN (its metrics say so) is skipped with why, not resumed or
     restarted to diverge again; a run resumed past it (the record dropped) counts as usual."""

@@ -179,8 +179,17 @@ def _diff(arm: Arm, baseline: Arm | None) -> str:
         return "baseline, another size"
     d = arm.diff
     if d is None:
-        return "(needs 2+ seeds)"
+        return f"({_why_no_interval(arm, baseline)})"
     return f"{d.mean:+.4f} [{d.low:+.4f}, {d.high:+.4f}]"
+
+
+def _why_no_interval(arm: Arm, baseline: Arm | None) -> str:
+    """Why `arm` has no interval against `baseline`: a side with no final loss at all is
+    not helped by more seeds, so it is said before the seed count."""
+    for side, who in ((arm, ""), (baseline, "the baseline: ")):
+        if side is not None and not side.finals:
+            return who + ("no run finished" if not side.finished else "no final val loss")
+    return "needs 2+ seeds"
 
 
 def made_by(arms: list[Arm]) -> list[str]:
@@ -199,10 +208,10 @@ def made_by(arms: list[Arm]) -> list[str]:
     return lines
 
 
-def _gap_verdict(arm: Arm) -> str:
+def _gap_verdict(arm: Arm, baseline: Arm) -> str:
     d = arm.diff
     if d is None:
-        return "no interval (needs 2+ seeds)"
+        return f"no interval ({_why_no_interval(arm, baseline)})"
     return "95% interval excludes 0" if d.excludes_zero else "within the noise"
 
 
@@ -567,7 +576,7 @@ def write_report(arms: list[Arm], baseline: Arm | None, out: Path, command: list
                                f"{baseline.family} compute to match / own",
                                "loss gap vs baseline"),
                               [[a.name, f"{loss:.4f}", f"{c:.3g}", f"{ratio:.3f}",
-                                _gap_verdict(a)] for a, loss, c, ratio in equiv]),
+                                _gap_verdict(a, baseline)] for a, loss, c, ratio in equiv]),
                "![compute equivalence](scaling.png)", ""]
     write_atomic(paths["md"], "\n".join(md))
     return paths
