@@ -159,6 +159,24 @@ def test_a_bad_vary_value_is_shown_in_the_vary_typed(tmp_path, capsys, vary, sai
     assert "--set" not in err and not (tmp_path / "sw").exists()
 
 
+@pytest.mark.parametrize("seeds, bad", [("0, 1,-1", "-1"), ("0,99999999999", "99999999999")])
+def test_a_bad_seed_list_is_shown_as_typed_like_trains_seed(tmp_path, capsys, seeds, bad):
+    """A seed --seed-list gives that train refuses is a spec error printed as train prints
+    one for --seed (and sweep for --vary): bare, at the flag's line as typed, exit 1. It
+    showed a `--seed-list -1` never written, with the caret off what was."""
+    [spec, _] = _specs(tmp_path)
+    assert main(["train", spec, "--seed", bad]) == 1
+    trains = capsys.readouterr().err.splitlines()
+    assert main(["sweep", spec, "--out", str(tmp_path / "sw"), "--seed-list", seeds]) == 1
+    err = capsys.readouterr().err
+    first, line, caret = err.splitlines()[:3]
+    assert line == f"    --seed-list {seeds}" and caret.index("^") == line.rindex(bad), err
+    assert first == f"<--seed-list>:1:{line.rindex(bad) - 3}: error: " \
+        + trains[0].partition(": error: ")[2]
+    assert err.splitlines()[3:] == trains[3:]  # the same hint, if any
+    assert not (tmp_path / "sw").exists()
+
+
 def test_a_run_trained_otherwise_is_not_taken_for_the_sweeps(tmp_path, capsys):
     """A folder already holding a run of other settings (an override, an edited spec) is
     refused by name, never counted as done or resumed under the new settings."""

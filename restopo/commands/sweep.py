@@ -70,15 +70,23 @@ def _seeds(args) -> list[int]:
                          f"0,1,2; got {args.seed_list!r}") from None
 
 
-def _check_seeds(seeds: list[int], job, flag: str) -> None:
+def _check_seeds(seeds: list[int], job, args) -> None:
     """Each run is `train --seed S`: a seed train refuses (below 0, above the spec's bound)
-    is refused here, before any run, rather than fail every run of the sweep."""
+    is refused here, before any run, rather than fail every run of the sweep. The error
+    shows the flag as typed, as train's --seed and sweep's --vary do."""
     from ..spec import load_spec
     from ..spec.overrides import FlagOverride
 
+    if args.seed_list is None:  # 0..N-1: the one value typed is N
+        flag, typed, at = "--seeds", str(args.seeds or 1), dict.fromkeys(seeds, 0)
+    else:
+        flag, typed, at, col = "--seed-list", args.seed_list, {}, 0
+        for item in typed.split(","):
+            at.setdefault(int(item), col + len(item) - len(item.lstrip()))
+            col += len(item) + 1
     for seed in dict.fromkeys((min(seeds), max(seeds))):  # the bounds are a range
         load_spec(job.spec, overrides=job.overrides + (
-            FlagOverride.of(flag, "train.seed", str(seed)),))
+            FlagOverride.of(flag, "train.seed", str(seed), typed=typed, at=at[seed]),))
 
 
 def _check_baseline(name: str | None, jobs) -> None:
@@ -113,7 +121,7 @@ def run(args) -> int:
         seeds = _seeds(args)
         grid = make_grid(args.specs, seeds, args.overrides, args.vary)
         jobs = runner.adopt_names(grid, out)  # the folder's names for runs it holds
-        _check_seeds(seeds, jobs[0], "--seeds" if args.seed_list is None else "--seed-list")
+        _check_seeds(seeds, jobs[0], args)
         # every run's spec, overrides and data path check before any run trains
         for spec, overrides in dict.fromkeys((j.spec, j.overrides) for j in jobs):
             check_data_path(load_spec(spec, overrides=overrides))

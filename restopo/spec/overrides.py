@@ -83,13 +83,17 @@ class FlagOverride(str):
     keeps: tuple[str, ...] = ()  # spec values the flag leaves as they are (see `of`)
 
     @classmethod
-    def of(cls, flag: str, key: str, value: str, keeps: tuple[str, ...] = ()) -> "FlagOverride":
+    def of(cls, flag: str, key: str, value: str, keeps: tuple[str, ...] = (),
+           typed: str | None = None, at: int = 0) -> "FlagOverride":
         """keeps: values of the key in the spec that already say what the flag asks for, more
         precisely (`--compile` asks for compilation; a spec's `compile: whole` says which),
-        which the flag then leaves alone rather than overwrite."""
+        which the flag then leaves alone rather than overwrite. typed: the flag's argument
+        as typed when `value` is one part of it (`--seed-list 0,-1`), standing at offset
+        `at`: the line shown is what the person wrote, not a flag of one value."""
         out = cls(f"{key}={value}")
-        base = len(flag) - len(key)  # the value follows the flag and a blank
-        out.source, out.shown, out.bases = f"<{flag}>", f"{flag} {value}", (base, base)
+        base = len(flag) - len(key) + at  # the value follows the flag and a blank
+        shown = f"{flag} {value if typed is None else typed}"
+        out.source, out.shown, out.bases = f"<{flag}>", shown, (base, base)
         out.keeps = keeps
         return out
 
