@@ -151,6 +151,19 @@ def test_inspect_text_table_and_overrides(capsys):
     assert out.rstrip().endswith("(9) embedding, sublayer1..sublayer8")
 
 
+def test_pipeline_p_alone_is_px1_and_both_helps_say_so(capsys):
+    """`--pipeline 3` is 3x1 in inspect and train alike (parse_pv), which their help, saying
+    only PxV, did not tell; both helps now say it."""
+    spec = "examples/block_attnres.restopo"
+    assert main(["inspect", spec, "--format", "json", "--pipeline", "3"]) == 0
+    alone = json.loads(capsys.readouterr().out)["pipeline"]
+    assert main(["inspect", spec, "--format", "json", "--pipeline", "3x1"]) == 0
+    assert alone == json.loads(capsys.readouterr().out)["pipeline"]
+    for command in ("inspect", "train"):
+        assert main([command, "--help"]) == 0
+        assert "(P alone: Px1" in " ".join(capsys.readouterr().out.split())
+
+
 def test_inspect_shows_the_scalars_gate(capsys):
     """The static-scalars ablation and DenseFormer differ only in their gate: inspect says so."""
     assert main(["inspect", str(EXAMPLES / "full_scalars.restopo"), "--format", "json"]) == 0

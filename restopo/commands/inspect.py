@@ -46,8 +46,9 @@ def register(subparsers) -> None:
     # Further views (e.g. --pipeline PxV) add their arguments here and a key in build_report.
     # -- pipeline view (the pipeline backend's report) --
     p.add_argument("--pipeline", metavar="PxV", default=None,
-                   help="also plan a pipeline of P ranks x V virtual stages: the chunk table "
-                        "and the values/bytes per token crossing each cut, naive and cached")
+                   help="also plan a pipeline of P ranks x V virtual stages (P alone: Px1, "
+                        "as in train): the chunk table and the values/bytes per token "
+                        "crossing each cut, naive and cached")
     # -- end pipeline view --
     p.set_defaults(func=run)
 

@@ -97,9 +97,9 @@ def register(subparsers) -> None:
                         "small models trained on CPU gain little from more threads and slow "
                         "down badly when the cores are shared)")
     p.add_argument("--pipeline", metavar="PxV",  # -- pipeline parallel (backends/pipeline) --
-                   help="pipeline parallel: P stages x V virtual stages (needs a multiple "
-                        "of P processes: --nproc P, or torchrun); the spec's parallel "
-                        "section gives schedule, microbatches and cache")
+                   help="pipeline parallel: P stages x V virtual stages (P alone: Px1; "
+                        "needs a multiple of P processes: --nproc P, or torchrun); the "
+                        "spec's parallel section gives schedule, microbatches and cache")
     p.add_argument("--data", choices=("ddp", "fsdp"), dest="data_parallel",
                    help="the data-parallel engine over the processes (same as --set "
                         "parallel.data=...): ddp replicates the model, fsdp shards "
