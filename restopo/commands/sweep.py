@@ -57,7 +57,14 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
+MAX_SEEDS = 10_000  # each seed is a whole training run of every arm
+
+
 def _seeds(args) -> list[int]:
+    if args.seeds is not None and args.seeds > MAX_SEEDS:  # a typo: its grid fills memory
+        raise ValueError(f"--seeds {args.seeds} asks for {args.seeds:,} training runs of every "
+                         f"arm; give at most {MAX_SEEDS:,} (or --seed-list S,S,... for "
+                         f"particular seeds)")
     if args.seed_list is None:
         return list(range(1 if args.seeds is None else args.seeds))
     if args.seeds is not None:  # one would be dropped silently: --seed-list won
