@@ -183,6 +183,16 @@ def test_inspect_pipeline_cli(capsys):
     assert "at most 32 chunks" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("pv", ["1x1", "1x2"])
+def test_a_one_stage_pipeline_is_refused_as_train_refuses_it(pv, capsys):
+    """inspect planned --pipeline 1x2 (and check passed stages: 1, virtual: 2) that train
+    then refused with 'a pipeline needs at least 2 stages'."""
+    from restopo.cli import main
+    assert main(["inspect", "examples/block_attnres.restopo", "--pipeline", pv]) == 2
+    err = capsys.readouterr().err
+    assert f"a pipeline needs at least 2 stages; got {pv}" in err and "Traceback" not in err
+
+
 @pytest.mark.parametrize("method", ["rezero", "layerscale", "highway"])
 def test_stream_updates_send_one_running_value(method):
     from restopo.topology import STANDARD_SOURCES, Rule

@@ -194,6 +194,8 @@ def parse_pv(text: str) -> tuple[int, int]:
                         f"each); got {text!r}") from None
     if p < 1 or v < 1:
         raise PlanError(f"--pipeline stages and virtual stages must be at least 1; got {text!r}")
+    if p < 2:  # what train refuses is not planned either (inspect planned 1x2)
+        raise PlanError(f"a pipeline needs at least 2 stages; got {p}x{v}")
     return p, v
 
 

@@ -156,6 +156,12 @@ def check_parallel(view: View, c: Checker) -> ParallelSpec | None:
     data = c.choice(f["data"], "data", DATA_ENGINES) if "data" in f else "ddp"
     virtual = c.integer(f["virtual"], "virtual", 1,
                         why="model chunks per rank") if "virtual" in f else 1
+    if stages == 1 and virtual and virtual > 1 and "stages" in f:
+        # train refuses it (a pipeline needs 2 stages), so check must too
+        c.error(blame(f["stages"].value.pos, f["virtual"].value.pos),
+                f"a pipeline needs at least 2 stages; got stages: 1 with virtual: {virtual}",
+                "virtual stages interleave chunks over the pipeline's ranks; use stages: 2 "
+                "or more, or leave virtual out")
     schedule = None
     if "schedule" in f:
         schedule = c.choice(f["schedule"], "schedule", SCHEDULES)
