@@ -62,6 +62,20 @@ def test_defaults_and_one_line_form():
     assert spec.parallel.microbatches == 2 and spec.parallel.cache is True
 
 
+def test_every_schedule_can_be_written_even_the_one_that_starts_with_a_digit():
+    """`schedule: 1f1b` lexed as the two numbers '1f' '1b' ("takes one value, got 2"), so
+    the default schedule could not be written, in the file or with --set."""
+    M = "model { vocab: 256; width: 64; depth: 2; heads: 2; context: 32 }\nresidual standard\n"
+    for schedule in ("gpipe", "1f1b"):
+        spec = parse_spec(M + f"parallel pipeline(stages: 2, schedule: {schedule})")
+        assert spec.parallel.schedule == schedule
+        spec = parse_spec(M, overrides=("parallel.stages=2", f"parallel.schedule={schedule}"))
+        assert spec.parallel.schedule == schedule
+    with pytest.raises(SpecError) as e:
+        parse_spec(M + "parallel pipeline(stages: 2, schedule: 1f1bb)")
+    assert "unknown schedule '1f1bb'" in str(e.value) and "did you mean '1f1b'?" in str(e.value)
+
+
 def test_separators_are_forgiving():
     """Newlines, ';', or nothing where the next 'key:' makes the boundary plain."""
     a = parse_spec("model { vocab: 256; width: 64; depth: 2; heads: 2; context: 32 }\n"

@@ -141,7 +141,8 @@ class Checker:
         v = self.single(f, name)
         if v is None:
             return None
-        if not isinstance(v, Name):
+        # a word that starts with a digit (the schedule 1f1b) lexes as a number with a unit
+        if not (isinstance(v, Name) or (isinstance(v, Number) and v.unit)):
             self.error(v.pos, f"'{name}' must be one of {alts(choices)}, got '{describe(v)}'")
             return None
         if v.text not in choices:

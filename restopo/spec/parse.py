@@ -24,7 +24,8 @@ def parser() -> Lark:
                 maybe_placeholders=True, start=["start", "value"])
 
 
-_NUMBER = re.compile(r"(-?[0-9][0-9_]*(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?)([A-Za-z]*)")
+_NUMBER = re.compile(r"(-?[0-9][0-9_]*(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?)"
+                     r"((?:[A-Za-z][A-Za-z0-9_]*)?)")
 
 
 class ToNodes(Transformer):
