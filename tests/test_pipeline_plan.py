@@ -193,6 +193,40 @@ def test_a_one_stage_pipeline_is_refused_as_train_refuses_it(pv, capsys):
     assert f"a pipeline needs at least 2 stages; got {pv}" in err and "Traceback" not in err
 
 
+PARALLEL_SPEC = """model m {{ vocab: 64; width: 16; depth: 4; heads: 2; context: 8 }}
+residual block_attnres(blocks: 2)
+parallel {{ pipeline({pipeline}) }}
+train {{ steps: 2; batch: 8 }}
+"""
+
+
+def test_gpipe_over_virtual_stages_checks_as_the_runtime_runs_it():
+    """The runtime runs gpipe over virtual stages looped (ScheduleLoopedBFS; the 2x2 case of
+    test_pipeline_equals_single_process), which check refused; 1f1b there is refused,
+    naming interleaved_1f1b, the schedule it would be."""
+    from restopo.spec import SpecError, parse_spec
+    spec = parse_spec(PARALLEL_SPEC.format(
+        pipeline="stages: 2, virtual: 2, schedule: gpipe, microbatches: 4"), "p.restopo")
+    assert (spec.parallel.stages, spec.parallel.virtual, spec.parallel.schedule) == \
+        (2, 2, "gpipe")
+    with pytest.raises(SpecError, match="schedule 1f1b runs one chunk per stage"):
+        parse_spec(PARALLEL_SPEC.format(pipeline="stages: 2, virtual: 2, schedule: 1f1b"),
+                   "p.restopo")
+
+
+def test_a_pipeline_flag_with_more_stages_than_the_spec_s_microbatches_is_refused(capsys):
+    """check holds parallel microbatches against the spec's own stages; --pipeline 4x1 over
+    a spec of 2 stages and 2 microbatches left stages idle without a word."""
+    from restopo.backends.pipeline.train import PipelineConfig
+    from restopo.backends.pipeline.plan import PlanError
+    from restopo.spec import parse_spec
+    spec = parse_spec(PARALLEL_SPEC.format(pipeline="stages: 2, microbatches: 2"), "p.restopo")
+    assert PipelineConfig.resolve("2x2", spec.parallel).microbatches == 2
+    with pytest.raises(PlanError, match=r"--pipeline 4x1 has more stages than the spec's "
+                       r"parallel microbatches \(2\).*--set parallel.microbatches=4"):
+        PipelineConfig.resolve("4x1", spec.parallel)
+
+
 @pytest.mark.parametrize("method", ["rezero", "layerscale", "highway"])
 def test_stream_updates_send_one_running_value(method):
     from restopo.topology import STANDARD_SOURCES, Rule

@@ -57,6 +57,11 @@ class PipelineConfig:
                             f"{', '.join(SCHEDULES)}")
         micro = parallel.microbatches if parallel is not None and parallel.microbatches > 1 \
             else None
+        if pv is not None and micro is not None and micro < stages:
+            # the spec's check held its microbatches against its own stages, not these
+            raise PlanError(f"--pipeline {stages}x{virtual} has more stages than the spec's "
+                            f"parallel microbatches ({micro}), so some would sit idle; add "
+                            f"--set parallel.microbatches={stages} (or more)")
         cached = parallel.cache if parallel is not None else True
         return cls(stages, virtual, schedule, micro, cached)
 

@@ -165,10 +165,13 @@ def check_parallel(view: View, c: Checker) -> ParallelSpec | None:
     schedule = None
     if "schedule" in f:
         schedule = c.choice(f["schedule"], "schedule", SCHEDULES)
-        if schedule and virtual and virtual > 1 and schedule != "interleaved_1f1b":
+        # gpipe over virtual stages runs looped (the runtime's ScheduleLoopedBFS, tested
+        # against one process); 1f1b over them would be interleaved_1f1b: say that instead
+        if schedule == "1f1b" and virtual and virtual > 1:
             c.error(blame(f["schedule"].value.pos, f["virtual"].value.pos),
-                    f"schedule {schedule} runs one chunk per stage, "
-                    f"but virtual is {virtual}", "use schedule: interleaved_1f1b, or virtual: 1")
+                    f"schedule 1f1b runs one chunk per stage, but virtual is {virtual}",
+                    "use schedule: interleaved_1f1b (1F1B over virtual stages) or gpipe, or "
+                    "virtual: 1")
     elif virtual:
         schedule = "interleaved_1f1b" if virtual > 1 else "1f1b"
     micro = stages
