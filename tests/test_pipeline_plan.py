@@ -183,6 +183,23 @@ def test_inspect_pipeline_cli(capsys):
     assert "at most 32 chunks" in err and "Traceback" not in err
 
 
+def test_inspect_plans_the_spec_s_own_pipeline(tmp_path, capsys):
+    """A spec whose parallel section asks for a pipeline is planned as train runs it, with
+    no --pipeline (inspect showed none); --pipeline still wins; a spec without one shows no
+    pipeline section."""
+    from restopo.cli import main
+    spec = tmp_path / "p.restopo"
+    spec.write_text(PARALLEL_SPEC.format(pipeline="stages: 2, virtual: 2, microbatches: 4"))
+
+    def pipeline(*flags):
+        assert main(["inspect", str(spec), "--format", "json", *flags]) == 0
+        return json.loads(capsys.readouterr().out).get("pipeline")
+
+    assert pipeline() == pipeline("--pipeline", "2x2") != pipeline("--pipeline", "2x1")
+    spec.write_text(PARALLEL_SPEC.format(pipeline="stages: 1"))
+    assert pipeline() is None
+
+
 @pytest.mark.parametrize("pv", ["1x1", "1x2"])
 def test_a_one_stage_pipeline_is_refused_as_train_refuses_it(pv, capsys):
     """inspect planned --pipeline 1x2 (and check passed stages: 1, virtual: 2) that train

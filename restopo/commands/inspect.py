@@ -48,7 +48,8 @@ def register(subparsers) -> None:
     p.add_argument("--pipeline", metavar="PxV", default=None,
                    help="also plan a pipeline of P ranks x V virtual stages (P alone: Px1, "
                         "as in train): the chunk table and the values/bytes per token "
-                        "crossing each cut, naive and cached")
+                        "crossing each cut, naive and cached (default: the spec's parallel "
+                        "section's pipeline, if it has one, as train runs it)")
     # -- end pipeline view --
     p.set_defaults(func=run)
 
@@ -65,9 +66,20 @@ def build_report(spec, args=None) -> dict:
                        "context": m.context, "layer": list(m.layer),
                        "tie_embeddings": m.tie_embeddings}
     report["flops_per_token"] = _flops(g, m)
-    if args is not None and getattr(args, "pipeline", None):  # -- pipeline view --
-        report["pipeline"] = get_backend("pipeline").inspect_section(spec, g, args.pipeline)
+    pv = _pipeline_asked(spec, args)  # -- pipeline view --
+    if pv is not None:
+        report["pipeline"] = get_backend("pipeline").inspect_section(spec, g, pv)
     return report
+
+
+def _pipeline_asked(spec, args) -> str | None:
+    """The PxV to plan: --pipeline, else the spec's parallel section's pipeline (train runs
+    it there), else none."""
+    pv = getattr(args, "pipeline", None) if args is not None else None
+    parallel = spec.parallel
+    if pv is None and parallel is not None and parallel.stages > 1:
+        pv = f"{parallel.stages}x{parallel.virtual}"
+    return pv
 
 
 def _flops(g, model) -> dict:
@@ -82,7 +94,7 @@ def run(args) -> int:
     from ..spec import load_spec
     spec = load_spec(args.file, overrides=tuple(args.overrides))
     # a pipeline that cannot be planned is a usage error
-    usage_errors = (get_backend("pipeline").PlanError,) if args.pipeline else ()
+    usage_errors = (get_backend("pipeline").PlanError,) if _pipeline_asked(spec, args) else ()
     try:
         report = build_report(spec, args)
     except usage_errors as e:
