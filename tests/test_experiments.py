@@ -161,6 +161,18 @@ def test_a_bad_vary_value_is_shown_in_the_vary_typed(tmp_path, capsys, vary, sai
     assert "--set" not in err and not (tmp_path / "sw").exists()
 
 
+def test_every_bad_vary_value_is_said_once(tmp_path, capsys):
+    """Two bad values of one --vary, over two seeds: both are said (only the first was),
+    each once (not once per run)."""
+    spec = tmp_path / "std.restopo"
+    spec.write_text(TINY.format(residual="standard", data=CORPUS))
+    assert main(["sweep", str(spec), "--out", str(tmp_path / "sw"), "--seeds", "2",
+                 "--vary", "model.width=abc,16,xyz"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("error:") == 2 and "'abc'" in err and "'xyz'" in err, err
+    assert "2 errors" in err and not (tmp_path / "sw").exists()
+
+
 @pytest.mark.parametrize("seeds, bad", [("0, 1,-1", "-1"), ("0,99999999999", "99999999999")])
 def test_a_bad_seed_list_is_shown_as_typed_like_trains_seed(tmp_path, capsys, seeds, bad):
     """A seed --seed-list gives that train refuses is a spec error printed as train prints

@@ -118,8 +118,9 @@ def _parameters(items) -> dict:
 def run(args) -> int:
     from ..experiments import runner
     from ..experiments.grid import make_grid
-    from ..spec import load_spec
+    from ..spec import SpecError, load_spec
     from ..spec.datapath import check_data_path
+    from ..spec.errors import raise_all
 
     out = Path(args.out)
     try:
@@ -128,10 +129,17 @@ def run(args) -> int:
         seeds = _seeds(args)
         grid = make_grid(args.specs, seeds, args.overrides, args.vary)
         jobs = runner.adopt_names(grid, out)  # the folder's names for runs it holds
-        _check_seeds(seeds, jobs[0], args)
-        # every run's spec, overrides and data path check before any run trains
+        # every run's spec, overrides and data path check before any run trains; each
+        # mistake said once (a bad --vary value, not only the first, as train says each --set)
+        errors: dict[tuple, SpecError] = {}
         for spec, overrides in dict.fromkeys((j.spec, j.overrides) for j in jobs):
-            check_data_path(load_spec(spec, overrides=overrides))
+            try:
+                check_data_path(load_spec(spec, overrides=overrides))
+            except SpecError as e:
+                for one in getattr(e, "errors", [e]):
+                    errors.setdefault((one.path, one.line, one.column, one.message), one)
+        raise_all(list(errors.values()))
+        _check_seeds(seeds, jobs[0], args)
         slurm = _parameters(args.slurm)
         _check_baseline(args.baseline, jobs)
     except ValueError as e:
