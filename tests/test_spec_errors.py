@@ -100,7 +100,14 @@ GOLDEN = [
     ('heads_divide_width', M.replace("heads: 4", "heads: 5") + "residual standard\n", (),
      'spec.restopo', 1, 49,
      'heads (5) must divide width (64)',
-     'heads that divide 64: 2, 4, 8'),
+     'heads that divide 64 with an even head size: 2, 4, 8'),
+    # the hint named 64 (head size 1) and 2 or 6 for width 6 (head size 3 or 1): each one
+    # then refused by the rotary rule; it names only heads the check accepts
+    ('heads_hint_names_only_accepted_heads', M.replace("heads: 4", "heads: 63")
+     + "residual standard\n", (),
+     'spec.restopo', 1, 49,
+     'heads (63) must divide width (64)',
+     'heads that divide 64 with an even head size: 8, 16, 32'),
     ('odd_head_size', M.replace("width: 64", "width: 96").replace("heads: 4", "heads: 32")
      + "residual standard\n", (),
      'spec.restopo', 1, 49,
@@ -389,7 +396,7 @@ GOLDEN = [
     ('override_width_against_files_heads', M + "residual standard\n", ("model.width=6",),
      '<--set 1>', 1, 19,
      'heads (4) must divide width (6)',
-     'heads that divide 6: 2, 3, 6'),
+     'heads that divide 6 with an even head size: 1, 3'),
     ('override_lr_below_files_min_lr', M + "residual standard\ntrain { min_lr: 1e-4 }\n",
      ("train.lr=1e-5",),
      '<--set 1>', 1, 16,

@@ -52,22 +52,21 @@ def check_model(view: View, c: Checker) -> ModelSpec | None:
                        ("heads", 1, None), ("context", 1, "the context length in tokens")):
         if k in f:
             got[k] = c.integer(f[k], k, lo, MAX_DEPTH if k == "depth" else None, why=why)
-    if got.get("width") and got.get("heads") and got["width"] % got["heads"]:
-        w, h = got["width"], got["heads"]
-        near = sorted(divisors(w), key=lambda d: (abs(d - h), d))[:3]
-        c.error(blame(f["heads"].value.pos, f["width"].value.pos),
-                f"heads ({h}) must divide width ({w})",
-                f"heads that divide {w}: {', '.join(map(str, sorted(near)))}")
-        got["heads"] = None
-    elif got.get("width") and got.get("heads") and (got["width"] // got["heads"]) % 2:
-        # rotary positions rotate channel pairs within a head
-        w, h = got["width"], got["heads"]
+    w, h = got.get("width"), got.get("heads")
+    if w and h and (w % h or (w // h) % 2):
+        # heads must divide width, and rotary positions rotate channel pairs within a head,
+        # so the head size must be even: suggest only heads that pass both
         even = [d for d in divisors(w) if (w // d) % 2 == 0]
         near = sorted(even, key=lambda d: (abs(d - h), d))[:3]
-        c.error(blame(f["heads"].value.pos, f["width"].value.pos),
-                f"the head size width/heads = {w // h} is odd; rotary "
-                f"positions rotate channel pairs, so it must be even",
-                f"heads giving an even head size: {', '.join(map(str, sorted(near)))}" if near
+        if w % h:
+            msg = f"heads ({h}) must divide width ({w})"
+            hint = f"heads that divide {w} with an even head size: "
+        else:
+            msg = (f"the head size width/heads = {w // h} is odd; rotary "
+                   f"positions rotate channel pairs, so it must be even")
+            hint = "heads giving an even head size: "
+        c.error(blame(f["heads"].value.pos, f["width"].value.pos), msg,
+                hint + ", ".join(map(str, sorted(near))) if near
                 else f"no heads do for an odd width ({w}); make the width even")
         got["heads"] = None
     mlp, ratio = "swiglu", 4.0
