@@ -97,6 +97,12 @@ GOLDEN = [
      'spec.restopo', 1, 1,
      "the model section is missing 'context'",
      "add 'context: 64'"),
+    # a bound with no reason of its own was shown with no hint line at all
+    ('mlp_ratio_zero_has_hint', M.replace("context: 64", "context: 64; mlp: swiglu(0x)")
+     + "residual standard\n", (),
+     'spec.restopo', 1, 77,
+     "'mlp ratio' must be greater than 0, got 0x",
+     'e.g. swiglu(4x)'),
     ('heads_divide_width', M.replace("heads: 4", "heads: 5") + "residual standard\n", (),
      'spec.restopo', 1, 49,
      'heads (5) must divide width (64)',
@@ -544,3 +550,20 @@ def test_a_parallel_section_of_set_values_alone_needs_no_stages():
     assert (piped.stages, piped.cached) == (2, False)
     with pytest.raises(SpecError, match="missing 'stages'"):
         parse_spec(M + "residual standard\nparallel { pipeline(cache: false) }\n")
+
+
+@pytest.mark.parametrize("entry,bad", [
+    ("width: 64", "width: 0"), ("heads: 4", "heads: -1"), ("warmup: 30", "warmup: -1"),
+    ("schedule: cosine", "schedule: 1.5"), ("steps: 600", "steps: 0"),
+    ("mlp: swiglu(4x)", "mlp: swiglu(0x)"), ("blocks: 2", "blocks: 99999999999"),
+    ("lr: 3e-3", "lr: -1"), ("schedule: cosine", 'schedule: "cosine"')])
+def test_every_refused_value_comes_with_a_hint(entry, bad):
+    """Bounds without a reason of their own (width: 0, warmup: -1, a number where a word is
+    chosen) were reported with no hint line; each now says how the key is written."""
+    from pathlib import Path
+    text = (Path(__file__).parent.parent / "examples" / "tiny.restopo").read_text()
+    assert entry in text
+    with pytest.raises(SpecError) as info:
+        parse_spec(text.replace(entry, bad, 1), "spec.restopo")
+    errs = info.value.errors if isinstance(info.value, SpecErrors) else [info.value]
+    assert all(e.hint for e in errs), [(e.message, e.hint) for e in errs]

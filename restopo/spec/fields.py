@@ -25,7 +25,14 @@ EXAMPLES = {"vocab": "vocab: 256", "width": "width: 64", "depth": "depth: 4",
             "lr": "lr: 3e-3", "min_lr": "min_lr: 3e-4", "weight_decay": "weight_decay: 0.1",
             "grad_clip": "grad_clip: 1.0", "window": "window(8)", "blocks": "blocks: 8",
             "block_size": "block_size: 4", "mlp ratio": "swiglu(4x)",
-            "mlp_ratio": "mlp_ratio: 4x", "sinkhorn": "sinkhorn: 20", "streams": "streams: 4"}
+            "mlp_ratio": "mlp_ratio: 4x", "sinkhorn": "sinkhorn: 20", "streams": "streams: 4",
+            "warmup": "warmup: 30"}
+
+
+def example(name: str, why: str | None = None) -> str:
+    """The hint of a value refused for `name`: the key's own reason, else how it is written
+    (a refused value never comes without one)."""
+    return why or f"e.g. {EXAMPLES.get(name, name + ': 1')}"
 
 
 @dataclass
@@ -88,7 +95,7 @@ class Checker:
             shown = v.text if len(v.text) <= 24 else v.text[:20] + "..."
             if hi is not None:
                 self.error(v.pos, f"'{name}' must be at most {describe_number(hi)}, got {shown}",
-                           why)
+                           example(name, why))
             else:
                 self.error(v.pos, f"'{name}' is too large: {shown}",
                            f"values are at most {MAX_INT:,}")
@@ -120,20 +127,22 @@ class Checker:
         x = float(x)
         if lo is not None and (x <= lo if above else x < lo):
             self.error(f.value.pos, f"'{name}' must be {'greater than' if above else 'at least'} "
-                       f"{describe_number(lo)}, got {f.value.text}", why)
+                       f"{describe_number(lo)}, got {f.value.text}", example(name, why))
             return None
         if hi is not None and x > hi:
             self.error(f.value.pos, f"'{name}' must be at most {describe_number(hi)}, "
-                       f"got {f.value.text}", why)
+                       f"got {f.value.text}", example(name, why))
             return None
         return x
 
     def in_range(self, f: Field, name: str, n, lo, hi, why) -> int | None:
         if lo is not None and n < lo:
-            self.error(f.value.pos, f"'{name}' must be at least {lo}, got {f.value.text}", why)
+            self.error(f.value.pos, f"'{name}' must be at least {lo}, got {f.value.text}",
+                       example(name, why))
             return None
         if hi is not None and n > hi:
-            self.error(f.value.pos, f"'{name}' must be at most {hi}, got {f.value.text}", why)
+            self.error(f.value.pos, f"'{name}' must be at most {hi}, got {f.value.text}",
+                       example(name, why))
             return None
         return n
 
@@ -143,7 +152,8 @@ class Checker:
             return None
         # a word that starts with a digit (the schedule 1f1b) lexes as a number with a unit
         if not (isinstance(v, Name) or (isinstance(v, Number) and v.unit)):
-            self.error(v.pos, f"'{name}' must be one of {alts(choices)}, got '{describe(v)}'")
+            self.error(v.pos, f"'{name}' must be one of {alts(choices)}, got '{describe(v)}'",
+                       f"e.g. {name}: {next(iter(choices))}")
             return None
         if v.text not in choices:
             self.error(v.pos, f"unknown {name} '{v.text}'", did_you_mean(v.text, choices))
