@@ -103,6 +103,12 @@ GOLDEN = [
      'spec.restopo', 1, 77,
      "'mlp ratio' must be greater than 0, got 0x",
      'e.g. swiglu(4x)'),
+    # '4_' and '6__4' read as 4 and 64 without a word: '_' may only separate digits
+    ('misplaced_underscore_in_number', M.replace("depth: 4", "depth: 4_")
+     + "residual standard\n", (),
+     'spec.restopo', 1, 39,
+     "misplaced '_' in '4_'",
+     "'_' may only separate digits, as in 32_768; write 4"),
     ('heads_divide_width', M.replace("heads: 4", "heads: 5") + "residual standard\n", (),
      'spec.restopo', 1, 49,
      'heads (5) must divide width (64)',
@@ -567,3 +573,9 @@ def test_every_refused_value_comes_with_a_hint(entry, bad):
         parse_spec(text.replace(entry, bad, 1), "spec.restopo")
     errs = info.value.errors if isinstance(info.value, SpecErrors) else [info.value]
     assert all(e.hint for e in errs), [(e.message, e.hint) for e in errs]
+
+
+def test_underscores_between_digits_still_group_them():
+    spec = parse_spec(M.replace("width: 64", "width: 6_4") + "residual standard\n"
+                      + "train { steps: 1_000 }\n", overrides=("train.warmup=1_0",))
+    assert (spec.model.width, spec.train.steps, spec.train.warmup) == (64, 1000, 10)

@@ -7,6 +7,7 @@ next, independent mistake.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from .errors import SpecError, did_you_mean
@@ -27,6 +28,10 @@ EXAMPLES = {"vocab": "vocab: 256", "width": "width: 64", "depth": "depth: 4",
             "block_size": "block_size: 4", "mlp ratio": "swiglu(4x)",
             "mlp_ratio": "mlp_ratio: 4x", "sinkhorn": "sinkhorn: 20", "streams": "streams: 4",
             "warmup": "warmup: 30"}
+
+
+# digits grouped by single underscores between digits, as Python writes them: 32_768, 1_000.5
+_GROUPED = re.compile(r"-?[0-9]+(_[0-9]+)*(\.[0-9]+)?([eE][+-]?[0-9]+)?")
 
 
 def example(name: str, why: str | None = None) -> str:
@@ -84,6 +89,12 @@ class Checker:
         if not isinstance(v, Number):
             self.error(v.pos, f"'{name}' must be a number, got '{describe(v)}'",
                        f"e.g. {EXAMPLES.get(name, name + ': 1')}")
+            return None
+        digits = v.text[:len(v.text) - len(v.unit)] if v.unit else v.text
+        if "_" in digits and not _GROUPED.fullmatch(digits):
+            plain = digits.replace("_", "")
+            self.error(v.pos, f"misplaced '_' in '{v.text}'",
+                       f"'_' may only separate digits, as in 32_768; write {plain}{v.unit}")
             return None
         if v.unit != "x" and v.unit not in UNITS:
             self.error(v.pos, f"unknown unit '{v.unit}' in '{v.text}'",
