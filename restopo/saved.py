@@ -8,7 +8,8 @@ restopo.load(path) takes
   an exported model.safetensors (the spec and overrides in its metadata), or a checkpoint's
       own model.safetensors (the spec from the meta.json beside it);
 and returns restopo.compile(spec, overrides) with the weights loaded strictly (a tied LM
-head is the embedding, stored once or twice), in eval mode. Nothing is unpickled.
+head is the embedding, stored once or twice), in eval mode, in the dtype the weights were
+saved in (a float64 export loads as float64). Nothing is unpickled.
 
 An exported .safetensors holds every state_dict key, the tied head too, so plain
 `model.load_state_dict(safetensors.torch.load_file(path))` is strict anywhere, the
@@ -132,6 +133,12 @@ def _from_safetensors(p: Path, backend: str, device) -> nn.Module:
 
 
 def _load_strict(model: nn.Module, state_dict, where: Path) -> None:
+    """Load `state_dict` into `model` strictly, in the dtype it was saved in: an export of a
+    float64 (or bf16) model loads back as one, not silently rounded to float32."""
+    saved = {v.dtype for v in state_dict.values()
+             if isinstance(v, torch.Tensor) and v.is_floating_point()}
+    if len(saved) == 1:
+        model.to(saved.pop())
     try:
         model.load_state_dict(state_dict, strict=True)
     except RuntimeError as e:

@@ -81,6 +81,26 @@ def test_export_and_pt_round_trip_strictly(run, tmp_path):
     assert same(fresh, model)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("name", ["m.safetensors", "m.pt"])
+def test_an_export_loads_back_in_the_dtype_it_was_saved_in(tmp_path, name, dtype):
+    """A float64 (or bf16) model exported and loaded again is that model, not its weights
+    rounded to float32 (which load_state_dict would do silently)."""
+    spec = "model t { vocab: 32; width: 16; depth: 1; heads: 2; context: 8 }\n" \
+           "residual full_attnres\n"
+    torch.manual_seed(0)
+    model = restopo.compile(spec, backend="eager").to(dtype)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) / 3)
+    export(model, tmp_path / name)
+    back = load(tmp_path / name, backend="eager")
+    assert {p.dtype for p in back.parameters()} == {dtype}
+    tokens = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(back(tokens), model.eval()(tokens))
+
+
 def test_compile_pt_loads(tmp_path):
     (tmp_path / "t.restopo").write_text(SPEC)
     assert main(["compile", str(tmp_path / "t.restopo"), "-o", str(tmp_path / "c.pt")]) == 0
