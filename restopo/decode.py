@@ -22,6 +22,7 @@ uncached loop that crops would, costs a full forward per token.)
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Iterator
 
 import torch
@@ -216,7 +217,19 @@ def sample(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = N
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+def _whole(value) -> bool:
+    """An int (numpy's and 0-d integer tensors too, by __index__), not a bool or a float."""
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return not isinstance(value, bool)
+
+
 def _check_sampling(max_new_tokens, temperature, top_k, top_p, seed=None) -> None:
+    for name, value in (("max_new_tokens", max_new_tokens), ("top_k", top_k), ("seed", seed)):
+        if value is not None and not _whole(value):
+            raise TypeError(f"{name} must be a whole number (int); got {value!r}")
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be 0 or more; got {max_new_tokens}")
     if not temperature >= 0 or temperature == float("inf"):  # nan fails every comparison
@@ -235,12 +248,22 @@ def stream(model: nn.Module, idx: torch.Tensor, max_new_tokens: int,
            seed: int | None = None, *, compile: bool = False) -> Iterator[torch.Tensor]:
     """The new tokens one step at a time, each [B] (see `generate`)."""
     _check_sampling(max_new_tokens, temperature, top_k, top_p, seed)
+    if not isinstance(idx, torch.Tensor):
+        raise TypeError(f"idx must be a tensor of token ids [batch, T] (torch.tensor(ids)); "
+                        f"got {type(idx).__name__}")
     if idx.dim() != 2 or idx.shape[1] == 0:
         raise ValueError(f"idx must be token ids [batch, T] with T >= 1; got shape "
                          f"{tuple(idx.shape)}")
+    if idx.dtype.is_floating_point or idx.dtype.is_complex or idx.dtype == torch.bool:
+        raise TypeError(f"idx must hold integer token ids (torch.long); got {idx.dtype}")
     if max_new_tokens == 0:
         return
     context = context_length(model)
+    vocab = parts_of(lowered(model)).embed.weight.shape[0]
+    low, high = int(idx.min()), int(idx.max())
+    if low < 0 or high >= vocab:
+        raise ValueError(f"idx holds token id {low if low < 0 else high}, outside the "
+                         f"model's vocabulary 0..{vocab - 1}")
     decoder = Decoder(model, idx.shape[0], min(idx.shape[1] + max_new_tokens, context),
                       compile=compile)
     generator = None

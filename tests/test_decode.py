@@ -158,6 +158,26 @@ def test_bad_arguments_say_what_to_do():
         restopo.generate(rewired, torch.zeros(1, 3, dtype=torch.long), 4)
 
 
+@pytest.mark.parametrize("call, error, said", [
+    (lambda m, idx: m.generate(idx.tolist(), 2), TypeError, "tensor of token ids"),
+    (lambda m, idx: m.generate(idx.float(), 2), TypeError, "integer token ids"),
+    (lambda m, idx: m.generate(idx + 61, 2), ValueError, "token id [1-9][0-9]+, .*0..60"),
+    (lambda m, idx: m.generate(idx - 3, 2), ValueError, "token id -.*0..60"),
+    (lambda m, idx: m.generate(idx, 2.5), TypeError, "max_new_tokens must be a whole"),
+    (lambda m, idx: restopo.generate(m, idx, 2, top_k=2.5), TypeError, "top_k must be"),
+    (lambda m, idx: restopo.generate(m, idx, 2, seed="1"), TypeError, "seed must be"),
+])
+def test_a_wrong_kind_of_argument_is_named(call, error, said):
+    """User mistakes in generate's arguments are said in its own words, not as a torch
+    error from deep in the decoder (or an out-of-range id's 'index out of range in self')."""
+    model = model_for("standard", dtype=torch.float32)
+    with pytest.raises(error, match=said):
+        call(model, tokens())
+    assert model.generate(tokens(), torch.tensor(2)).shape == (2, 7)  # an integer tensor is
+    import numpy as np  # a whole number, as numpy's ints are
+    assert model.generate(tokens(), np.int64(1), top_k=np.int32(3)).shape == (2, 6)
+
+
 @pytest.mark.long
 @pytest.mark.parametrize("topology", ["standard", "full_attnres", "block_attnres(blocks: 3)"])
 def test_compiled_decoding_equals_uncached(topology):
