@@ -138,3 +138,34 @@ def test_spec_text_cannot_break_out_of_the_module(tmp_path):
         namespace = {}
         exec(compile((tmp_path / "gen_model.py").read_text(), "gen_model.py", "exec"), namespace)
         assert namespace["SPEC"] == text
+
+
+@pytest.mark.parametrize("topology", ["full_attnres", "block_attnres(blocks: 2)"])
+def test_the_bit_for_bit_promise_is_the_one_that_holds(tmp_path, monkeypatch, topology):
+    """The module's docstring promises restopo.load(..., backend="eager")'s outputs bit for
+    bit without autograd, and only that: with autograd on, restopo's eager backend shares
+    each source's logits across its readers (one matmul), which rounds differently."""
+    import importlib
+    from restopo.commands.standalone import module_source
+    torch.manual_seed(0)
+    ref = restopo.compile(MODEL + f"residual {topology}\n", backend="eager").eval()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    source = module_source(ref, "bitwise_model", "t.restopo")
+    (tmp_path / "bitwise_model.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module("bitwise_model")
+    try:
+        model = module.build()
+        model.load_state_dict(ref.state_dict(), strict=True)
+        model.eval()
+        idx = torch.randint(0, 61, (2, 9), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            assert torch.equal(model(idx), ref(idx))  # the promise: bit for bit
+        torch.testing.assert_close(model(idx), ref(idx))  # with autograd: up to rounding
+        doc = " ".join(module.__doc__.split())
+        claim = doc[doc.index("eager backend:"):doc.index("bit for bit") + len("bit for bit")]
+        assert "without autograd" in claim, claim  # the doc says when it holds
+    finally:
+        sys.modules.pop("bitwise_model", None)

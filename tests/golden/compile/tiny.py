@@ -14,9 +14,12 @@ own model.safetensors keeps a tied head's weight once, under the embedding's nam
 strict load misses head.lm_head.weight.)
 
 The depth-attention kernels, sublayers and aggregation modules below are restopo's own
-eager backend: the outputs equal restopo.load(..., backend="eager") bit for bit, and those
-of restopo's default backend (fused kernels) up to float32 rounding. The forward at the end
-is the lowered graph's generated code.
+eager backend: without autograd (under torch.no_grad) the outputs equal
+restopo.load(..., backend="eager") bit for bit. With autograd on they agree up to float
+rounding, not bit for bit: restopo's eager backend then computes each source's
+depth-attention logits for all its readers in one matmul, which this file leaves out.
+Those of restopo's default backend (fused kernels) agree up to float rounding. The forward
+at the end is the lowered graph's generated code.
 """
 from __future__ import annotations
 
