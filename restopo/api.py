@@ -53,6 +53,9 @@ def compile(spec_or_path, backend: str = "auto", overrides=(), *,  # noqa: A001
     ops.check_backend(backend)
     if backend in ("triton", "cpu"):
         ops.require_backend(backend)
+    if init is not None and not isinstance(init, Init):  # it failed late, on init.unit
+        raise TypeError(f"init takes a restopo.nn.init.Init (e.g. Init(seed=0)), not "
+                        f"{type(init).__name__} {init!r}")
     _refuse_saved_model(spec_or_path)
     spec = as_spec(spec_or_path, overrides)
     if spec.model is None:

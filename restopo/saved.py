@@ -48,6 +48,9 @@ def load(path: str | os.PathLike, backend: str = "auto", device: str | torch.dev
     if say is None:
         def say(line):
             warnings.warn(line, stacklevel=3)
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise LoadError(f"device {str(device)!r}: torch sees no CUDA device here; load with "
+                        f"device='cpu'")  # torch's own was an AssertionError, mid-load
     p = Path(path)
     if not p.exists():
         raise LoadError(f"{p}: no such file or folder; give a run folder, a checkpoint "

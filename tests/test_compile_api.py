@@ -62,6 +62,19 @@ def test_api_mistakes_are_named():
         m(torch.tensor([1, 2, 3]))
     with pytest.raises(ValueError, match="seed must be a 64-bit number"):
         m.generate(torch.tensor([[1, 2]]), 2, seed=2 ** 70)
+    # init of the wrong kind failed late, as "'int' object has no attribute 'unit'"
+    with pytest.raises(TypeError, match=r"init takes a restopo.nn.init.Init .*not int 3"):
+        restopo.compile(text, init=3)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_load_onto_cuda_without_cuda_says_so(tmp_path):
+    """torch's own was an AssertionError from deep in the load."""
+    path = tmp_path / "m.safetensors"
+    restopo.export(restopo.compile(TEXT), path)
+    with pytest.raises(restopo.saved.LoadError, match="torch sees no CUDA device here; "
+                       "load with device='cpu'"):
+        restopo.load(path, device="cuda")
 
 
 def test_aggregations_in_execution_order_head_last():

@@ -188,5 +188,8 @@ def test_a_norm_epsilon_that_is_not_negligible_is_warned_of_and_can_be_set():
         warnings.simplefilter("error", RewireWarning)
         fixed = rewire(model, "residual full_attnres\n", norm_eps=1e-24)
     assert set(norm_eps(model).values()) == {1e-24}
+    with pytest.raises(RewireError, match="norm_eps takes a number, e.g. norm_eps=1e-24; "
+                       "got '1e-24'"):  # was a bare TypeError from '>='
+        rewire(llama(layers=4), "residual full_attnres\n", norm_eps="1e-24")
     same_eps = rewire(llama(layers=4), "residual standard\n", norm_eps=1e-24)(idx).logits
     torch.testing.assert_close(fixed(idx).logits, same_eps, rtol=0, atol=1e-6)

@@ -55,7 +55,8 @@ def rewire(model: nn.Module, spec_or_path, backend: str = "auto", *,
 
     spec_or_path: a Spec, a path to a .restopo file, spec text, or a callable
     `kinds -> Topology` (e.g. `lambda k: restopo.topology.block_attnres(k, blocks=2)`).
-    Only the residual section is read. backend: auto | eager | triton (aggregation ops).
+    Only the residual section is read. backend: auto | eager | triton | cpu (aggregation
+    ops).
     verify: first check on a probe batch that the recovered pieces, summed as a standard
     residual, reproduce the model's output. Raises RewireError for a model that is not a
     PreNorm transformer, SpecError for a residual section the model cannot take.
@@ -158,6 +159,8 @@ _TORCH_NORM_FORWARDS = {nn.LayerNorm.forward, nn.GroupNorm.forward,
 
 def set_norm_eps(model: nn.Module, eps: float) -> None:
     """Set every norm's epsilon attribute; RewireError when there is none to set."""
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):  # '1e-24' compared badly
+        raise RewireError(f"norm_eps takes a number, e.g. norm_eps=1e-24; got {eps!r}")
     if not eps >= 0:
         raise RewireError(f"norm_eps must be 0 or more; got {eps}")
     settable = list(_norm_eps_attrs(model))
