@@ -579,3 +579,16 @@ def test_underscores_between_digits_still_group_them():
     spec = parse_spec(M.replace("width: 64", "width: 6_4") + "residual standard\n"
                       + "train { steps: 1_000 }\n", overrides=("train.warmup=1_0",))
     assert (spec.model.width, spec.train.steps, spec.train.warmup) == (64, 1000, 10)
+
+
+def test_a_misspelt_rule_is_one_error_not_two():
+    """'befor sublayer:' is said as an unknown rule; that custom wiring then lacks its
+    'before sublayer:' rule was said first, at the section, as a second mistake."""
+    text = M + "residual custom {\n  befor sublayer: attend(embedding, sublayers)\n}\n"
+    with pytest.raises(SpecError) as info:
+        parse_spec(text, "spec.restopo")
+    assert not isinstance(info.value, SpecErrors), str(info.value)
+    assert (info.value.line, info.value.message) == (3, "unknown rule 'befor sublayer:'")
+    # a wiring with no rule at all still says what it needs
+    with pytest.raises(SpecError, match="custom wiring needs a 'before sublayer:' rule"):
+        parse_spec(M + "residual custom {\n  blocks: 2\n}\n", "spec.restopo")

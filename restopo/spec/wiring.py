@@ -189,10 +189,16 @@ def _custom(view: View, c: Checker) -> ResidualSpec | None:
                 "'residual block_attnres(blocks: 8)' or 'residual custom { before sublayer: "
                 "... }'")
         return None
+    # a misspelt rule ('befor sublayer:') is said as unknown; that the rule is then missing
+    # is its knock-on, not a second mistake
+    misspelt = any(k not in CUSTOM_KEYS and fld.key.words[-1] == "sublayer"
+                   for k, fld in view.fields.items())
     c.unknown_keys(view, CUSTOM_KEYS, "custom wiring")
     f = view.fields
     blocks, block_size = _blocks(view, c)
     if "before sublayer" not in f:
+        if misspelt:
+            return None
         c.error((view.label or view.kind).pos, "custom wiring needs a 'before sublayer:' rule",
                 "e.g. before sublayer: attend(embedding, blocks, partial)")
         return None
