@@ -153,11 +153,23 @@ def test_aggregations_are_exposed():
 
 
 def test_spec_model_section_does_not_override_the_model():
+    """Only the residual section is read; a model section that says other sizes is warned
+    of (it was dropped without a word), one that fits is not."""
+    import warnings
+
+    from restopo.fx.rewire import RewireWarning
     m = gpt()
     spec = ("model other { vocab: 999; width: 64; depth: 7; heads: 2; mlp: gelu(4x); "
             "context: 16 }\n"
             "residual block_attnres(blocks: 2)\n")
-    r = rewire(m, spec)
+    width = m.config.n_embd
+    with pytest.warns(RewireWarning, match=rf"not this model \(width 64 there, {width} in the "
+                      r"model; sublayers 14 there, 4 in the model\)"):
+        r = rewire(m, spec)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always", RewireWarning)
+        rewire(gpt(), spec.replace("width: 64; depth: 7", f"width: {width}; depth: 2"))
+    assert not [w for w in seen if "model section" in str(w.message)]
     assert len(restopo.aggregations(r)) == 5
     idx, targets = tokens()
     assert r(idx, targets)[0].shape == (2, 12, 128)

@@ -80,6 +80,7 @@ def rewire(model: nn.Module, spec_or_path, backend: str = "auto", *,
         _verify(model, structure)
     topology = residual(structure.kinds)
     _warn_of_norm_eps(model, topology)
+    _warn_of_other_sizes(spec, structure)
     g = build_ir(structure.kinds, topology, structure.width)
     default = structure.ends(pattern(structure.signature, *_probe_call(structure, model)))
     names = _context_names(model, structure, default)
@@ -198,6 +199,24 @@ def _warn_of_norm_eps(model: nn.Module, topology: Topology) -> None:
                 f"{where}.forward writes its epsilon in its code: make it 1e-24 there (or "
                 "an attribute rewire's norm_eps= can set) so that it does"),
             RewireWarning, stacklevel=3)
+
+
+def _warn_of_other_sizes(spec, structure) -> None:
+    """Warn when the spec's model section describes another model than the one rewired:
+    only its residual section is read, so its sizes were dropped without a word."""
+    import warnings
+
+    m = getattr(spec, "model", None)
+    if m is None:
+        return
+    said = {"width": (m.width, structure.width),
+            "sublayers": (m.depth * len(m.layer), len(structure.kinds))}
+    differ = [f"{k} {mine} there, {theirs} in the model" for k, (mine, theirs) in said.items()
+              if mine != theirs]
+    if differ:
+        warnings.warn(f"the spec's model section is not this model ({'; '.join(differ)}): "
+                      "rewire reads only its residual section and keeps the model's own "
+                      "sizes", RewireWarning, stacklevel=3)
 
 
 class RewireWarning(UserWarning):
