@@ -261,6 +261,30 @@ def test_eval_matches_a_hand_loop(run, capsys):
     assert "(val split" in out and "bits per byte" in out and "perplexity" in out
 
 
+def test_eval_of_token_ids_scores_their_held_out_split_by_default(run, tmp_path, capsys):
+    """--data with token ids (a folder of train.bin and val.bin, or a .BIN in capitals)
+    scores val by default, as the help says: only the user's own text is scored whole (a
+    token-id folder was scored train + val, the model's training data in the score)."""
+    import numpy as np
+    folder, _ = run
+    ids = np.arange(600, dtype=np.uint16) % 256
+    (tmp_path / "ids").mkdir()
+    ids.tofile(tmp_path / "ids" / "train.bin")
+    ids[:100].tofile(tmp_path / "ids" / "val.bin")
+    ids.tofile(tmp_path / "IDS.BIN")
+    for data, val_tokens in ((tmp_path / "ids", 100), (tmp_path / "IDS.BIN", 30)):
+        assert main(["eval", str(folder / "run"), "--data", str(data), "--format", "json",
+                     "--no-progress"]) == 0
+        got = json.loads(capsys.readouterr().out)
+        assert got["split"] == "val" and got["tokens"] == val_tokens - 1, (data, got)
+    (tmp_path / "own").mkdir()
+    (tmp_path / "own" / "a.txt").write_text(TEXT)
+    assert main(["eval", str(folder / "run"), "--data", str(tmp_path / "own"), "--format",
+                 "json", "--no-progress"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["split"] == "all" and got["tokens"] == len(TEXT.encode()) - 1
+
+
 def test_export_command_and_mistakes(run, tmp_path, capsys):
     folder, model = run
     assert main(["export", str(folder / "run"), "-o", str(tmp_path / "e.safetensors")]) == 0

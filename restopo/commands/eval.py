@@ -33,8 +33,8 @@ def register(subparsers) -> None:
                    help="builtin:stdlib, a text file or folder, or .bin token ids (default: "
                         "the checkpoint's train.data)")
     p.add_argument("--split", choices=("val", "train", "all"), default=None,
-                   help="which part to score (default: all of a --data text file, else the "
-                        "held-out split, val)")
+                   help="which part to score (default: all of a --data text file or folder, "
+                        "else the held-out split, val)")
     p.add_argument("--batch-size", type=int, default=16, metavar="B",
                    help="windows per forward pass (default 16)")
     p.add_argument("--format", choices=("text", "json"), default="text")
@@ -70,8 +70,11 @@ def run(args) -> int:
         if args.data is None:  # the run's data, read from where the run read it
             base = data_base(spec)
         corpus = open_corpus(source, base_dir=base, progress=not args.no_progress)
-        split = args.split or ("all" if args.data is not None and not str(source).startswith(
-            "builtin:") and not str(source).endswith(".bin") else "val")
+        # all of a text file or folder of the user's own (--data); else the held-out split:
+        # token ids (a .bin, any case, or a folder of train.bin and val.bin) have a train
+        # split the model may have trained on, as builtin:stdlib has
+        own_text = corpus.byte_level and not str(source).strip().startswith("builtin:")
+        split = args.split or ("all" if args.data is not None and own_text else "val")
         if corpus.vocab > spec.model.vocab:
             return _fail(f"{corpus.description} has token ids up to {corpus.vocab - 1}, past "
                          f"the model's vocab {spec.model.vocab}")
