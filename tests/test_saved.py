@@ -261,6 +261,17 @@ def test_eval_matches_a_hand_loop(run, capsys):
     assert "(val split" in out and "bits per byte" in out and "perplexity" in out
 
 
+def _ids_run(folder, tmp_path, data):
+    """A run folder whose model was trained on token ids `data` (one checkpoint)."""
+    spec = restopo.load_spec(str(folder / "t.restopo"), overrides=OVERRIDES + (
+        f'train.data="{data}"',))
+    state = {"step": 1, "data": {"generator": torch.Generator().get_state()},
+             "torch_cpu": torch.get_rng_state()}
+    save_checkpoint(tmp_path / "ids_run" / "ckpt", 1, restopo.compile(spec), None, state,
+                    run_meta(spec, "."))
+    return tmp_path / "ids_run"
+
+
 def test_eval_of_token_ids_scores_their_held_out_split_by_default(run, tmp_path, capsys):
     """--data with token ids (a folder of train.bin and val.bin, or a .BIN in capitals)
     scores val by default, as the help says: only the user's own text is scored whole (a
@@ -272,8 +283,9 @@ def test_eval_of_token_ids_scores_their_held_out_split_by_default(run, tmp_path,
     ids.tofile(tmp_path / "ids" / "train.bin")
     ids[:100].tofile(tmp_path / "ids" / "val.bin")
     ids.tofile(tmp_path / "IDS.BIN")
+    ids_run = _ids_run(folder, tmp_path, tmp_path / "IDS.BIN")
     for data, val_tokens in ((tmp_path / "ids", 100), (tmp_path / "IDS.BIN", 30)):
-        assert main(["eval", str(folder / "run"), "--data", str(data), "--format", "json",
+        assert main(["eval", str(ids_run), "--data", str(data), "--format", "json",
                      "--no-progress"]) == 0
         got = json.loads(capsys.readouterr().out)
         assert got["split"] == "val" and got["tokens"] == val_tokens - 1, (data, got)
@@ -283,6 +295,28 @@ def test_eval_of_token_ids_scores_their_held_out_split_by_default(run, tmp_path,
                  "json", "--no-progress"]) == 0
     got = json.loads(capsys.readouterr().out)
     assert got["split"] == "all" and got["tokens"] == len(TEXT.encode()) - 1
+
+
+def test_eval_refuses_data_of_another_kind_than_the_model_was_trained_on(run, tmp_path,
+                                                                           capsys):
+    """A model trained on byte text scored on token ids below its vocab (or one trained on
+    token ids scored on text) was scored without a word: the numbers meant nothing."""
+    import numpy as np
+    folder, _ = run
+    (np.arange(600, dtype=np.uint16) % 256).tofile(tmp_path / "ids.bin")
+    assert main(["eval", str(folder / "run"), "--data", str(tmp_path / "ids.bin"),
+                 "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert "--data is token ids (.bin)" in err and "trained on byte-level text" in err
+    assert "corpus.txt" in err
+    ids_run = _ids_run(folder, tmp_path, tmp_path / "ids.bin")
+    assert main(["eval", str(ids_run), "--data", str(folder / "corpus.txt"),
+                 "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert "--data is byte-level text" in err and "trained on token ids (.bin)" in err
+    assert main(["eval", str(ids_run), "--data", str(tmp_path / "ids.bin"), "--format",
+                 "json", "--no-progress"]) == 0
+    assert json.loads(capsys.readouterr().out)["split"] == "val"
 
 
 def test_export_command_and_mistakes(run, tmp_path, capsys):

@@ -48,6 +48,24 @@ def _fail(message: str) -> int:
     return 1
 
 
+def _kind_mismatch(spec, corpus) -> str | None:
+    """Why `corpus` cannot score this model: byte text for a model trained on token ids,
+    or token ids for one trained on bytes (ids below the vocab would score, meaninglessly:
+    the same number means another symbol). None when they agree or the run's data is gone."""
+    from ..spec.datapath import data_base
+    from ..train.data import source_kind
+    if spec.train is None:
+        return None
+    trained = source_kind(spec.train.data, data_base(spec))
+    given = "bytes" if corpus.byte_level else "ids"
+    if trained is None or trained == given:
+        return None
+    name = {"bytes": "byte-level text", "ids": "token ids (.bin)"}
+    return (f"--data is {name[given]} ({corpus.description}), but this model was trained on "
+            f"{name[trained]} ({spec.train.data}); an id means another symbol in each, so "
+            f"the score would mean nothing: give --data of the kind it was trained on")
+
+
 def run(args) -> int:
     import numpy as np
 
@@ -75,6 +93,9 @@ def run(args) -> int:
         # split the model may have trained on, as builtin:stdlib has
         own_text = corpus.byte_level and not str(source).strip().startswith("builtin:")
         split = args.split or ("all" if args.data is not None and own_text else "val")
+        mismatch = _kind_mismatch(spec, corpus) if args.data is not None else None
+        if mismatch:
+            return _fail(mismatch)
         if corpus.vocab > spec.model.vocab:
             return _fail(f"{corpus.description} has token ids up to {corpus.vocab - 1}, past "
                          f"the model's vocab {spec.model.vocab}")

@@ -97,13 +97,32 @@ def open_corpus(source: str, *, base_dir: str | os.PathLike | None = None,
         mode = data_mode(path)
     except DataPathError as e:
         raise DataError(str(e)) from None
+    if _kind(path, mode) == "ids":
+        return _bin_folder(path) if stat.S_ISDIR(mode) else _bin_file(path)
+    return _text_folder(path) if stat.S_ISDIR(mode) else _text_file(path)
+
+
+def source_kind(source: str, base_dir: str | os.PathLike | None = None) -> str | None:
+    """What open_corpus reads `source` as, without reading it: "bytes" (text, byte-level) or
+    "ids" (uint16 token ids); None when that cannot be told (nothing there, an unknown
+    builtin)."""
+    source = source.strip()
+    if source == BUILTIN_STDLIB:
+        return "bytes"
+    if not source or source.startswith("builtin:"):
+        return None
+    path = data_path(source, base_dir)
+    try:
+        return _kind(path, data_mode(path))
+    except DataPathError:
+        return None
+
+
+def _kind(path: Path, mode: int) -> str:
     if stat.S_ISDIR(mode):
-        if (path / "train.bin").is_file():
-            return _bin_folder(path)
-        return _text_folder(path)
-    if path.suffix.lower() == ".bin":  # .BIN too: token ids read as text would train
-        return _bin_file(path)
-    return _text_file(path)
+        return "ids" if (path / "train.bin").is_file() else "bytes"
+    # .BIN too: token ids read as text would train
+    return "ids" if path.suffix.lower() == ".bin" else "bytes"
 
 
 # --- builtin:stdlib ----------------------------------------------------------------------
