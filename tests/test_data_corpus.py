@@ -79,6 +79,24 @@ def test_text_file_and_folder(tmp_path):
         b"".join((folder / f"{i}.txt").read_bytes() for i in range(5)))
 
 
+def test_text_folder_skips_binary_files_and_says_so(tmp_path):
+    """A folder of text with a .pyc and an image beside it trained on their bytes as text,
+    unsaid (here 90% of the corpus); now they are skipped and counted in the description,
+    and a folder of nothing else is refused."""
+    folder = tmp_path / "proj"
+    (folder / "__pycache__").mkdir(parents=True)
+    (folder / "notes.txt").write_text("plain notes, caf\u00e9\n" * 50)
+    (folder / "__pycache__" / "m.cpython-312.pyc").write_bytes(b"\xcb\r\r\n\0\0" * 3000)
+    (folder / "plot.png").write_bytes(b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR" * 500)
+    c = open_corpus(str(folder))
+    assert bytes(c.train) + bytes(c.val) == (folder / "notes.txt").read_bytes()
+    assert "(1 file; 2 binary skipped: __pycache__/m.cpython-312.pyc and 1 more)" in \
+        c.description
+    (folder / "notes.txt").unlink()
+    with pytest.raises(DataError, match="holds only binary files .* as in __pycache__"):
+        open_corpus(str(folder))
+
+
 def test_uint16_bin_folder_and_single_file(tmp_path):
     ids = (np.arange(5000) * 7 % 1000).astype(np.uint16)
     (tmp_path / "tok").mkdir()

@@ -3,7 +3,8 @@
 A `data:` value is one of
   builtin:stdlib      the Python standard library's own .py sources on this machine,
                       byte-level (vocab 256), prepared once into a cached memory-mapped file
-  PATH.txt | FOLDER   a text file or a folder of text files, byte-level (vocab 256)
+  PATH.txt | FOLDER   a text file or a folder of text files, byte-level (vocab 256); a
+                      folder's binary files (a NUL byte in the first 8000) are skipped
   PATH.bin | FOLDER   pre-tokenized uint16 token ids (nanoGPT's format): a folder holding
                       train.bin and val.bin, or one .bin split deterministically
 
@@ -275,20 +276,42 @@ def _text_folder(path: Path) -> Corpus:
                         + ") but no train.bin: a folder is read as text unless it holds "
                         "train.bin and val.bin; name the token ids so, or point data: at "
                         "one .bin file")
-    parts = {"train": [], "val": []}
+    parts, binary = {"train": [], "val": []}, []
     for p in files:
         rel = p.relative_to(path).as_posix()
-        parts["val" if is_val_file(rel) else "train"].append(_read_bytes(p))
+        data = _read_bytes(p)
+        if looks_binary(data):  # an image, a .pyc, a PDF beside the text: not training text
+            binary.append(rel)
+            continue
+        parts["val" if is_val_file(rel) else "train"].append(data)
     train, val = b"".join(parts["train"]), b"".join(parts["val"])
+    if binary and len(binary) == len(files):
+        raise DataError(f"data folder {str(path)!r} holds only binary files (a NUL byte in "
+                        f"the first {BINARY_SNIFF:,} bytes, as in {binary[0]}); a folder is "
+                        f"read as text; for token ids give train.bin and val.bin")
     if not train and not val:
         raise DataError(f"data folder {str(path)!r} holds only empty files")
-    desc = f"text folder {path} ({len(files)} files)"
+    kept = len(files) - len(binary)
+    desc = f"text folder {path} ({kept} file{'s' if kept != 1 else ''}"
+    if binary:
+        desc += (f"; {len(binary)} binary skipped: {binary[0]}"
+                 + (f" and {len(binary) - 1} more" if len(binary) > 1 else ""))
+    desc += ")"
     if len(train) < 2 * len(val) or not val:
         # too few files for a split by file: hold out the tail of the whole text instead
         t, v = tail_split(np.frombuffer(train + val, dtype=np.uint8))
         return Corpus(t, v, BYTE_VOCAB, desc)
     return Corpus(np.frombuffer(train, dtype=np.uint8), np.frombuffer(val, dtype=np.uint8),
                   BYTE_VOCAB, desc)
+
+
+BINARY_SNIFF = 8000  # git's rule: a file with a NUL byte in its first 8000 bytes is binary
+
+
+def looks_binary(data: bytes) -> bool:
+    """Whether a file of a text folder is binary rather than text (UTF-16 text counts as
+    binary: its NULs would train as characters)."""
+    return b"\0" in data[:BINARY_SNIFF]
 
 
 def tail_split(tokens: np.ndarray, fraction: float = VAL_FRACTION):
