@@ -554,6 +554,32 @@ def test_a_checkpoint_from_before_manifests_resumes_with_a_note(spec, tmp_path, 
     assert ck.has_manifest(out / "ckpt" / "step_000008")
 
 
+def test_data_moved_since_the_run_says_how_to_give_its_new_place(spec, tmp_path, capsys):
+    """The run's data moved: resuming and eval said only that the path does not exist
+    (which reads as a typo in the spec); they say how to point at its new place, and that
+    works."""
+    data = tmp_path / "notes.txt"
+    data.write_text(CORPUS.read_text())
+    out = tmp_path / "run"
+    assert train(spec, "--out", out, "--steps", 4, "--set", f'train.data="{data}"') == 0
+    capsys.readouterr()
+    data.rename(tmp_path / "moved.txt")
+    err = one_line_error(capsys, ["train", "--out", out, "--resume", "--steps", 6,
+                                  "--no-progress"])
+    assert "does not exist" in err and "hint: if the run's data has moved since it " \
+        "trained, give its new place: --set train.data=PATH" in err, err
+    err = one_line_error(capsys, ["eval", out, "--no-progress"])
+    assert "give its new place with --data PATH" in err, err
+    assert train("--out", out, "--resume", "--steps", 6, "--set",
+                 f'train.data="{tmp_path / "moved.txt"}"') == 0
+    assert records(out)[-1]["step"] == 6
+    capsys.readouterr()
+    # a path that was never there is not said to have moved
+    err = one_line_error(capsys, ["train", spec, "--out", tmp_path / "new", "--set",
+                                  'train.data="nosuch.txt"', "--no-progress"])
+    assert "does not exist" in err and "moved" not in err, err
+
+
 def test_resume_from_another_folder_reads_the_run_s_relative_data(spec, tmp_path, monkeypatch,
                                                                    capsys):
     """A run given a relative train.data by --set, resumed from its checkpoint alone in

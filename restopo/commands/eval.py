@@ -87,7 +87,13 @@ def run(args) -> int:
         base = None
         if args.data is None:  # the run's data, read from where the run read it
             base = data_base(spec)
-        corpus = open_corpus(source, base_dir=base, progress=not args.no_progress)
+        try:
+            corpus = open_corpus(source, base_dir=base, progress=not args.no_progress)
+        except DataError as e:
+            if args.data is None and e.missing:
+                return _fail(f"{e} (the run's train.data; if it has moved since the run "
+                             f"trained, give its new place with --data PATH)")
+            raise
         # all of a text file or folder of the user's own (--data); else the held-out split:
         # token ids (a .bin, any case, or a folder of train.bin and val.bin) have a train
         # split the model may have trained on, as builtin:stdlib has

@@ -503,7 +503,7 @@ def _launch(args, out: Path) -> int:
     if spec.model is None:
         return _fail(f"{spec.path} has no model section; training needs one")
     _layout(args, spec, args.nproc)  # so do layouts that cannot run
-    runspec.open_data(spec, progress=not args.no_progress)
+    runspec.open_data(spec, progress=not args.no_progress, resuming=args.resume)
     _replace_old_run(args, out)  # every check passed here; the workers find it gone
     return dist.launch(_worker_argv(args), args.nproc, args.max_restarts,
                        env={**hand_down(out), NOTES_SAID: "1"}, checkpoints=out / "ckpt")
@@ -576,7 +576,8 @@ def _train(args, out: Path) -> int:
             check_compile(ctx.device, spec.train.compile, chosen, spec.train.recompute)
         if not ctx.is_main:
             dist.barrier(ctx)  # rank 0 prepares the cached corpus first
-        corpus = runspec.open_data(spec, progress=ctx.is_main and not args.no_progress)
+        corpus = runspec.open_data(spec, progress=ctx.is_main and not args.no_progress,
+                                   resuming=args.resume)
         if ctx.is_main:
             dist.barrier(ctx)
         try:  # whole, or this process's share of it (restopo.train.layout)

@@ -15,6 +15,10 @@ class DataPathError(ValueError):
     """A data path with nothing training can read there; the message says what to give."""
 
 
+class DataPathMissing(DataPathError):
+    """Nothing at all at the data path (a run's data moved or deleted since it trained)."""
+
+
 def data_base(spec) -> str:
     """Folder a relative `data:` path is read from: the spec file's folder, or the current
     folder when the data path came from --set on the command line. A spec read back from a
@@ -54,7 +58,7 @@ def data_mode(path: Path) -> int:
     try:
         mode = path.stat().st_mode
     except FileNotFoundError:
-        raise DataPathError(f"data path {str(path)!r} does not exist; give a text file, a "
+        raise DataPathMissing(f"data path {str(path)!r} does not exist; give a text file, a "
                             f"folder of text files, a .bin of uint16 token ids or "
                             f"builtin:stdlib") from None
     except OSError as e:  # a name too long, a link loop, no permission

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from ..io import atomic_folder, cache_folder, cache_root
-from ..spec.datapath import DataPathError, data_mode, data_path
+from ..spec.datapath import DataPathError, DataPathMissing, data_mode, data_path
 from ..spec.datapath import shown as _shown
 
 BUILTIN_STDLIB = "builtin:stdlib"
@@ -44,12 +44,14 @@ class DataError(ValueError):
     """Training data that cannot be used; the message says what to do (printed, no traceback).
 
     `where` names the spec value at fault (section, key), so the command can point at its
-    line: ("train", "data") by default.
+    line: ("train", "data") by default. `missing`: nothing is at the path at all (a run's
+    data moved since it trained: the command can say how to give its new place).
     """
 
-    def __init__(self, message: str, where: tuple[str, str] = ("train", "data")):
+    def __init__(self, message: str, where: tuple[str, str] = ("train", "data"),
+                 missing: bool = False):
         super().__init__(message)
-        self.where = where
+        self.where, self.missing = where, missing
 
 
 @dataclass
@@ -97,7 +99,7 @@ def open_corpus(source: str, *, base_dir: str | os.PathLike | None = None,
     try:
         mode = data_mode(path)
     except DataPathError as e:
-        raise DataError(str(e)) from None
+        raise DataError(str(e), missing=isinstance(e, DataPathMissing)) from None
     if _kind(path, mode) == "ids":
         return _bin_folder(path) if stat.S_ISDIR(mode) else _bin_file(path)
     return _text_folder(path) if stat.S_ISDIR(mode) else _text_file(path)

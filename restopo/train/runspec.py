@@ -58,16 +58,19 @@ def run_meta(spec, base: str) -> dict:
             "title": f"{Path(str(spec.path)).stem} ({spec.topology.name})"}
 
 
-def open_data(spec, *, progress: bool = True):
+def open_data(spec, *, progress: bool = True, resuming: bool = False):
     """The spec's corpus, checked against its model; a problem is a SpecError at the value
-    that caused it (the data line, or model.vocab for a vocab mismatch)."""
+    that caused it (the data line, or model.vocab for a vocab mismatch). `resuming`: data
+    no longer where the run read it is said with how to give its new place."""
     from .data import DataError, open_corpus
 
     try:
         corpus = open_corpus(spec.train.data, base_dir=data_base(spec), progress=progress)
         corpus.check(spec.model.vocab, spec.model.context)
     except DataError as e:
-        raise spec.error(*e.where, str(e)) from None
+        moved = ("if the run's data has moved since it trained, give its new place: "
+                 "--set train.data=PATH") if resuming and e.missing else None
+        raise spec.error(*e.where, str(e), moved) from None
     return corpus
 
 
