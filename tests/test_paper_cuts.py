@@ -1,5 +1,6 @@
 """The newcomer's paper cuts: resume messages, train.keep, file modes under the umask, and
 the `compile --help` examples, each as a person would meet it."""
+import json
 import os
 import shlex
 import stat
@@ -43,9 +44,15 @@ def test_resume_without_the_set_values_names_them(spec, capsys):
 def test_resuming_with_more_steps_says_the_schedule_stretches(spec, capsys):
     assert train(spec, "--out", "run") == 0
     capsys.readouterr()
-    assert train("--out", "run", "--resume", "--set", "train.steps=6") == 0
+    assert train("--out", "run", "--resume", "--set", "train.steps=6",
+                 "--set", "train.log_every=1") == 0
     err = capsys.readouterr().err
     assert "re-stretched over 6 steps" in err and "scheduled for 3" in err
+    # the rate named is the one metrics.jsonl logs at the step named (it named step 3 for
+    # step 4's rate)
+    logged = [json.loads(line) for line in open("run/metrics.jsonl") if '"loss"' in line]
+    lr4 = next(r["lr"] for r in logged if r["step"] == 4)
+    assert "(at step 4, the next: " in err and f"before, {lr4:.3g} now)" in err, err
     assert train("--out", "run", "--resume", "--set", "train.steps=6") == 0  # same steps: quiet
     assert "re-stretched" not in capsys.readouterr().err
 

@@ -180,6 +180,6 @@ def resume_notes(spec, meta: dict, step_dir, *, spec_file: bool = True) -> list[
             notes.append(
                 f"train.steps is now {new.steps} (the run was scheduled for {old.steps}): "
                 f"the cosine schedule is re-stretched over {new.steps} steps, so the learning "
-                f"rate follows a new curve from here (at step {step}: {lr_at(step, old):.3g} "
-                f"before, {lr_at(step, new):.3g} now)")
+                f"rate follows a new curve from here (at step {step + 1}, the next: "
+                f"{lr_at(step, old):.3g} before, {lr_at(step, new):.3g} now)")  # 0-based
     return notes
