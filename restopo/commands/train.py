@@ -331,11 +331,11 @@ def _replace_old_run(args, out: Path) -> None:
 def _resume_point(out: Path, required: bool):
     """The newest checkpoint under OUT/ckpt that verifies; the newer, damaged ones are said
     and (by the writer) moved to ckpt/damaged/."""
-    from ..train.checkpoint import STEP_DIR, find_resumable, has_manifest, quarantine
+    from ..train.checkpoint import find_resumable, has_manifest, quarantine, step_of
 
     step_dir, skipped = find_resumable(out / "ckpt")
     skipped = sorted(skipped + _refuse_newer_weights(out, step_dir), reverse=True,
-                     key=lambda s: int(STEP_DIR.match(s[0].name).group(1)))  # newest first
+                     key=lambda s: step_of(s[0]))  # newest first
     for bad, why in skipped:
         where = ""
         if _is_writer():
@@ -369,14 +369,14 @@ def _refuse_newer_weights(out: Path, step_dir) -> list[tuple[Path, str]]:
     whole = list_checkpoints(out / "ckpt")
     newer = [p for p in found[found.index(step_dir) + 1 if step_dir in found else 0:]
              if p not in whole]
-    damaged = [(p, why) for p in newer if (why := check_checkpoint(p, resume=False))]
-    newer = [p for p in newer if p not in dict(damaged)]
+    damaged = {p: why for p in newer if (why := check_checkpoint(p, resume=False))}
+    newer = [p for p in newer if p not in damaged]
 
     def lacks(p: Path) -> str:
         return " and ".join(f for f in RESUME_ONLY if not (p / f).exists())
 
     if not newer:
-        return [(p, f"{why}, and it has no {lacks(p)}") for p, why in damaged]
+        return [(p, f"{why}, and it has no {lacks(p)}") for p, why in damaged.items()]
     p = newer[-1]
     gone = lacks(p)
     instead = (f"to resume from {step_dir.name}, the newest checkpoint that has it, move "

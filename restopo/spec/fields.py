@@ -88,7 +88,7 @@ class Checker:
             return None
         if not isinstance(v, Number):
             self.error(v.pos, f"'{name}' must be a number, got '{describe(v)}'",
-                       f"e.g. {EXAMPLES.get(name, name + ': 1')}")
+                       example(name))
             return None
         digits = v.text[:len(v.text) - len(v.unit)] if v.unit else v.text
         if "_" in digits and not _GROUPED.fullmatch(digits):
@@ -124,7 +124,7 @@ class Checker:
             return None
         if n != int(n):
             self.error(f.value.pos, f"'{name}' must be a whole number, got {f.value.text}",
-                       f"e.g. {EXAMPLES.get(name, name + ': 1')}")
+                       example(name))
             return None
         n = int(n)
         return self.in_range(f, name, n, lo, hi, why)

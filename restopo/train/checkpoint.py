@@ -402,7 +402,8 @@ def quarantine(step_dir: Path) -> Path:
     return dest
 
 
-def _step_of(path: Path) -> int:
+def step_of(path: Path) -> int:
+    """The step a step_NNNNNN folder holds (-1 for any other name)."""
     m = STEP_DIR.match(path.name)
     return int(m.group(1)) if m else -1
 
@@ -417,7 +418,7 @@ def latest_checkpoint(root: str | os.PathLike, resume: bool = True) -> Path | No
     if pointer.is_file():
         named = root / pointer.read_text(errors="replace").strip()
         if STEP_DIR.match(named.name) and named.is_dir() and _complete(named, resume):
-            newer = [p for p in candidates if _step_of(p) > _step_of(named)]
+            newer = [p for p in candidates if step_of(p) > step_of(named)]
             return newer[-1] if newer else named
     return candidates[-1] if candidates else None
 
@@ -491,8 +492,8 @@ def resolve_checkpoint(path: str | os.PathLike, say=None) -> Path:
         # file was; a missing one was not, and an older step was used without a word)
         skipped += [(q, f"incomplete: {verify_checkpoint(q, resume=False)}")
                     for q in _incomplete(root)
-                    if found is None or _step_of(q) > _step_of(found)]
-        for bad, why in sorted(skipped, key=lambda x: -_step_of(x[0])):
+                    if found is None or step_of(q) > step_of(found)]
+        for bad, why in sorted(skipped, key=lambda x: -step_of(x[0])):
             if say is not None:
                 say(f"{bad} is damaged ({why}); passing over it")
         if found is not None:
