@@ -52,7 +52,13 @@ def first_failure(failures: dict) -> str:
 
     def when(item):
         return getattr(item[1], "timestamp", 0)
-    killed = sorted(((r, f) for r, f in failures.items() if f.exitcode < 0), key=when)
+
+    def first_killed(item):
+        # torchrun's timestamps are whole seconds: a rank that aborted itself (SIGABRT, as
+        # gloo's lost connection ends a process) in the second another was killed is the
+        # consequence, not the cause
+        return when(item), item[1].exitcode == -signal.SIGABRT
+    killed = sorted(((r, f) for r, f in failures.items() if f.exitcode < 0), key=first_killed)
     if killed:
         rank, f = killed[0]
         try:
