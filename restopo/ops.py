@@ -6,7 +6,7 @@ Same signatures as the eager backend's ops plus `backend=`:
   cpu     fused C kernels for the CPU (built with the machine's C compiler on first use)
   auto    triton when the tensors are on CUDA and the triton backend imports; on the CPU
           the cpu backend when its kernels build (else eager, and it says why once);
-          eager under torch.compile on the CPU (inductor fuses the eager forms)
+          eager under torch.compile on either (inductor fuses the eager forms; picked_for)
 Each backend is found by name in the registry (`get_backend`, restopo.registry), which loads
 it on first use; `register_backend` replaces one.
 
@@ -131,7 +131,15 @@ def picked_for(backend: str, device: torch.device, dtype: torch.dtype,
         require_backend(backend, device)
         return backend
     check_backend(backend)
-    if device.type == "cuda" and triton_unavailable_reason(device) is None:
+    # Traced (torch.compile), auto leaves the aggregations to inductor on every device: the
+    # fused kernels are opaque custom ops there, each call paying the dispatcher and an
+    # autotuned launch on the host (about 1.1 ms for a phase-2 forward and backward on an
+    # H200's host), which made compiled Block AttnRes at width 512 step 4.4x standard
+    # against 2.9x eager on an H200 (bench/overhead.py --device cuda); at d 2048, where the
+    # kernels' own time dominates, inductor's code for the eager two-phase came within 5% of
+    # them (bench/triton_depth.py). backend="triton" still traces the custom ops.
+    if (device.type == "cuda" and not compiling
+            and triton_unavailable_reason(device) is None):
         return "triton"
     if (device.type == "cpu" and not compiling
             and dtype in (torch.float32, torch.float64) and _cpu_ok()):

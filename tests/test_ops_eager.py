@@ -200,6 +200,22 @@ def test_auto_uses_eager_on_cpu():
                                ops.depth_attention(s, q, backend="eager"))
 
 
+def test_auto_leaves_traced_aggregations_to_inductor_on_every_device(monkeypatch):
+    """Under torch.compile the fused kernels are opaque custom ops whose host cost per call
+    made compiled Block AttnRes on a GPU slower, relative to standard, than eager: auto
+    traces the eager forms there as on the CPU; uncompiled calls keep the kernels, and an
+    explicit backend keeps its kernels either way."""
+    monkeypatch.setattr(ops, "triton_unavailable_reason", lambda device=None: None)
+    monkeypatch.setattr(ops, "require_backend", lambda backend, device=None: None)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    for dtype in (torch.float32, torch.bfloat16):
+        assert ops.picked_for("auto", cuda, dtype) == "triton"
+        assert ops.picked_for("auto", cuda, dtype, compiling=True) == "eager"
+        assert ops.picked_for("triton", cuda, dtype, compiling=True) == "triton"
+    assert ops.picked_for("auto", cpu, torch.float32, compiling=True) == "eager"
+    assert ops.picked_for("cpu", cpu, torch.float32, compiling=True) == "cpu"
+
+
 # -- sources as a list: the eager path that keeps no stacked copy for backward ------------
 
 @pytest.mark.parametrize("key_norm,gate,heads,per_token", [
@@ -337,3 +353,9 @@ def test_points_the_fused_kernels_do_not_cover_are_named(capsys):
     _note_unfused(spec, "cpu", "cpu")
     assert "5 aggregation points run on the eager reference, unfused (5 with the sigmoid " \
            "gate): the cpu kernels do not cover them" in capsys.readouterr().err
+    # compiled, regionally too, such points are compiled regions: inductor fuses them
+    for mode in ("regional", "whole"):
+        compiled = parse_spec(model + "residual full_attnres(gate: sigmoid)\n"
+                              f"train {{ compile: {mode} }}\n")
+        _note_unfused(compiled, "cpu", "cpu")
+        assert "eager reference" not in capsys.readouterr().err, mode

@@ -541,8 +541,8 @@ def _note_unfused(spec, backend: str, device) -> None:
     import torch
 
     from .. import ops
-    if spec.train.compile == "whole":  # traced: inductor compiles the eager forms anyway
-        return
+    if spec.train.compile != "off":  # traced: inductor fuses the eager forms of such points
+        return                         # (regional compiles every region the kernels leave)
     picked = ops.picked_for(backend, torch.device(device), torch.float32)
     slow = ops.unfused_points(spec.ir(), picked)
     if slow:

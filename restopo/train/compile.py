@@ -34,7 +34,8 @@ by side (step time x standard compiled the same way, median of interleaved round
 `--examples` Block AttnRes 1.28 -> 1.18 and Full 1.81 -> 1.35, both then stepping faster
 than eager; at its default width 512 with `--threads 2`, Block 1.11 -> 1.08 and Full 1.28
 -> 1.11. The lowered graph's shared logits (restopo.nn.shared_sources) then work as in
-eager mode. On CUDA (the triton kernels, not yet measured there) every region is compiled.
+eager mode. On CUDA every region is compiled, and backend auto leaves the aggregations'
+eager forms to inductor there too (restopo.ops.picked_for says why).
 
 Where the aggregation regions are compiled, the readers of a source make their own logits
 (the eager sharing of restopo.nn.shared_sources switches itself off under compile): each
