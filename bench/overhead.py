@@ -68,8 +68,9 @@ def parse_args(argv=None):
     p.add_argument("--backend", default="auto", type=_backends, metavar="B[,B...]",
                    help="aggregation kernels, one or several (comma-separated: each "
                         "topology is built on each and timed in the same rounds): auto (the "
-                        "fused C kernels on the CPU where they build, triton on CUDA), eager "
-                        "(plain torch, the reference), cpu, triton")
+                        "fused C kernels on the CPU where they build, triton on CUDA; "
+                        "compiled, inductor's code on either), eager (plain torch, the "
+                        "reference), cpu, triton")
     p.add_argument("--no-compile", action="store_true", help="eager mode only")
     p.add_argument("--compile-only", action="store_true", help="torch.compile mode only")
     p.add_argument("--regional", action="store_true",
