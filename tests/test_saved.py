@@ -297,6 +297,34 @@ def test_eval_of_token_ids_scores_their_held_out_split_by_default(run, tmp_path,
     assert got["split"] == "all" and got["tokens"] == len(TEXT.encode()) - 1
 
 
+def test_eval_of_all_token_ids_reads_no_window_across_train_bin_and_val_bin(run, tmp_path,
+                                                                            capsys,
+                                                                            monkeypatch):
+    """--split all of a folder of train.bin and val.bin scored them as one sequence: windows
+    ran from the end of train.bin into the start of val.bin, two files that never meet. Here
+    train ids are below 128 and val ids above, so a crossing window shows."""
+    import numpy as np
+
+    import restopo.train.score as score_module
+    folder, _ = run
+    (tmp_path / "ids").mkdir()
+    train = np.arange(203, dtype=np.uint16) % 128  # not a whole number of windows: a tail
+    val = 128 + np.arange(77, dtype=np.uint16) % 128
+    train.tofile(tmp_path / "ids" / "train.bin")
+    val.tofile(tmp_path / "ids" / "val.bin")
+    ids_run = _ids_run(folder, tmp_path, tmp_path / "ids")
+    rows, nll = [], score_module._nll
+    monkeypatch.setattr(score_module, "_nll", lambda m, r: rows.append(r) or nll(m, r))
+    assert main(["eval", str(ids_run), "--split", "all", "--batch-size", "3", "--format",
+                 "json", "--no-progress"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["split"] == "all" and got["tokens"] == len(train) - 1 + len(val) - 1
+    windows = [w for r in rows for w in r.tolist()]
+    assert all(max(w) < 128 or min(w) >= 128 for w in windows), "a window crossed the files"
+    targets = sorted(t for w in windows for t in w[1:])  # each target once, as the help says
+    assert targets == sorted(train[1:].tolist() + val[1:].tolist())
+
+
 def test_eval_refuses_data_of_another_kind_than_the_model_was_trained_on(run, tmp_path,
                                                                            capsys):
     """A model trained on byte text scored on token ids below its vocab (or one trained on

@@ -14,7 +14,8 @@ examples:
   restopo eval runs/tiny --data notes.txt         # all of your own text
   restopo eval model.safetensors --data notes.txt --split val --format json
 
-Every token of the split is predicted once, with up to `context` tokens before it. Bits per
+Every token of the split is predicted once, with up to `context` tokens before it from its
+own file (--split all of train.bin and val.bin reads no window across the two). Bits per
 byte is the loss in bits for byte-level data (vocab 256); for token-id data (.bin) it is
 bits per token.
 """
@@ -67,8 +68,6 @@ def _kind_mismatch(spec, corpus) -> str | None:
 
 
 def run(args) -> int:
-    import numpy as np
-
     from ..cli import load_model
     from ..saved import LoadError
     from ..train.data import DataError, open_corpus
@@ -105,11 +104,8 @@ def run(args) -> int:
         if corpus.vocab > spec.model.vocab:
             return _fail(f"{corpus.description} has token ids up to {corpus.vocab - 1}, past "
                          f"the model's vocab {spec.model.vocab}")
-        tokens = {"val": corpus.val, "train": corpus.train}.get(split)
-        if tokens is None:
-            tokens = np.concatenate([corpus.train, corpus.val])
-        result = score(model, tokens, spec.model.context, args.batch_size, device=args.device,
-                       progress=not args.no_progress)
+        result = score(model, corpus.parts(split), spec.model.context, args.batch_size,
+                       device=args.device, progress=not args.no_progress)
     except (LoadError, DataError, ValueError, RuntimeError) as e:
         return _fail(str(e))
     result.update(data=source, split=split, byte_level=bool(corpus.byte_level),

@@ -56,12 +56,25 @@ class DataError(ValueError):
 
 @dataclass
 class Corpus:
-    """Token ids of one corpus: `train` and `val` are 1-D integer arrays (often memmaps)."""
+    """Token ids of one corpus: `train` and `val` are 1-D integer arrays (often memmaps).
+
+    `whole`: the one sequence val was cut from the end of, when it was (a tail split); else
+    train and val are apart in their source (train.bin and val.bin, files held out by name).
+    """
 
     train: np.ndarray
     val: np.ndarray
     vocab: int          # ids are < vocab
     description: str
+    whole: np.ndarray | None = None
+
+    def parts(self, split: str) -> list[np.ndarray]:
+        """The token sequences of `split` ("train", "val" or "all"), each contiguous in its
+        source: a window of text must not run from one into the next (the end of train.bin
+        is not followed by the start of val.bin)."""
+        if split == "all":
+            return [self.whole] if self.whole is not None else [self.train, self.val]
+        return [{"train": self.train, "val": self.val}[split]]
 
     @property
     def byte_level(self) -> bool:
@@ -209,7 +222,7 @@ def _text_file(path: Path) -> Corpus:
     if tokens is None:
         raise DataError(f"data file {str(path)!r} is empty")
     train, val = tail_split(tokens)
-    return Corpus(train, val, BYTE_VOCAB, f"text file {path}")
+    return Corpus(train, val, BYTE_VOCAB, f"text file {path}", tokens)
 
 
 # A text folder is read whole into memory: bounded, so `data: "~"` is an error, not an
@@ -301,8 +314,8 @@ def _text_folder(path: Path) -> Corpus:
     desc += ")"
     if len(train) < 2 * len(val) or not val:
         # too few files for a split by file: hold out the tail of the whole text instead
-        t, v = tail_split(np.frombuffer(train + val, dtype=np.uint8))
-        return Corpus(t, v, BYTE_VOCAB, desc)
+        whole = np.frombuffer(train + val, dtype=np.uint8)
+        return Corpus(*tail_split(whole), BYTE_VOCAB, desc, whole)
     return Corpus(np.frombuffer(train, dtype=np.uint8), np.frombuffer(val, dtype=np.uint8),
                   BYTE_VOCAB, desc)
 
@@ -360,7 +373,7 @@ def _bin_folder(path: Path) -> Corpus:
 def _bin_file(path: Path) -> Corpus:
     tokens = _memmap_u16(path)
     train, val = tail_split(tokens)
-    return Corpus(train, val, _max_id(tokens) + 1, f"token ids {path}")
+    return Corpus(train, val, _max_id(tokens) + 1, f"token ids {path}", tokens)
 
 
 # --- batches ----------------------------------------------------------------------------

@@ -1,10 +1,11 @@
-"""A model's loss over a whole token sequence: every position predicted once.
+"""A model's loss over whole token sequences: every position predicted once.
 
-The tokens are cut into consecutive windows of `context + 1` that overlap by one token
-(each window's inputs end where the next one's begin), so each token after the first is a
-target exactly once, with as much preceding text as the window gives it. The loss is the
-mean negative log-likelihood in nats per token; bits per byte is loss / ln 2 for a
-byte-level corpus (one token is one byte), perplexity exp(loss).
+Each sequence (Corpus.parts: train.bin and val.bin are two) is scored apart, no window
+running from one into the next: its tokens are cut into consecutive windows of `context + 1`
+that overlap by one token (each window's inputs end where the next one's begin), so each
+token after its first is a target exactly once, with as much preceding text as the window
+gives it. The loss is the mean negative log-likelihood in nats per token; bits per byte is
+loss / ln 2 for a byte-level corpus (one token is one byte), perplexity exp(loss).
 """
 from __future__ import annotations
 
@@ -21,28 +22,30 @@ def windows(n_tokens: int, context: int) -> list[tuple[int, int]]:
 
 
 @torch.no_grad()
-def score(model, tokens: np.ndarray, context: int, batch: int = 16, *,
+def score(model, parts: list[np.ndarray], context: int, batch: int = 16, *,
           device: str | torch.device = "cpu", progress: bool = True) -> dict:
-    """{"loss", "bits_per_token", "perplexity", "tokens"} of `model` over all of `tokens`."""
+    """{"loss", "bits_per_token", "perplexity", "tokens"} of `model` over all of each token
+    sequence in `parts`, none of its windows crossing from one sequence into another."""
     from tqdm import tqdm
 
-    if len(tokens) < 2:
-        raise ValueError(f"need at least 2 tokens to score; got {len(tokens)}")
-    spans = windows(len(tokens), context)
-    full = [s for s in spans if s[1] - s[0] == context + 1]
-    rest = [s for s in spans if s[1] - s[0] != context + 1]  # the tail: one shorter window
+    targets = sum(max(len(t) - 1, 0) for t in parts)
+    if not targets:
+        raise ValueError(f"need at least 2 tokens to score; got {max(map(len, parts))}")
+    spans = [(t, s, e) for t in parts for s, e in windows(len(t), context)]
+    full = [w for w in spans if w[2] - w[1] == context + 1]
+    rest = [w for w in spans if w[2] - w[1] != context + 1]  # each part's shorter tail
     total, count = 0.0, 0
     model.eval()
-    with tqdm(total=len(tokens) - 1, unit="tok", unit_scale=True, disable=not progress,
+    with tqdm(total=targets, unit="tok", unit_scale=True, disable=not progress,
               desc="eval", file=None) as bar:
         for k in range(0, len(full), batch):
             chunk = full[k:k + batch]
-            rows = np.stack([np.asarray(tokens[s:e], dtype=np.int64) for s, e in chunk])
+            rows = np.stack([np.asarray(t[s:e], dtype=np.int64) for t, s, e in chunk])
             total_b, count_b = _nll(model, torch.from_numpy(rows).to(device))
             total, count = total + total_b, count + count_b
             bar.update(count_b)
-        for s, e in rest:
-            row = np.asarray(tokens[s:e], dtype=np.int64)[None]
+        for t, s, e in rest:
+            row = np.asarray(t[s:e], dtype=np.int64)[None]
             total_b, count_b = _nll(model, torch.from_numpy(row).to(device))
             total, count = total + total_b, count + count_b
             bar.update(count_b)
