@@ -9,7 +9,7 @@ restopo.load(path) takes
       own model.safetensors (the spec from the meta.json beside it);
 and returns restopo.compile(spec, overrides) with the weights loaded strictly (a tied LM
 head is the embedding, stored once or twice), in eval mode, in the dtype the weights were
-saved in (a float64 export loads as float64). Nothing is unpickled.
+saved in (a float64 export or checkpoint loads as float64). Nothing is unpickled.
 
 An exported .safetensors holds every state_dict key, the tied head too, so plain
 `model.load_state_dict(safetensors.torch.load_file(path))` is strict anywhere, the
@@ -91,6 +91,8 @@ def _from_checkpoint(p: Path, backend: str, device, say=None) -> nn.Module:
             raise LoadError(f"{step_dir}/meta.json carries no spec text")
         from .train.runspec import spec_from_meta
         model = compile_spec(spec_from_meta(meta), backend=backend)
+        from .train.shards import Reader
+        _as_saved(model, Reader(step_dir).model_floats())
         load_checkpoint(step_dir, model, map_location=device)  # strict: names what differs
         model.restopo_source = step_dir
     except CheckpointError as e:
@@ -135,13 +137,17 @@ def _from_safetensors(p: Path, backend: str, device) -> nn.Module:
     return model
 
 
+def _as_saved(model: nn.Module, dtypes: set[torch.dtype]) -> None:
+    """`model` in the floating dtype its weights were saved in, when they share one: a
+    float64 (or bf16) model loads back as one, not rounded to float32 by loading into it."""
+    if len(dtypes) == 1:
+        model.to(next(iter(dtypes)))
+
+
 def _load_strict(model: nn.Module, state_dict, where: Path) -> None:
-    """Load `state_dict` into `model` strictly, in the dtype it was saved in: an export of a
-    float64 (or bf16) model loads back as one, not silently rounded to float32."""
-    saved = {v.dtype for v in state_dict.values()
-             if isinstance(v, torch.Tensor) and v.is_floating_point()}
-    if len(saved) == 1:
-        model.to(saved.pop())
+    """Load `state_dict` into `model` strictly, in the dtype it was saved in (_as_saved)."""
+    _as_saved(model, {v.dtype for v in state_dict.values()
+                      if isinstance(v, torch.Tensor) and v.is_floating_point()})
     try:
         model.load_state_dict(state_dict, strict=True)
     except RuntimeError as e:

@@ -82,6 +82,43 @@ def test_export_and_pt_round_trip_strictly(run, tmp_path):
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_checkpoint_loads_back_in_the_dtype_it_was_saved_in(tmp_path, sharded, dtype):
+    """A checkpoint of a float64 (or bf16) model, in either layout, loaded as float32 from
+    its run, ckpt/ or step folder (or its model.safetensors), while an export of it kept
+    its dtype."""
+    from restopo.train.checkpoint import save_sharded
+    spec = restopo.load_spec(str(_tiny_spec(tmp_path)))
+    torch.manual_seed(0)
+    model = restopo.compile(spec, backend="eager").to(dtype)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) / 3)
+    meta, root = run_meta(spec, str(tmp_path)), tmp_path / "run" / "ckpt"
+    state = {"step": 1, "data": {"generator": torch.Generator().get_state()},
+             "torch_cpu": torch.get_rng_state()}
+    if sharded:
+        step = save_sharded(root, 1, list(model.named_parameters()), None, state, meta,
+                            rank=0, world=1, exchange=lambda o: [o])
+    else:
+        step = save_checkpoint(root, 1, model, None, state, meta)
+    tokens = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
+    paths = [tmp_path / "run", root, step] + ([] if sharded else [step / "model.safetensors"])
+    for path in paths:
+        back = load(path, backend="eager")
+        assert {p.dtype for p in back.parameters()} == {dtype}, path
+        with torch.no_grad():
+            assert torch.equal(back(tokens), model.eval()(tokens)), path
+
+
+def _tiny_spec(folder):
+    path = folder / "tiny.restopo"
+    path.write_text("model t { vocab: 32; width: 16; depth: 1; heads: 2; context: 8 }\n"
+                    "residual full_attnres\n")
+    return path
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("name", ["m.safetensors", "m.pt"])
 def test_an_export_loads_back_in_the_dtype_it_was_saved_in(tmp_path, name, dtype):
     """A float64 (or bf16) model exported and loaded again is that model, not its weights

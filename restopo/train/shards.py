@@ -37,6 +37,8 @@ INDEX = "index.json"
 STATE = "state.safetensors"
 FORMAT = "restopo.sharded"
 OPTIM_KEYS = ("step", "exp_avg", "exp_avg_sq")  # AdamW's state of one parameter
+# safetensors' names of torch's floating dtypes (model.safetensors' header says these)
+_FLOAT_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
 
 class ShardError(ValueError):
@@ -260,7 +262,8 @@ class Reader:
         with safe_open(str(self.dir / "model.safetensors"), framework="pt") as f:
             for k in f.keys():
                 s = f.get_slice(k)
-                entries[model_key(k)] = {"shape": list(s.get_shape()), "where": ("model", k)}
+                entries[model_key(k)] = {"shape": list(s.get_shape()), "where": ("model", k),
+                                         "dtype": _FLOAT_NAMES.get(s.get_dtype())}
         self._optim = None
         if order is not None and (self.dir / "optimizer.pt").exists():
             try:
@@ -331,6 +334,12 @@ class Reader:
 
     def model_names(self) -> set[str]:
         return {k.removeprefix("model/") for k in self.entries if k.startswith("model/")}
+
+    def model_floats(self) -> set[torch.dtype]:
+        """The floating-point dtypes the model's tensors were saved in."""
+        kinds = {getattr(torch, e.get("dtype") or "", None)
+                 for k, e in self.entries.items() if k.startswith("model/")}
+        return {d for d in kinds if isinstance(d, torch.dtype) and d.is_floating_point}
 
 
 def load_named(reader: Reader, named, optimizer=None, whole: bool = True) -> None:
