@@ -47,6 +47,26 @@ def test_standard_spec_leaves_the_output_unchanged():
     assert inspect.signature(r) == inspect.signature(m.forward)
 
 
+def test_one_sequence_without_a_batch_is_refused_as_a_compiled_model_refuses_it():
+    """Token ids [T] (no batch) failed inside a rewired model's traced front, or its
+    generate(), with an IndexError (the original HF model fails too); restopo.compile's
+    model refuses them with a ValueError naming [batch, T]: the rewired one now does too."""
+    compiled = restopo.compile("model t { vocab: 128; width: 16; depth: 1; heads: 2; "
+                               "context: 16 }\nresidual full_attnres\n", backend="eager")
+    rewired = rewire(llama(), "residual full_attnres\n", norm_eps=1e-24)
+    ids = tokens()
+    for model in (compiled, rewired):
+        with pytest.raises(ValueError) as refused:
+            model(ids[0])
+        assert "token ids [batch, T]; got shape (10,) (one sequence: ids[None])" in str(
+            refused.value)
+        model(ids[0][None])  # as it says: a batch of one runs
+    with pytest.raises(ValueError, match=r"token ids \[batch, T\]; got shape \(10,\)"):
+        rewired.generate(ids[0], max_new_tokens=2)  # Hugging Face's: an IndexError too
+    out = rewired(input_ids=ids[0][None])
+    torch.testing.assert_close(out.logits[0], rewired(ids).logits[0], rtol=0, atol=1e-12)
+
+
 @pytest.mark.parametrize("family, config", [
     ("Qwen2ForCausalLM", "Qwen2Config"),
     ("Qwen3ForCausalLM", "Qwen3Config"),

@@ -38,6 +38,16 @@ def test_standard_spec_leaves_logits_and_loss_unchanged():
     torch.testing.assert_close(loss, want_loss, rtol=0, atol=1e-12)
 
 
+def test_one_sequence_without_a_batch_is_refused_naming_the_shape():
+    """A rewired nanoGPT failed on token ids [T] with an IndexError in its traced front; it
+    refuses them as restopo.compile's model does (restopo.nn.sublayers.check_batched)."""
+    idx, _ = tokens()
+    r = rewire(gpt(), "residual standard\n")
+    with pytest.raises(ValueError, match=r"token ids \[batch, T\]; got shape \(12,\)"):
+        r(idx[0])
+    assert r(idx[:1])[0].shape == (1, 1, 128)
+
+
 def test_same_call_signature_and_output_type():
     m = gpt()
     r = rewire(m, "residual full_attnres\n")

@@ -121,8 +121,9 @@ def build():
     return RestopoModel()
 '''
 
-SUBLAYER_CODE = (norm.RMSNorm, sublayers.Rotary, sublayers.apply_rotary, sublayers.KVCache,
-                 sublayers.Attention, sublayers.swiglu_hidden, sublayers.MLP, sublayers.Head)
+SUBLAYER_CODE = (norm.RMSNorm, sublayers.check_batched, sublayers.Rotary, sublayers.apply_rotary,
+                 sublayers.KVCache, sublayers.Attention, sublayers.swiglu_hidden, sublayers.MLP,
+                 sublayers.Head)
 
 
 def _source(obj) -> str:

@@ -31,7 +31,8 @@ from ..ir import build_ir
 from ..topology import Topology
 from .lower import lower
 from ..nn.parts import Parts
-from .structure import SUPPORTED, FrontAndBack, RewireError, Structure, pattern
+from ..nn.sublayers import check_batched
+from .structure import SUPPORTED, FrontAndBack, RewireError, Structure, bind, pattern
 
 __all__ = ["rewire", "recover", "Rewired", "RewireError"]
 
@@ -305,6 +306,13 @@ class DeferredHead(nn.Module):
         return h
 
 
+def _check_ids(ids) -> None:
+    """Token ids [T] refused as restopo.compile's model refuses them (an IndexError deep in
+    the traced front or in Hugging Face's generate otherwise)."""
+    if isinstance(ids, torch.Tensor) and not ids.is_floating_point():
+        check_batched(ids)
+
+
 class Rewired(nn.Module):
     """The original model with its residual stream rewired; same signature and output.
 
@@ -327,6 +335,7 @@ class Rewired(nn.Module):
 
     def forward(self, *args, **kwargs):
         s = self.structure
+        _check_ids(bind(s.signature, args, kwargs)[0])  # token ids come first (_probe_call)
         ends = s.ends(pattern(s.signature, args, kwargs))
         call = Call(ends.arguments(s.signature, args, kwargs), ends)
         h = self.body(call)
@@ -340,6 +349,7 @@ class Rewired(nn.Module):
         if generate is None:
             raise AttributeError(f"{type(self.model).__name__} has no generate(); for a model "
                                  f"of restopo's own use restopo.generate")
+        _check_ids(args[0] if args else kwargs.get("inputs", kwargs.get("input_ids")))
         self.model.forward = self.forward  # an instance attribute: the class is untouched
         try:
             return generate(*args, **kwargs)
