@@ -913,6 +913,14 @@ class RMSNorm(nn.RMSNorm):
         return ops.rms_norm(x, self.weight, self.eps)
 
 
+def check_batched(idx: torch.Tensor) -> None:
+    """Token ids come as [batch, T]: one sequence [T] is refused, not read as a batch of T
+    sequences of one token (or an IndexError deep inside a model)."""
+    if idx.dim() != 2:
+        raise ValueError(f"the model takes token ids [batch, T]; got shape "
+                         f"{tuple(idx.shape)} (one sequence: ids[None])")
+
+
 class Rotary(nn.Module):
     """The Parts `context`: rotary cos/sin for the sequence length of `idx`.
 
@@ -948,9 +956,7 @@ class Rotary(nn.Module):
         return self
 
     def forward(self, idx: torch.Tensor, v0: torch.Tensor):
-        if idx.dim() != 2:
-            raise ValueError(f"the model takes token ids [batch, T]; got shape "
-                             f"{tuple(idx.shape)} (one sequence: ids[None])")
+        check_batched(idx)
         T = idx.shape[1]
         if T > self.context:
             raise ValueError(f"sequence length {T} is longer than the model's context "
