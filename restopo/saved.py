@@ -133,7 +133,9 @@ def _from_safetensors(p: Path, backend: str, device) -> nn.Module:
     model = _compile(metadata[SPEC_KEY], overrides, p, backend,
                      metadata.get(DATA_BASE_KEY)).to(device)
     from safetensors.torch import load_file
-    _load_strict(model, load_file(str(p), device=str(device)), p)
+    # safetensors names devices its own way ("cpu:0", which torch takes, it refuses)
+    where = "cpu" if torch.device(device).type == "cpu" else str(device)
+    _load_strict(model, load_file(str(p), device=where), p)
     return model
 
 

@@ -77,6 +77,17 @@ def test_load_onto_cuda_without_cuda_says_so(tmp_path):
         restopo.load(path, device="cuda")
 
 
+def test_load_takes_every_spelling_of_the_cpu_device_torch_takes(tmp_path):
+    """safetensors refused device='cpu:0' ("device cpu:0 is invalid"), which torch takes."""
+    model = restopo.compile(TEXT)
+    path = tmp_path / "m.safetensors"
+    restopo.export(model, path)
+    idx = torch.randint(0, 61, (1, 4))
+    for device in ("cpu:0", torch.device("cpu", 0), "cpu"):
+        torch.testing.assert_close(restopo.load(path, device=device)(idx), model.eval()(idx),
+                                   rtol=0, atol=0)
+
+
 def test_aggregations_in_execution_order_head_last():
     model = restopo.compile(TEXT)
     aggs = restopo.aggregations(model)
