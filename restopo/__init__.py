@@ -5,7 +5,8 @@ from .spec.errors import SpecError, SpecErrors  # noqa: E402  (cheap: no lark, n
 
 # The model API is imported on first use, so `import restopo` (and the CLI, the grammar and
 # the IR) stay usable without paying for torch.
-_LAZY = {"compile": "api", "aggregations": "api", "set_backend": "api", "rewire": "fx.rewire",
+_LAZY = {"compile": "api", "aggregations": "api", "set_backend": "api", "direct": "api",
+         "rewire": "fx.rewire",
          "generate": "decode", "load": "saved", "export": "saved",
          "load_spec": "spec", "parse_spec": "spec", "RewireError": "fx.rewire"}
 

@@ -104,6 +104,26 @@ def test_aggregations_in_execution_order_head_last():
     assert not torch.allclose(before, model(idx))
 
 
+def test_direct_calls_each_point_on_its_sources_and_computes_the_same_model():
+    """restopo.direct: the model without the two-phase plan, sharing its modules, so that a
+    pre-hook on an aggregation sees every source and reads its depth-attention weights."""
+    model = restopo.compile(TEXT).double()
+    seen = restopo.direct(model)
+    idx = torch.randint(0, 61, (2, 5))
+    torch.testing.assert_close(seen(idx), model(idx), rtol=1e-12, atol=1e-12)
+    weights = []
+    hooks = [a.register_forward_pre_hook(lambda m, srcs: weights.append(
+        (m, m.depth_weights(*srcs)))) for a in restopo.aggregations(seen)]
+    seen(idx)
+    for h in hooks:
+        h.remove()
+    assert [m for m, _ in weights] == restopo.aggregations(model)  # each point once, in order
+    for m, w in weights:
+        torch.testing.assert_close(w.sum(0), torch.ones_like(w[0]))
+    assert restopo.direct(model).get_parameter("aggregations.0.pseudo_query") is \
+        model.get_parameter("aggregations.0.pseudo_query")
+
+
 def test_aggregations_rejects_foreign_modules():
     with pytest.raises(ValueError, match="not built by restopo"):
         restopo.aggregations(torch.nn.Linear(2, 2))
