@@ -43,6 +43,48 @@ def test_stream_point_flops_match_torchs_counter(method, n, dynamic):
     assert abs(rest[0]) <= 2 * math.factorial(n) * n * n  # the counted mix of mHC-lite
 
 
+def _attend_reference(sources, query, gain, heads):
+    """Depth attention written as matmuls, so torch's counter sees every multiply-add that
+    grows with d: the logit w . RMSNorm(v_i) as (w * gain) . v_i times 1/RMS(v_i), whose mean
+    square is one more product (none without a key norm), and the weighted sum."""
+    d = sources.shape[-1]
+    x = sources.movedim(0, -2)                                  # [B, T, n, d]
+    split = x.unflatten(-1, (heads, d // heads)).transpose(-3, -2)  # [B, T, heads, n, d/h]
+    q = (query if gain is None else query * gain).view(heads, d // heads, 1)
+    logits = (split @ q).squeeze(-1)                            # [B, T, heads, n]
+    if gain is not None:
+        ms = (x.unsqueeze(-2) @ x.unsqueeze(-1)).squeeze(-1) / d  # [B, T, n, 1]
+        logits = logits * torch.rsqrt(ms + 1e-6).transpose(-2, -1)
+    alpha = logits.softmax(-1)
+    return (alpha.unsqueeze(-2) @ split).squeeze(-2).flatten(-2)  # matmuls even for n = 1
+
+
+@pytest.mark.parametrize("options", ["", "key_norm: none", "heads: 4", "gate: sigmoid"])
+def test_attend_point_flops_match_torchs_counter_on_a_reference(options):
+    """Full AttnRes's aggregation FLOPs are what torch counts for depth attention written as
+    matmuls at every point (Full has no running sums). Without a key norm no mean square is
+    taken: the count charged 6d per source either way, 2d too many."""
+    from restopo.nn.aggregate import Attend
+    from restopo.nn.flops import aggregation_flops
+    from restopo.spec import parse_spec
+    residual = f"full_attnres({options})" if options else "full_attnres"
+    d, depth = 32, 2
+    spec = parse_spec(f"model m {{ vocab: 16; width: {d}; depth: {depth}; heads: 2; "
+                      f"context: 8 }}\nresidual {residual}\n")
+    g = spec.ir()
+    counted = 0.0
+    for a in g.aggregations():
+        module = Attend(d, key_norm=a.key_norm, heads=a.heads)  # a softmax reference
+        torch.nn.init.normal_(module.pseudo_query)
+        sources = torch.randn(len(a.sources), 1, 5, d)
+        gain = module.gain
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            h = _attend_reference(sources, module.pseudo_query, gain, a.heads)
+        torch.testing.assert_close(h, module(*sources).detach())  # it is depth attention
+        counted += counter.get_total_flops() / 5
+    assert aggregation_flops(g, d) == counted
+
+
 def test_stream_head_sums_the_streams():
     a = Aggregation(index=5, before="head", method="mhc", sources=("streams5",), block=2, j=0,
                     streams=4)

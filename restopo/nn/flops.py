@@ -54,7 +54,8 @@ def aggregation_flops(g: IR, d: int) -> float:
         if a.multi_stream:
             total += stream_flops(a, d)
         elif a.method == "attend":
-            total += n * 6 * d + (2 * d * d if a.query == "input_dependent" else 0)
+            total += n * attend_flops_per_source(a.key_norm, d) + (
+                2 * d * d if a.query == "input_dependent" else 0)
         elif a.method == "scalars":
             total += 2 * n * d
         elif a.method == "sum":  # fed by the running value: one add; else summed as written
@@ -70,6 +71,13 @@ def aggregation_flops(g: IR, d: int) -> float:
                 n = v.index if isinstance(v, BlockSum) else v.block
                 longest[n] = max(longest.get(n, 0), len(v.members))
     return total + sum(k - 1 for k in longest.values()) * d
+
+
+def attend_flops_per_source(key_norm: str, d: int) -> float:
+    """Depth attention's work per source read: the logit (w * gain) . v_i (2d; the key
+    norm's gain folds into the query), with a key norm the mean square its 1/RMS scales the
+    logit by (2d), and the weighted sum (2d)."""
+    return (6 if key_norm == "rms" else 4) * d
 
 
 def stream_flops(a: Aggregation, d: int) -> float:
