@@ -161,6 +161,14 @@ def test_reports():
     assert "naive" in text and "cached" in text and "22" in text
 
 
+@pytest.mark.parametrize("blocks", [1, 2])
+def test_report_counts_the_blocks_in_words(blocks):
+    """The first line said '1 blocks' of a standard residual or an mHC."""
+    plan = make_plan(block_ir(4, blocks), 2, 1, costs=EQUAL)
+    head = describe(plan).splitlines()[0]
+    assert head.endswith(f", {plan.n_blocks} block{'s' if plan.n_blocks != 1 else ''}"), head
+
+
 def test_inspect_pipeline_cli(capsys):
     from restopo.cli import main
     assert main(["inspect", "examples/block_attnres.restopo", "--pipeline", "4x2",

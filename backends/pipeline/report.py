@@ -55,7 +55,7 @@ def describe(plan) -> str:
     d = to_json(plan) if isinstance(plan, Plan) else plan
     P, V, C = d["stages"], d["virtual"], d["chunks"]
     lines = [f"pipeline {P}x{V}: {C} chunks on {P} ranks (chunk c on rank c mod {P}); "
-             f"topology {d['topology']}, {d['blocks']} blocks"]
+             f"topology {d['topology']}, {d['blocks']} block{'s' * (d['blocks'] != 1)}"]
     rows = [("chunk", "rank", "sublayers", "blocks done", "to next: naive", "to next: cached")]
     for c in d["chunk_table"]:
         a, b = c["sublayers"]
