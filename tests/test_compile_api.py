@@ -211,3 +211,49 @@ def _pickled(model):
     torch.save(model, buf)
     buf.seek(0)
     return torch.load(buf, weights_only=False)
+
+
+def _held_at_aggregations(gm, idx, d) -> int:
+    """The most d-vectors per token the compiled model holds at an aggregation module's call:
+    every tensor of the last axis d made before the call and read at it or later (read off
+    the fx graph and the tensors one forward makes; views of one tensor counted apart)."""
+    made = {}
+
+    def tensors(x):
+        if isinstance(x, (tuple, list)):
+            return [t for y in x for t in tensors(y)]
+        return [x] if isinstance(x, torch.Tensor) and x.dim() >= 3 and x.shape[-1] == d else []
+
+    class Record(torch.fx.Interpreter):
+        def run_node(self, n):
+            out = super().run_node(n)
+            made[n] = tensors(out)
+            return out
+
+    with torch.no_grad():
+        Record(gm).run(idx)
+    nodes = list(gm.graph.nodes)
+    last = {n: max([nodes.index(u) for u in n.users] or [i]) for i, n in enumerate(nodes)}
+    peak = 0
+    for k, n in enumerate(nodes):
+        if n.op == "call_module" and n.target.startswith("aggregations"):
+            held = {t.data_ptr(): t.numel() // idx.numel() // d
+                    for m in nodes[:k] if last[m] >= k for t in made[m]}
+            peak = max(peak, sum(held.values()))
+    return peak
+
+
+@pytest.mark.parametrize("depth,blocks", [(4, 2), (6, 3), (6, 2), (3, 1)])
+def test_live_values_are_what_the_model_holds_two_phase_or_direct(depth, blocks):
+    """Block AttnRes's phase 1 makes one result per sublayer of its block and the model
+    holds them all until the block's last merge: inspect said N + 1 live values (the
+    sources), where the model as compiled holds up to N + S (7, not 3, for 2 blocks of 4)."""
+    from restopo.ir.summary import summary
+    spec = parse_spec(TEXT.replace("depth: 3", f"depth: {depth}")
+                      .replace("blocks: 2", f"blocks: {blocks}"))
+    model = restopo.compile(spec, backend="eager")
+    idx = torch.randint(0, 61, (1, 4))
+    report = summary(spec.ir())
+    assert report["live_values_two_phase"] == _held_at_aggregations(model, idx, 32)
+    direct = restopo.api.direct(model)  # the same points, each on all its sources
+    assert report["live_values_per_token"] == _held_at_aggregations(direct, idx, 32)

@@ -23,9 +23,10 @@ examples:
 
 The text table lists every aggregation point in execution order: the sublayer it feeds
 (attn, mlp, or the head), its method and its ordered sources (embedding, blockN, partial,
-sublayerN). JSON has the keys sublayers, blocks, live_values_per_token, added_parameters,
-flops_per_token (forward FLOPs per token of the sublayers, the head and the aggregations,
-their sum `forward`, and `train` for a training step: 3x forward),
+sublayerN). JSON has the keys sublayers, blocks, live_values_per_token,
+live_values_two_phase (with the phase-1 results the two-phase groups keep; null without
+any), added_parameters, flops_per_token (forward FLOPs per token of the sublayers, the head
+and the aggregations, their sum `forward`, and `train` for a training step: 3x forward),
 residual_io (memory I/O per token per sublayer in units of d, unfused, as the paper's Table
 1: peak_d, reads_d, writes_d, scalars, mean_d, head_d, formula) and aggregations [index,
 before, method, sources, ...].
@@ -170,7 +171,10 @@ def format_text(report: dict) -> str:
              + (f"{sizes[0]} sublayer{'s' * (sizes[0] != 1)}{' each' * (len(sizes) > 1)}"
                 if same else "sizes " + " ".join(map(str, sizes)))
              + ")",
-             f"  live values per token  {report['live_values_per_token']}"]
+             f"  live values per token  {report['live_values_per_token']}"
+             + (f" ({report['live_values_two_phase']} as the two-phase groups run: each "
+                "phase 1 keeps one result per member until its last)"
+                if report.get("live_values_two_phase") else "")]
     if report.get("added_parameters") is not None:
         lines.append(f"  added parameters       {report['added_parameters']:,}")
     if report.get("flops_per_token"):
@@ -188,6 +192,7 @@ def format_text(report: dict) -> str:
     lines.append("")
     lines.extend(_aggregation_table(report))
     known = {"spec", "topology", "sublayers", "blocks", "block_sizes", "live_values_per_token",
+             "live_values_two_phase",
              "added_parameters", "two_phase_groups", "aggregations", "model", "residual_io",
              "flops_per_token"}
     for key, value in report.items():

@@ -77,6 +77,27 @@ def live_values_per_token(g: IR) -> int:
     plain sum of every output that no running value feeds (a custom head after attending
     points) is summed from its sources, so they are all live until it.
     """
+    return max(_live_per_point(g))
+
+
+def two_phase_live_values(g: IR) -> int | None:
+    """`live_values_per_token` as the two-phase plan runs (None without one): a group's
+    phase 1 makes one result per member before the first and keeps them all (one tensor)
+    until the last member has merged its own. Block AttnRes with S sublayers per block:
+    N + 1 + S (its N + 1 sources, and the S results of the last block's phase 1)."""
+    plan = two_phase_plan(g)
+    if not plan:
+        return None
+    live = _live_per_point(g)
+    for grp in plan:
+        first, last = (g.node(m).index for m in (grp.members[0], grp.members[-1]))
+        for l in range(first, last + 1):
+            live[l - 1] += len(grp.members)
+    return max(live)
+
+
+def _live_per_point(g: IR) -> list[int]:
+    """The d-vectors live at each aggregation point l = 1..L+1 (see live_values_per_token)."""
     aggs = g.aggregations()
     last_read: dict[str, int] = {}
     fed = set()
@@ -93,11 +114,11 @@ def live_values_per_token(g: IR) -> int:
         if born <= r:
             delta[born] += value_size(g.node(s))
             delta[r + 1] -= value_size(g.node(s))
-    best, live = 0, 0
+    out, live = [], 0
     for l in range(1, len(aggs) + 1):
         live += delta[l]
-        best = max(best, live + (1 if l in fed else 0))
-    return best
+        out.append(live + (1 if l in fed else 0))
+    return out
 
 
 def added_parameters(g: IR) -> int:

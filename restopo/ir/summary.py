@@ -1,7 +1,8 @@
 """The JSON form of `restopo inspect`: the IR's analyses gathered in one dict."""
 from __future__ import annotations
 
-from .analyses import added_parameters, display_name, live_values_per_token, two_phase_plan
+from .analyses import (added_parameters, display_name, live_values_per_token,
+                       two_phase_live_values, two_phase_plan)
 from .graph import IR
 from .memory_io import best_two_phase_full, residual_io
 
@@ -31,6 +32,7 @@ def summary(g: IR) -> dict:
         "blocks": len(g.blocks),
         "block_sizes": [len(b) for b in g.blocks],
         "live_values_per_token": live_values_per_token(g),
+        "live_values_two_phase": two_phase_live_values(g),
         "added_parameters": added_parameters(g) if g.width else None,
         "two_phase_groups": [list(p.members) for p in two_phase_plan(g)],
         "residual_io": _io(g),
