@@ -702,6 +702,40 @@ def test_arms_of_one_spec_that_differ_in_topology_are_compared_not_called_sizes(
     assert report.pick_baseline([by["full_attnres"]], "tiny").name == "full_attnres"
 
 
+def test_an_arm_that_differs_only_in_heads_is_compared_not_called_a_size():
+    """`sweep std.restopo --vary model.heads=2,4` made heads4 'baseline, another size' of
+    heads2: no difference, no interval, though heads change neither the parameters nor the
+    FLOPs (a size is what --scaling fits loss against compute over). The context is no size
+    either; the width stays one."""
+    from restopo.api import compile as compile_spec
+    from restopo.spec import parse_spec
+
+    text = TINY.format(residual="standard", data="c.txt")
+    counts = {h: sum(p.numel() for p in compile_spec(parse_spec(
+        text, "std.restopo", (f"model.heads={h}",)), backend="eager").parameters())
+        for h in (2, 4)}
+    assert counts[2] == counts[4]  # the same model's size, split into other heads
+
+    def run(arm, seed, *overrides):
+        r = _synthetic_run(arm, "std", seed, 10, 2.0 + 0.01 * seed + 0.1 * len(arm))
+        r.job = {"spec": "/x/std.restopo", "overrides": list(overrides)}
+        return r
+
+    arms = report.group([run(arm, s, o) for arm, o in
+                         (("heads2", "model.heads=2"), ("heads4", "model.heads=4"),
+                          ("context32", "model.context=32"))
+                         for s in (0, 1)])
+    report.compare(arms, arms[0])
+    by = {a.name: a for a in arms}
+    for name in ("heads4", "context32"):
+        assert by[name].family != arms[0].family and by[name].diff is not None, name
+        assert report._diff(by[name], arms[0]).startswith("+"), name
+    base = report.group([run("w16", s, "model.width=16") for s in (0, 1)]
+                        + [run("w32", s, "model.width=32") for s in (0, 1)])
+    report.compare(base, base[0])
+    assert report._diff(base[1], base[0]) == "baseline, another size"
+
+
 def test_vary_splits_at_the_commas_between_values_not_inside_them(tmp_path, capsys):
     """`--vary residual=block_attnres(blocks: 4, gate: sigmoid),standard` split inside the
     parentheses (error: "this '(' is never closed"): a topology of two options could not be

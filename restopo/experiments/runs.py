@@ -24,11 +24,14 @@ class RunError(ValueError):
     """A folder that is not a run (message names it and says what was looked for)."""
 
 
-# Overrides that change a run's size (its compute), not what it is: runs of one spec that
-# differ only in these are one family at several sizes. The seed is not a size, but neither
-# does it make a family.
-SIZE_KEYS = frozenset({"model.width", "model.depth", "model.heads", "model.context",
-                       "train.steps", "train.batch", "train.seed"})
+# Overrides that change a run's size, not what it is: its parameters (width, depth) or its
+# training tokens (steps, batch), the two axes a loss-against-compute fit spans. Runs of one
+# spec that differ only in these are one family at several sizes. Heads are not a size (the
+# same parameters and FLOPs, split otherwise), nor is the context (it changes what a token's
+# loss is conditioned on, so losses at two contexts are not one curve): arms that differ in
+# them are compared. The seed is not a size, but neither does it make a family.
+SIZE_KEYS = frozenset({"model.width", "model.depth", "train.steps", "train.batch",
+                       "train.seed"})
 
 
 @dataclass
