@@ -736,6 +736,68 @@ def test_an_arm_that_differs_only_in_heads_is_compared_not_called_a_size():
     assert report._diff(base[1], base[0]) == "baseline, another size"
 
 
+def _sweep_folder(out: Path, runs: dict) -> None:
+    """A sweep's folder as `restopo sweep` leaves it, without training: per run, run.json,
+    metrics.jsonl with its final validation loss and a finished checkpoint's meta.json.
+    runs: name -> (arm, spec path, overrides, seed, loss)."""
+    from restopo.train.checkpoint import FILES
+    for name, (arm, spec, overrides, seed, loss) in runs.items():
+        step = out / name / "ckpt" / "step_000005"
+        step.mkdir(parents=True)
+        for f in FILES:
+            (step / f).write_bytes(b"x")
+        (step / "meta.json").write_text(json.dumps(
+            {"step": 5, "spec_path": spec, "spec_text": Path(spec).read_text(),
+             "overrides": [*overrides, f"train.seed={seed}"],
+             "config": {"steps": 5, "batch": 4, "context": 16, "seed": seed}}))
+        (out / name / "ckpt" / "latest").write_text(step.name)
+        (out / name / "metrics.jsonl").write_text(
+            json.dumps({"step": 5, "val_loss": loss, "elapsed": 1.0}) + "\n")
+        (out / name / "run.json").write_text(json.dumps(
+            {"arm": arm, "seed": seed, "spec": spec, "overrides": overrides, "status": "done"}))
+
+
+def test_a_sweep_over_specs_and_vary_values_pairs_each_arm_with_the_baseline_at_its_values(
+        tmp_path, capsys):
+    """`sweep std blk --vary train.lr=1e-3,3e-3`: --baseline std was refused ('the spec of
+    2 arms: name the one'), and naming std-lr1e_3 compared blk at lr 3e-3 with std at lr
+    1e-3 (a gap of the lr, not the topology). Each arm is now compared with std at its own
+    lr, which the table names."""
+    std, blk = _specs(tmp_path)
+    vary = ["--vary", "train.lr=1e-3,3e-3"]
+    assert main(["sweep", std, blk, *vary, "--baseline", "std", "--out",
+                 str(tmp_path / "sw"), "--dry-run"]) == 0
+    capsys.readouterr()
+    losses = {("std", "1e-3"): (2.00, 2.03), ("std", "3e-3"): (1.50, 1.52),
+              ("blk", "1e-3"): (1.90, 1.94), ("blk", "3e-3"): (1.45, 1.46)}
+    runs = {}
+    for job in make_grid([std, blk], [0, 1], [], vary[1:]):
+        spec, lr = Path(job.spec).stem, job.overrides[-1].partition("=")[2]
+        runs[job.name] = (job.arm, job.spec, list(job.overrides), job.seed,
+                          losses[spec, lr][job.seed])
+    _sweep_folder(tmp_path / "sw", runs)
+    for baseline in ("std", "std-lr1e_3"):
+        out = tmp_path / f"vs-{baseline}"
+        assert main(["compare", str(tmp_path / "sw"), "--baseline", baseline,
+                     "--out", str(out)]) == 0, capsys.readouterr().err
+        printed = capsys.readouterr().out
+        with open(out / "results.csv") as f:
+            table = {r["arm"]: r for r in csv.DictReader(f)}
+        for lr, name in (("1e-3", "lr1e_3"), ("3e-3", "lr3e_3")):
+            row = table[f"blk-{name}"]
+            assert row["baseline"] == f"std-{name}"
+            want = [b - s for b, s in zip(losses["blk", lr], losses["std", lr])]
+            assert float(row["diff_mean"]) == pytest.approx(sum(want) / 2)
+            assert table[f"std-{name}"]["diff_mean"] == ""  # a baseline, not an arm
+        cells = {r[0]: r[4] for r in _md_table((out / "results.md").read_text(),
+                                               "| " + " | ".join(report.COLUMNS) + " |")}
+        assert cells["std-lr3e_3"] == "baseline" and cells["std-lr1e_3"] == "baseline"
+        assert cells["blk-lr3e_3"].endswith(" vs std-lr3e_3")
+        assert cells["blk-lr1e_3"].endswith(" vs std-lr1e_3")
+        assert "blk-lr3e_3 with std-lr3e_3" in printed
+        assert "not trained alike" not in printed  # each pair was, at its own lr
+
+
 def test_vary_splits_at_the_commas_between_values_not_inside_them(tmp_path, capsys):
     """`--vary residual=block_attnres(blocks: 4, gate: sigmoid),standard` split inside the
     parentheses (error: "this '(' is never closed"): a topology of two options could not be

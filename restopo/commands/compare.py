@@ -12,6 +12,9 @@ examples:
   restopo compare runs/a-s0 runs/a-s1 runs/b-s0 runs/b-s1 --baseline a --out runs/ab
   restopo compare runs/ablation runs/scaling --baseline standard --scaling
       loss against compute: runs/scaling holds standard at several widths (sweep --vary)
+  restopo compare runs/lr --baseline standard
+      runs/lr holds standard and block_attnres at two lrs (sweep --vary train.lr=1e-3,3e-3):
+      block_attnres-lr1e_3 against standard-lr1e_3, block_attnres-lr3e_3 against standard-lr3e_3
 
 Runs that differ only by seed form an arm (a sweep records it; otherwise the folder name
 less a trailing -s<seed>). Writes OUT/results.md (the table, what it shows and does not,
@@ -28,7 +31,8 @@ def register(subparsers) -> None:
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+", metavar="RUN", help="run folders, or folders of runs")
     p.add_argument("--baseline", metavar="ARM",
-                   help="the arm (or spec name) the others are compared with")
+                   help="the arm (or spec name) the others are compared with; an arm of "
+                        "another spec is compared with this spec at its own --vary values")
     p.add_argument("--out", metavar="DIR",
                    help="where to write results.md, results.csv and the plots (default: the "
                         "single folder given, else ./compare)")

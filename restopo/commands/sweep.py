@@ -17,6 +17,9 @@ examples:
       --set train.steps=2000 --jobs 2 --out runs/ablation
   restopo sweep examples/standard.restopo --vary model.width=32,64,128 --seeds 2 \\
       --out runs/scaling                        a size axis (compare --scaling fits it)
+  restopo sweep examples/standard.restopo examples/block_attnres.restopo \\
+      --vary train.lr=1e-3,3e-3 --seeds 3 --baseline standard --out runs/lr
+      each arm against standard at its own lr (block_attnres-lr1e_3 vs standard-lr1e_3)
   restopo sweep experiments/ablation/*.restopo --seeds 3 --out runs/ablation   # again:
       finished runs are skipped, interrupted ones resumed, failed ones tried again
 
@@ -52,7 +55,9 @@ def register(subparsers) -> None:
     p.add_argument("--slurm", action="append", default=[], metavar="KEY=VALUE",
                    help="a submitit/Slurm parameter, e.g. timeout_min=120, "
                         "slurm_partition=gpu (repeatable)")
-    p.add_argument("--baseline", metavar="ARM", help="compare the others with this arm")
+    p.add_argument("--baseline", metavar="ARM",
+                   help="compare the others with this arm (or spec: with it at their own "
+                        "--vary values)")
     p.add_argument("--dry-run", action="store_true", help="list the runs and their state only")
     p.set_defaults(func=run)
 
@@ -100,9 +105,10 @@ def _check_baseline(name: str | None, jobs) -> None:
     """--baseline names an arm of the grid (or the one arm of a spec), checked before any
     run trains rather than when the runs are compared at the end (as compare picks it)."""
     from ..experiments.report import baseline_arm
+    from ..experiments.runs import settings_of
     if name is not None:
-        arms = {j.arm: Path(j.spec).stem for j in jobs}
-        baseline_arm(name, list(arms.items()))
+        arms = {j.arm: (Path(j.spec).stem, settings_of(j.overrides)) for j in jobs}
+        baseline_arm(name, [(arm, *spec) for arm, spec in arms.items()])
 
 
 def _parameters(items) -> dict:

@@ -27,7 +27,8 @@ class Arm:
     parameters: int | None = None
     live_values: int | None = None
     train_flops_per_token: float | None = None
-    diff: Difference | None = None          # final validation loss against the baseline
+    diff: Difference | None = None          # final validation loss against `against`
+    against: Arm | None = None              # its baseline (compare): itself if it is one
     extra: dict = field(default_factory=dict)
 
     @property
@@ -69,6 +70,10 @@ class Arm:
     @property
     def spec_name(self) -> str:
         return self.runs[0].spec_name
+
+    @property
+    def settings(self) -> frozenset:
+        return self.runs[0].settings
 
     @property
     def compute(self) -> float | None:
@@ -121,37 +126,72 @@ def describe_models(arms: list[Arm]) -> None:
 
 
 def pick_baseline(arms: list[Arm], name: str | None) -> Arm | None:
-    """The arm named `name` (or the only arm of that family); None without a name."""
+    """The arm named `name` (or the first arm of that spec, where its arms pair with the
+    others: baseline_arm); None without a name."""
     if name is None:
         return None
-    chosen = baseline_arm(name, [(a.name, a.spec_name) for a in arms])
+    chosen = baseline_arm(name, [(a.name, a.spec_name, a.settings) for a in arms])
     return next(a for a in arms if a.name == chosen)
 
 
-def baseline_arm(name: str, arms: list[tuple[str, str]]) -> str:
-    """Which of `arms` ((name, the spec's stem) pairs) --baseline `name` picks: the
-    arm of that name, or the one arm of that spec; ValueError says which case failed (a
-    sweep checks its --baseline with this before any run trains, compare after)."""
-    if any(arm == name for arm, _ in arms):
+def baseline_arm(name: str, arms: list[tuple[str, str, frozenset]]) -> str:
+    """Which of `arms` ((name, the spec's stem, settings) triples) --baseline `name` picks:
+    the arm of that name, or the one arm of that spec, or the first of its arms where each
+    arm of another spec has its own among them (a grid of specs x --vary values: each is
+    compared with the baseline at its values); ValueError says which case failed (a sweep
+    checks its --baseline with this before any run trains, compare after)."""
+    if any(arm == name for arm, _, _ in arms):
         return name
-    family = [arm for arm, spec in arms if spec == name]
+    family = [(arm, settings) for arm, spec, settings in arms if spec == name]
     if len(family) == 1:
-        return family[0]
+        return family[0][0]
+    others = [settings for _, spec, settings in arms if spec != name]
+    if family and others and all(sum(s == o for _, s in family) == 1 for o in others):
+        return family[0][0]
     if family:
         raise ValueError(
-            f"--baseline {name!r} is the spec of {len(family)} arms ({', '.join(family)}): "
-            f"name the one the others are compared with (--scaling fits all of {name}'s "
-            "sizes whichever it is)")
+            f"--baseline {name!r} is the spec of {len(family)} arms "
+            f"({', '.join(arm for arm, _ in family)}): name the one the others are compared "
+            f"with (--scaling fits all of {name}'s sizes whichever it is)")
     raise ValueError(f"--baseline {name!r} names no arm and no spec: the arms are "
-                     f"{', '.join(arm for arm, _ in arms)}")
+                     f"{', '.join(arm for arm, _, _ in arms)}")
 
 
 def compare(arms: list[Arm], baseline: Arm | None) -> None:
-    """Each arm's difference to the baseline; the baseline's own family at other sizes (a
-    scaling series) is not an arm against it."""
+    """Each arm's difference to its baseline (pair_baselines); the baseline's own family
+    at other sizes (a scaling series) is not an arm against it."""
+    pair_baselines(arms, baseline)
     for arm in arms:
-        if baseline is not None and not same_family(arm, baseline):
-            arm.diff = difference(arm.finals, baseline.finals)
+        against = compared_with(arm, baseline)
+        if against is not None:
+            arm.diff = difference(arm.finals, against.finals)
+
+
+def pair_baselines(arms: list[Arm], baseline: Arm | None) -> None:
+    """Set each arm's `against`: for an arm of another spec, the baseline's spec trained
+    with the same settings (in a sweep of specs x --vary values, block at lr 1e-3 against
+    standard at lr 1e-3, not at the baseline's lr) where one arm is that; else `baseline`.
+    An arm that is another's baseline so is its own."""
+    for arm in arms:
+        arm.against = None
+    if baseline is None:
+        return
+    mine = [a for a in arms if a.spec_name == baseline.spec_name]
+    for arm in arms:
+        if arm.spec_name != baseline.spec_name:
+            alike = [a for a in mine if a.settings == arm.settings]
+            arm.against = alike[0] if len(alike) == 1 else baseline
+            arm.against.against = arm.against
+    for arm in arms:
+        arm.against = arm.against or baseline
+
+
+def compared_with(arm: Arm, baseline: Arm | None) -> Arm | None:
+    """The arm `arm` is compared with, or None: no baseline, `arm` is a baseline, or it is
+    the baseline's family at another size."""
+    if baseline is None or arm is baseline or arm.against is arm or same_family(arm, baseline):
+        return None
+    return arm.against or baseline
 
 
 def same_family(arm: Arm, baseline: Arm) -> bool:
@@ -170,17 +210,20 @@ def _pm(values: dict) -> str:
     return f"{m:.4f} ± {s:.4f}" if len(values) > 1 else f"{m:.4f}"
 
 
-def _diff(arm: Arm, baseline: Arm | None) -> str:
+def _diff(arm: Arm, baseline: Arm | None, named: bool = False) -> str:
     if baseline is None:
         return "-"
-    if arm is baseline:
+    if arm is baseline or arm.against is arm:
         return "baseline"
-    if same_family(arm, baseline):
+    against = compared_with(arm, baseline)
+    if against is None:
         return "baseline, another size"
     d = arm.diff
+    # where arms are paired with the baseline at their own settings, each names its own
+    vs = f" vs {against.name}" if named or against is not baseline else ""
     if d is None:
-        return f"({_why_no_interval(arm, baseline)})"
-    return f"{d.mean:+.4f} [{d.low:+.4f}, {d.high:+.4f}]"
+        return f"({_why_no_interval(arm, against)}){vs}"
+    return f"{d.mean:+.4f} [{d.low:+.4f}, {d.high:+.4f}]{vs}"
 
 
 def _why_no_interval(arm: Arm, baseline: Arm | None) -> str:
@@ -211,18 +254,18 @@ def made_by(arms: list[Arm]) -> list[str]:
 def _gap_verdict(arm: Arm, baseline: Arm) -> str:
     d = arm.diff
     if d is None:
-        return f"no interval ({_why_no_interval(arm, baseline)})"
+        return f"no interval ({_why_no_interval(arm, arm.against or baseline)})"
     return "95% interval excludes 0" if d.excludes_zero else "within the noise"
 
 
 def rows(arms: list[Arm], baseline: Arm | None) -> list[list[str]]:
-    out = []
+    out, named = [], bool(pairs(arms, baseline))
     for a in arms:
         sps = a.seconds_per_step
         seeds = str(len(a.finals)) + "".join(f" (+{len(left)} {what})" for what, left in
                                              (("unfinished", a.unfinished),
                                               ("diverged", a.diverged)) if left)
-        out.append([a.name, seeds, _pm(a.finals), _pm(a.bests), _diff(a, baseline),
+        out.append([a.name, seeds, _pm(a.finals), _pm(a.bests), _diff(a, baseline, named),
                     "-" if sps is None else f"{sps:.3f}",
                     "-" if a.parameters is None else f"{a.parameters:,}",
                     "-" if a.live_values is None else str(a.live_values),
@@ -243,56 +286,80 @@ def csv_text(arms: list[Arm], baseline: Arm | None) -> str:
     w.writerow(["arm", "seeds", "final_val_mean", "final_val_std", "best_val_mean",
                 "best_val_std", "diff_mean", "diff_low", "diff_high", "paired",
                 "seconds_per_step", "parameters", "live_values_per_token",
-                "train_flops_per_token", "unfinished_runs", "diverged_runs"])
+                "train_flops_per_token", "unfinished_runs", "diverged_runs", "baseline"])
     for a in arms:
         fm, fs = mean_std(a.finals.values()) if a.finals else (None, None)
         bm, bs = mean_std(a.bests.values()) if a.bests else (None, None)
-        d = a.diff
+        d, against = a.diff, compared_with(a, baseline)
         w.writerow([a.name, len(a.finals), fm, fs, bm, bs,
                     d.mean if d else "", d.low if d else "", d.high if d else "",
                     d.paired if d else "", a.seconds_per_step or "", a.parameters or "",
                     a.live_values or "", a.train_flops_per_token or "",
                     " ".join(r.name for r in a.unfinished),
-                    " ".join(r.name for r in a.diverged)])
+                    " ".join(r.name for r in a.diverged), against.name if against else ""])
     return buf.getvalue()
 
 
 def reading(arms: list[Arm], baseline: Arm | None) -> list[str]:
     """What the table says, arm by arm, and whether the seed spread allows saying it."""
-    differ = settings_differ(arms)
+    paired = pairs(arms, baseline)
+    # paired, the settings that differ between pairs (the --vary axis) are no gap's cause
+    differ = settings_differ(arms, within=paired or None)
     unlike = [f"- **The runs were not trained alike**, so their differences are not the "
               f"topology's alone: {'; '.join(differ)}."] if differ else []
     unlike += unfinished_note(arms)
     if baseline is None:
         return ["No baseline was named (--baseline), so no arm is compared with another."] + \
             unlike
-    lines = []
-    _, spread = mean_std(baseline.finals.values()) if baseline.finals else (0, 0)
+    lines = pairing_note(arms, baseline)
     for a in arms:
-        if a is baseline or a.diff is None:
+        d, against = a.diff, compared_with(a, baseline)
+        if d is None or against is None:
             continue
-        d = a.diff
         how = "paired by seed" if d.paired else "unpaired"
         if d.excludes_zero:
             verdict = ("lower (better) than" if d.mean < 0 else "higher (worse) than")
             lines.append(f"- **{a.name}**: final validation loss {d.mean:+.4f} {verdict} "
-                         f"{baseline.name}; the 95% interval [{d.low:+.4f}, {d.high:+.4f}] "
+                         f"{against.name}; the 95% interval [{d.low:+.4f}, {d.high:+.4f}] "
                          f"({how}, n = {d.n}) excludes zero.")
         else:
-            lines.append(f"- **{a.name}**: {d.mean:+.4f} against {baseline.name}, within the "
+            lines.append(f"- **{a.name}**: {d.mean:+.4f} against {against.name}, within the "
                          f"noise: the 95% interval [{d.low:+.4f}, {d.high:+.4f}] ({how}, "
                          f"n = {d.n}) contains zero.")
-    gaps = [abs(a.diff.mean) for a in arms if a.diff is not None]
-    if gaps and spread:
-        wider = sum(g > spread for g in gaps)
-        lines.append(f"- The baseline's seed spread (standard deviation of its final loss) is "
-                     f"{spread:.4f}; {wider} of {len(gaps)} gaps to it are larger (the largest "
-                     f"{max(gaps):.4f})"
+    # each gap against the seed spread of the baseline it is a gap to
+    gaps = [(abs(a.diff.mean), compared_with(a, baseline)) for a in arms if a.diff is not None]
+    spreads = {b.name: mean_std(b.finals.values())[1] for _, b in gaps}
+    if gaps and all(spreads.values()):
+        wider = sum(g > spreads[b.name] for g, b in gaps)
+        lo, hi = min(spreads.values()), max(spreads.values())
+        said = (f"The baseline's seed spread (standard deviation of its final loss) is "
+                f"{lo:.4f}; {wider} of {len(gaps)} gaps to it are larger" if len(spreads) == 1
+                else f"The baselines' seed spreads (standard deviation of each one's final "
+                     f"loss) are {lo:.4f} to {hi:.4f}; {wider} of {len(gaps)} gaps are larger "
+                     f"than their own baseline's")
+        lines.append(f"- {said} (the largest {max(g for g, _ in gaps):.4f})"
                      + ("." if wider else ": at this scale the seed spread is as large as the "
                         "gaps, and the ordering of arms is not established."))
     lines += unlike
     lines.append(timing_note([r for a in arms for r in a.runs]))
     return lines
+
+
+def pairs(arms: list[Arm], baseline: Arm | None) -> list[tuple[Arm, Arm]]:
+    """(arm, its baseline) of every compared arm where some are compared with the baseline's
+    spec at their own settings (pair_baselines), else none."""
+    out = [(a, b) for a in arms if (b := compared_with(a, baseline)) is not None]
+    return out if any(b is not baseline for _, b in out) else []
+
+
+def pairing_note(arms: list[Arm], baseline: Arm | None) -> list[str]:
+    """Which arm each was compared with, where not all with the baseline named."""
+    paired = pairs(arms, baseline)
+    if not paired:
+        return []
+    return [f"- **Each arm is compared with {baseline.spec_name} trained with the same "
+            f"settings** (its --vary values): "
+            + "; ".join(f"{a.name} with {b.name}" for a, b in paired) + "."]
 
 
 def unfinished_note(arms: list[Arm]) -> list[str]:
@@ -341,9 +408,21 @@ SETTINGS = ("data", "steps", "batch", "lr", "schedule", "warmup", "min_lr", "wei
             "grad_clip", "accum")
 
 
-def settings_differ(arms: list[Arm]) -> list[str]:
+def settings_differ(arms: list[Arm], within: list[tuple[Arm, Arm]] | None = None) -> list[str]:
     """The training settings (SETTINGS, the context and the vocab) that are not the same
-    for every run, each as 'key: value (arms), value (arms)'."""
+    for every run, each as 'key: value (arms), value (arms)'; `within`: only those that
+    differ between an arm and the baseline it is compared with."""
+    seen = _setting_values(arms)
+    if within is not None:
+        keys = {k for pair in within for k, by in _setting_values(pair).items() if len(by) > 1}
+        seen = {k: by for k, by in seen.items() if k in keys}
+    return [f"{k}: " + ", ".join(f"{v} ({', '.join(dict.fromkeys(names))})"
+                                 for v, names in by.items())
+            for k, by in seen.items() if len(by) > 1]
+
+
+def _setting_values(arms) -> dict[str, dict]:
+    """key -> value -> names of the arms whose runs trained with it."""
     seen: dict[str, dict] = {}
     for a in arms:
         for r in a.runs:
@@ -354,9 +433,7 @@ def settings_differ(arms: list[Arm]) -> list[str]:
             values["vocab"] = r.spec.model.vocab if r.spec.model is not None else None
             for k, v in values.items():
                 seen.setdefault(k, {}).setdefault(v, []).append(a.name)
-    return [f"{k}: " + ", ".join(f"{v} ({', '.join(dict.fromkeys(names))})"
-                                 for v, names in by.items())
-            for k, by in seen.items() if len(by) > 1]
+    return seen
 
 
 def loss_unit(arms: list[Arm]) -> str:
@@ -483,9 +560,10 @@ def plot_finals(arms: list[Arm], baseline: Arm | None, path: Path) -> Path:
             continue
         m, s = mean_std(vals)
         ax.errorbar([i], [m], yerr=[s], fmt="o", capsize=4, ms=6,
-                    color="black" if a is baseline else "C0")
+                    color="black" if a is baseline or a.against is a else "C0")
         ax.plot([i] * len(vals), vals, ".", color="C1", ms=5, alpha=0.8)
-    if baseline is not None and baseline.finals:
+    if baseline is not None and baseline.finals and \
+            not any(a.against is a and a is not baseline for a in arms):  # one baseline
         ax.axhline(mean_std(baseline.finals.values())[0], color="black", lw=0.8, ls="--")
     ax.set_xticks(range(len(arms)), [a.name for a in arms], rotation=30, ha="right",
                   fontsize=8)
@@ -547,7 +625,10 @@ def write_report(arms: list[Arm], baseline: Arm | None, out: Path, command: list
           f"Loss in nats per {loss_unit(arms)}, mean ± standard deviation over seeds. "
           "`vs baseline`: the difference of the means with its 95% interval (paired by seed "
           "when both arms ran the same seeds: same data order and same sublayer weights at "
-          "step 0). `s/step`: wall time per step over the whole run, evaluation included.",
+          "step 0)" + ("; an arm of another spec is compared with the baseline's spec trained "
+                       "with its own settings (a sweep's --vary values), named in the cell"
+                       if pairs(arms, baseline) else "")
+          + ". `s/step`: wall time per step over the whole run, evaluation included.",
           "", "## What the figures show, and what they do not", ""]
     md += reading(arms, baseline) + ["", scale_note(arms), ""]
     made = made_by(arms)

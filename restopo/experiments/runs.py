@@ -129,15 +129,25 @@ class Run:
         return Path(str(self.meta.get("spec_path", self.job.get("spec", self.arm)))).stem
 
     @property
+    def settings(self) -> frozenset:
+        """What its overrides set, but the seed (as a sweep recorded them, else its
+        checkpoint): the same for every seed of an arm."""
+        return settings_of(self.job.get("overrides") or self.meta.get("overrides") or ())
+
+    @property
     def family(self) -> str:
         """What the run trained, without its size: the spec file's stem and every override
         that is not a size (SIZE_KEYS). Arms of one spec that differ in topology or lr are
         families of their own, compared with the baseline; those that differ in width or
         steps are one family's sizes (compare --scaling fits them)."""
-        overrides = self.job.get("overrides") or self.meta.get("overrides") or ()
-        kept = sorted(f"{k}={v}" for k, v in override_values(overrides).items()
-                      if k not in SIZE_KEYS)
+        kept = sorted(f"{k}={v}" for k, v in self.settings if k not in SIZE_KEYS)
         return self.spec_name + (f" [{', '.join(kept)}]" if kept else "")
+
+
+def settings_of(overrides) -> frozenset:
+    """(key, value) of each setting `overrides` give, but train.seed (`restopo train
+    --seed` records one, a sweep's job does not)."""
+    return frozenset((k, v) for k, v in override_values(overrides).items() if k != "train.seed")
 
 
 def reached_end(meta: dict) -> bool:
