@@ -539,6 +539,21 @@ def test_tiny_sweep_kill_rerun_and_compare(tmp_path):
     assert resumed[1].final_val == find_runs([clean])[0].final_val
 
 
+def test_curves_of_runs_evaluated_once_are_drawn(tmp_path, monkeypatch):
+    """A sweep of 20-step runs evaluates each once, at its end: val_loss_by_step.png was an
+    empty frame with a legend (a line through one point draws nothing). Each evaluation is
+    marked, so every arm shows."""
+    drawn = []
+    monkeypatch.setattr(report, "_save", lambda fig, path: drawn.append(fig) or path)
+    arms = report.group([_synthetic_run(a, a, s, 20, 2.0 + s) for a in ("std", "blk")
+                         for s in (0, 1)])
+    report.plot_curves(arms, tmp_path / "c.png", tokens=False)
+    lines = drawn[0].axes[0].get_lines()
+    assert [ln.get_label() for ln in lines] == ["std (2)", "blk (2)"]
+    for ln in lines:  # one point each: seen only as a mark
+        assert len(ln.get_xdata()) == 1 and ln.get_marker() not in ("None", "", " ", None)
+
+
 def test_timing_note_says_when_step_times_compare_arms():
     """s/step compares arms only when every run recorded its load and none competed for
     cores; otherwise the reading says it does not."""

@@ -525,9 +525,10 @@ def plot_curves(arms: list[Arm], path: Path, *, tokens: bool) -> Path:
         scale = a.runs[0].tokens_per_step if tokens else 1
         x = [s * scale for s in steps]
         mean = [sum(per_step[s]) / len(per_step[s]) for s in steps]
-        # ten colours, then the same colours dashed: every arm its own line
+        # ten colours, then the same colours dashed: every arm its own line; a mark at each
+        # evaluation, or a run evaluated once (short runs, eval_every past the end) shows none
         line, = ax.plot(x, mean, ("-", "--", ":")[i // 10 % 3], color=f"C{i % 10}", lw=1.5,
-                        label=f"{a.name} ({len(a.runs)})")
+                        marker="o", ms=3, label=f"{a.name} ({len(a.runs)})")
         ax.fill_between(x, [min(per_step[s]) for s in steps], [max(per_step[s]) for s in steps],
                         color=line.get_color(), alpha=0.18, lw=0)
     ax.set_xlabel("training tokens" if tokens else "step")
