@@ -554,6 +554,20 @@ def test_curves_of_runs_evaluated_once_are_drawn(tmp_path, monkeypatch):
         assert len(ln.get_xdata()) == 1 and ln.get_marker() not in ("None", "", " ", None)
 
 
+def test_a_scaling_fit_that_cannot_be_made_writes_nothing(tmp_path):
+    """compare --scaling with the baseline at one size failed after writing results.csv
+    and the plots beside the previous results.md (in a sweep's folder, a report half new,
+    half old). It is refused, as --scaling's, before anything is written."""
+    arms = report.group([_synthetic_run(a, a, s, 20, 2.0 + s) for a in ("std", "blk")
+                         for s in (0, 1)])
+    report.compare(arms, arms[0])
+    (tmp_path / "results.md").write_text("the sweep's report")
+    with pytest.raises(ValueError, match="--scaling: a compute-equivalence fit needs the "
+                                         "baseline at three or more sizes"):
+        report.write_report(arms, arms[0], tmp_path, ["restopo", "compare"], scaling=True)
+    assert [p.name for p in tmp_path.iterdir()] == ["results.md"]
+
+
 def test_timing_note_says_when_step_times_compare_arms():
     """s/step compares arms only when every run recorded its load and none competed for
     cores; otherwise the reading says it does not."""

@@ -610,7 +610,16 @@ def machine() -> str:
 
 def write_report(arms: list[Arm], baseline: Arm | None, out: Path, command: list[str], *,
                  scaling: bool = False, title: str = "restopo compare") -> dict[str, Path]:
-    """results.md, results.csv and the plots in `out`; returns their paths."""
+    """results.md, results.csv and the plots in `out`; returns their paths. A --scaling
+    that cannot be fitted is refused before anything is written (a report left half new,
+    half old, in a sweep's folder)."""
+    if scaling:
+        if baseline is None:
+            raise ValueError("--scaling needs --baseline (the family fitted across sizes)")
+        try:
+            fit, equiv = compute_equivalence(arms, baseline.family)
+        except ValueError as e:
+            raise ValueError(f"--scaling: {e}") from None
     make_folder(out)
     paths = {"csv": out / "results.csv", "md": out / "results.md"}
     write_atomic(paths["csv"], csv_text(arms, baseline))
@@ -642,9 +651,6 @@ def write_report(arms: list[Arm], baseline: Arm | None, out: Path, command: list
            "![validation loss by training tokens](val_loss_by_tokens.png)", "",
            "![final validation loss per arm](final_val_loss.png)", ""]
     if scaling:
-        if baseline is None:
-            raise ValueError("--scaling needs --baseline (the family fitted across sizes)")
-        fit, equiv = compute_equivalence(arms, baseline.family)
         paths["scaling"] = plot_scaling(arms, fit, baseline.family, out / "scaling.png")
         md += ["## Compute equivalence", "",
                f"{baseline.family}'s final loss against training compute, fitted over its "
