@@ -493,6 +493,21 @@ def test_compute_equivalence_from_synthetic_runs(tmp_path):
     assert paths["scaling"].read_bytes()[:4] == b"\x89PNG"
 
 
+def test_a_scaling_fit_counts_sizes_not_arms(tmp_path):
+    """`compare runs/ablation runs/scaling --scaling`, where runs/scaling holds standard at
+    the ablation's width too, said the fit was 'over its 4 sizes' for 3: two arms of one
+    model and budget are one size."""
+    flops = (1e6, 4e6, 1.6e7, 4e6)  # the last: the ablation's standard, a size again
+    arms = [report.Arm(f"standard-{i}", [_synthetic_run(f"standard-{i}", "standard", 0, 100,
+                                                        9.0 * f ** -0.07)],
+                       train_flops_per_token=f) for i, f in enumerate(flops)]
+    arms.append(report.Arm("block", [_synthetic_run("block", "block", 0, 100, 2.0)],
+                           train_flops_per_token=4e6))
+    report.compare(arms, arms[-2])
+    text = report.write_report(arms, arms[-2], tmp_path, ["restopo"], scaling=True)["md"]
+    assert f"fitted over its {len(set(flops))} sizes:" in text.read_text()
+
+
 @pytest.mark.slow
 def test_tiny_sweep_kill_rerun_and_compare(tmp_path):
     """2 specs x 2 seeds x 5 steps, one run at a time. Killed after the first run has

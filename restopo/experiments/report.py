@@ -481,7 +481,7 @@ def scale_note(arms: list[Arm]) -> str:
 def compute_equivalence(arms: list[Arm], baseline_family: str) -> tuple[PowerLaw, list[tuple]]:
     """Fit the baseline family's final loss against training compute over its sizes; for
     every other arm, the baseline compute that reaches its loss, as a multiple of its own."""
-    base = [a for a in arms if a.family == baseline_family and a.compute and a.finals]
+    base = scaling_series(arms, baseline_family)
     fit = fit_power_law([a.compute for a in base],
                         [mean_std(a.finals.values())[0] for a in base])
     out = []
@@ -491,6 +491,12 @@ def compute_equivalence(arms: list[Arm], baseline_family: str) -> tuple[PowerLaw
         loss = mean_std(a.finals.values())[0]
         out.append((a, loss, a.compute, fit.compute_for(loss) / a.compute))
     return fit, out
+
+
+def scaling_series(arms: list[Arm], family: str) -> list[Arm]:
+    """The arms of `family` a loss-against-compute fit takes: those with a compute and a
+    final loss."""
+    return [a for a in arms if a.family == family and a.compute and a.finals]
 
 
 # -- plots -------------------------------------------------------------------------------
@@ -577,7 +583,7 @@ def plot_finals(arms: list[Arm], baseline: Arm | None, path: Path) -> Path:
 def plot_scaling(arms: list[Arm], fit: PowerLaw, baseline_family: str, path: Path) -> Path:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    base = [a for a in arms if a.family == baseline_family and a.compute and a.finals]
+    base = scaling_series(arms, baseline_family)
     cs = [a.compute for a in base]
     lo, hi = min(cs) / 1.5, max(cs) * 1.5
     grid = [lo * (hi / lo) ** (k / 50) for k in range(51)]
@@ -654,7 +660,7 @@ def write_report(arms: list[Arm], baseline: Arm | None, out: Path, command: list
         paths["scaling"] = plot_scaling(arms, fit, baseline.family, out / "scaling.png")
         md += ["## Compute equivalence", "",
                f"{baseline.family}'s final loss against training compute, fitted over its "
-               f"{sum(1 for a in arms if a.family == baseline.family)} sizes: "
+               f"{len({a.compute for a in scaling_series(arms, baseline.family)})} sizes: "
                f"loss = {fit.a:.4g} · C^-{fit.b:.4g} (R² {fit.r2:.3f}). For each other arm, "
                f"the compute the fitted {baseline.family} needs to reach its loss, as a "
                "multiple of the compute it used (above 1: it matches a larger-compute "
