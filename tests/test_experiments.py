@@ -495,8 +495,8 @@ def test_compute_equivalence_from_synthetic_runs(tmp_path):
 
 def test_a_scaling_fit_counts_sizes_not_arms(tmp_path):
     """`compare runs/ablation runs/scaling --scaling`, where runs/scaling holds standard at
-    the ablation's width too, said the fit was 'over its 4 sizes' for 3: two arms of one
-    model and budget are one size."""
+    the ablation's width too, said the fit was 'over its 4 sizes' for 3, and called that
+    arm 'baseline, another size': two arms of one model and budget are one size."""
     flops = (1e6, 4e6, 1.6e7, 4e6)  # the last: the ablation's standard, a size again
     arms = [report.Arm(f"standard-{i}", [_synthetic_run(f"standard-{i}", "standard", 0, 100,
                                                         9.0 * f ** -0.07)],
@@ -506,6 +506,9 @@ def test_a_scaling_fit_counts_sizes_not_arms(tmp_path):
     report.compare(arms, arms[-2])
     text = report.write_report(arms, arms[-2], tmp_path, ["restopo"], scaling=True)["md"]
     assert f"fitted over its {len(set(flops))} sizes:" in text.read_text()
+    # and the table calls the one at the baseline's compute no other size
+    assert [r[4] for r in report.rows(arms, arms[-2])[:4]] == [
+        "baseline, another size", "baseline, same size", "baseline, another size", "baseline"]
 
 
 @pytest.mark.slow

@@ -216,8 +216,9 @@ def _diff(arm: Arm, baseline: Arm | None, named: bool = False) -> str:
     if arm is baseline or arm.against is arm:
         return "baseline"
     against = compared_with(arm, baseline)
-    if against is None:
-        return "baseline, another size"
+    if against is None:  # of the baseline's family: the same size trained again, or not
+        same = arm.compute is not None and arm.compute == baseline.compute
+        return "baseline, same size" if same else "baseline, another size"
     d = arm.diff
     # where arms are paired with the baseline at their own settings, each names its own
     vs = f" vs {against.name}" if named or against is not baseline else ""
