@@ -845,6 +845,33 @@ def test_a_sweep_over_specs_and_vary_values_pairs_each_arm_with_the_baseline_at_
         assert "not trained alike" not in printed  # each pair was, at its own lr
 
 
+def test_a_sweep_of_residuals_and_lrs_of_one_spec_pairs_each_arm_at_its_lr():
+    """`sweep tiny.restopo --vary residual=standard,block_attnres --vary train.lr=1e-3,3e-3
+    --baseline standard-lr1e_3`: the topology is varied by --vary, not by a spec file, and
+    block at lr 3e-3 is compared with standard at lr 3e-3. An lr swept alone is still what
+    is compared."""
+    def run(arm, seed, loss, *overrides):
+        r = _synthetic_run(arm, "tiny", seed, 10, loss + 0.01 * seed)
+        r.job = {"spec": "/x/tiny.restopo", "overrides": list(overrides)}
+        return r
+
+    grid = {("standard", "1e-3"): 2.0, ("standard", "3e-3"): 1.5,
+            ("block_attnres", "1e-3"): 1.9, ("block_attnres", "3e-3"): 1.45}
+    arms = report.group([run(f"{r}-lr{lr}", s, loss, f"residual={r}", f"train.lr={lr}")
+                         for (r, lr), loss in grid.items() for s in (0, 1)])
+    base = report.pick_baseline(arms, "standard-lr1e-3")
+    report.compare(arms, base)
+    by = {a.name: a for a in arms}
+    assert report.compared_with(by["block_attnres-lr3e-3"], base) is by["standard-lr3e-3"]
+    assert by["block_attnres-lr3e-3"].diff.mean == pytest.approx(1.45 - 1.5)
+    assert report._diff(by["standard-lr3e-3"], base) == "baseline"
+    lrs = report.group([run(f"lr{lr}", s, loss, f"train.lr={lr}")
+                        for (r, lr), loss in grid.items() if r == "standard" for s in (0, 1)])
+    report.compare(lrs, lrs[0])
+    assert report.compared_with(lrs[1], lrs[0]) is lrs[0]
+    assert lrs[1].diff.mean == pytest.approx(1.5 - 2.0)
+
+
 def test_vary_splits_at_the_commas_between_values_not_inside_them(tmp_path, capsys):
     """`--vary residual=block_attnres(blocks: 4, gate: sigmoid),standard` split inside the
     parentheses (error: "this '(' is never closed"): a topology of two options could not be

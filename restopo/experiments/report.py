@@ -142,17 +142,16 @@ def baseline_arm(name: str, arms: list[tuple[str, str, frozenset]]) -> str:
     checks its --baseline with this before any run trains, compare after)."""
     if any(arm == name for arm, _, _ in arms):
         return name
-    family = [(arm, settings) for arm, spec, settings in arms if spec == name]
-    if len(family) == 1:
-        return family[0][0]
-    others = [settings for _, spec, settings in arms if spec != name]
-    if family and others and all(sum(s == o for _, s in family) == 1 for o in others):
+    family = [a for a in arms if a[1] == name]
+    others = [a for a in arms if a[1] != name]
+    if len(family) == 1 or family and others and all(
+            counterpart(a, family[0], arms) for a in others):
         return family[0][0]
     if family:
         raise ValueError(
             f"--baseline {name!r} is the spec of {len(family)} arms "
-            f"({', '.join(arm for arm, _ in family)}): name the one the others are compared "
-            f"with (--scaling fits all of {name}'s sizes whichever it is)")
+            f"({', '.join(arm for arm, _, _ in family)}): name the one the others are "
+            f"compared with (--scaling fits all of {name}'s sizes whichever it is)")
     raise ValueError(f"--baseline {name!r} names no arm and no spec: the arms are "
                      f"{', '.join(arm for arm, _, _ in arms)}")
 
@@ -168,22 +167,39 @@ def compare(arms: list[Arm], baseline: Arm | None) -> None:
 
 
 def pair_baselines(arms: list[Arm], baseline: Arm | None) -> None:
-    """Set each arm's `against`: for an arm of another spec, the baseline's spec trained
-    with the same settings (in a sweep of specs x --vary values, block at lr 1e-3 against
-    standard at lr 1e-3, not at the baseline's lr) where one arm is that; else `baseline`.
-    An arm that is another's baseline so is its own."""
+    """Set each arm's `against`: its counterpart where it has one (in a sweep of topologies
+    x --vary values, block at lr 1e-3 against standard at lr 1e-3, not at the baseline's
+    lr), else `baseline`; an arm that is a baseline so is its own."""
     for arm in arms:
         arm.against = None
     if baseline is None:
         return
-    mine = [a for a in arms if a.spec_name == baseline.spec_name]
+    by_name = {a.name: a for a in arms}
+    triples = [(a.name, a.spec_name, a.settings) for a in arms]
+    base = (baseline.name, baseline.spec_name, baseline.settings)
+    paired = {t[0]: c for t in triples if (c := counterpart(t, base, triples))}
     for arm in arms:
-        if arm.spec_name != baseline.spec_name:
-            alike = [a for a in mine if a.settings == arm.settings]
-            arm.against = alike[0] if len(alike) == 1 else baseline
-            arm.against.against = arm.against
-    for arm in arms:
-        arm.against = arm.against or baseline
+        arm.against = by_name[paired.get(arm.name, baseline.name)]
+    for name in [*paired.values(), baseline.name]:
+        by_name[name].against = by_name[name]
+
+
+def _topology(key: str) -> bool:
+    return key == "residual" or key.startswith("residual.")
+
+
+def counterpart(arm: tuple, baseline: tuple, arms: list[tuple]) -> str | None:
+    """The name of the arm `arm` is compared with in place of `baseline` (each a (name,
+    spec stem, settings) triple), or None: for an arm of another topology (its spec or its
+    residual settings), the one arm of the baseline's topology trained with its other
+    settings (the same --vary values; maybe the baseline itself)."""
+    name, spec, settings = arm
+    topology = {(k, v) for k, v in baseline[2] if _topology(k)}
+    if spec == baseline[1] and {(k, v) for k, v in settings if _topology(k)} == topology:
+        return None  # the baseline's topology: what differs is what is compared
+    want = {(k, v) for k, v in settings if not _topology(k)} | topology
+    alike = [a[0] for a in arms if a[1] == baseline[1] and a[2] == want]
+    return alike[0] if len(alike) == 1 else None
 
 
 def compared_with(arm: Arm, baseline: Arm | None) -> Arm | None:
@@ -358,8 +374,8 @@ def pairing_note(arms: list[Arm], baseline: Arm | None) -> list[str]:
     paired = pairs(arms, baseline)
     if not paired:
         return []
-    return [f"- **Each arm is compared with {baseline.spec_name} trained with the same "
-            f"settings** (its --vary values): "
+    return ["- **Each arm is compared with the baseline's topology trained with its own "
+            "other settings** (its --vary values): "
             + "; ".join(f"{a.name} with {b.name}" for a, b in paired) + "."]
 
 
@@ -642,8 +658,9 @@ def write_report(arms: list[Arm], baseline: Arm | None, out: Path, command: list
           f"Loss in nats per {loss_unit(arms)}, mean ± standard deviation over seeds. "
           "`vs baseline`: the difference of the means with its 95% interval (paired by seed "
           "when both arms ran the same seeds: same data order and same sublayer weights at "
-          "step 0)" + ("; an arm of another spec is compared with the baseline's spec trained "
-                       "with its own settings (a sweep's --vary values), named in the cell"
+          "step 0)" + ("; an arm of another topology is compared with the baseline's "
+                       "trained with its own other settings (a sweep's --vary values), named "
+                       "in the cell"
                        if pairs(arms, baseline) else "")
           + ". `s/step`: wall time per step over the whole run, evaluation included.",
           "", "## What the figures show, and what they do not", ""]
