@@ -410,6 +410,24 @@ def test_an_arm_with_no_finished_run_says_so_not_that_it_needs_seeds():
     assert report.rows(arms, arms[0])[1][4] == "(the baseline: no run finished)"
 
 
+def test_a_runs_end_is_said_before_the_next_run_starts(tmp_path, monkeypatch):
+    """With --jobs 1 the sweep printed 'starting b' before 'a: done' (the end was reported
+    by the main thread once it woke, the start by the worker already on the next run),
+    which reads as two runs at once."""
+    from restopo.experiments import runner
+    monkeypatch.setattr(runner, "run_job", lambda job, out, resume: {
+        "name": job.name, "status": "done", "seconds": 0.0})
+    events = []
+
+    def report(event):
+        if event["event"] == "end":
+            time.sleep(0.2)  # a slow terminal: the race the main thread lost
+        events.append((event["event"], event["job"].name))
+
+    runner.run_local(make_grid(["a.restopo", "b.restopo"], [0]), tmp_path, 1, report)
+    assert events == [("start", "a-s0"), ("end", "a-s0"), ("start", "b-s0"), ("end", "b-s0")]
+
+
 def test_a_sweep_does_not_train_a_diverged_run_again(tmp_path):
     """A run whose loss became NaN (its metrics say so) is skipped with why, not resumed or
     restarted to diverge again; a run resumed past it (the record dropped) counts as usual."""

@@ -215,9 +215,7 @@ def run_local(jobs: list[Job], out: Path, workers: int, report) -> list[dict]:
             futures[pool.submit(_started, job, out, s == "resume", report)] = job
         try:
             for f in as_completed(futures):
-                result = f.result()
-                results.append(result)
-                report({"event": "end", "job": futures[f], **result})
+                results.append(f.result())
         except KeyboardInterrupt as e:
             for f in futures:
                 f.cancel()
@@ -238,8 +236,13 @@ def _stop_signals():
 
 
 def _started(job: Job, out: Path, resume: bool, report) -> dict:
+    """Run `job`, reporting its start and its end from the thread that runs it: reported by
+    the main thread, a run's end came after the next run's start ('starting b' before 'a:
+    done' with --jobs 1, two runs at once to read)."""
     report({"event": "start", "job": job, "resume": resume})
-    return run_job(job, out, resume)
+    result = run_job(job, out, resume)
+    report({"event": "end", "job": job, **result})
+    return result
 
 
 def _stop_children(tell: bool = False) -> None:
