@@ -6,6 +6,7 @@ import json
 import math
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -563,7 +564,7 @@ def test_tiny_sweep_kill_rerun_and_compare(tmp_path):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
     text = (out / "results.md").read_text()
     assert "## What the figures show" in text
-    assert f"restopo train {specs[1]} --seed S   # blk: S = 0, 1" in text
+    assert f"restopo train {specs[1]} --seed S --out {out}/blk-sS   # blk: S = 0, 1" in text
     # each finished run records the load it ran under; std-s0 ran alone, the rest too
     info = json.loads((out / "blk-s0" / "run.json").read_text())
     assert info["cpus"] == os.cpu_count() and 0 <= info["load_mean"] <= info["load_max"]
@@ -602,6 +603,25 @@ def test_a_scaling_fit_that_cannot_be_made_writes_nothing(tmp_path):
                                          "baseline at three or more sizes"):
         report.write_report(arms, arms[0], tmp_path, ["restopo", "compare"], scaling=True)
     assert [p.name for p in tmp_path.iterdir()] == ["results.md"]
+
+
+def test_how_the_runs_were_made_gives_each_seeds_folder(tmp_path):
+    """The report's `restopo train` line per arm had no --out: pasted, the first seed
+    trained in train's default folder, not the sweep's, and the next was refused there as
+    a run already in it."""
+    std = tmp_path / "std.restopo"
+    std.write_text(TINY.format(residual="standard", data=CORPUS))
+    jobs = make_grid([str(std)], [0, 1], ["train.steps=3"], ["train.lr=1e-3,3e-3"])
+    _sweep_folder(tmp_path / "my sweep", {j.name: (j.arm, j.spec, list(j.overrides), j.seed,
+                                                   2.0) for j in jobs})
+    arms = report.group(find_runs([tmp_path / "my sweep"]))
+    lines = report.made_by(arms)
+    assert len(lines) == 2
+    for line, arm in zip(lines, arms):
+        argv = shlex.split(line.partition("#")[0])
+        for r in arm.runs:  # the command for seed S trains in that seed's folder
+            out = argv[argv.index("--out") + 1].replace("-sS", f"-s{r.seed}")
+            assert Path(out) == r.path
 
 
 def test_timing_note_says_when_step_times_compare_arms():

@@ -263,7 +263,12 @@ def made_by(arms: list[Arm]) -> list[str]:
         spec, overrides = next(iter(jobs))
         seeds = ", ".join(str(r.seed) for r in sorted(a.runs, key=lambda r: r.seed or 0))
         sets = "".join(f" --set {shlex.quote(o)}" for o in overrides)
-        lines.append(f"restopo train {shlex.quote(spec)}{sets} --seed S   # {a.name}: "
+        # the folder each seed trained in, as a sweep names it (without --out, train's
+        # default folder took the first seed, and refused the next as a run already there)
+        folders = {r.path.parent for r in a.runs}
+        out = (f" --out {shlex.quote(f'{folders.pop() / a.name}-sS')}" if len(folders) == 1
+               and all(r.path.name == f"{a.name}-s{r.seed}" for r in a.runs) else "")
+        lines.append(f"restopo train {shlex.quote(spec)}{sets} --seed S{out}   # {a.name}: "
                      f"S = {seeds}")
     return lines
 
