@@ -156,6 +156,13 @@ STANDARD_SOURCES = (Source("embedding"), Source("sublayers"))
 BLOCK_SOURCES = (Source("embedding"), Source("blocks"), Source("partial"))
 
 
+def keeps_one_stream(rule: Rule) -> bool:
+    """True for a rule that is one running value: a single-stream method, or the plain sum
+    of the embedding and every earlier output (the standard residual)."""
+    return rule.method in STREAM_METHODS or (
+        rule.method == "sum" and set(rule.sources) == set(STANDARD_SOURCES))
+
+
 def sublayer_kinds(depth: int, layer: tuple[str, ...] = ("attn", "mlp")) -> tuple[str, ...]:
     """The sublayer sequence of `depth` transformer layers, each `layer` (attention first)."""
     return tuple(layer) * depth

@@ -28,9 +28,13 @@ PAIRS = [
      "block_size: 4; before sublayer: attend(embedding, blocks, partial)"),
     ("block_attnres(blocks: 12)",  # N = L: one block per sublayer
      "blocks: 12\n before sublayer: attend(embedding, blocks, partial)"),
+    ("standard", "before sublayer: sum(embedding, sublayers)"),  # one stream: one block
     ("rezero", "blocks: 1\n before sublayer: rezero()"),
+    ("rezero", "before sublayer: rezero()"),
     ("layerscale", "blocks: 1\n before sublayer: layerscale(embedding, sublayers)"),
+    ("layerscale", "before sublayer: layerscale()"),
     ("highway", "blocks: 1\n before sublayer: highway"),
+    ("highway", "before sublayer: highway(embedding, sublayers)"),
     ("denseformer", "before sublayer: scalars(embedding, sublayers)"),
     ("denseformer(gate: none)", "before sublayer: scalars(embedding, sublayers)"),
     ("denseformer(gate: softmax)",

@@ -30,6 +30,7 @@ natural: 4x (a ratio), 32k (thousand), 2M (million). Paths are quoted.
 
     residual custom {                            # any label; named topologies spelled out
       blocks: 4                                  # or block_size: 8; default one per sublayer
+                                                 #   (one block for a single running stream)
       before sublayer: attend(embedding, blocks, partial; query: static, key_norm: rms)
       before head: attend(embedding, blocks)     # default: the sublayer rule minus partial
     }

@@ -47,7 +47,9 @@ def block_size_hint(kinds: tuple[str, ...]) -> str:
 
 
 def partition(res: ResidualSpec, kinds: tuple[str, ...], src: SourceText):
-    """The blocks of a residual spec (by count, by size, or one per sublayer)."""
+    """The blocks of a residual spec: by count, by size, else one block for a single
+    running stream (its value is that block's running sum, as in `residual standard`,
+    `rezero`, ...) and one per sublayer otherwise (as in Full AttnRes)."""
     try:
         if res.blocks is not None:
             return T.partition_by_count(kinds, res.blocks)
@@ -55,6 +57,8 @@ def partition(res: ResidualSpec, kinds: tuple[str, ...], src: SourceText):
             return T.partition_by_size(kinds, res.block_size)
     except ValueError as e:
         raise _blocks_error(res, kinds, src, e) from None
+    if T.keeps_one_stream(res.sublayer_rule):
+        return T.partition_by_count(kinds, 1)
     return tuple((i,) for i in range(1, len(kinds) + 1))
 
 
