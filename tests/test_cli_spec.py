@@ -38,6 +38,22 @@ def test_check_all_examples_ok(capsys):
                    "9 live values per token)"
 
 
+def test_check_says_a_window_that_covers_the_depth_is_full_attnres(tmp_path, capsys):
+    model = "model { vocab: 256; width: 64; depth: 4; heads: 4; context: 64 }\n"
+    files = {"named": "residual full_attnres(window: 8)",
+             "short": "residual full_attnres(window: 7)",
+             "custom": "residual custom { before sublayer: attend(embedding, window(9)) }"}
+    for name, residual in files.items():
+        (tmp_path / f"{name}.restopo").write_text(model + residual)
+    assert main(["check", *(str(tmp_path / f"{n}.restopo") for n in files)]) == 0
+    named, short, custom = capsys.readouterr().out.splitlines()
+    assert named.endswith(", window 8 covers all 8 sublayers, up to 9 sources with the "
+                          "embedding: the same as full_attnres)")
+    assert short.endswith("per token)")  # window 7: the head reads 7 of the 8 outputs
+    assert custom.endswith("window 9 covers all 8 sublayers, up to 9 sources with the "
+                           "embedding: the same as reading 'sublayers')")
+
+
 def test_check_reports_every_file_and_exits_1(bad, capsys):
     assert main(["check", bad, TINY, bad]) == 1
     cap = capsys.readouterr()

@@ -43,6 +43,11 @@ def describe(spec) -> str:
     n = len(g.blocks)
     parts = [f"{L} sublayers", f"topology {spec.residual.name}", f"{n} block{'s' * (n != 1)}",
              f"{_n(live_values_per_token(g), 'live value')} per token"]
+    wide = min((a.window for a in g.aggregations() if a.window and a.window >= L), default=None)
+    if wide is not None:  # allowed (a sweep over depth may reach it), but worth a word
+        same = "full_attnres" if spec.residual.form == "named" else "reading 'sublayers'"
+        parts.append(f"window {wide} covers all {L} sublayers, up to {L + 1} sources with the "
+                     f"embedding: the same as {same}")
     if spec.parallel is not None:
         p = spec.parallel
         if p.pipelined:  # (a section of --set values alone, for --pipeline, cuts nothing)
