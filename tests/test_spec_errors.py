@@ -241,6 +241,14 @@ GOLDEN = [
      'spec.restopo', 3, 38,
      "unknown source 'blcks'",
      "did you mean 'blocks'?"),
+    ('source_nested_in_a_method',  # was "unknown source 'sum(...)'", listing the sources
+     M + "residual custom {\n  before sublayer: attend(embedding, sum(blocks, partial))\n}\n", (),
+     'spec.restopo', 3, 38,
+     "sources do not nest: 'sum(...)' is an aggregation method, and a rule is one method "
+     "over a list of sources",
+     "list the sources in attend(...) itself, e.g. attend(embedding, blocks, partial); to "
+     "read the sum of consecutive outputs, make them a block (blocks: N or block_size: S) "
+     "and read 'blocks' and 'partial', as block_attnres does"),
     ('unknown_method', M + "residual custom {\n  before sublayer: atend(embedding, blocks)\n}\n", (),
      'spec.restopo', 3, 20,
      "unknown aggregation method 'atend'",
@@ -592,3 +600,16 @@ def test_a_misspelt_rule_is_one_error_not_two():
     # a wiring with no rule at all still says what it needs
     with pytest.raises(SpecError, match="custom wiring needs a 'before sublayer:' rule"):
         parse_spec(M + "residual custom {\n  blocks: 2\n}\n", "spec.restopo")
+
+
+@pytest.mark.parametrize("rule,hint", [
+    ("sum(embedding, attend(sublayers, window(3)))", "e.g. sum(embedding, sublayers)")])
+def test_a_method_nested_among_sources_says_how_to_list_them(rule, hint):
+    """The sources listed flat, with no window beside 'sublayers' (refused)."""
+    text = M + f"residual custom {{\n  before sublayer: {rule}\n}}\n"
+    with pytest.raises(SpecError) as info:
+        parse_spec(text, "spec.restopo")
+    assert not isinstance(info.value, SpecErrors), str(info.value)
+    assert info.value.message.startswith("sources do not nest")
+    assert info.value.hint.endswith(hint)
+

@@ -266,7 +266,7 @@ def _rule(fl: Field, target: str, c: Checker) -> T.Rule | None:
     sources, seen = [], {}
     for a in args:
         if a.key is None:
-            s = _source(a, target, c)
+            s = _source(a, target, c, v)
             if s is None:
                 continue
             if str(s) in seen or (s.name == "window" and "window" in seen):
@@ -373,7 +373,7 @@ def _quiet_source(a: Arg):
     return v.text if isinstance(v, Name) else None
 
 
-def _source(a: Arg, target: str, c: Checker) -> T.Source | None:
+def _source(a: Arg, target: str, c: Checker, rule: Call) -> T.Source | None:
     v = a.value
     names = [n for n in T.SOURCE_NAMES]
     if isinstance(v, Name):
@@ -395,6 +395,10 @@ def _source(a: Arg, target: str, c: Checker) -> T.Source | None:
         w = c.integer(Field(Key(("window",), v.pos), v.args[0].value, v.pos), "window", 1,
                       why="the window counts earlier sublayer outputs")
         return None if w is None else T.Source("window", w)
+    if isinstance(v, Call) and v.name.text in T.METHODS:
+        c.error(v.name.pos, f"sources do not nest: '{v.name.text}(...)' is an aggregation "
+                "method, and a rule is one method over a list of sources", _flat_hint(rule, v))
+        return None
     if isinstance(v, Call):
         c.error(v.name.pos, f"unknown source '{v.name.text}(...)'",
                 did_you_mean(v.name.text, names))
@@ -402,6 +406,28 @@ def _source(a: Arg, target: str, c: Checker) -> T.Source | None:
     c.error(v.pos, f"expected a source, got '{describe(v)}'",
             f"sources: {', '.join(names)}")
     return None
+
+
+def _flat_hint(rule: Call, inner: Call) -> str:
+    """How to write a rule with a method nested among its sources: its sources listed flat,
+    and a sum of consecutive outputs as the block it is."""
+    def text(v):
+        return (f"{v.name.text}({', '.join(describe(a.value) for a in v.args)})"
+                if isinstance(v, Call) and v.args else describe(v))
+    flat = []
+    for a in rule.args:
+        nested = isinstance(a.value, Call) and a.value.name.text in T.METHODS
+        for b in (a.value.args if nested else (a,)):
+            if b.key is None and text(b.value) not in flat:
+                flat.append(text(b.value))
+    if "sublayers" in flat:  # a window beside them is refused
+        flat = [s for s in flat if not s.startswith("window(")]
+    out = f"list the sources in {rule.name.text}(...) itself, e.g. {rule.name.text}" \
+          f"({', '.join(flat)})"
+    if inner.name.text != "sum" or rule.name.text in T.STREAM_METHODS:
+        return out  # (a stream method reads no blocks)
+    return (out + "; to read the sum of consecutive outputs, make them a block (blocks: N "
+            "or block_size: S) and read 'blocks' and 'partial', as block_attnres does")
 
 
 def check_against_model(model: ModelSpec, residual: ResidualSpec,
