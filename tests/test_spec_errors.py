@@ -603,9 +603,12 @@ def test_a_misspelt_rule_is_one_error_not_two():
 
 
 @pytest.mark.parametrize("rule,hint", [
-    ("sum(embedding, attend(sublayers, window(3)))", "e.g. sum(embedding, sublayers)")])
+    ("sum(embedding, attend(sublayers, window(3)))", "e.g. sum(embedding, sublayers)"),
+    ("rezero(embedding, sum(sublayers))", "e.g. rezero(embedding, sublayers)")])
 def test_a_method_nested_among_sources_says_how_to_list_them(rule, hint):
-    """The sources listed flat, with no window beside 'sublayers' (refused)."""
+    """The sources listed flat, with no window beside 'sublayers' (refused), and no blocks
+    for a stream method, which cannot read them; said once, not again as a source the
+    stream method cannot read."""
     text = M + f"residual custom {{\n  before sublayer: {rule}\n}}\n"
     with pytest.raises(SpecError) as info:
         parse_spec(text, "spec.restopo")
@@ -613,3 +616,11 @@ def test_a_method_nested_among_sources_says_how_to_list_them(rule, hint):
     assert info.value.message.startswith("sources do not nest")
     assert info.value.hint.endswith(hint)
 
+
+def test_a_stream_method_with_a_misspelt_source_is_one_error():
+    text = M + "residual custom {\n  before sublayer: highway(embedding, sublayerz)\n}\n"
+    with pytest.raises(SpecError) as info:
+        parse_spec(text, "spec.restopo")
+    assert not isinstance(info.value, SpecErrors), str(info.value)
+    assert (info.value.message, info.value.hint) == ("unknown source 'sublayerz'",
+                                                     "did you mean 'sublayers'?")

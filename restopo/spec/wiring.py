@@ -263,11 +263,12 @@ def _rule(fl: Field, target: str, c: Checker) -> T.Rule | None:
     method = name.text
     args = v.args if isinstance(v, Call) else ()
     before = len(c.errors)
-    sources, seen = [], {}
+    sources, seen, bad = [], {}, set()
     for a in args:
         if a.key is None:
             s = _source(a, target, c, v)
             if s is None:
+                bad.add(id(a))  # said: not again as a source a stream method cannot read
                 continue
             if str(s) in seen or (s.name == "window" and "window" in seen):
                 c.error(a.pos, f"source '{s}' is listed twice", "list each source once")
@@ -320,10 +321,10 @@ def _rule(fl: Field, target: str, c: Checker) -> T.Rule | None:
     if takes:
         options = _rule_options({k: v for k, v in named.items() if k in takes}, method, c)
     if method in T.STREAM_METHODS:
-        wrong = [a for a in args if a.key is None and str(_quiet_source(a)) not in
-                 ("embedding", "sublayers")]
+        wrong = [a for a in args if a.key is None and id(a) not in bad
+                 and str(_quiet_source(a)) not in ("embedding", "sublayers")]
         given = [str(_quiet_source(a)) for a in args if a.key is None]
-        left_out = [s for s in ("embedding", "sublayers") if s not in given]
+        left_out = [s for s in ("embedding", "sublayers") if s not in given and not bad]
         if wrong or (given and left_out):  # its sources are all or nothing, never a part
             c.error(wrong[0].pos if wrong else v.pos,
                     f"{method} updates one running stream and always reads the embedding and "
