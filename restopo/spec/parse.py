@@ -272,6 +272,45 @@ def _in_context(expected: set, text: str, offset: int) -> set:
     return expected
 
 
+# Look-alikes of ASCII characters that NFKC keeps as they are.
+_LOOKALIKES = {"\u2010": "-", "\u2011": "-", "\u2012": "-", "\u2013": "-", "\u2014": "-",
+               "\u2212": "-", "\u00d7": "x"}
+
+
+def _word_at(text: str, pos: int, extra: str = "") -> str:
+    """The word around offset `pos`: letters (any script), digits, '_' and `extra`."""
+    def inside(ch):
+        return ch.isalnum() or ch == "_" or ch in extra
+    start, end = pos, pos + 1
+    while start > 0 and inside(text[start - 1]):
+        start -= 1
+    while end < len(text) and inside(text[end]):
+        end += 1
+    return text[start:end]
+
+
+def _foreign(char: str, hint: str | None, word: str) -> tuple[str, str | None]:
+    """The message and hint for a character outside ASCII (where strings and comments are
+    not): named by its code point, since an invisible one shows as nothing, and what to
+    write for a look-alike (a no-break space, a full-width ':', a dash for '-') or for the
+    `word` an accented letter is in."""
+    import unicodedata
+    name = unicodedata.name(char, "")
+    code = f"U+{ord(char):04X}" + (f" {name}" if name else "")
+    shown = f"'{char}' ({code})" if char.isprintable() and not char.isspace() else code
+    plain = _LOOKALIKES.get(char) or unicodedata.normalize("NFKC", char)
+    if plain.isascii() and plain.isprintable():
+        what = "a plain space" if plain.isspace() else f"'{plain}'"
+        hint = f"write {what} instead; outside strings and comments a spec is ASCII"
+    elif unicodedata.category(char) == "Cf":
+        hint = "remove it: an invisible character, often pasted in with the text"
+    elif char.isalpha():
+        base = unicodedata.normalize("NFKD", word).encode("ascii", "ignore").decode()
+        hint = "names and keys are ASCII letters, digits and '_'" + (
+            f": write '{base}'" if base.isidentifier() and base != word else "")
+    return f"unexpected character {shown}", hint
+
+
 def syntax_error(e: UnexpectedInput, text: str, path: str, what: str = "spec") -> SpecError:
     """Map Lark's UnexpectedToken/UnexpectedCharacters/UnexpectedEOF to a SpecError in words."""
     if isinstance(e, UnexpectedCharacters):
@@ -296,6 +335,8 @@ def syntax_error(e: UnexpectedInput, text: str, path: str, what: str = "spec") -
             # a string ends on its line: "expected a quoted string" named what was written
             message = "this '\"' is never closed"
             hint = 'end the string with " on the same line, e.g. data: "corpus.txt"'
+        elif not char.isascii():
+            message, hint = _foreign(char, hint, _word_at(text, e.pos_in_stream))
         return SpecError(path, line, col, message, hint, _line(text, line))
 
     if isinstance(e, UnexpectedToken) and e.token.type != "$END":
