@@ -520,6 +520,21 @@ GOLDEN = [
      'spec.restopo', 2, 9,
      "unexpected character U+200B ZERO WIDTH SPACE",
      "remove it: an invisible character, often pasted in with the text"),
+    ('syntax_call_with_brackets',  # was the hint for lists: names separated by spaces
+     M + "residual custom {\n  before sublayer: attend[embedding, sublayers]\n}\n", (),
+     'spec.restopo', 3, 26,
+     "unexpected character '['",
+     "a call's arguments go in parentheses, e.g. attend(embedding, sublayers)"),
+    ('syntax_hyphen_in_name', M.replace("model {", "model my-model {") + "residual standard\n",
+     (), 'spec.restopo', 1, 9,
+     "unexpected character '-'",
+     "names are letters, digits and '_': write 'my_model'"),
+    ('syntax_commas_between_entries',  # was: expected a name, ..., '}' or ';'
+     M.replace("; width", ", width") + "residual standard\n", (),
+     'spec.restopo', 1, 19,
+     "unexpected ','",
+     "in braces, entries are separated by ';' or a new line and a list's values by spaces "
+     "(layer: attn mlp); ',' separates a call's arguments"),
     ('syntax_end_of_file', M + "residual\n\n# the end\n", (),
      'spec.restopo', 2, 9,
      "unexpected end of file",

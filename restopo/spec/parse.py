@@ -323,8 +323,13 @@ def syntax_error(e: UnexpectedInput, text: str, path: str, what: str = "spec") -
             hint = "write 'key: value' (with a colon) or, on the command line, --set section.key=value" \
                 if what == "spec" else hint
             message = "unexpected '='"
+        elif char == "[" and text[:e.pos_in_stream].rstrip(" \t")[-1:].isidentifier():
+            hint = "a call's arguments go in parentheses, e.g. attend(embedding, sublayers)"
         elif char in "[]":
             hint = "lists are written as names separated by spaces, e.g. 'layer: attn mlp'"
+        elif char == "-" and text[e.pos_in_stream - 1:e.pos_in_stream].isidentifier():
+            word = _word_at(text, e.pos_in_stream, "-")
+            hint = f"names are letters, digits and '_': write '{word.replace('-', '_')}'"
         elif char in "./\\~":
             hint = 'paths are quoted, e.g. data: "data/corpus.txt"'
         elif char == "'":
@@ -361,6 +366,9 @@ def syntax_error(e: UnexpectedInput, text: str, path: str, what: str = "spec") -
         elif tok.type == "COLON" and "LBRACE" in expected:
             hint = ("a section has no ':' after its name: write 'residual standard', "
                     "'residual block_attnres(blocks: 8)' or 'model tiny { ... }'")
+        elif tok.type == "COMMA" and opened is not None and opened[0] == "{":
+            hint = ("in braces, entries are separated by ';' or a new line and a list's values "
+                    "by spaces (layer: attn mlp); ',' separates a call's arguments")
         elif tok.type == "KEY" and "KEY" not in expected and _unclosed(text, tok.start_pos):
             hint = f"separate it from the value before with ',' or ';'; {hint}"
         elif tok.type == "KEY" and "KEY" not in expected and what == "spec":
