@@ -535,6 +535,19 @@ GOLDEN = [
      "unexpected ','",
      "in braces, entries are separated by ';' or a new line and a list's values by spaces "
      "(layer: attn mlp); ',' separates a call's arguments"),
+    ('syntax_comment_took_the_paren',  # was "add ')' to close it", beside the ')'
+     M + "residual block_attnres(blocks: 2  # two blocks)\n", (),
+     'spec.restopo', 2, 23,
+     "this '(' is never closed",
+     "the '#' on line 2 starts a comment that runs to the end of the line, so the ')' after "
+     "it is part of the comment; put the ')' before the '#'"),
+    ('syntax_comment_took_the_brace',
+     "model { vocab: 256; width: 64; depth: 4; heads: 4\n  context: 64 # the model }\n"
+     "residual standard\ntrain { steps: 3 }\n", (),
+     'spec.restopo', 1, 7,
+     "this '{' is never closed",
+     "the '#' on line 2 starts a comment that runs to the end of the line, so the '}' after "
+     "it is part of the comment; put the '}' before the '#'"),
     ('syntax_end_of_file', M + "residual\n\n# the end\n", (),
      'spec.restopo', 2, 9,
      "unexpected end of file",

@@ -311,6 +311,29 @@ def _foreign(char: str, hint: str | None, word: str) -> tuple[str, str | None]:
     return f"unexpected character {shown}", hint
 
 
+def _comment_took(text: str, line: int, close: str, upto: int | None) -> int | None:
+    """The line, from `line` to `upto`, whose '#' comment holds a `close` (the ')' or '}' a
+    person meant to end what is open, read as part of the comment); None if none does."""
+    for n, row in enumerate(text.splitlines()[line - 1:upto], start=line):
+        code = re.sub(r'"[^"\n]*"', '""', row)
+        if "#" in code and close in code.split("#", 1)[1]:
+            return n
+    return None
+
+
+def _never_closed(text: str, path: str, opened, hint: str, upto: int | None = None) -> SpecError:
+    """'this ( is never closed' at the opener; the hint says so if a comment up to line
+    `upto` took its closer."""
+    c, line, col = opened
+    close = "}" if c == "{" else ")"
+    took = _comment_took(text, line, close, upto)
+    if took is not None:
+        hint = (f"the '#' on line {took} starts a comment that runs to the end of the line, "
+                f"so the '{close}' after it is part of the comment; put the '{close}' before "
+                "the '#'")
+    return SpecError(path, line, col, f"this '{c}' is never closed", hint, _line(text, line))
+
+
 def syntax_error(e: UnexpectedInput, text: str, path: str, what: str = "spec") -> SpecError:
     """Map Lark's UnexpectedToken/UnexpectedCharacters/UnexpectedEOF to a SpecError in words."""
     if isinstance(e, UnexpectedCharacters):
@@ -348,13 +371,12 @@ def syntax_error(e: UnexpectedInput, text: str, path: str, what: str = "spec") -
         tok = e.token
         opened = _unclosed(text, tok.start_pos)
         if tok.type == "LBRACE" and opened is not None:  # the next section, inside this one
-            c, line, col = opened
-            close = "}" if c == "{" else ")"
-            return SpecError(path, line, col, f"this '{c}' is never closed",
-                             f"add '{close}' where it should end: before line {tok.line} at "
-                             f"the latest, where "
-                             f"'{text.splitlines()[tok.line - 1].strip()}' opens another",
-                             _line(text, line))
+            close = "}" if opened[0] == "{" else ")"
+            return _never_closed(text, path, opened,
+                                 f"add '{close}' where it should end: before line {tok.line} "
+                                 f"at the latest, where "
+                                 f"'{text.splitlines()[tok.line - 1].strip()}' opens another",
+                                 tok.line)
         expected = _in_context(set(e.expected or ()), text, tok.start_pos)
         message = f"unexpected {_describe_token(tok)}"
         hint = f"expected {expected_words(expected)}"
@@ -389,10 +411,8 @@ def syntax_error(e: UnexpectedInput, text: str, path: str, what: str = "spec") -
     expected = set(getattr(e, "expected", ()) or ())
     opened = _unclosed(text, len(text))
     if opened is not None:
-        c, line, col = opened
-        close = "}" if c == "{" else ")"
-        return SpecError(path, line, col, f"this '{c}' is never closed",
-                         f"add '{close}' to close it", _line(text, line))
+        return _never_closed(text, path, opened,
+                             f"add '{'}' if opened[0] == '{' else ')'}' to close it")
     line, col = _end_position(text)
     message = "unexpected end of file" if what == "spec" else "the value ends too soon"
     last = re.findall(r"[^\s#]+", "\n".join(l.split("#", 1)[0] for l in text.splitlines()))
