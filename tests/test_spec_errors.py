@@ -669,3 +669,17 @@ def test_a_stream_method_with_a_misspelt_source_is_one_error():
     assert not isinstance(info.value, SpecErrors), str(info.value)
     assert (info.value.message, info.value.hint) == ("unknown source 'sublayerz'",
                                                      "did you mean 'sublayers'?")
+
+
+def test_a_section_inside_another_is_one_error():
+    """`residual standard` before the model section's '}' was said as the spec having no
+    residual section and as extra values of the entry before it ('context' takes one value,
+    got 3): two mistakes, neither the one made."""
+    text = M.replace(" }", "\n  residual block_attnres(blocks: 2) }")
+    with pytest.raises(SpecError) as info:
+        parse_spec(text, "spec.restopo")
+    assert not isinstance(info.value, SpecErrors), str(info.value)
+    assert (info.value.line, info.value.column) == (2, 3)
+    assert info.value.message == "the residual section is inside the model section's braces"
+    assert info.value.hint == ("close the model section with '}' before 'residual': sections "
+                               "do not nest")

@@ -307,7 +307,7 @@ def check(file: SpecFile, text: str, overrides=()) -> Spec:
     residual = None
     if "residual" in views:
         residual = check_residual(views["residual"], c)
-    else:
+    elif "residual" not in c.nested:  # (else said where it is)
         where = file.sections[0].pos if file.sections else Pos(file.path, 1, 1)
         c.error(where, "the spec has no residual section" if file.sections else "the spec is empty",
                 "add a line such as 'residual block_attnres(blocks: 8)' or 'residual standard'")

@@ -66,6 +66,7 @@ class Checker:
     def __init__(self, src: SourceText):
         self.src = src
         self.errors: list[SpecError] = []
+        self.nested: set[str] = set()  # sections written inside another's braces
 
     def error(self, pos: Pos, message: str, hint: str | None = None) -> None:
         self.errors.append(self.src.error(pos, message, hint))

@@ -7,7 +7,7 @@ a one-line section given on the command line exactly like one written in the fil
 from __future__ import annotations
 
 from .fields import Checker, View, dym_suffix
-from .nodes import SECTIONS, Call, Entry, Name, SpecFile, describe
+from .nodes import SECTIONS, Call, Entry, ListValue, Name, SpecFile, describe
 from .wiring import NAMED_OPTIONS
 
 PARALLEL_KINDS = ("pipeline",)
@@ -33,8 +33,9 @@ def views_of(file: SpecFile, c: Checker) -> dict[str, View]:
                     f"write '{kind} {{ ... }}'")
         view = View(s.kind, s.label, pos=s.pos, braces=s.body is not None)
         if s.body is not None:
-            c.gather(view, s.body)
-            bare = [e for e in s.body if e.key is None]
+            body = [e for e in (_cut_nested(e, kind, c) for e in s.body) if e is not None]
+            c.gather(view, body)
+            bare = [e for e in body if e.key is None]
             if kind == "parallel" and bare:
                 parallel_head(view, bare[0].value, c)
                 bare = bare[1:]
@@ -54,6 +55,26 @@ def views_of(file: SpecFile, c: Checker) -> dict[str, View]:
                 line_head(view, s.line, c)
         views[kind] = view
     return views
+
+
+def _cut_nested(e: Entry, kind: str, c: Checker) -> Entry | None:
+    """The entry up to a section written inside this one's braces (`context: 64` then
+    `residual standard` before the '}'), which is reported once, as such, and recorded in
+    c.nested: not again as extra values of the entry, nor as a section missing."""
+    items = e.value.items if isinstance(e.value, ListValue) else (e.value,)
+    first = 1 if e.key is not None else 0  # `data: train` names a value, not a section
+    at = next((i for i, v in enumerate(items) if i >= first and isinstance(v, Name)
+               and v.text in SECTIONS), None)
+    if at is None:
+        return e
+    name = items[at]
+    c.nested.add(name.text)
+    c.error(name.pos, f"the {name.text} section is inside the {kind} section's braces",
+            f"close the {kind} section with '}}' before '{name.text}': sections do not nest")
+    kept = items[:at]
+    if not kept:
+        return None
+    return Entry(e.key, kept[0] if len(kept) == 1 else ListValue(kept, e.value.pos), e.pos)
 
 
 def _bare_hint(kind: str) -> str:
