@@ -642,6 +642,13 @@ def test_a_misspelt_rule_is_one_error_not_two():
         parse_spec(text, "spec.restopo")
     assert not isinstance(info.value, SpecErrors), str(info.value)
     assert (info.value.line, info.value.message) == (3, "unknown rule 'befor sublayer:'")
+    for key, said in (("before sublayers:", "unknown rule target 'sublayers'"),
+                      ("sublayer:", "unknown key 'sublayer' in custom wiring")):
+        text = M + f"residual custom {{\n  {key} attend(embedding, sublayers)\n}}\n"
+        with pytest.raises(SpecError) as info:
+            parse_spec(text, "spec.restopo")
+        assert not isinstance(info.value, SpecErrors), str(info.value)
+        assert info.value.message == said
     # a wiring with no rule at all still says what it needs
     with pytest.raises(SpecError, match="custom wiring needs a 'before sublayer:' rule"):
         parse_spec(M + "residual custom {\n  blocks: 2\n}\n", "spec.restopo")

@@ -9,6 +9,7 @@ neither sources, `before head:` nor blocks.
 """
 from __future__ import annotations
 
+import difflib
 import math
 from dataclasses import replace
 
@@ -191,8 +192,8 @@ def _custom(view: View, c: Checker) -> ResidualSpec | None:
         return None
     # a misspelt rule ('befor sublayer:') is said as unknown; that the rule is then missing
     # is its knock-on, not a second mistake
-    misspelt = any(k not in CUSTOM_KEYS and fld.key.words[-1] == "sublayer"
-                   for k, fld in view.fields.items())
+    misspelt = any(k not in CUSTOM_KEYS and difflib.get_close_matches(
+        fld.key.words[-1], ["sublayer"], cutoff=0.75) for k, fld in view.fields.items())
     c.unknown_keys(view, CUSTOM_KEYS, "custom wiring")
     f = view.fields
     blocks, block_size = _blocks(view, c)
