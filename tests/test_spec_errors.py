@@ -249,6 +249,11 @@ GOLDEN = [
      "list the sources in attend(...) itself, e.g. attend(embedding, blocks, partial); to "
      "read the sum of consecutive outputs, make them a block (blocks: N or block_size: S) "
      "and read 'blocks' and 'partial', as block_attnres does"),
+    ('sources_without_commas',  # was "expected a source, got 'embedding sublayers'"
+     M + "residual custom {\n  before sublayer: attend(embedding sublayers)\n}\n", (),
+     'spec.restopo', 3, 37,
+     "sources are separated by ',', got 'embedding sublayers'",
+     "write attend(embedding, sublayers)"),
     ('unknown_method', M + "residual custom {\n  before sublayer: atend(embedding, blocks)\n}\n", (),
      'spec.restopo', 3, 20,
      "unknown aggregation method 'atend'",

@@ -405,6 +405,11 @@ def _source(a: Arg, target: str, c: Checker, rule: Call) -> T.Source | None:
         c.error(v.name.pos, f"unknown source '{v.name.text}(...)'",
                 did_you_mean(v.name.text, names))
         return None
+    if isinstance(v, ListValue):  # `attend(embedding sublayers)`
+        listed = ", ".join(describe(x) for x in v.items)
+        c.error(v.items[1].pos, f"sources are separated by ',', got '{describe(v)}'",
+                f"write {rule.name.text}({listed})")
+        return None
     c.error(v.pos, f"expected a source, got '{describe(v)}'",
             f"sources: {', '.join(names)}")
     return None
