@@ -254,6 +254,11 @@ GOLDEN = [
      'spec.restopo', 3, 37,
      "sources are separated by ',', got 'embedding sublayers'",
      "write attend(embedding, sublayers)"),
+    ('number_with_a_unit_word',  # was "'window' takes one value, got 2", separate entries
+     M + "residual custom {\n  before sublayer: attend(embedding, window(8 layers))\n}\n", (),
+     'spec.restopo', 3, 47,
+     "'window' takes a number alone, got '8 layers'",
+     "write the number alone, e.g. window(8); it counts sublayers, 2 per transformer layer"),
     ('unknown_method', M + "residual custom {\n  before sublayer: atend(embedding, blocks)\n}\n", (),
      'spec.restopo', 3, 20,
      "unknown aggregation method 'atend'",

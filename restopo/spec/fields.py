@@ -84,6 +84,18 @@ class Checker:
     def number(self, f: Field, name: str, *, ratio: bool = False, hi=None, why=None):
         """The value of a number field; `hi` and `why`: the key's own bound, which a value
         past what any key takes is told of too (not a bound that is not this key's)."""
+        items = f.value.items if isinstance(f.value, ListValue) else ()
+        if items and isinstance(items[0], Number) and all(isinstance(v, Name)
+                                                          for v in items[1:]):
+            # a unit in words: `window(8 layers)`, `steps: 300 steps`
+            said = " ".join(describe(v) for v in items)
+            sublayers = name in ("window", "block_size") and any(
+                v.text.startswith("layer") for v in items[1:])
+            self.error(items[1].pos, f"'{name}' takes a number alone, got '{said}'",
+                       f"write the number alone, {example(name)}" + (
+                           "; it counts sublayers, 2 per transformer layer" if sublayers
+                           else ""))
+            return None
         v = self.single(f, name)
         if v is None:
             return None
