@@ -259,6 +259,11 @@ GOLDEN = [
      'spec.restopo', 3, 47,
      "'window' takes a number alone, got '8 layers'",
      "write the number alone, e.g. window(8); it counts sublayers, 2 per transformer layer"),
+    ('two_windows',  # was "source 'window(4)' is listed twice"
+     M + "residual custom {\n  before sublayer: attend(embedding, window(8), window(4))\n}\n",
+     (), 'spec.restopo', 3, 49,
+     "a rule reads one window, got 'window(8)' and 'window(4)'",
+     "keep one: the larger reads every output the smaller does"),
     ('unknown_method', M + "residual custom {\n  before sublayer: atend(embedding, blocks)\n}\n", (),
      'spec.restopo', 3, 20,
      "unknown aggregation method 'atend'",

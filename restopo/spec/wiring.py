@@ -271,8 +271,13 @@ def _rule(fl: Field, target: str, c: Checker) -> T.Rule | None:
             if s is None:
                 bad.add(id(a))  # said: not again as a source a stream method cannot read
                 continue
-            if str(s) in seen or (s.name == "window" and "window" in seen):
+            if str(s) in seen:
                 c.error(a.pos, f"source '{s}' is listed twice", "list each source once")
+                continue
+            if s.name == "window" and "window" in seen:
+                first = next(x for x in sources if x.name == "window")
+                c.error(a.pos, f"a rule reads one window, got '{first}' and '{s}'",
+                        "keep one: the larger reads every output the smaller does")
                 continue
             # a window's outputs are among 'sublayers': read together, it would add nothing
             inside = {"window": "sublayers", "sublayers": "window"}.get(s.name)
