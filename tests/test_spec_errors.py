@@ -563,6 +563,13 @@ GOLDEN = [
      "this '{' is never closed",
      "the '#' on line 2 starts a comment that runs to the end of the line, so the '}' after "
      "it is part of the comment; put the '}' before the '#'"),
+    ('set_value_with_commas',  # was: expected nothing more
+     M + "residual standard\n", ("model.layer=attn,mlp",),
+     '<--set 1>', 1, 23,
+     "unexpected ','",
+     "--set gives one value, and a list's values are separated by spaces (--set "
+     "'model.layer=attn mlp'); to compare several values, use restopo sweep SPEC --vary "
+     "KEY=V1,V2"),
     ('syntax_end_of_file', M + "residual\n\n# the end\n", (),
      'spec.restopo', 2, 9,
      "unexpected end of file",

@@ -388,6 +388,10 @@ def syntax_error(e: UnexpectedInput, text: str, path: str, what: str = "spec") -
         elif tok.type == "COLON" and "LBRACE" in expected:
             hint = ("a section has no ':' after its name: write 'residual standard', "
                     "'residual block_attnres(blocks: 8)' or 'model tiny { ... }'")
+        elif tok.type == "COMMA" and opened is None and path.startswith("<--set"):
+            hint = ("--set gives one value, and a list's values are separated by spaces "
+                    "(--set 'model.layer=attn mlp'); to compare several values, use "
+                    "restopo sweep SPEC --vary KEY=V1,V2")
         elif tok.type == "COMMA" and opened is not None and opened[0] == "{":
             hint = ("in braces, entries are separated by ';' or a new line and a list's values "
                     "by spaces (layer: attn mlp); ',' separates a call's arguments")
