@@ -570,6 +570,13 @@ GOLDEN = [
      "--set gives one value, and a list's values are separated by spaces (--set "
      "'model.layer=attn mlp'); to compare several values, use restopo sweep SPEC --vary "
      "KEY=V1,V2"),
+    ('set_custom_wiring',  # was: expected a name, a number, ... '(', ':' or ';'
+     M + "residual standard\n", ("residual=custom { before sublayer: rezero() }",),
+     '<--set 1>', 1, 23,
+     "unexpected '{'",
+     "--set residual=VALUE takes a one-line topology (e.g. residual=full_attnres); write "
+     "custom wiring in the spec file, or change a rule of the file's custom wiring with "
+     "--set 'residual.before_sublayer=...'"),
     ('syntax_end_of_file', M + "residual\n\n# the end\n", (),
      'spec.restopo', 2, 9,
      "unexpected end of file",

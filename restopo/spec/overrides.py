@@ -160,7 +160,13 @@ def apply_overrides(views: dict[str, View], overrides, c: Checker) -> None:
             try:
                 value = parse_value(value_text, source, offset=value_base + eq + 1)
             except SpecError as e:
-                c.errors.append(SpecError(e.path, e.line, e.column, e.message, e.hint, line))
+                hint = e.hint
+                if sec == "residual" and not dot and "{" in value_text:
+                    hint = ("--set residual=VALUE takes a one-line topology (e.g. "
+                            "residual=full_attnres); write custom wiring in the spec file, or "
+                            "change a rule of the file's custom wiring with --set "
+                            "'residual.before_sublayer=...'")
+                c.errors.append(SpecError(e.path, e.line, e.column, e.message, hint, line))
                 continue
         if not dot:
             if sec not in ("residual", "parallel"):
