@@ -237,6 +237,11 @@ GOLDEN = [
      'spec.restopo', 2, 24,
      "'block_attnres' takes named options, got '2'",
      'e.g. block_attnres(blocks: 8) or block_attnres(block_size: 4)'),
+    ('positional_streams',  # was first "mhc needs 'streams: n'", then this, as 2 errors
+     M + "residual mhc(4)\n", (),
+     'spec.restopo', 2, 14,
+     "'mhc' takes named options, got '4'",
+     'e.g. mhc(streams: 4, sinkhorn: 20)'),
     ('unknown_source', M + "residual custom {\n  before sublayer: attend(embedding, blcks, partial)\n}\n", (),
      'spec.restopo', 3, 38,
      "unknown source 'blcks'",
@@ -719,3 +724,10 @@ def test_a_section_inside_another_is_one_error():
     assert info.value.message == "the residual section is inside the model section's braces"
     assert info.value.hint == ("close the model section with '}' before 'residual': sections "
                                "do not nest")
+
+
+def test_a_stream_count_without_its_key_is_one_error():
+    with pytest.raises(SpecError) as info:
+        parse_spec(M + "residual hyper_connections(4)\n", "spec.restopo")
+    assert not isinstance(info.value, SpecErrors), str(info.value)
+    assert info.value.hint == "e.g. hyper_connections(streams: 4)"

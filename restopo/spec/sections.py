@@ -112,6 +112,8 @@ def _options_example(name: str) -> str:
     return {"block_attnres": "e.g. block_attnres(blocks: 8) or block_attnres(block_size: 4)",
             "full_attnres": "e.g. full_attnres(query: input_dependent) or full_attnres(window: 8)",
             "denseformer": "e.g. denseformer(gate: softmax)",
+            "hyper_connections": "e.g. hyper_connections(streams: 4)",
+            "mhc": "e.g. mhc(streams: 4, sinkhorn: 20)", "mhc_lite": "e.g. mhc_lite(streams: 4)",
             "pipeline": "e.g. pipeline(stages: 2, microbatches: 4)"}.get(
                 name, "write options as 'key: value'")
 

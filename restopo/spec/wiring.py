@@ -77,9 +77,10 @@ def _named(view: View, c: Checker) -> ResidualSpec | None:
             c.error(f.key.pos, f"unknown option '{k}' for {name.text}",
                     did_you_mean(k, allowed))
     if name.text in T.MULTI_STREAM_METHODS:
-        # a misspelled 'streams' was just reported with its did-you-mean: not missing too
+        # a misspelled 'streams' (or one given without its key, view.bad) was just
+        # reported: not as missing too
         opts = _stream_options(view.fields, name.text, name.pos, c,
-                               quiet=len(c.errors) > before)
+                               quiet=len(c.errors) > before or view.bad)
         if opts is None or len(c.errors) > before:
             return None
         return ResidualSpec(name.text, "named", tuple(opts.items()), pos=name.pos,
