@@ -242,6 +242,11 @@ GOLDEN = [
      'spec.restopo', 2, 14,
      "'mhc' takes named options, got '4'",
      'e.g. mhc(streams: 4, sinkhorn: 20)'),
+    ('mlp_ratio_without_parentheses',  # was "'mlp' takes one value", separate the entries
+     M.replace(" }", "; mlp: swiglu 4x }") + "residual standard\n", (),
+     'spec.restopo', 1, 77,
+     "the MLP ratio goes in parentheses, got 'swiglu 4x'",
+     "write mlp: swiglu(4x), or mlp: swiglu and mlp_ratio: 4x"),
     ('unknown_source', M + "residual custom {\n  before sublayer: attend(embedding, blcks, partial)\n}\n", (),
      'spec.restopo', 3, 38,
      "unknown source 'blcks'",

@@ -14,8 +14,8 @@ from .. import topology as T
 from .errors import SpecError, did_you_mean, raise_all
 from .fields import (EXAMPLES, MAX_DEPTH, Checker, Field, View, alts, divisors, dym_suffix,
                      positions)
-from .nodes import (Call, Key, ListValue, Name, Pos, Qualified, SpecFile, String, blame, describe,
-                    from_command_line)
+from .nodes import (Call, Key, ListValue, Name, Number, Pos, Qualified, SpecFile, String, blame,
+                    describe, from_command_line)
 from .combos import compile_conflict, recompute_conflict
 from .limits import (check_microbatches, check_model_limits, check_source_reads,
                      check_train_limits)
@@ -98,6 +98,12 @@ def check_model(view: View, c: Checker) -> ModelSpec | None:
 
 
 def _mlp(fl: Field, c: Checker):
+    items = fl.value.items if isinstance(fl.value, ListValue) else ()
+    if len(items) == 2 and isinstance(items[0], Name) and isinstance(items[1], Number):
+        kind, ratio = items[0].text, items[1].text  # `mlp: swiglu 4x`
+        c.error(items[1].pos, f"the MLP ratio goes in parentheses, got '{kind} {ratio}'",
+                f"write mlp: {kind}({ratio}), or mlp: {kind} and mlp_ratio: {ratio}")
+        return None, None
     v = c.single(fl, "mlp")
     if v is None:
         return None, None
