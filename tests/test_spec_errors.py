@@ -247,6 +247,11 @@ GOLDEN = [
      'spec.restopo', 1, 77,
      "the MLP ratio goes in parentheses, got 'swiglu 4x'",
      "write mlp: swiglu(4x), or mlp: swiglu and mlp_ratio: 4x"),
+    ('choice_with_options',  # was "'schedule' must be one of cosine or constant"
+     M + "residual standard\ntrain { schedule: cosine(warmup: 30) }\n", (),
+     'spec.restopo', 3, 19,
+     "'schedule' takes no options, got 'cosine(...)'",
+     "write 'schedule: cosine'; options are keys of their own: warmup: 30"),
     ('unknown_source', M + "residual custom {\n  before sublayer: attend(embedding, blcks, partial)\n}\n", (),
      'spec.restopo', 3, 38,
      "unknown source 'blcks'",

@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass, field
 
 from .errors import SpecError, did_you_mean
-from .nodes import Key, ListValue, Name, Number, Pos, Value, describe
+from .nodes import Call, Key, ListValue, Name, Number, Pos, Value, describe
 from .objects import SourceText
 
 RULE_TARGETS = ("sublayer", "head")
@@ -173,6 +173,13 @@ class Checker:
     def choice(self, f: Field, name: str, choices) -> str | None:
         v = self.single(f, name)
         if v is None:
+            return None
+        if isinstance(v, Call) and v.name.text in choices:  # `schedule: cosine(warmup: 30)`
+            keyed = [f"{a.key.text}: {describe(a.value)}" for a in v.args if a.key is not None]
+            self.error(v.pos, f"'{name}' takes no options, got '{describe(v)}'",
+                       f"write '{name}: {v.name.text}'" + (
+                           f"; options are keys of their own: {'; '.join(keyed)}" if keyed
+                           else ""))
             return None
         # a word that starts with a digit (the schedule 1f1b) lexes as a number with a unit
         if not (isinstance(v, Name) or (isinstance(v, Number) and v.unit)):
