@@ -592,6 +592,10 @@ GOLDEN = [
      "--set residual=VALUE takes a one-line topology (e.g. residual=full_attnres); write "
      "custom wiring in the spec file, or change a rule of the file's custom wiring with "
      "--set 'residual.before_sublayer=...'"),
+    ('syntax_control_character', M + "residual standard\x00\n", (),
+     'spec.restopo', 2, 18,
+     "unexpected character U+0000",
+     "remove it: an invisible character, often pasted in with the text"),
     ('syntax_end_of_file', M + "residual\n\n# the end\n", (),
      'spec.restopo', 2, 9,
      "unexpected end of file",

@@ -290,8 +290,9 @@ def _word_at(text: str, pos: int, extra: str = "") -> str:
 
 
 def _foreign(char: str, hint: str | None, word: str) -> tuple[str, str | None]:
-    """The message and hint for a character outside ASCII (where strings and comments are
-    not): named by its code point, since an invisible one shows as nothing, and what to
+    """The message and hint for a character outside printable ASCII (where strings and
+    comments are not): named by its code point, since an invisible one shows as nothing
+    (a control character has no name), and what to
     write for a look-alike (a no-break space, a full-width ':', a dash for '-') or for the
     `word` an accented letter is in."""
     import unicodedata
@@ -302,7 +303,7 @@ def _foreign(char: str, hint: str | None, word: str) -> tuple[str, str | None]:
     if plain.isascii() and plain.isprintable():
         what = "a plain space" if plain.isspace() else f"'{plain}'"
         hint = f"write {what} instead; outside strings and comments a spec is ASCII"
-    elif unicodedata.category(char) == "Cf":
+    elif unicodedata.category(char) in ("Cf", "Cc"):
         hint = "remove it: an invisible character, often pasted in with the text"
     elif char.isalpha():
         base = unicodedata.normalize("NFKD", word).encode("ascii", "ignore").decode()
@@ -363,7 +364,7 @@ def syntax_error(e: UnexpectedInput, text: str, path: str, what: str = "spec") -
             # a string ends on its line: "expected a quoted string" named what was written
             message = "this '\"' is never closed"
             hint = 'end the string with " on the same line, e.g. data: "corpus.txt"'
-        elif not char.isascii():
+        elif not (char.isascii() and char.isprintable()):
             message, hint = _foreign(char, hint, _word_at(text, e.pos_in_stream))
         return SpecError(path, line, col, message, hint, _line(text, line))
 
