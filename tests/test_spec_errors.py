@@ -596,6 +596,11 @@ GOLDEN = [
      'spec.restopo', 2, 18,
      "unexpected character U+0000",
      "remove it: an invisible character, often pasted in with the text"),
+    ('syntax_c_comment',  # was: paths are quoted
+     M + "residual block_attnres(blocks: 2  // two blocks\n)\n", (),
+     'spec.restopo', 2, 35,
+     "unexpected character '/'",
+     "comments start with '#' and run to the end of the line"),
     ('syntax_end_of_file', M + "residual\n\n# the end\n", (),
      'spec.restopo', 2, 9,
      "unexpected end of file",

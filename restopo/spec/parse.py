@@ -354,6 +354,8 @@ def syntax_error(e: UnexpectedInput, text: str, path: str, what: str = "spec") -
         elif char == "-" and text[e.pos_in_stream - 1:e.pos_in_stream].isidentifier():
             word = _word_at(text, e.pos_in_stream, "-")
             hint = f"names are letters, digits and '_': write '{word.replace('-', '_')}'"
+        elif text.startswith(("//", "/*"), e.pos_in_stream):
+            hint = "comments start with '#' and run to the end of the line"
         elif char in "./\\~":
             hint = 'paths are quoted, e.g. data: "data/corpus.txt"'
         elif char == "'":
