@@ -252,6 +252,11 @@ GOLDEN = [
      'spec.restopo', 3, 19,
      "'schedule' takes no options, got 'cosine(...)'",
      "write 'schedule: cosine'; options are keys of their own: warmup: 30"),
+    ('quoted_number',  # was the key's example alone: e.g. window(8)
+     M + "residual custom {\n  before sublayer: attend(embedding, window(\"3\"))\n}\n", (),
+     'spec.restopo', 3, 45,
+     "'window' must be a number, got '\"3\"'",
+     "write it without the quotes: window(3)"),
     ('unknown_source', M + "residual custom {\n  before sublayer: attend(embedding, blcks, partial)\n}\n", (),
      'spec.restopo', 3, 38,
      "unknown source 'blcks'",

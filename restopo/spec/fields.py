@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass, field
 
 from .errors import SpecError, did_you_mean
-from .nodes import Call, Key, ListValue, Name, Number, Pos, Value, describe
+from .nodes import Call, Key, ListValue, Name, Number, Pos, String, Value, describe
 from .objects import SourceText
 
 RULE_TARGETS = ("sublayer", "head")
@@ -38,6 +38,13 @@ def example(name: str, why: str | None = None) -> str:
     """The hint of a value refused for `name`: the key's own reason, else how it is written
     (a refused value never comes without one)."""
     return why or f"e.g. {EXAMPLES.get(name, name + ': 1')}"
+
+
+def _written(name: str, number: str) -> str:
+    """How `name` is written with this number: window(8), swiglu(4x), width: 64."""
+    form = EXAMPLES.get(name)
+    return (re.sub(r"[0-9][0-9.]*(e-?[0-9]+)?x?", number, form, count=1) if form
+            else f"{name}: {number}")
 
 
 @dataclass
@@ -100,8 +107,11 @@ class Checker:
         if v is None:
             return None
         if not isinstance(v, Number):
+            quoted = isinstance(v, String) and re.fullmatch(r"\s*-?[0-9][0-9_.eE+-]*[xkM]?\s*",
+                                                            v.value)
             self.error(v.pos, f"'{name}' must be a number, got '{describe(v)}'",
-                       example(name))
+                       f"write it without the quotes: {_written(name, v.value.strip())}"
+                       if quoted else example(name))
             return None
         digits = v.text[:len(v.text) - len(v.unit)] if v.unit else v.text
         if "_" in digits and not _GROUPED.fullmatch(digits):
