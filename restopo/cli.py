@@ -183,6 +183,9 @@ def file_error(e: OSError | UnicodeDecodeError) -> str:
                 f"restopo: error: {where}: not UTF-8 text (byte {e.start}); is this a "
                 f".restopo file?")
     name = e.filename if e.filename is not None else ""
+    if name == "-" and isinstance(e, FileNotFoundError):  # `... | restopo inspect -`
+        return ("restopo: error: '-' (standard input) is read only by restopo check, for a "
+                "spec piped in; give a file's path here")
     name = name if str(name).isprintable() else repr(name)  # keep it one line
     what = e.strerror or str(e)
     if e.errno is not None and e.strerror == os.strerror(e.errno):  # the system's words
