@@ -257,6 +257,11 @@ GOLDEN = [
      'spec.restopo', 3, 45,
      "'window' must be a number, got '\"3\"'",
      "write it without the quotes: window(3)"),
+    ('rule_heads_divide_width',  # was at the rule, 3:20
+     M + "residual custom {\n  before sublayer: attend(embedding, sublayers; heads: 3)\n}\n",
+     (), 'spec.restopo', 3, 56,
+     'depth-attention heads (3) must divide width (64)',
+     'heads that divide 64: 1, 2, 4, 8, 16, 32, 64'),
     ('unknown_source', M + "residual custom {\n  before sublayer: attend(embedding, blcks, partial)\n}\n", (),
      'spec.restopo', 3, 38,
      "unknown source 'blcks'",

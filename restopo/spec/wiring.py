@@ -214,8 +214,17 @@ def _custom(view: View, c: Checker) -> ResidualSpec | None:
         head = replace(sub, sources=tuple(s for s in sub.sources if s.name != "partial"))
     name = view.label.text if view.label else "custom"
     return ResidualSpec(name, "custom", (), blocks, block_size, sub, head,
-                        pos=(view.label or view.kind).pos, positions=positions(view),
-                        source=c.src)
+                        pos=(view.label or view.kind).pos,
+                        positions=positions(view) + _heads_positions(view), source=c.src)
+
+
+def _heads_positions(view: View) -> tuple:
+    """Where each rule's `heads` value is ('before sublayer heads'), for the check against
+    the model's width to point at it rather than at the rule."""
+    return tuple((f"{k} heads", a.value.pos) for k in ("before sublayer", "before head")
+                 if k in view.fields and isinstance(view.fields[k].value, Call)
+                 for a in view.fields[k].value.args if a.key is not None
+                 and a.key.text == "heads")
 
 
 def _custom_streams(view: View, sub: T.Rule, head: T.Rule | None,
@@ -454,7 +463,8 @@ def check_against_model(model: ModelSpec, residual: ResidualSpec,
     for key, rule in (("before sublayer", residual.sublayer_rule),
                       ("before head", residual.head_rule)):
         if rule is not None and rule.heads > 1 and rule.heads not in [h for h, _ in heads]:
-            heads.append((rule.heads, residual.where(key)))
+            heads.append((rule.heads, dict(residual.positions).get(f"{key} heads")
+                          or residual.where(key)))
     for h, pos in heads:
         if model.width % h:
             c.error(blame(pos, model.where("width")),
