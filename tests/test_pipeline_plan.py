@@ -161,12 +161,11 @@ def test_reports():
     assert "naive" in text and "cached" in text and "22" in text
 
 
-@pytest.mark.parametrize("blocks", [1, 2])
-def test_report_counts_the_blocks_in_words(blocks):
-    """The first line said '1 blocks' of a standard residual or an mHC."""
-    plan = make_plan(block_ir(4, blocks), 2, 1, costs=EQUAL)
-    head = describe(plan).splitlines()[0]
-    assert head.endswith(f", {plan.n_blocks} block{'s' if plan.n_blocks != 1 else ''}"), head
+def test_report_counts_one_thing_in_the_singular():
+    k = sublayer_kinds(4)
+    text = describe(make_plan(build_ir(k, standard(k), 8), 1, 1, costs=EQUAL))
+    assert text.splitlines()[0] == ("pipeline 1x1: 1 chunk on 1 rank (chunk c on rank c mod "
+                                    "1); topology standard, 1 block")
 
 
 def test_inspect_pipeline_cli(capsys):

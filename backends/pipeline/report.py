@@ -54,8 +54,9 @@ def describe(plan) -> str:
     Plan or its `to_json` dict."""
     d = to_json(plan) if isinstance(plan, Plan) else plan
     P, V, C = d["stages"], d["virtual"], d["chunks"]
-    lines = [f"pipeline {P}x{V}: {C} chunks on {P} ranks (chunk c on rank c mod {P}); "
-             f"topology {d['topology']}, {d['blocks']} block{'s' * (d['blocks'] != 1)}"]
+    N = d["blocks"]
+    lines = [f"pipeline {P}x{V}: {C} chunk{'s' * (C != 1)} on {P} rank{'s' * (P != 1)} "
+             f"(chunk c on rank c mod {P}); topology {d['topology']}, {N} block{'s' * (N != 1)}"]
     rows = [("chunk", "rank", "sublayers", "blocks done", "to next: naive", "to next: cached")]
     for c in d["chunk_table"]:
         a, b = c["sublayers"]
