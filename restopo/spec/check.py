@@ -35,6 +35,12 @@ TRAIN_KEYS = ("data", "steps", "batch", "lr", "schedule", "warmup", "min_lr", "w
               "grad_clip", "accum", "eval_every", "eval_batches", "save_every", "seed",
               "log_every", "keep", "peak_tflops", "recompute", "compile")
 LR_SCHEDULES = ("cosine", "constant")
+# The one section each key belongs to (keys of two sections, data or schedule, are left
+# out), for a key written in another section.
+_SECTION_KEYS = (("model", MODEL_KEYS), ("train", TRAIN_KEYS), ("parallel", PARALLEL_KEYS),
+                 ("residual", ("blocks", "block_size", "heads")))
+KEY_HOMES = {k: sec for sec, keys in _SECTION_KEYS for k in keys
+             if sum(k in ks for _, ks in _SECTION_KEYS) == 1}
 
 
 # -- sections -> spec objects -------------------------------------------------------------
@@ -307,6 +313,7 @@ def check(file: SpecFile, text: str, overrides=()) -> Spec:
     """The checked Spec of a parsed file with its --set overrides, or SpecError(s)."""
     src = SourceText({file.path: text})
     c = Checker(src)
+    c.homes = KEY_HOMES
     views = views_of(file, c)
     apply_overrides(views, tuple(overrides), c)
     model = check_model(views["model"], c) if "model" in views else None

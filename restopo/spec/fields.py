@@ -27,7 +27,7 @@ EXAMPLES = {"vocab": "vocab: 256", "width": "width: 64", "depth": "depth: 4",
             "grad_clip": "grad_clip: 1.0", "window": "window(8)", "blocks": "blocks: 8",
             "block_size": "block_size: 4", "mlp ratio": "swiglu(4x)",
             "mlp_ratio": "mlp_ratio: 4x", "sinkhorn": "sinkhorn: 20", "streams": "streams: 4",
-            "warmup": "warmup: 30"}
+            "warmup": "warmup: 30", "steps": "steps: 300", "batch": "batch: 16"}
 
 
 # digits grouped by single underscores between digits, as Python writes them: 32_768, 1_000.5
@@ -74,6 +74,7 @@ class Checker:
         self.src = src
         self.errors: list[SpecError] = []
         self.nested: set[str] = set()  # sections written inside another's braces
+        self.homes: dict[str, str] = {}  # key -> the section it belongs to (check.KEY_HOMES)
 
     def error(self, pos: Pos, message: str, hint: str | None = None) -> None:
         self.errors.append(self.src.error(pos, message, hint))
@@ -233,6 +234,10 @@ class Checker:
             elif len(words) == 2 and "before sublayer" in allowed and words[0] == "before":
                 self.error(f.key.pos, f"unknown rule target '{words[1]}'",
                            rules + dym_suffix(words[1], RULE_TARGETS))
+            elif len(words) == 2 and words[0] == "before" and words[1] in RULE_TARGETS \
+                    and "before sublayer" not in allowed:  # a rule in the model section
+                self.error(f.key.pos, f"unexpected '{k}:' in {where}", "rules belong in custom "
+                           f"wiring: residual custom {{ {k}: attend(embedding, sublayers) }}")
             elif len(words) == 2 and "before sublayer" in allowed and words[1] in RULE_TARGETS:
                 self.error(f.key.pos, f"unknown rule '{k}:'", rules)  # `after sublayer:`
             elif len(words) == 2 and words[1] in allowed:  # a stray word before a key
@@ -241,11 +246,22 @@ class Checker:
                 self.error(f.key.pos, f"unexpected '{k}:' in {where}",
                            did_you_mean("_".join(words), allowed) or SEP_HINT)
             else:
-                hint = did_you_mean(k, allowed)
+                hint = self.elsewhere(k, view.kind.text) or did_you_mean(k, allowed)
                 if hint and hint.startswith("did you mean"):
                     suggested.add(hint.split("'")[1])
                 self.error(f.key.pos, f"unknown key '{k}' in {where}", hint)
         return suggested
+
+    def elsewhere(self, key: str, here: str) -> str | None:
+        """The hint for a key of another section than `here` (None for any other key)."""
+        home = self.homes.get(key)
+        if home is None or home == here:
+            return None
+        if home == "residual":
+            return f"'{key}' is an option of the residual topology, e.g. residual " \
+                   f"block_attnres({EXAMPLES[key]})"
+        return f"'{key}' belongs in the {home} section: {home} {{ " \
+               f"{EXAMPLES.get(key, key + ': ...')} }}"
 
 
 def divisors(n: int) -> list[int]:
