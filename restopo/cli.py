@@ -14,6 +14,7 @@ import sys
 
 from . import __version__
 from .spec.errors import SpecError
+from .spec.overrides import SetOverride  # noqa: F401  (the commands' --set, from here)
 
 COMMANDS = ("check", "inspect", "graph", "compile", "train", "diagnose", "generate", "eval",
             "export", "sweep", "compare")
@@ -89,25 +90,6 @@ def finite_float(text: str) -> float:
     if not math.isfinite(x):
         raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
     return x
-
-
-class SetOverride(argparse.Action):
-    """--set KEY=VALUE, repeatable, collected in order. A key set twice is a usage error
-    naming both values: applied in turn, the last would win silently."""
-
-    def __call__(self, parser, namespace, value, option_string=None):
-        from .spec.overrides import override_key, same_setting
-
-        given = list(getattr(namespace, self.dest, None) or [])  # never the shared default
-        key = override_key(value)
-        for old in given:
-            before = override_key(old)
-            if same_setting(key, before):
-                was, now = old.partition("=")[2].strip(), value.partition("=")[2].strip()
-                raise argparse.ArgumentError(self, (
-                    f"{key} is set twice, to {was} and to {now}; give it once" if key == before
-                    else f"{before}={was} and {key}={now} set one thing; give one of them"))
-        setattr(namespace, self.dest, given + [value])
 
 
 def device_arg(text: str) -> str:

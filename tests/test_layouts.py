@@ -263,3 +263,51 @@ def test_checkpoint_that_does_not_fit_is_one_line(tmp_path):
     proc = restopo("train", spec, *base, "--resume", ok=False)
     line = _one_line(proc, "weights do not fit this run's model", "width 32 there, 48 here")
     print(line)
+
+
+# -- layoutcheck reads its flags as train does ------------------------------------------------
+@pytest.mark.parametrize("argv", [
+    ["--set", "model.width=48", "--set", "train.recompute=block"],
+    ["--data", "fsdp", "--set", "parallel.data=fsdp"],
+    ["--set", "model.widht=48"],                                      # unknown key
+    ["--set", "model.width=abc"],                                     # a value of another kind
+    ["--set", "model.width=48", "--set", "model. width=64"],          # one key twice
+    ["--set", "residual.blocks=2", "--set", "residual.block_size=4"],  # one setting twice
+    ["--data", "fsdp", "--set", "parallel.data=ddp"],                  # flag and --set disagree
+    ["--data", "fsdpp"],                                              # not a data engine
+])
+def test_layoutcheck_reads_set_and_data_as_train_does(argv, capsys):
+    """layoutcheck's --set and --data give the spec `restopo train` gives (the same one
+    parsing of overrides), or the same error: it had kept the last of a key given twice, and
+    --data xyz was a --set the person never wrote."""
+    from restopo.cli import build_parser
+    from restopo.commands.train import _overrides, _Stop
+    from restopo.spec import SpecError, parse_spec
+    from restopo.train import layoutcheck
+
+    def outcome(parse, overrides):
+        try:
+            args = parse()
+        except SystemExit as e:  # argparse's usage error: its message, less the prog name
+            return "usage", e.code, capsys.readouterr().err.splitlines()[-1].split("error: ")[1]
+        try:
+            spec = parse_spec(layoutcheck.SPEC, path="<layoutcheck>", overrides=overrides(args))
+        except (ValueError, _Stop) as e:
+            return "refused", str(e)
+        except SpecError as e:
+            return "spec", e.render()
+        return "ok", spec
+
+    train = outcome(lambda: build_parser().parse_args(["train", "x.restopo", *argv]),
+                    _overrides)
+    check = outcome(lambda: layoutcheck.parse_args(argv), layoutcheck.overrides)
+    assert check == train
+
+
+def test_layoutcheck_says_a_spec_mistake_in_one_line(capsys):
+    """A bad --set is the rendered spec error restopo train prints, not a traceback."""
+    from restopo.train import layoutcheck
+
+    assert layoutcheck.main(["--set", "model.widht=48"]) == 1
+    err = capsys.readouterr().err
+    assert "<--set 1>:1:13: error: unknown key 'widht' in model" in err and "Traceback" not in err

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from ..cli import SetOverride, device_arg, int_range, noter
-from ..spec.objects import COMPILE, COMPILE_ALIASES, RECOMPUTE
+from ..spec.objects import RECOMPUTE
 
 EXAMPLES = """\
 examples:
@@ -140,8 +140,6 @@ SPEC_FLAGS = (("--steps", "steps", "train.steps"), ("--seed", "seed", "train.see
               ("--data", "data_parallel", "parallel.data"),
               ("--recompute", "recompute", "train.recompute"),
               ("--compile", "compile", "train.compile"))
-# the train.compile values that compile: --compile leaves them as they are
-COMPILING = tuple(m for m in (*COMPILE, *COMPILE_ALIASES) if m not in ("off", "false"))
 
 
 def _flag_values(args):
@@ -155,32 +153,15 @@ def _flag_values(args):
 
 
 def _overrides(args) -> tuple[str, ...]:
-    """The --set overrides, then those the flags stand for. A flag and a --set of the same
-    key that disagree are refused: the flag would win silently (a run asked for
-    `--steps 20 --set train.steps=10` trained 20 steps)."""
-    from ..spec.overrides import FlagOverride, override_values
+    """The --set overrides, then those the flags stand for (a flag that disagrees with a
+    --set of its key is refused)."""
+    from ..spec.overrides import FlagConflict, with_flags
 
-    given = override_values(args.overrides)
-    extra = []
-    for flag, value, key in _flag_values(args):
-        # --compile asks for compilation; a spec or --set that compiles already says how
-        keeps = COMPILING if flag == "--compile" else ()
-        if key in given and not (_same(given[key], str(value), key)
-                                 or given[key].strip().lower() in keeps):
-            shown = flag if flag == "--compile" else f"{flag} {value}"
-            raise _Stop(f"{shown} and --set {key}={given[key]} disagree; give one of them")
-        extra.append(FlagOverride.of(flag, key, repr(value) if isinstance(value, float)
-                                     else str(value), keeps))
-    return tuple(args.overrides) + tuple(extra)
-
-
-def _same(a: str, b: str, key: str = "") -> bool:
-    if key == "train.compile":  # `true` is regional compilation's other name, `false` off's
-        a, b = (COMPILE_ALIASES.get(x.lower(), x) for x in (a, b))
     try:
-        return float(a) == float(b)
-    except ValueError:
-        return a.lower() == b.lower()
+        return with_flags(args.overrides, ((flag, getattr(args, attr), key)
+                                           for flag, attr, key in SPEC_FLAGS))
+    except FlagConflict as e:
+        raise _Stop(str(e)) from None
 
 
 def _worker_argv(args) -> list[str]:

@@ -7,12 +7,13 @@ points into that line.
 """
 from __future__ import annotations
 
+import argparse
 import re
 
 from .errors import SpecError, did_you_mean
 from .fields import Checker, Field, View
 from .nodes import Key, Name, Pos, String
-from .parse import parse_value
+from .objects import COMPILE, COMPILE_ALIASES
 from .sections import BUILTIN_DATA, SECTIONS, line_head, parallel_head
 
 
@@ -41,7 +42,7 @@ def override_key(text: str) -> str | None:
 
 
 # keys that set one thing: an override of one replaces the others (apply_overrides), and
-# two on one command line are refused (cli.SetOverride)
+# two on one command line are refused (SetOverride)
 ONE_SETTING = ({"residual.blocks", "residual.block_size"},)
 
 
@@ -49,6 +50,64 @@ def same_setting(a: str | None, b: str | None) -> bool:
     """Whether two override keys (override_key) set one thing: the same key, or two ways
     of one setting (residual.blocks and residual.block_size both cut the blocks)."""
     return a is not None and (a == b or any({a, b} <= keys for keys in ONE_SETTING))
+
+
+class SetOverride(argparse.Action):
+    """--set KEY=VALUE, repeatable, collected in order. A key set twice is a usage error
+    naming both values: applied in turn, the last would win silently."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        given = list(getattr(namespace, self.dest, None) or [])  # never the shared default
+        key = override_key(value)
+        for old in given:
+            before = override_key(old)
+            if same_setting(key, before):
+                was, now = old.partition("=")[2].strip(), value.partition("=")[2].strip()
+                raise argparse.ArgumentError(self, (
+                    f"{key} is set twice, to {was} and to {now}; give it once" if key == before
+                    else f"{before}={was} and {key}={now} set one thing; give one of them"))
+        setattr(namespace, self.dest, given + [value])
+
+
+# the train.compile values that compile: --compile (train.compile=true) leaves them as they are
+COMPILING = tuple(m for m in (*COMPILE, *COMPILE_ALIASES) if m not in ("off", "false"))
+
+
+class FlagConflict(ValueError):
+    """A command's flag and a --set of the same key that disagree (with_flags)."""
+
+
+def with_flags(overrides, flags) -> tuple[str, ...]:
+    """The --set `overrides`, then a FlagOverride for each command flag that stands for a spec
+    key and was given: `flags` are (flag, value, key), value None or False when not given,
+    True for a switch. A flag and a --set of one key that disagree are refused (FlagConflict):
+    the flag would win silently (a run asked for `--steps 20 --set train.steps=10` trained
+    20 steps)."""
+    given = override_values(overrides)
+    extra = []
+    for flag, value, key in flags:
+        if value is None or value is False:
+            continue
+        text = "true" if value is True else repr(value) if isinstance(value, float) else str(value)
+        # --compile asks for compilation; a spec or --set that compiles already says how
+        keeps = COMPILING if key == "train.compile" else ()
+        if key in given and not (same_value(given[key], text, key)
+                                 or given[key].strip().lower() in keeps):
+            shown = flag if value is True else f"{flag} {value}"
+            raise FlagConflict(f"{shown} and --set {key}={given[key]} disagree; give one of "
+                               f"them")
+        extra.append(FlagOverride.of(flag, key, text, keeps))
+    return tuple(overrides) + tuple(extra)
+
+
+def same_value(a: str, b: str, key: str = "") -> bool:
+    """Whether two values of `key` as typed say the same (1e3 and 1000; a name in any case)."""
+    if key == "train.compile":  # `true` is regional compilation's other name, `false` off's
+        a, b = (COMPILE_ALIASES.get(x.lower(), x) for x in (a, b))
+    try:
+        return float(a) == float(b)
+    except ValueError:
+        return a.lower() == b.lower()
 
 
 def split_values(values: str) -> list[str]:
@@ -121,6 +180,8 @@ def apply_overrides(views: dict[str, View], overrides, c: Checker) -> None:
     """Apply each `section.key=value` (or `residual=VALUE`, `parallel=VALUE`) to the views,
     recording its text as the source `<--set N>` (a flag's: `<--flag>`, showing the flag
     as typed) so errors can point into it."""
+    from .parse import parse_value  # lark: not for every command line SetOverride reads
+
     for i, text in enumerate(overrides, start=1):
         eq = text.find("=")
         if isinstance(text, FlagOverride):  # columns line up with the flag's line

@@ -19,8 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 import torch
+
+from ..ops import BACKENDS
+from ..spec.check import DATA_ENGINES
+from ..spec.overrides import FlagConflict, SetOverride, with_flags
 
 SPEC = """\
 model check {
@@ -32,18 +37,13 @@ train { steps: 1; batch: 8; seed: 3 }
 """
 
 
-def run(args) -> dict:
-    from ..spec import parse_spec
+def run(args, spec) -> dict:
     from .dist import exchange, setup
     from .layout import build, check_layout, resolve
     from .runspec import build_model
     from .shards import local_rows, local_tensor
     from .stepper import lm_loss
 
-    overrides = tuple(args.overrides)
-    if args.data:
-        overrides += (f"parallel.data={args.data}",)
-    spec = parse_spec(SPEC, path="<layoutcheck>", overrides=overrides)
     ctx = setup("cpu")
     layout = resolve(args.pipeline, spec.parallel, ctx.world)
     check_layout(spec, layout, None)
@@ -93,20 +93,45 @@ def run(args) -> dict:
             "rank": ctx.rank}
 
 
+def overrides(args) -> tuple[str, ...]:
+    """--set, then the --data flag, read as `restopo train` reads them."""
+    return with_flags(args.overrides, [("--data", args.data, "parallel.data")])
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m restopo.train.layoutcheck",
+                                 description=__doc__.splitlines()[0])
+    ap.add_argument("--pipeline", metavar="PxV",
+                    help="P stages x V virtual stages, as `restopo train --pipeline` takes it "
+                         "(default: none, unless --set parallel=... gives one)")
+    ap.add_argument("--data", choices=DATA_ENGINES,
+                    help="the data-parallel engine (same as --set parallel.data=...; default: "
+                         "the spec's, ddp)")
+    ap.add_argument("--set", dest="overrides", action=SetOverride, default=[],
+                    metavar="KEY=VALUE",
+                    help="override a value of the small spec it checks, e.g. --set "
+                         "residual=rezero (repeatable)")
+    ap.add_argument("--backend", choices=BACKENDS, default="eager",
+                    help="the layout's lowering (default eager; auto: the PreNorm fused into "
+                         "phase 2, as `restopo train` lowers); the reference is always eager")
+    ap.add_argument("--out", metavar="FILE", help="also write rank 0's JSON row here")
+    return ap.parse_args(argv)
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--pipeline", default=None, help="PxV (default: no pipeline)")
-    ap.add_argument("--data", default="", help="ddp | fsdp (default: the spec's, ddp)")
-    ap.add_argument("--set", dest="overrides", action="append", default=[],
-                    help="a spec override, e.g. residual=rezero (repeatable)")
-    ap.add_argument("--backend", default="eager",
-                    help="the layout's lowering (auto: the PreNorm fused into phase 2, as "
-                         "`restopo train` lowers); the reference is always eager")
-    ap.add_argument("--out", default="")
-    args = ap.parse_args(argv)
+    from ..spec import SpecError, parse_spec
+    from .layout import LayoutError
+
+    args = parse_args(argv)
     torch.set_num_threads(1)
-    try:
-        row = run(args)
+    try:  # a mistake in the flags: every rank meets it, the first to stop says it
+        row = run(args, parse_spec(SPEC, path="<layoutcheck>", overrides=overrides(args)))
+    except SpecError as e:
+        print(e.render(), file=sys.stderr)
+        return 1
+    except (LayoutError, FlagConflict) as e:
+        print(f"layoutcheck: error: {e}", file=sys.stderr)
+        return 1
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
