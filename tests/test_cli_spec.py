@@ -134,10 +134,34 @@ def test_binary_file_is_one_line(tmp_path, capsys):
     assert err.strip().count("\n") == 0 and "not UTF-8 text" in err and str(p) in err
 
 
-@pytest.mark.parametrize("name", [c for c in COMMANDS if c in ("check", "inspect", "graph")])
+@pytest.mark.parametrize("name", COMMANDS)
 def test_subcommand_help_has_examples(name, capsys):
     assert main([name, "--help"]) == 0
     assert "examples:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_every_option_says_what_it_does_and_its_real_default(name):
+    """Each option of `restopo NAME --help` has a line (--device had none in four
+    commands, eval's --format none), an option with a default says it, and a default the
+    line gives as a number is the one argparse applies."""
+    import argparse
+    import re
+
+    from restopo.cli import build_parser
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    for a in sub.choices[name]._actions:
+        if not a.option_strings or isinstance(a, argparse._HelpAction):
+            continue
+        flag = f"restopo {name} {a.option_strings[-1]}"
+        assert a.help and len(a.help.split()) >= 3, f"{flag} has no help line"
+        said = re.findall(r"\bdefault:? (-?\d[\d.e+-]*)", a.help)
+        if a.default not in (None, False, []):
+            assert "default" in a.help, f"{flag} does not say its default {a.default!r}"
+        if isinstance(a.default, (int, float)) and not isinstance(a.default, bool):
+            assert said, f"{flag} does not give its default {a.default}"
+        for value in said:  # None: the command's code applies the default said
+            assert a.default is None or float(value) == a.default, (flag, value, a.default)
 
 
 def test_inspect_json_shape(capsys):

@@ -39,7 +39,8 @@ def register(subparsers) -> None:
     p.add_argument("--scaling", action="store_true",
                    help="also fit the baseline's loss against compute over its sizes and say "
                         "what compute each other arm's loss is worth")
-    p.add_argument("--title", default="restopo compare", help="the report's heading")
+    p.add_argument("--title", default="restopo compare",
+                   help="the heading of results.md (default: restopo compare)")
     p.set_defaults(func=run)
 
 

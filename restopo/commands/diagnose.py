@@ -36,7 +36,8 @@ def register(subparsers) -> None:
                    help="validation batches to average over (default 4)")
     p.add_argument("--batch-size", type=int_range(1, 4096), default=8, metavar="B",
                    help="rows per batch (default 8)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", type=device_arg)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", type=device_arg,
+                   help="where the model runs (default cpu)")
     p.set_defaults(func=run)
 
 

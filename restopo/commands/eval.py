@@ -38,8 +38,10 @@ def register(subparsers) -> None:
                         "else the held-out split, val)")
     p.add_argument("--batch-size", type=int, default=16, metavar="B",
                    help="windows per forward pass (default 16)")
-    p.add_argument("--format", choices=("text", "json"), default="text")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", type=device_arg)
+    p.add_argument("--format", choices=("text", "json"), default="text",
+                   help="text (one figure a line, default) or json")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", type=device_arg,
+                   help="where the model runs (default cpu)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 

@@ -50,7 +50,8 @@ def register(subparsers) -> None:
                    help="sample among the likeliest tokens holding probability P")
     p.add_argument("--seed", type=int_range(-2 ** 63, 2 ** 64 - 1, "a 64-bit seed"),
                    default=None, help="make the sampling repeatable")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", type=device_arg)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", type=device_arg,
+                   help="where the model runs (default cpu)")
     p.add_argument("--compile", action="store_true",
                    help="run the one-token steps through torch.compile: the first new token "
                         "waits for the compile (about a minute on a CPU), the rest come "

@@ -63,11 +63,12 @@ def register(subparsers) -> None:
     p.add_argument("--seed", type=int, metavar="N", help="same as --set train.seed=N")
     p.add_argument("--peak-tflops", type=float, metavar="T",
                    help="one device's peak TFLOP/s for the MFU figure, e.g. 989 (same as "
-                        "--set train.peak_tflops=T; default: known CUDA GPUs' dense bf16 "
-                        "peak, none on the CPU)")
+                        "--set train.peak_tflops=T; default: the spec's, else known CUDA "
+                        "GPUs' dense bf16 peak, none on the CPU)")
     p.add_argument("--recompute", choices=RECOMPUTE,
                    help="activation recompute: keep less for backward, run it again there "
-                        "(same as --set train.recompute=MODE; default none)")
+                        "(same as --set train.recompute=MODE; default: the spec's, else "
+                        "none)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the model region by region, in place: each sublayer, "
                         "and each aggregation point and phase 1 that the fused C kernels do not "
@@ -75,7 +76,8 @@ def register(subparsers) -> None:
                         "says compile: whole, which it keeps); the first step compiles. "
                         "--set train.compile=whole compiles the model as one graph instead: "
                         "faster steps, a slower first step (one process or DDP)")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", type=device_arg)
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", type=device_arg,
+                   help="where to train (default auto: cuda when torch sees a GPU, else cpu)")
     p.add_argument("--backend", choices=("auto", "eager", "triton", "cpu"), default="auto",
                    help="aggregation kernels (default: triton on CUDA when available, else the "
                         "fused C kernels on the CPU where they build)")
@@ -89,7 +91,7 @@ def register(subparsers) -> None:
                    metavar="N", help="launch N processes through torchrun (data parallel)")
     p.add_argument("--max-restarts", type=int_range(0, MAX_RESTARTS), default=0, metavar="R",
                    help="with --nproc: let torchrun restart a failed job R times (each "
-                        "restart resumes from the latest checkpoint)")
+                        "restart resumes from the latest checkpoint; default 0)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--threads", type=int_range(1, MAX_THREADS, "more threads than cores "
                                                "only slow a run down"), metavar="N",
