@@ -181,6 +181,18 @@ def test_inspect_json_shape(capsys):
     assert data["added_parameters"] == 33 * 2 * 64
 
 
+def test_inspect_help_names_every_key_of_its_json(capsys):
+    """`inspect --help` lists the JSON's keys; it had left out six of them (spec, topology,
+    model, block_sizes, two_phase_groups and pipeline)."""
+    import re
+    assert main(["inspect", BLOCK, "--format", "json", "--pipeline", "2x2"]) == 0
+    keys = set(json.loads(capsys.readouterr().out))
+    assert main(["inspect", "--help"]) == 0
+    text = capsys.readouterr().out
+    said = set(re.findall(r"\w+", text[text.index("JSON has the keys"):]))
+    assert keys <= said, sorted(keys - said)
+
+
 def test_inspect_text_table_and_overrides(capsys):
     assert main(["inspect", TINY, "--set", "residual=full_attnres"]) == 0
     out = capsys.readouterr().out

@@ -23,13 +23,15 @@ examples:
 
 The text table lists every aggregation point in execution order: the sublayer it feeds
 (attn, mlp, or the head), its method and its ordered sources (embedding, blockN, partial,
-sublayerN). JSON has the keys sublayers, blocks, live_values_per_token,
-live_values_two_phase (with the phase-1 results the two-phase groups keep; null without
-any), added_parameters, flops_per_token (forward FLOPs per token of the sublayers, the head
-and the aggregations, their sum `forward`, and `train` for a training step: 3x forward),
+sublayerN). JSON has the keys spec (the file), topology, model (its section), sublayers,
+blocks, block_sizes, live_values_per_token, live_values_two_phase (with the phase-1 results
+the two-phase groups keep; null without any), added_parameters, two_phase_groups,
+flops_per_token (forward FLOPs per token of the sublayers, the head and the aggregations,
+their sum `forward`, and `train` for a training step: 3x forward),
 residual_io (memory I/O per token per sublayer in units of d, unfused, as the paper's Table
-1: peak_d, reads_d, writes_d, scalars, mean_d, head_d, formula) and aggregations [index,
-before, method, sources, ...].
+1: peak_d, reads_d, writes_d, scalars, mean_d, head_d, formula), aggregations [index,
+before, method, sources, ...] and, with a pipeline, pipeline (its chunk table and the bytes
+crossing each cut).
 """
 
 
