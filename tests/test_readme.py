@@ -1,6 +1,9 @@
 """Every code block of README.md runs or checks as shown: Python blocks run, spec blocks
 parse and check, shell lines name real commands, options and files, and the `restopo check`
-transcript is what the command prints."""
+transcript is what the command prints. The commands in docs/*.md parse too, each table there
+names the command that wrote it, and the README's Experiments commands remake
+docs/results.md."""
+import argparse
 import os
 import re
 import shlex
@@ -98,3 +101,86 @@ def test_check_transcript(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert main(argv[1:]) == 1
     assert capsys.readouterr().err.rstrip("\n").splitlines() == want
+
+
+def _commands(path: Path) -> list[list[str]]:
+    """The `restopo ...` lines of a file's sh blocks as argv (continuations joined, comments
+    dropped, globs expanded from the repository root as a shell in it would)."""
+    out = []
+    for lang, body in FENCE.findall(path.read_text()):
+        for line in body.replace("\\\n", " ").splitlines() if lang == "sh" else ():
+            argv = shlex.split(line, comments=True)
+            if argv[:1] == ["restopo"]:
+                out.append([x for a in argv for x in (sorted(
+                    str(p.relative_to(ROOT)) for p in ROOT.glob(a)) if "*" in a else [a])])
+    return out
+
+
+def _results_made_by() -> set[tuple[str, tuple[str, ...], int]]:
+    """(spec, --set overrides, seed) of every run docs/results.md says it was made from: its
+    `restopo train SPEC --set ... --seed S   # arm: S = 0, 1, 2` lines."""
+    text = (ROOT / "docs" / "results.md").read_text()
+    made = set()
+    for line in re.findall(r"^restopo train .*$", text, re.M):
+        command, _, seeds = line.partition("#")
+        argv = shlex.split(command)
+        sets = tuple(argv[i + 1] for i, a in enumerate(argv) if a == "--set")
+        for seed in seeds.partition("S = ")[2].split(","):
+            made.add((argv[2], sets, int(seed)))
+    return made
+
+
+def test_docs_commands_parse_and_name_real_files():
+    """Every `restopo ...` line in docs/*.md is one the CLI takes (a run's `--seed S` with a
+    seed in place of S), and the specs it names are in the repository."""
+    parser = build_parser()
+    seen = 0
+    for path in sorted((ROOT / "docs").glob("*.md")):
+        for argv in _commands(path):
+            argv = ["0" if a == "S" and argv[i - 1] == "--seed" else a
+                    for i, a in enumerate(argv)]
+            args = parser.parse_args(argv[1:])  # SystemExit on a bad option
+            for spec in [getattr(args, "spec", None), *getattr(args, "specs", [])]:
+                assert spec is None or (ROOT / spec).is_file(), (path.name, spec)
+            seen += 1
+    assert seen >= 2
+
+
+def test_docs_tables_name_the_command_that_wrote_them():
+    """A docs/*.md with a table says which command wrote it, with the command beside it,
+    and writes its output to docs/ (where the file is)."""
+    parser = build_parser()
+    for path in sorted((ROOT / "docs").glob("*.md")):
+        text = path.read_text()
+        if not re.search(r"^\|.*\|$", text, re.M):
+            continue
+        assert "regenerate it with:" in text.split("\n## ")[0], path.name
+        args = parser.parse_args(_commands(path)[0][1:])
+        assert os.path.normpath(args.out) == "docs", (path.name, args.out)
+
+
+def test_readme_experiments_remake_docs_results():
+    """The README's Experiments commands make docs/results.md as it is: its compare line is
+    the one at the file's top (it had no --title, so it wrote another heading), and its
+    sweeps train exactly the runs the file lists."""
+    from restopo.experiments.grid import make_grid
+
+    parser = build_parser()
+    def given(argv):  # what the flags say, without the parser's own entries
+        args = vars(parser.parse_args(argv[1:]))
+        return {k: v for k, v in args.items() if k not in ("func", "command_parsers")}
+
+    readme = [given(a) for a in _commands(ROOT / "README.md")]
+    top = given(_commands(ROOT / "docs" / "results.md")[0])
+    assert top["command"] == "compare"
+    assert [a for a in readme if a["command"] == "compare" and a["out"] == "docs"] == [top]
+    readme = [argparse.Namespace(**a) for a in readme]
+    top = argparse.Namespace(**top)
+    made = set()
+    for a in readme:
+        if a.command == "sweep" and os.path.normpath(a.out) in top.runs:
+            seeds = [int(s) for s in a.seed_list.split(",")] if a.seed_list else \
+                list(range(a.seeds or 1))
+            made |= {(j.spec, j.overrides, j.seed)
+                     for j in make_grid(a.specs, seeds, a.overrides, a.vary)}
+    assert made == _results_made_by()
