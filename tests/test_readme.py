@@ -184,3 +184,32 @@ def test_readme_experiments_remake_docs_results():
             made |= {(j.spec, j.overrides, j.seed)
                      for j in make_grid(a.specs, seeds, a.overrides, a.vary)}
     assert made == _results_made_by()
+
+
+# stand-ins for the README's CLI table's placeholders, each a value its option takes
+PLACEHOLDERS = {"FILE": "x.restopo", "SPEC": "x.restopo", "CHECKPOINT": "runs/x", "CKPT": "runs/x",
+                "RUN": "runs/x", "PxV": "2x1", "N": "2", "J": "2", "k=v": "model.width=32",
+                "k=v1,v2": "model.width=32,48", "TEXT": "t", "SOURCE": "t.txt", "OUT": "o.pt",
+                "ARM": "a", "DIR": "d"}
+
+
+def test_the_cli_table_synopses_are_what_the_commands_take():
+    """Each command's synopsis in the README's table parses with its [optional] parts and
+    without them (`sweep SPEC... --seeds N` left out the --out it requires)."""
+    text = (ROOT / "README.md").read_text()
+    table = text[text.index("| command |"):]
+    parser = build_parser()
+    for synopsis in re.findall(r"^\| `(restopo [^`]+)` \|", table[:table.index("\n\n")], re.M):
+        words = []
+        for w in synopsis.split()[1:]:  # [--nproc N] -> [--nproc 2]
+            core = w.strip("[]").removesuffix("...")
+            words.append(w.replace(w.strip("[]"), PLACEHOLDERS.get(core, core)))
+        given = [w.strip("[]") for w in words]
+        required = " ".join(words)
+        while "[" in required:
+            required = re.sub(r"\[[^\[\]]*\]", "", required)
+        for argv in (given, required.split()):
+            try:
+                parser.parse_args(argv)
+            except SystemExit:
+                pytest.fail(f"README's `{synopsis}` is not a command line: {' '.join(argv)}")
