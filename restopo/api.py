@@ -1,4 +1,5 @@
-"""The Python API: restopo.compile and restopo.aggregations."""
+"""The Python API: restopo.compile, restopo.aggregations and restopo.set_backend (and
+build_model and direct, which tests and tools use)."""
 from __future__ import annotations
 
 import os
