@@ -8,9 +8,11 @@ A user mistake never shows a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import sys
+import warnings
 
 from . import __version__
 from .spec.errors import SpecError
@@ -178,6 +180,27 @@ def file_error(e: OSError | UnicodeDecodeError) -> str:
     return f"restopo: error: {name}: {what}" if name else f"restopo: error: {what}"
 
 
+@contextlib.contextmanager
+def _warnings_as_notes(command: str):
+    """restopo's own warnings to a library caller ("restopo: ...", e.g. the fused CPU
+    kernels unavailable) said as the command's notes, not as Python prints a UserWarning
+    (a source path and line of code); every other warning as Python prints it."""
+    shown = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        text = str(message)
+        if text.startswith("restopo: "):
+            noter(command)(text[len("restopo: "):])
+        else:
+            shown(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = shown
+
+
 def main(argv=None) -> int:
     try:
         parser = build_parser()
@@ -192,7 +215,8 @@ def main(argv=None) -> int:
         if getattr(args, "func", None) is None:
             parser.print_help(sys.stderr)
             return 2
-        return int(args.func(args) or 0)
+        with _warnings_as_notes(args.command):
+            return int(args.func(args) or 0)
     except SpecError as e:
         print(e.render(), file=sys.stderr)
         return 1

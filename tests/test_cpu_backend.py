@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -727,6 +728,28 @@ def test_without_kernels_cpu_says_why_and_auto_runs_eager():
     assert lines[0].startswith("1 ") and "eager backend" in lines[0]  # said once
     assert "RESTOPO_CPU_KERNELS=0" in lines[0]
     assert lines[1] == "backend 'cpu' cannot run: RESTOPO_CPU_KERNELS=0"
+
+
+def test_a_command_says_the_kernels_are_off_as_a_note_not_a_python_warning(tmp_path):
+    """`restopo train` with the kernels off printed a UserWarning: a source path, then the
+    line of code that warned. The command says it as its own note; other warnings (not
+    restopo's) still print as Python prints them."""
+    out = subprocess.run(
+        [sys.executable, "-W", "always::DeprecationWarning", "-m", "restopo", "train",
+         "examples/tiny.restopo", "--steps", "1", "--no-progress", "--out", str(tmp_path / "r"),
+         "--set", "model.depth=1", "--set", "train.batch=2"],
+        capture_output=True, text=True, env={**os.environ, "RESTOPO_CPU_KERNELS": "0"},
+        timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert ("restopo train: note: the fused CPU kernels are unavailable (RESTOPO_CPU_KERNELS=0)"
+            in out.stderr), out.stderr
+    assert "UserWarning" not in out.stderr and "picked_for(" not in out.stderr
+    from restopo.cli import _warnings_as_notes
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with _warnings_as_notes("eval"):
+            warnings.warn("not restopo's")
+    assert [str(w.message) for w in seen] == ["not restopo's"]
 
 
 def test_a_compiler_that_fails_leaves_the_eager_backend(tmp_path):
