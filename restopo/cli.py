@@ -68,16 +68,28 @@ def _unavailable(sub, name: str, error: ImportError) -> None:
 def int_range(lo: int, hi: int, why: str = ""):
     """An argparse `type` for a whole number in lo..hi: a flag outside the range is a usage
     error naming the bound (and why it is there), not a crash deep inside a run."""
-    def parse(text: str) -> int:
+    return bounded(int, lambda n: lo <= n <= hi, f"from {lo} to {hi}", why)
+
+
+def at_least(low: int):
+    """An argparse `type`: a whole number of at least `low`."""
+    return bounded(int, lambda n: n >= low, f"at least {low}")
+
+
+def bounded(kind, holds, said: str, why: str = ""):
+    """An argparse `type`: `kind` of the text, refused as a usage error naming the flag
+    unless `holds` (a check after parsing named the flag only where it remembered to)."""
+    def parse(text: str):
         try:
-            n = int(text)
+            value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-        if not lo <= n <= hi:
-            raise argparse.ArgumentTypeError(
-                f"must be from {lo} to {hi}, got {n}" + (f" ({why})" if why else ""))
-        return n
-    parse.__name__ = "whole number"  # what argparse calls the type in its messages
+        if not holds(value):
+            raise argparse.ArgumentTypeError(f"must be {said}, got {text}"
+                                             + (f" ({why})" if why else ""))
+        return value
+    # what argparse calls the type in its own messages
+    parse.__name__ = "whole number" if kind is int else getattr(kind, "__name__", "value")
     return parse
 
 

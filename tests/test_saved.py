@@ -534,7 +534,7 @@ def test_a_sweep_folder_given_for_one_run_names_its_runs(run, tmp_path, capsys, 
     (["--top-k", "0"], "argument --top-k: must be at least 1, got 0"),
     (["--top-p", "1.5"], "argument --top-p: must be above 0 and at most 1, got 1.5"),
     (["--temperature", "-1"], "argument --temperature: must be 0 (greedy) or more"),
-    (["--max-new-tokens", "-3"], "argument --max-new-tokens: must be 0 or more")])
+    (["--max-new-tokens", "-3"], "argument --max-new-tokens: must be at least 0, got -3")])
 def test_generate_flags_that_cannot_both_hold_or_are_not_numbers(run, capsys, flags, said):
     folder, _ = run
     assert main(["generate", str(folder / "run"), *flags]) == 2

@@ -455,6 +455,17 @@ def test_numeric_flags_are_bounded(spec, tmp_path, capsys, flag, value):
     assert f"argument {flag}: must be from" in err
 
 
+@pytest.mark.parametrize("argv, said", [
+    (["sweep", "S", "--out", "O", "--seeds", "0"], "argument --seeds: must be at least 1, got 0"),
+    (["sweep", "S", "--out", "O", "--jobs", "0"], "argument --jobs: must be at least 1, got 0"),
+    (["eval", "R", "--batch-size", "0"], "argument --batch-size: must be at least 1, got 0"),
+    (["diagnose", "R", "--batches", "0"], "argument --batches: must be from 1 to 1000, got 0")])
+def test_a_count_flag_out_of_range_is_named_as_typed(capsys, argv, said):
+    """sweep said '--seeds and --jobs must be at least 1' of either, naming both."""
+    err = one_line_error(capsys, argv, code=2)
+    assert said in err
+
+
 @pytest.mark.parametrize("flag, value, said", [
     ("--steps", "0", "'steps' must be at least 1, got 0"),
     ("--peak-tflops", "0", "'peak_tflops' must be greater than 0, got 0.0"),

@@ -5,7 +5,7 @@ import argparse
 import json
 import sys
 
-from ..cli import device_arg
+from ..cli import at_least, device_arg
 
 EXAMPLES = """\
 examples:
@@ -36,7 +36,7 @@ def register(subparsers) -> None:
     p.add_argument("--split", choices=("val", "train", "all"), default=None,
                    help="which part to score (default: all of a --data text file or folder, "
                         "else the held-out split, val)")
-    p.add_argument("--batch-size", type=int, default=16, metavar="B",
+    p.add_argument("--batch-size", type=at_least(1), default=16, metavar="B",
                    help="windows per forward pass (default 16)")
     p.add_argument("--format", choices=("text", "json"), default="text",
                    help="text (one figure a line, default) or json")
@@ -74,8 +74,6 @@ def run(args) -> int:
     from ..saved import LoadError
     from ..train.data import DataError, open_corpus
     from ..train.score import score
-    if args.batch_size < 1:
-        return _fail("--batch-size must be at least 1")
     try:
         model = load_model("eval", args.checkpoint, device=args.device)
         spec = model.restopo_spec

@@ -5,7 +5,7 @@ import argparse
 import codecs
 import sys
 
-from ..cli import device_arg, finite_float, int_range
+from ..cli import at_least, bounded, device_arg, finite_float, int_range
 
 EXAMPLES = """\
 examples:
@@ -35,18 +35,18 @@ def register(subparsers) -> None:
     prompt.add_argument("--prompt-ids", metavar="IDS",
                         help="the prompt as token ids, e.g. '5 17 3' (for a vocab other than "
                              "bytes)")
-    p.add_argument("--max-new-tokens", type=_bounded(int, lambda n: n >= 0, "0 or more"),
+    p.add_argument("--max-new-tokens", type=at_least(0),
                    default=200, metavar="N",
                    help="tokens to generate (default 200; past the model's context the "
                         "window slides, keeping the last context/2 tokens)")
     p.add_argument("--temperature", default=0.8, metavar="T",
-                   type=_bounded(finite_float, lambda t: t >= 0, "0 (greedy) or more"),
+                   type=bounded(finite_float, lambda t: t >= 0, "0 (greedy) or more"),
                    help="sampling temperature; 0 is greedy (default 0.8)")
-    p.add_argument("--top-k", type=_bounded(int, lambda k: k >= 1, "at least 1"),
+    p.add_argument("--top-k", type=at_least(1),
                    default=None, metavar="K",
                    help="sample among the K likeliest tokens only")
     p.add_argument("--top-p", default=None, metavar="P",
-                   type=_bounded(finite_float, lambda q: 0 < q <= 1, "above 0 and at most 1"),
+                   type=bounded(finite_float, lambda q: 0 < q <= 1, "above 0 and at most 1"),
                    help="sample among the likeliest tokens holding probability P")
     p.add_argument("--seed", type=int_range(-2 ** 63, 2 ** 64 - 1, "a 64-bit seed"),
                    default=None, help="make the sampling repeatable")
@@ -59,19 +59,6 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def _bounded(kind, holds, said: str):
-    """An argparse type: `kind` of the text, refused as a usage error naming the flag unless
-    `holds`; decode's own check named the parameter (top_k) after the model had loaded."""
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-        if not holds(value):
-            raise argparse.ArgumentTypeError(f"must be {said}, got {text}")
-        return value
-    parse.__name__ = getattr(kind, "__name__", "value")
-    return parse
 
 
 def _fail(message: str) -> int:

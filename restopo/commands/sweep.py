@@ -9,7 +9,7 @@ import threading
 import time
 from pathlib import Path
 
-from ..cli import SetOverride
+from ..cli import SetOverride, at_least
 
 EXAMPLES = """\
 examples:
@@ -39,14 +39,14 @@ def register(subparsers) -> None:
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("specs", nargs="+", metavar="SPEC", help=".restopo files (the arms)")
     p.add_argument("--out", required=True, metavar="DIR", help="folder of the sweep's runs")
-    p.add_argument("--seeds", type=int, metavar="N",
+    p.add_argument("--seeds", type=at_least(1), metavar="N",
                    help="seeds 0..N-1 for every arm (default 1)")
     p.add_argument("--seed-list", metavar="S,S,...", help="these seeds instead of 0..N-1")
     p.add_argument("--set", dest="overrides", action=SetOverride, default=[], metavar="KEY=VALUE",
                    help="override a spec value in every run (repeatable)")
     p.add_argument("--vary", action="append", default=[], metavar="KEY=V1,V2",
                    help="an axis of the grid: one arm per value (repeatable: all combinations)")
-    p.add_argument("--jobs", type=int, default=1, metavar="J",
+    p.add_argument("--jobs", type=at_least(1), default=1, metavar="J",
                    help="runs at a time, one CPU thread each (default 1)")
     p.add_argument("--executor", choices=("local", "submitit", "submitit-local"),
                    default="local",
@@ -130,8 +130,6 @@ def run(args) -> int:
 
     out = Path(args.out)
     try:
-        if (args.seeds is not None and args.seeds < 1) or args.jobs < 1:
-            raise ValueError("--seeds and --jobs must be at least 1")
         seeds = _seeds(args)
         grid = make_grid(args.specs, seeds, args.overrides, args.vary)
         jobs = runner.adopt_names(grid, out)  # the folder's names for runs it holds
