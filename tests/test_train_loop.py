@@ -128,6 +128,30 @@ def test_resume_gives_exactly_the_uninterrupted_losses(tmp_path, corpus, accum):
         assert rb["lr"] == ra["lr"]
 
 
+def test_resume_trains_on_with_this_runs_weight_decay(tmp_path, corpus):
+    """A resume with another train.weight_decay kept the checkpoint's (load_state_dict
+    brings back the saved group settings) while the run said it used the new one. One step
+    from one checkpoint with weight decay 0 and W: AdamW's decay is decoupled, so the
+    matrices end lr * W * their checkpoint weights apart, and the vectors equal."""
+    from restopo.train.checkpoint import load_checkpoint
+
+    c = cfg(steps=2, save_every=2, eval_every=0, schedule="constant", warmup=0)
+    train(tiny_model(), corpus, c, tmp_path / "run", progress=False)
+    ckpt = tmp_path / "run" / "ckpt" / "step_000002"
+    saved = tiny_model(seed=1)
+    load_checkpoint(ckpt, saved)
+    after = {}
+    for wd in (0.0, 0.5):
+        model = tiny_model(seed=1)
+        train(model, corpus, cfg(**{**c.__dict__, "steps": 3, "weight_decay": wd}),
+              tmp_path / f"wd{wd}", progress=False, resume_from=ckpt)
+        after[wd] = dict(model.named_parameters())
+    for name, p in saved.named_parameters():
+        apart = (after[0.5][name] - after[0.0][name]).detach()
+        want = -c.lr * 0.5 * p.detach() if p.ndim >= 2 else torch.zeros_like(p)
+        torch.testing.assert_close(apart, want, rtol=1e-3, atol=1e-9, msg=name)
+
+
 def nan_head_model():
     """A tiny model whose loss is NaN from the first step."""
     model = tiny_model()

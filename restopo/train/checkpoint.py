@@ -675,7 +675,7 @@ def load_checkpoint(step_dir: str | os.PathLike, model: torch.nn.Module,
                 f"{step_dir} does not fit this model: missing {sorted(missing)[:4]}, "
                 f"unexpected {sorted(unexpected)[:4]} (was it saved from another spec?)")
         if opt_state is not None:
-            optimizer.load_state_dict(opt_state)
+            _load_moments(optimizer, opt_state)
     except CheckpointError:
         raise
     except Exception as e:  # safetensors, torch and OS errors: one line naming the folder
@@ -684,6 +684,17 @@ def load_checkpoint(step_dir: str | os.PathLike, model: torch.nn.Module,
             text += " (was it saved from another spec?)"
         raise CheckpointError(f"cannot load checkpoint {step_dir}: {text}") from None
     return state, meta
+
+
+def _load_moments(optimizer: torch.optim.Optimizer, opt_state: dict) -> None:
+    """The checkpoint's per-parameter state (AdamW's moments and step) into `optimizer`,
+    whose group settings (weight decay, ...) stay this run's, as load_into leaves them:
+    load_state_dict brings back the saved ones, so a resume with another
+    train.weight_decay kept the old one while saying it used the new."""
+    settings = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    optimizer.load_state_dict(opt_state)
+    for group, own in zip(optimizer.param_groups, settings):
+        group.update(own)
 
 
 def _checked(step_dir: Path, resume: bool = True) -> tuple[dict, dict]:
