@@ -142,6 +142,10 @@ def test_a_run_without_a_checkpoint_is_pointed_at_overwrite_not_resume(spec, cap
     assert "not allowed with argument" in capsys.readouterr().err
     err = _error(capsys, ["train", str(spec), "--out", str(out), "--max-restarts", "2"])
     assert "--max-restarts is torchrun's, so it needs --nproc N" in err
+    events = tmp_path / "events"  # a new run deletes TensorBoard's folder: only if asked
+    (events / "tensorboard").mkdir(parents=True)
+    err = _error(capsys, ["train", str(spec), "--out", str(events)])
+    assert "already holds tensorboard of a run" in err and "--overwrite" in err
 
 
 def test_console_script_bad_data_has_no_traceback(spec, tmp_path):

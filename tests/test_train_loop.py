@@ -196,7 +196,7 @@ def test_tensorboard_gets_the_same_scalars_when_installed(tmp_path, corpus, monk
     written = []
 
     class FakeWriter:
-        def __init__(self, logdir):
+        def __init__(self, logdir, purge_step=None):
             written.append(("dir", logdir))
 
         def add_scalar(self, tag, value, step):
@@ -213,6 +213,39 @@ def test_tensorboard_gets_the_same_scalars_when_installed(tmp_path, corpus, monk
     losses = {step: v for tag, v, step in (w for w in written if w[0] == "loss")}
     assert losses == {r["step"]: r["loss"] for r in records(tmp_path)}
     assert ("val_loss", records(tmp_path)[-1]["val_loss"], 3) in written
+
+
+def test_tensorboard_forgets_the_steps_a_resume_trains_again(tmp_path, corpus, monkeypatch):
+    """metrics.jsonl drops the steps after the checkpoint a run resumes from, and a new run
+    deletes it; TensorBoard kept both (a resume's steps drawn twice, an --overwrite's curve
+    over the old run's). Its writer is told to purge them, and a new run's folder goes."""
+    import sys
+    import types
+
+    purges = []
+
+    class FakeWriter:
+        def __init__(self, logdir, purge_step=None):
+            purges.append(purge_step)
+            (tmp_path / "tensorboard").mkdir(exist_ok=True)
+            (tmp_path / "tensorboard" / f"events.{len(purges)}").write_text("")
+
+        def add_scalar(self, tag, value, step):
+            pass
+
+        def close(self):
+            pass
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard",
+                        types.SimpleNamespace(SummaryWriter=FakeWriter))
+    c = cfg(steps=4, save_every=2, eval_every=0)
+    train(tiny_model(), corpus, c, tmp_path, progress=False)
+    train(tiny_model(), corpus, c, tmp_path, progress=False,
+          resume_from=tmp_path / "ckpt" / "step_000002")
+    assert purges == [None, 3]  # steps 3 and 4 ran again
+    assert {p.name for p in (tmp_path / "tensorboard").iterdir()} == {"events.1", "events.2"}
+    train(tiny_model(), corpus, c, tmp_path, progress=False)  # a new run (--overwrite)
+    assert [p.name for p in (tmp_path / "tensorboard").iterdir()] == ["events.3"]
 
 
 def test_a_compile_failing_after_a_stop_was_asked_is_that_stop(tmp_path):

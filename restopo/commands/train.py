@@ -275,7 +275,7 @@ def _tidy(out: Path) -> None:
 
 # What a run writes in its folder: a new run into a folder holding any of them needs
 # --overwrite (or --resume), so nothing there is replaced unasked.
-RUN_FILES = ("metrics.jsonl", "loss.png")
+RUN_FILES = ("metrics.jsonl", "loss.png", "tensorboard")
 
 
 def _fresh_start(out: Path, overwrite: bool) -> bool:

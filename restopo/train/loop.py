@@ -19,6 +19,7 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -127,10 +128,15 @@ class MetricsLog:
             write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in kept))
         elif resume_step is None and self.path.exists():
             self.path.unlink()
+        events = out / "tensorboard"
+        if resume_step is None:  # an earlier run's curves would be drawn into this one's
+            shutil.rmtree(events, ignore_errors=True)
         try:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(str(out / "tensorboard"))
+            # resuming, TensorBoard drops the steps after the checkpoint, as the JSONL does
+            self.writer = SummaryWriter(str(events), purge_step=None if resume_step is None
+                                        else resume_step + 1)
         except Exception:  # tensorboard not installed: the JSONL is the record
             self.writer = None
 
