@@ -57,6 +57,18 @@ def test_resuming_with_more_steps_says_the_schedule_stretches(spec, capsys):
     assert "re-stretched" not in capsys.readouterr().err
 
 
+def test_min_lr_under_a_constant_schedule_is_said_to_be_unused(spec, capsys):
+    """min_lr with schedule: constant trained at lr throughout without a word."""
+    assert train(spec, "--out", "run", "--set", "train.schedule=constant",
+                 "--set", "train.min_lr=1e-4", "--set", "train.log_every=1") == 0
+    err = capsys.readouterr().err
+    assert "train.min_lr (0.0001) is unused" in err and "schedule: constant" in err
+    lrs = [json.loads(line)["lr"] for line in open("run/metrics.jsonl")]
+    assert lrs[-1] == lrs[1] != 1e-4  # after the warmup step: lr, never min_lr
+    assert train(spec, "--out", "cosine", "--set", "train.min_lr=1e-4") == 0
+    assert "unused" not in capsys.readouterr().err
+
+
 def test_train_keep_is_a_spec_key(spec):
     assert train(spec, "--out", "run", "--set", "train.keep=2") == 0
     assert sorted(p.name for p in (spec.parent / "run" / "ckpt").iterdir()) == [
