@@ -57,6 +57,19 @@ def test_resuming_with_more_steps_says_the_schedule_stretches(spec, capsys):
     assert "re-stretched" not in capsys.readouterr().err
 
 
+def test_resuming_with_other_settings_names_the_first_step_that_uses_them(spec, capsys):
+    """The note named the checkpoint's step, trained with the old settings, as the first
+    of the new ones (as the stretch note did before it named the next step)."""
+    assert train(spec, "--out", "run", "--set", "train.log_every=1") == 0
+    capsys.readouterr()
+    assert train("--out", "run", "--resume", "--set", "train.steps=5", "--set",
+                 "train.lr=1e-4", "--set", "train.schedule=constant") == 0
+    err = capsys.readouterr().err
+    first = int(err.split("the steps from ")[1].split()[0])
+    lr = {r["step"]: r["lr"] for r in map(json.loads, open("run/metrics.jsonl"))}
+    assert lr[first] == 1e-4 != lr[first - 1], (first, lr)
+
+
 def test_min_lr_under_a_constant_schedule_is_said_to_be_unused(spec, capsys):
     """min_lr with schedule: constant trained at lr throughout without a word."""
     assert train(spec, "--out", "run", "--set", "train.schedule=constant",

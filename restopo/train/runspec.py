@@ -166,11 +166,11 @@ def resume_notes(spec, meta: dict, step_dir, *, spec_file: bool = True) -> list[
             changed.append(f"data {then_spec.train.data!r} there, {spec.train.data!r} here")
         if changed:
             notes.append(f"this run trains on with other settings than {step_dir} was "
-                         f"trained with ({'; '.join(changed)}): the steps from {step} on use "
-                         "this run's")
+                         f"trained with ({'; '.join(changed)}): the steps from {step + 1} "
+                         "on use this run's")  # step `step` is the checkpoint's, done
         if old.eval_batches != new.eval_batches:  # measures, not trains: a note of its own
             notes.append(f"train.eval_batches is now {new.eval_batches} ({old.eval_batches} in "
-                         f"{step_dir}): validation losses from step {step} on average other "
+                         f"{step_dir}): validation losses from step {step + 1} on average other "
                          f"batches than the ones before, so the curve's two parts do not "
                          f"compare")
         if step >= new.steps:
