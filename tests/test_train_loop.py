@@ -152,6 +152,28 @@ def test_resume_trains_on_with_this_runs_weight_decay(tmp_path, corpus):
         torch.testing.assert_close(apart, want, rtol=1e-3, atol=1e-9, msg=name)
 
 
+def test_evaluation_goes_forward_in_the_pieces_a_training_step_does(tmp_path, corpus):
+    """With accum, a step's rows go forward in pieces (what lets a model fit in memory),
+    but evaluation put a whole batch through at once: a run that fit only thanks to
+    accumulation ran out of memory at its first evaluation. Its loss is still the mean over
+    every row of the validation batches."""
+    import torch.nn.functional as F
+
+    from restopo.train.data import fixed_batches
+
+    model = tiny_model()
+    rows = []
+    model.register_forward_pre_hook(lambda m, args: rows.append(args[0].shape[0]))
+    c = cfg(steps=2, batch=8, accum=4, eval_every=2, eval_batches=2, save_every=0)
+    train(model, corpus, c, tmp_path, progress=False)
+    assert set(rows) == {2} and len(rows) == 2 * 4 + 2 * 4  # training, then evaluation
+    model.eval()
+    with torch.no_grad():  # the final weights: step 2's evaluation comes after its update
+        want = np.mean([F.cross_entropy(model(x).flatten(0, 1), y.flatten()).item()
+                        for x, y in fixed_batches(corpus.val, c.context, c.batch, 2)])
+    assert records(tmp_path)[-1]["val_loss"] == pytest.approx(want, rel=1e-6)
+
+
 def nan_head_model():
     """A tiny model whose loss is NaN from the first step."""
     model = tiny_model()

@@ -173,7 +173,7 @@ class FSDPStep:
         return clip_total_norm(counted, params, max_norm)
 
     def evaluate(self, batches) -> float:
-        loss = evaluate(self.model, batches, self.ctx.device, self.ctx)
+        loss = evaluate(self.model, batches, self.ctx.device, self.ctx, self.accum)
         reshard_units(self.model)
         return loss
 

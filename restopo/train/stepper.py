@@ -94,7 +94,7 @@ class DataParallelStep:
         return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
 
     def evaluate(self, batches) -> float:
-        return evaluate(self.model, batches, self.ctx.device, self.ctx)
+        return evaluate(self.model, batches, self.ctx.device, self.ctx, self.accum)
 
     def held(self):
         return list(self.model.named_parameters())
@@ -104,13 +104,16 @@ class DataParallelStep:
 
 
 @torch.no_grad()
-def evaluate(model, batches, device: torch.device, ctx: DistContext) -> float:
-    """Mean loss over the fixed validation batches (all ranks' rows)."""
+def evaluate(model, batches, device: torch.device, ctx: DistContext, accum: int = 1) -> float:
+    """Mean loss over the fixed validation batches (all ranks' rows). Each batch goes
+    forward in `accum` pieces, as a training step's rows do: a model that fits in memory
+    only thanks to accumulation ran out of it at its first evaluation of a whole batch."""
     was_training = model.training
     model.eval()
     total = 0.0
     for x, y in batches:
-        with autocast(device):
-            total += lm_loss(model, x.to(device), y.to(device)).item()
+        for xm, ym in zip(x.chunk(accum), y.chunk(accum)):  # equal pieces: mean of means
+            with autocast(device):
+                total += lm_loss(model, xm.to(device), ym.to(device)).item() / accum
     model.train(was_training)
     return mean_over_ranks(total / len(batches), ctx)
