@@ -174,6 +174,32 @@ def test_evaluation_goes_forward_in_the_pieces_a_training_step_does(tmp_path, co
     assert records(tmp_path)[-1]["val_loss"] == pytest.approx(want, rel=1e-6)
 
 
+def test_a_run_stopped_at_once_says_where_resume_goes_on(tmp_path, corpus):
+    """A second Ctrl-C stops mid-step: the run ended with a bare 'interrupted', not saying
+    whether anything was saved (the first Ctrl-C's stop names its checkpoint)."""
+    def interrupted(model, after_calls):
+        model = _stopping(model, after_calls)
+        forward = model.forward
+
+        def wrapped(idx):
+            try:
+                return forward(idx)
+            except Stop:
+                raise KeyboardInterrupt from None
+        model.forward = wrapped
+        return model
+
+    with pytest.raises(KeyboardInterrupt) as e:  # in step 7: step 4 is saved
+        train(interrupted(tiny_model(), 6), corpus, cfg(save_every=4), tmp_path / "a",
+              progress=False)
+    assert str(e.value) == ("stopped at once; --resume continues from its newest "
+                            f"checkpoint {tmp_path / 'a' / 'ckpt' / 'step_000004'}")
+    with pytest.raises(KeyboardInterrupt) as e:
+        train(interrupted(tiny_model(), 2), corpus, cfg(save_every=4), tmp_path / "b",
+              progress=False)
+    assert "before the run's first checkpoint" in str(e.value) and "--overwrite" in str(e.value)
+
+
 def nan_head_model():
     """A tiny model whose loss is NaN from the first step."""
     model = tiny_model()

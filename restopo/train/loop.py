@@ -189,6 +189,18 @@ class StoppedEarly(KeyboardInterrupt):
                 f"{self.ckpt_root / step_dir_name(self.saved)}")
 
 
+def stopped_at_once(ckpt_root: Path) -> str:
+    """What a run stopped mid-step leaves to go on from (its newest checkpoint on disk:
+    the stop may have come while one was written)."""
+    from .checkpoint import latest_checkpoint
+
+    found = latest_checkpoint(ckpt_root)
+    if found is None:
+        return ("stopped at once, before the run's first checkpoint; run it again (with "
+                "--overwrite) to start over")
+    return f"stopped at once; --resume continues from its newest checkpoint {found}"
+
+
 @contextlib.contextmanager
 def _compile_stopped(stop, stopped: StoppedEarly):
     """A compile that fails once a stop was asked for was stopped by it: Ctrl-C reaches the
@@ -364,6 +376,10 @@ def train(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, out: str | o
                 except Exception as e:  # the stop's own message matters more than the plot
                     say(f"loss.png was not redrawn ({type(e).__name__}: {e})")
             raise
+        except KeyboardInterrupt:  # a second Ctrl-C (the first under torchrun): said where
+            if not ctx.is_main:    # the run goes on from, as a first one's stop says it
+                raise
+            raise KeyboardInterrupt(stopped_at_once(ckpt_root)) from None
         finally:
             bar.close()
             log.close()
