@@ -82,6 +82,20 @@ def test_min_lr_under_a_constant_schedule_is_said_to_be_unused(spec, capsys):
     assert "unused" not in capsys.readouterr().err
 
 
+def test_steps_shorter_than_the_default_warmup_are_said(spec, capsys):
+    """A file's `steps: 20` without a warmup trained all 20 steps in the default warmup
+    (30), never reaching lr, unsaid (a written warmup that long is refused)."""
+    spec.write_text(SPEC.replace("warmup: 1; ", "").replace("steps: 3", "steps: 4"))
+    assert train(spec, "--out", "run", "--set", "train.log_every=1") == 0
+    err = capsys.readouterr().err
+    assert "train.steps (4) is shorter than the default warmup (30)" in err, err
+    lrs = [json.loads(line)["lr"] for line in open("run/metrics.jsonl")]
+    assert max(lrs) < 3e-3 and lrs[-1] == pytest.approx(3e-3 * 4 / 30)  # as the note says
+    assert train(spec, "--out", "quick", "--steps", "2") == 0  # a quick try: as meant
+    assert train(spec, "--out", "set", "--set", "train.warmup=2") == 0
+    assert "default warmup" not in capsys.readouterr().err
+
+
 def test_train_keep_is_a_spec_key(spec):
     assert train(spec, "--out", "run", "--set", "train.keep=2") == 0
     assert sorted(p.name for p in (spec.parent / "run" / "ckpt").iterdir()) == [

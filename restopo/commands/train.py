@@ -485,7 +485,7 @@ def _launch(args, out: Path) -> int:
     spec, _ = _load_spec(args, out)  # bad specs and data fail here, once, not per rank
     if spec.model is None:
         return _fail(f"{spec.path} has no model section; training needs one")
-    _note_unused(spec)
+    _note_schedule(spec)
     _layout(args, spec, args.nproc)  # so do layouts that cannot run
     runspec.open_data(spec, progress=not args.no_progress, resuming=args.resume)
     _replace_old_run(args, out)  # every check passed here; the workers find it gone
@@ -518,14 +518,23 @@ def _layout(args, spec, world: int):
     return chosen
 
 
-def _note_unused(spec) -> None:
-    """Say a train setting the run's schedule does not use (it was silently unused). Not a
-    spec error: a --set or --vary of the schedule alone tries a constant rate on a spec
-    whose cosine ends at min_lr, and checkpoints of such specs must still load."""
+def _note_schedule(spec) -> None:
+    """Say what the run's learning-rate schedule leaves unused, which went unsaid. Not spec
+    errors: a --set or --vary of the schedule alone tries a constant rate on a spec whose
+    cosine ends at min_lr, and checkpoints of such specs must still load."""
+    from ..spec.nodes import from_command_line
+
     t = spec.train
     if t.schedule == "constant" and t.min_lr is not None:
         _note(f"train.min_lr ({t.min_lr:g}) is unused: it is where the cosine schedule ends, "
               f"and schedule: constant keeps lr ({t.lr:g}) after warmup")
+    # the file's steps below the default warmup: the run never leaves it (a written warmup
+    # is checked against steps; a --steps for a quick try stays in warmup, as meant)
+    given = dict(t.positions)
+    if ("warmup" not in given and "steps" in given and t.warmup > t.steps
+            and not from_command_line(given["steps"].source)):
+        _note(f"train.steps ({t.steps}) is shorter than the default warmup ({t.warmup}): the "
+              f"whole run warms up and never reaches lr ({t.lr:g}); set train.warmup")
 
 
 def _note_unfused(spec, backend: str, device) -> None:
@@ -558,7 +567,7 @@ def _train(args, out: Path) -> int:
     spec, step_dir = _load_spec(args, out)
     if spec.model is None:
         return _fail(f"{spec.path} has no model section; training needs one")
-    _note_unused(spec)
+    _note_schedule(spec)
     chosen = _layout(args, spec, int(os.environ.get("WORLD_SIZE", "1")))
     try:
         ctx = dist.setup(args.device)
