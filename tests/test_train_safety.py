@@ -16,6 +16,7 @@ import torch
 from hostile import time_limit
 from restopo.cli import main
 from restopo.train import checkpoint as ck
+from restopo.train.plots import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT / "tests" / "golden" / "corpus.txt"
@@ -270,6 +271,25 @@ def test_stopping_the_launcher_of_nproc_stops_its_workers(spec, tmp_path, how):
     end = int(saved.name.split("_")[1]) + 2
     assert train(spec, "--out", out, "--resume", "--steps", end, "--nproc", "2") == 0
     assert records(out)[-1]["step"] == end
+
+
+@pytest.mark.slow
+def test_stopping_nproc_says_which_steps_are_lost(spec, tmp_path):
+    """A run of several processes stops at once, not at a checkpoint: the stop says the
+    steps trained since the last one are lost (with train.save_every 0, every step; it said
+    only 'no checkpoint was saved yet')."""
+    out = tmp_path / "run"
+    run, _, _ = started_run(spec, out, "100000", "train.save_every=0", "--nproc", "2")
+    while max([r["step"] for r in read_metrics(out / "metrics.jsonl")] or [0]) < 3 \
+            and run.poll() is None:  # read_metrics: a line being written is skipped
+        time.sleep(0.2)
+    run.send_signal(signal.SIGINT)
+    _, err = run.communicate(timeout=120)
+    assert run.returncode == 130 and ck.latest_checkpoint(out / "ckpt") is None, err
+    reached = read_metrics(out / "metrics.jsonl")[-1]["step"]
+    assert reached >= 3
+    assert (f"stopped (SIGINT); the workers are stopped; no checkpoint was saved yet; steps "
+            f"1-{reached} are lost") in err, err
 
 
 def test_resume_names_what_differs_not_a_flag_given_again(spec, tmp_path, capsys):

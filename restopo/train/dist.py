@@ -197,6 +197,25 @@ def _run_until_stopped(cmd: list[str], env: dict) -> tuple[int, str | None]:
     return code, (stopped_by[0] if stopped_by else None)
 
 
+def _after_stop(checkpoints) -> str:
+    """Where --resume continues after a stop, and the steps trained since its checkpoint,
+    which are lost: the workers stop at once, not at a checkpoint (restopo.train.interrupt),
+    so a run of rare or no periodic checkpoints lost much, and nothing said so."""
+    from .checkpoint import latest_checkpoint, step_of
+    from .plots import read_metrics
+
+    last = latest_checkpoint(checkpoints) if checkpoints is not None else None
+    said = (f"--resume continues from {last.name}" if last is not None else
+            "no checkpoint was saved yet")
+    saved = step_of(last) if last is not None else 0
+    reached = 0 if checkpoints is None else max(
+        (r["step"] for r in read_metrics(checkpoints.parent / "metrics.jsonl")), default=0)
+    if reached <= saved:
+        return said
+    return (f"{said}; steps {saved + 1}-{reached} are lost (several processes stop at "
+            f"once, not at a checkpoint; train.save_every sets how often one is saved)")
+
+
 def launch(argv: list[str], nproc: int, max_restarts: int = 0, env: dict | None = None,
            checkpoints=None) -> int:
     """Run `restopo <argv>` under torchrun (with `env` added to the environment); its exit
@@ -208,12 +227,8 @@ def launch(argv: list[str], nproc: int, max_restarts: int = 0, env: dict | None 
     cmd = torchrun_command(argv, nproc, max_restarts)
     code, stopped_by = _run_until_stopped(cmd, env)
     if stopped_by is not None:
-        from .checkpoint import latest_checkpoint
-
-        last = latest_checkpoint(checkpoints) if checkpoints is not None else None
-        print(f"restopo train: stopped ({stopped_by}); the workers are stopped"
-              + (f"; --resume continues from {last.name}" if last is not None else
-                 "; no checkpoint was saved yet"), file=sys.stderr)
+        print(f"restopo train: stopped ({stopped_by}); the workers are stopped; "
+              + _after_stop(checkpoints), file=sys.stderr)
         return 130
     if code == USAGE_EXIT:
         return 1
