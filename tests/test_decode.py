@@ -111,6 +111,27 @@ def test_sampling_is_seeded_and_filtered():
             model.generate(idx, 2, temperature=bad)
 
 
+@pytest.mark.parametrize("topology", ["full_attnres(gate: sigmoid)",
+                                      "hyper_connections(streams: 2, dynamic: true)",
+                                      "mhc(streams: 4, sinkhorn: 5)"])
+def test_seeded_sampling_draws_what_an_uncached_loop_draws(topology):
+    """Sampling (top_k and top_p too) past the context: the same draws as re-running the
+    whole window at each token with the same generator and the window rule of
+    test_generating_past_the_context_slides_the_window."""
+    model = model_for(topology)
+    idx = tokens(B=3, T=20)
+    got = model.generate(idx, 30, temperature=0.9, top_k=20, top_p=0.95, seed=5)
+    g, window, want = torch.Generator().manual_seed(5), idx, []
+    with torch.no_grad():
+        for _ in range(30):
+            token = sample(model(window)[:, -1], 0.9, 20, 0.95, g)[:, None]
+            want.append(token)
+            window = torch.cat([window, token], dim=1)
+            if window.shape[1] > 24:
+                window = window[:, -12:]
+    assert torch.equal(got, torch.cat([idx, *want], dim=1))
+
+
 def test_top_k_and_top_p_keep_the_right_tokens():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     g = torch.Generator().manual_seed(0)
