@@ -214,6 +214,10 @@ def _warnings_as_notes(command: str):
 
 
 def main(argv=None) -> int:
+    # a character stdout's encoding cannot hold (PYTHONIOENCODING=ascii, a Latin-1 locale)
+    # is shown as '?', not a codec error that stops the command: generated text, a report's ±
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(errors="replace")
     try:
         parser = build_parser()
         try:

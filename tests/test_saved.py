@@ -2,6 +2,7 @@
 and the generate / eval / export commands."""
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -219,6 +220,24 @@ def test_a_prompt_that_is_not_utf8_is_taken_as_its_bytes(run):
     new = restopo.generate(load(folder / "run"), torch.tensor([list(raw)]), 4,
                            temperature=0)[0, len(raw):]
     assert r.stdout.decode("utf-8") == bytes(new.tolist()).decode("utf-8", "replace") + "\n"
+
+
+def test_generate_prints_to_a_stdout_that_is_not_utf8(run):
+    """A character the output's encoding cannot hold is shown replaced ('?'), as invalid
+    UTF-8 is; it stopped the command with "'ascii' codec can't encode character"."""
+    folder, _ = run
+    prompt = "def f(x):\n    return x + 1  # é"
+    r = subprocess.run([sys.executable, "-m", "restopo", "generate", "run", "--prompt", prompt,
+                        "--max-new-tokens", "12", "--temperature", "0"], cwd=folder,
+                       env={**os.environ, "PYTHONIOENCODING": "ascii"}, capture_output=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr.decode()
+    ids = list(prompt.encode())
+    new = restopo.generate(load(folder / "run"), torch.tensor([ids]), 12,
+                           temperature=0)[0, len(ids):]
+    text = bytes(new.tolist()).decode("utf-8", "replace") + "\n"
+    assert not text.isascii()  # the case this tests: some character ascii cannot hold
+    assert r.stdout == text.encode("ascii", "replace")
 
 
 def test_generate_command_compiled_says_what_generate_returns(run, capsys, monkeypatch):
