@@ -274,10 +274,10 @@ def test_stopping_the_launcher_of_nproc_stops_its_workers(spec, tmp_path, how):
 
 
 @pytest.mark.slow
-def test_stopping_nproc_says_which_steps_are_lost(spec, tmp_path):
-    """A run of several processes stops at once, not at a checkpoint: the stop says the
-    steps trained since the last one are lost (with train.save_every 0, every step; it said
-    only 'no checkpoint was saved yet')."""
+def test_ctrl_c_of_nproc_saves_the_step_it_stops_at(spec, tmp_path):
+    """With several processes too, Ctrl-C ends the run after a step every rank agrees on,
+    with a checkpoint of it (it stopped the workers at once: with train.save_every 0, every
+    step was lost), said once, by rank 0; a resume in one process goes on from there."""
     out = tmp_path / "run"
     run, _, _ = started_run(spec, out, "100000", "train.save_every=0", "--nproc", "2")
     while max([r["step"] for r in read_metrics(out / "metrics.jsonl")] or [0]) < 3 \
@@ -285,11 +285,32 @@ def test_stopping_nproc_says_which_steps_are_lost(spec, tmp_path):
         time.sleep(0.2)
     run.send_signal(signal.SIGINT)
     _, err = run.communicate(timeout=120)
-    assert run.returncode == 130 and ck.latest_checkpoint(out / "ckpt") is None, err
-    reached = read_metrics(out / "metrics.jsonl")[-1]["step"]
-    assert reached >= 3
-    assert (f"stopped (SIGINT); the workers are stopped; no checkpoint was saved yet; steps "
-            f"1-{reached} are lost") in err, err
+    assert run.returncode == 130 and "Traceback" not in err, err
+    saved = ck.latest_checkpoint(out / "ckpt")
+    assert saved is not None and ck.verify_checkpoint(saved) is None, err
+    stopped = ck.step_of(saved)
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")][-1] == stopped >= 3
+    assert err.count("stopping after this step, with a checkpoint of it") == 1, err
+    assert err.count(f"--resume continues from its checkpoint {saved}") == 1, err
+    assert f"the workers are stopped; --resume continues from {saved.name}\n" in err, err
+    assert train(spec, "--out", out, "--resume", "--steps", stopped + 2) == 0
+    assert [r["step"] for r in records(out)] == list(range(1, stopped + 3))
+
+
+def test_a_stop_of_nproc_says_the_steps_it_lost(tmp_path):
+    """Steps trained after the last checkpoint (torchrun killed the workers before they
+    saved the one they stopped at) are said to be lost, not only where --resume goes."""
+    from restopo.train.dist import _after_stop
+
+    (tmp_path / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 8)))
+    assert _after_stop(tmp_path / "ckpt").startswith(
+        "no checkpoint was saved yet; steps 1-7 are lost (torchrun killed the workers")
+    ck.save_checkpoint(tmp_path / "ckpt", 5, torch.nn.Linear(2, 2), None, {"step": 5}, {})
+    assert _after_stop(tmp_path / "ckpt").startswith(
+        "--resume continues from step_000005; steps 6-7 are lost")
+    ck.save_checkpoint(tmp_path / "ckpt", 7, torch.nn.Linear(2, 2), None, {"step": 7}, {})
+    assert _after_stop(tmp_path / "ckpt") == "--resume continues from step_000007"
 
 
 def test_resume_names_what_differs_not_a_flag_given_again(spec, tmp_path, capsys):
@@ -433,7 +454,7 @@ def test_a_second_ctrl_c_stops_at_once_and_the_handler_is_put_back():
     before = signal.getsignal(signal.SIGINT)
     said = []
     with pytest.raises(KeyboardInterrupt):
-        with deferred_interrupt(True, said.append) as stop:
+        with deferred_interrupt(said.append) as stop:
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(0.1)  # the handler runs between bytecodes
             assert stop.asked and "stopping after this step" in said[0]
@@ -441,8 +462,6 @@ def test_a_second_ctrl_c_stops_at_once_and_the_handler_is_put_back():
             time.sleep(1)
             raise AssertionError("the second Ctrl-C did not stop")
     assert signal.getsignal(signal.SIGINT) is before
-    with deferred_interrupt(False, said.append) as stop:  # several processes: as before
-        assert signal.getsignal(signal.SIGINT) is before
 
 
 # -- #5, #6: data, paths and flags --------------------------------------------------------

@@ -198,7 +198,7 @@ def run(args) -> int:
     from ..train.data import DataError
     from ..train.dist import cpu_threads
     from ..train.layout import LayoutError
-    from ..train.loop import TrainingError
+    from ..train.loop import StoppedEarly, TrainingError
     from ..train.runlock import RunLocked
     PlanError = get_backend("pipeline").PlanError
 
@@ -217,6 +217,10 @@ def run(args) -> int:
     except (DataError, CheckpointError, TrainingError, PlanError, LayoutError, RunLocked,
             CompileError, _Stop) as e:
         return _fail(str(e))
+    except StoppedEarly:
+        if _is_writer():  # every rank stopped at that step: rank 0 says where
+            raise
+        return 130
     except SpecError as e:
         if not under_torchrun():
             raise  # the CLI renders it

@@ -33,6 +33,7 @@ class DistContext:
     world: int = 1
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
+    cpu_group: object = None  # for collectives on CPU tensors (None: the default group)
 
     @property
     def is_main(self) -> bool:
@@ -96,7 +97,10 @@ def setup(device_choice: str = "auto") -> DistContext:
         store = dist.PrefixStore(f"restopo/attempt{restart_count()}/", store)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store,
                                 timeout=timeout, rank=rank, world_size=world)
-    return DistContext(rank, world, local_rank, device)
+    # any_rank runs at every step: on CUDA over gloo, so it does not wait for the step's
+    # kernels as reading back an NCCL result would
+    cpu_group = dist.new_group(backend="gloo") if world > 1 and device.type == "cuda" else None
+    return DistContext(rank, world, local_rank, device, cpu_group)
 
 
 def cleanup(ctx: DistContext) -> None:
@@ -124,6 +128,17 @@ def mean_over_ranks(value: float, ctx: DistContext) -> float:
                      device=ctx.device if ctx.device.type == "cuda" else "cpu")
     dist.all_reduce(t)
     return t.item() / ctx.world
+
+
+def any_rank(flag: bool, ctx: DistContext) -> bool:
+    """Whether `flag` holds on any rank (the flag itself in one process)."""
+    if not ctx.distributed:
+        return flag
+    import torch.distributed as dist
+
+    t = torch.tensor([int(flag)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ctx.cpu_group)
+    return bool(t.item())
 
 
 def exchange(ctx: DistContext, obj):
@@ -189,7 +204,9 @@ def _run_until_stopped(cmd: list[str], env: dict) -> tuple[int, str | None]:
 
     def pass_on(signum, frame):
         stopped_by.append(signal.Signals(signum).name)
-        if proc.poll() is None:
+        # once: the workers are saving the step they stop at, and torchrun, given another,
+        # would exit without waiting for them (it kills them after 30 s in any case)
+        if proc.poll() is None and len(stopped_by) == 1:
             proc.send_signal(signal.SIGTERM)
 
     with signals_handled(STOP_SIGNALS, pass_on):
@@ -199,8 +216,8 @@ def _run_until_stopped(cmd: list[str], env: dict) -> tuple[int, str | None]:
 
 def _after_stop(checkpoints) -> str:
     """Where --resume continues after a stop, and the steps trained since its checkpoint,
-    which are lost: the workers stop at once, not at a checkpoint (restopo.train.interrupt),
-    so a run of rare or no periodic checkpoints lost much, and nothing said so."""
+    which are lost: the workers save the step they stop at (restopo.train.interrupt) unless
+    torchrun kills them first, 30 s after passing the stop on."""
     from .checkpoint import latest_checkpoint, step_of
     from .plots import read_metrics
 
@@ -212,8 +229,8 @@ def _after_stop(checkpoints) -> str:
         (r["step"] for r in read_metrics(checkpoints.parent / "metrics.jsonl")), default=0)
     if reached <= saved:
         return said
-    return (f"{said}; steps {saved + 1}-{reached} are lost (several processes stop at "
-            f"once, not at a checkpoint; train.save_every sets how often one is saved)")
+    return (f"{said}; steps {saved + 1}-{reached} are lost (torchrun killed the workers "
+            f"before they had saved the step they stopped at; it waits 30 s for them)")
 
 
 def launch(argv: list[str], nproc: int, max_restarts: int = 0, env: dict | None = None,

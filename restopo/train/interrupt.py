@@ -3,10 +3,10 @@ a checkpoint of that step, so nothing trained is lost; a second stops it at once
 newest checkpoint then is the last one saved). SIGTERM (a scheduler's preemption, `kill`)
 is taken the same way.
 
-Only a run of one process defers the first Ctrl-C. Under torchrun every rank gets the
-signal, each possibly in a different step, and a save is collective: ranks that stopped
-at different steps would wait on each other forever. There the signal works as before
-(KeyboardInterrupt at once; resume from the last checkpoint).
+Under torchrun the launcher's Ctrl-C reaches the workers as torchrun's SIGTERM, each
+possibly in another step, and a save is collective: the training loop stops every rank at
+the first step at whose end any rank has been asked (restopo.train.dist.any_rank), within
+the time torchrun gives its workers before SIGKILL (30 s).
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import signal
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
-from ..worker import signals_handled
+from ..worker import signals_handled, under_torchrun
 
 
 class Stop:
@@ -25,20 +25,20 @@ class Stop:
 
 
 @contextmanager
-def deferred_interrupt(enabled: bool, say: Callable[[str], None]) -> Iterator[Stop]:
+def deferred_interrupt(say: Callable[[str], None]) -> Iterator[Stop]:
     """Within the block, the first SIGINT or SIGTERM sets `stop.asked` (and says so) instead
     of raising or ending the process; the handlers before the block are back for the
-    second, and after the block. `enabled` False (several processes), or not the main
-    thread (signals_handled sets nothing there): nothing changes."""
+    second, and after the block. Not in the main thread (signals_handled sets nothing
+    there): nothing changes."""
     stop = Stop()
-    if not enabled:
-        yield stop
-        return
     put_back = None
 
     def first(signum, frame):
         stop.asked = True
         put_back()  # the second signal stops at once
+        if under_torchrun():  # the launcher's stop, passed on once by torchrun as SIGTERM
+            say("stopping after this step, with a checkpoint of it")
+            return
         by = "" if signum == signal.SIGINT else f" ({signal.Signals(signum).name})"
         say(f"stopping after this step{by}, with a checkpoint of it (Ctrl-C again to stop "
             "now)")

@@ -32,7 +32,7 @@ from ..spec.objects import TrainSpec
 from .checkpoint import (CheckpointError, is_sharded, load_checkpoint, load_into,
                          save_checkpoint, save_sharded, step_dir_name, tie_aliases)
 from .data import BatchSampler, Corpus, DataError, fixed_batches
-from .dist import DistContext, barrier, collectively, exchange, mean_over_ranks
+from .dist import DistContext, any_rank, barrier, collectively, exchange, mean_over_ranks
 from .interrupt import deferred_interrupt
 from .plots import plot_losses, read_metrics
 from .stepper import DataParallelStep, Stepper, evaluate  # noqa: F401 (evaluate: re-export)
@@ -304,7 +304,7 @@ def train(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, out: str | o
     def say(line: str) -> None:
         bar.write(f"restopo train: {line}", file=sys.stderr)
 
-    with deferred_interrupt(ctx.world == 1, say) as stop:
+    with deferred_interrupt(say if ctx.is_main else lambda line: None) as stop:
         try:
             for step in range(start, cfg.steps):
                 lr = lr_at(step, cfg)
@@ -319,6 +319,8 @@ def train(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, out: str | o
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 done = step + 1
+                # every rank stops at one step: the save that ends it is collective
+                stopping = any_rank(stop.asked, ctx)
                 steps_since_log += 1
                 bar.update(1)
                 if compiled and step == start and ctx.is_main:
@@ -360,12 +362,12 @@ def train(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, out: str | o
                                         + (f" MFU {mfu:.1%}" if mfu is not None else ""),
                                         refresh=False)
                 if (cfg.save_every > 0 and done % cfg.save_every == 0) or done == cfg.steps \
-                        or stop.asked:
+                        or stopping:
                     t_save = time.perf_counter()
                     save(done)
                     saved = done
                     paused += time.perf_counter() - t_save
-                if stop.asked and done < cfg.steps:
+                if stopping and done < cfg.steps:
                     raise StoppedEarly(done, saved, ckpt_root)
         except (StoppedEarly, TrainingError):
             # a run stopped by Ctrl-C or by a diverged loss still gets its curve up to there
