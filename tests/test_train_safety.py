@@ -417,6 +417,18 @@ def test_a_parallel_section_set_aside_by_one_process_is_said(spec, tmp_path, cap
             "processes" in capsys.readouterr().err)
 
 
+@pytest.mark.slow
+def test_fsdp_with_one_replica_per_stage_is_said(spec, tmp_path, capsys):
+    """--data fsdp with a pipeline as wide as the run: each stage has one replica, so
+    nothing is sharded; the run said only 'pipeline 2x1 (2 processes)'."""
+    assert train(spec, "--out", tmp_path / "run", "--steps", 1, "--nproc", 2,
+                 "--pipeline", 2, "--data", "fsdp") == 0
+    err = capsys.readouterr().err
+    assert ("--data fsdp shards each stage over its data-parallel replicas, and pipeline 2x1 "
+            "on 2 processes leaves one: nothing is sharded (--nproc 4 gives each stage 2)"
+            in err), err
+
+
 def test_resume_past_the_steps_asked_says_there_is_nothing_to_train(spec, tmp_path, capsys):
     """A finished 4-step run resumed with --steps 2 trained nothing (right) but said 'done:
     2 steps' and that the schedule follows a new curve 'from here'."""

@@ -515,6 +515,13 @@ def _layout(args, spec, world: int):
         _note(f"{' and '.join(asked)} {'are' if len(asked) > 1 else 'is'} for several "
               f"processes; this run of one trains the whole model in one process (--nproc "
               f"{max(p.stages, 2)} runs {'them' if len(asked) > 1 else 'it'})")
+    if chosen.pipeline is not None and chosen.replicas == 1 and chosen.data == "fsdp":
+        # FSDP shards over the replicas of each stage: a pipeline as wide as the run has one
+        what = ("--data fsdp" if args.data_parallel == "fsdp" else
+                "the spec's parallel section (data: fsdp)")
+        _note(f"{what} shards each stage over its data-parallel replicas, and pipeline "
+              f"{chosen.pipeline.stages}x{chosen.pipeline.virtual} on {world} processes "
+              f"leaves one: nothing is sharded (--nproc {2 * world} gives each stage 2)")
     if chosen.pipeline is not None and spec.train.accum > 1:  # PipelinedStep.accum is 1
         micro = chosen.pipeline.microbatches or chosen.pipeline.stages
         _note(f"train.accum ({spec.train.accum}) is set aside in a pipeline: its {micro} "
