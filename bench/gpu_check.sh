@@ -7,7 +7,10 @@
 #   3. bench/triton_depth.py at the in-model call path: fused vs eager vs torch.compile(eager) vs
 #      a copy of the same bytes, forward+backward, bf16, 64k rows; and saved-for-backward bytes;
 #      the fused arms profiled by kernel (in kernels.log)
-#   4. each peer package that imports (fast-attnres, fla-core, flash-attn-res) against the fused
+#   4. bench/overhead.py, compiled (whole model), width 512: Full and Block AttnRes against
+#      standard with auto's aggregations (inductor's code under torch.compile) and with the
+#      triton custom ops, side by side (the table gives each one's step x standard)
+#   5. each peer package that imports (fast-attnres, fla-core, flash-attn-res) against the fused
 #      arm on the same shapes, each in a process of its own: a peer's illegal memory access
 #      ends its process, not the other figures (one did, on an H200)
 # then prints one table: every figure next to its goal (the goals of issue 12). The steps run
@@ -19,7 +22,7 @@
 #   bench/gpu_check.sh --dry-run       # anywhere: every step on tiny shapes on the CPU
 #                                      # under triton's interpreter (timings mean nothing)
 #   bench/gpu_check.sh --limits 150,60,240,60  # seconds allowed to the tests, each training
-#                                      # run, the benchmark and each peer (default
+#                                      # run, each benchmark and each peer (default
 #                                      # 200,150,300,120), to fit a lease
 #
 # Exit status: 0 when every step ran and every correctness check passed (tests, equal
@@ -36,7 +39,7 @@ while [ $# -gt 0 ]; do
         --dry-run) DRY=1 ;;
         --out) OUT="$2"; shift ;;
         --limits) LIMITS="$2"; shift ;;
-        -h|--help) sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,31p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "gpu_check.sh: unknown argument '$1' (try --help)" >&2; exit 2 ;;
     esac
     shift
@@ -54,6 +57,7 @@ if [ "$DRY" = 1 ]; then
     export TRITON_INTERPRET=1 RESTOPO_GPU_CHECK_DRY=1
     DEVICE=cpu
     BENCH_ARGS=(--dry-run --widths 64)
+    OVERHEAD_ARGS=(--quick --device cpu --no-compile)  # no compile: minutes on a CPU
     TRAIN_SPEC=examples/tiny.restopo
     TRAIN_ARGS=(--steps 2 --set model.depth=2 --set model.width=32 --set model.context=16
                 --set train.batch=2 --set train.eval_every=2 --set train.eval_batches=1
@@ -67,6 +71,7 @@ else
     fi
     DEVICE=cuda
     BENCH_ARGS=(--iters 10 --warmup 2)
+    OVERHEAD_ARGS=(--device cuda --compile-only --iters 5)
     TRAIN_SPEC=examples/block_attnres.restopo
     TRAIN_ARGS=(--steps 50 --set train.eval_every=50 --set train.save_every=50)
     LIMIT_TESTS=200; LIMIT_TRAIN=150; LIMIT_BENCH=300; LIMIT_PEER=120
@@ -94,6 +99,8 @@ for backend in eager triton; do
 done
 step kernels "$LIMIT_BENCH" "$PY" bench/triton_depth.py "${BENCH_ARGS[@]}" --peers none --profile \
     --json "$OUT/kernels.jsonl"
+step overhead "$LIMIT_BENCH" "$PY" bench/overhead.py "${OVERHEAD_ARGS[@]}" --backend auto,triton \
+    --streams 0
 for peer in fast-attnres fla-core flash-attn-res; do
     step "peer-$peer" "$LIMIT_PEER" "$PY" bench/triton_depth.py "${BENCH_ARGS[@]}" \
         --peers "$peer" --cases block full --json "$OUT/kernels.jsonl"

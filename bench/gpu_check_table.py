@@ -2,7 +2,8 @@
 
     python bench/gpu_check_table.py OUT DRY    # OUT: gpu_check's results folder; DRY: 1 or 0
 
-Reads OUT/status, OUT/tests.xml, OUT/kernels.jsonl and OUT/train-*/metrics.jsonl; exits 1
+Reads OUT/status, OUT/tests.xml, OUT/kernels.jsonl, OUT/overhead.log and
+OUT/train-*/metrics.jsonl; exits 1
 when a step or a correctness check failed. A result it cannot read is a FAIL row, never a
 lost table."""
 import json
@@ -101,6 +102,35 @@ for r in bench:
 if not bench:
     failed = True
     row("bench/triton_depth.py", "no results", "runs", "FAIL")
+
+
+def step_ratios(path, mode):
+    """bench/overhead.py's step per topology in `mode`, x standard (the median of its
+    per-round ratios), with auto's aggregations (compiled: inductor's code, as
+    restopo.ops.picked_for picks) and with the triton kernels: {topology: {backend: ratio}}."""
+    got = {}
+    for line in open(path):
+        cols = line.split()
+        if len(cols) > 8 and cols[0] == mode and cols[1].count(":") == 1:
+            topo, backend = cols[1].split(":")
+            try:
+                got.setdefault(topo, {})[backend] = float(cols[8])
+            except ValueError:  # a line torn by the step's time limit
+                continue
+    return got
+
+
+path = os.path.join(out, "overhead.log")
+if os.path.exists(path):
+    mode = "eager" if dry else "compile"  # the dry run does not compile (minutes on a CPU)
+    found = step_ratios(path, mode)
+    for topo, by in found.items():
+        if {"auto", "triton"} <= set(by):
+            row(f"{mode} {topo}: step x standard, auto / triton",
+                f"{by['auto']:.3f} / {by['triton']:.3f}", "-",
+                "auto faster" if by["auto"] < by["triton"] else "triton faster")
+    if not found:
+        row(f"bench/overhead.py, {mode} auto vs triton", "no results", "-", "-")
 
 
 def losses(backend):

@@ -1,6 +1,7 @@
 """bench/gpu_check.sh --dry-run: every step of the GPU check (device tests, the kernel
-benchmark with every case and arm, eager vs triton training) runs end to end on tiny shapes
-on the CPU under the interpreter and prints its one table; only the speed is left to a GPU."""
+benchmark with every case and arm, eager vs triton training, a model's step on auto against
+triton) runs end to end on tiny shapes on the CPU under the interpreter and prints its one
+table; only the speed is left to a GPU."""
 import json
 import os
 import shutil
@@ -29,14 +30,17 @@ def test_every_step_runs_and_the_table_says_so(dry_run):
     res, out = dry_run
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     table = res.stdout[res.stdout.index("GPU check of the fused path"):]
-    for step in ("tests", "kernels", "train-eager", "train-triton", "peer-fast-attnres",
-                 "peer-fla-core", "peer-flash-attn-res"):
+    for step in ("tests", "kernels", "train-eager", "train-triton", "overhead",
+                 "peer-fast-attnres", "peer-fla-core", "peer-flash-attn-res"):
         assert f"step {step}" in table and "FAILED" not in table, table
     for check in ("kernel tests on the device (vs eager)", "block d=64: fused fwd+bwd",
                   "phase2 d=64: phase2+norm / compiled add+rms_norm, fwd+bwd",
                   "saved for backward, full_attnres", "saved for backward, block_attnres",
                   "restopo train, eager vs triton, steps 1-2",
-                  "restopo train, eager vs triton, mean loss of steps 1-2"):
+                  "restopo train, eager vs triton, mean loss of steps 1-2",
+                  # a model's step on auto against the triton kernels (on a GPU: compiled)
+                  "eager full: step x standard, auto / triton",
+                  "eager block2: step x standard, auto / triton"):
         assert check in table, check
     # fp32 on the CPU: the same losses up to rounding
     assert float(table.split("max |loss diff| ")[1].split()[0]) <= 1e-5
