@@ -35,15 +35,13 @@ def register(subparsers) -> None:
     prompt.add_argument("--prompt-ids", metavar="IDS",
                         help="the prompt as token ids, e.g. '5 17 3' (for a vocab other than "
                              "bytes)")
-    p.add_argument("--max-new-tokens", type=at_least(0),
-                   default=200, metavar="N",
+    p.add_argument("--max-new-tokens", type=at_least(0), default=200, metavar="N",
                    help="tokens to generate (default 200; past the model's context the "
                         "window slides, keeping the last context/2 tokens)")
     p.add_argument("--temperature", default=0.8, metavar="T",
                    type=bounded(finite_float, lambda t: t >= 0, "0 (greedy) or more"),
                    help="sampling temperature; 0 is greedy (default 0.8)")
-    p.add_argument("--top-k", type=at_least(1),
-                   default=None, metavar="K",
+    p.add_argument("--top-k", type=at_least(1), default=None, metavar="K",
                    help="sample among the K likeliest tokens only")
     p.add_argument("--top-p", default=None, metavar="P",
                    type=bounded(finite_float, lambda q: 0 < q <= 1, "above 0 and at most 1"),
@@ -57,8 +55,6 @@ def register(subparsers) -> None:
                         "waits for the compile (about a minute on a CPU), the rest come "
                         "faster; worth it for long generations (bench/decode.py)")
     p.set_defaults(func=run)
-
-
 
 
 def _fail(message: str) -> int:

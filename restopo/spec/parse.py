@@ -322,11 +322,14 @@ def _comment_took(text: str, line: int, close: str, upto: int | None) -> int | N
     return None
 
 
+CLOSER = {"{": "}", "(": ")"}
+
+
 def _never_closed(text: str, path: str, opened, hint: str, upto: int | None = None) -> SpecError:
     """'this ( is never closed' at the opener; the hint says so if a comment up to line
     `upto` took its closer."""
     c, line, col = opened
-    close = "}" if c == "{" else ")"
+    close = CLOSER[c]
     took = _comment_took(text, line, close, upto)
     if took is not None:
         hint = (f"the '#' on line {took} starts a comment that runs to the end of the line, "
@@ -374,10 +377,9 @@ def syntax_error(e: UnexpectedInput, text: str, path: str, what: str = "spec") -
         tok = e.token
         opened = _unclosed(text, tok.start_pos)
         if tok.type == "LBRACE" and opened is not None:  # the next section, inside this one
-            close = "}" if opened[0] == "{" else ")"
             return _never_closed(text, path, opened,
-                                 f"add '{close}' where it should end: before line {tok.line} "
-                                 f"at the latest, where "
+                                 f"add '{CLOSER[opened[0]]}' where it should end: before line "
+                                 f"{tok.line} at the latest, where "
                                  f"'{text.splitlines()[tok.line - 1].strip()}' opens another",
                                  tok.line)
         expected = _in_context(set(e.expected or ()), text, tok.start_pos)
@@ -418,8 +420,7 @@ def syntax_error(e: UnexpectedInput, text: str, path: str, what: str = "spec") -
     expected = set(getattr(e, "expected", ()) or ())
     opened = _unclosed(text, len(text))
     if opened is not None:
-        return _never_closed(text, path, opened,
-                             f"add '{'}' if opened[0] == '{' else ')'}' to close it")
+        return _never_closed(text, path, opened, f"add '{CLOSER[opened[0]]}' to close it")
     line, col = _end_position(text)
     message = "unexpected end of file" if what == "spec" else "the value ends too soon"
     last = re.findall(r"[^\s#]+", "\n".join(l.split("#", 1)[0] for l in text.splitlines()))
