@@ -10,7 +10,9 @@ measures
         the median is printed beside it), the topologies taking turns in every round so
         drift hits them alike; and the ratio to standard within each round: its median and
         its spread over the rounds (quartiles, and min-max), which load moves far less
-        than the absolute times;
+        than the absolute times; with --clock cpu, the process's CPU time instead of wall
+        time (one thread): what other processes take of the core then drops out, while
+        what they take of the caches and memory bandwidth stays;
   saved the bytes of activations autograd keeps for backward at the end of the forward pass
         (unique storages seen by torch.autograd.graph.saved_tensors_hooks). On CPU there is
         no allocator peak counter; this is the memory that grows with depth and batch, i.e.
@@ -28,6 +30,8 @@ and prints each as a ratio to the standard residual.
     python bench/overhead.py --examples --regional --regional-all --streams 0
                                              # + regional with the aggregation regions that
                                              # run the C kernels compiled too
+    python bench/overhead.py --compile-only --streams 0 --threads 1 --clock cpu
+                                             # width 512 on a machine other work shares
     python bench/overhead.py --examples --compile-time  # first step (compilation included)
                                              # of the Block model: whole-model against
                                              # regional, each in a fresh process and cache
@@ -90,6 +94,10 @@ def parse_args(argv=None):
                    help="after the timing, profile 3 steps of each topology in each mode "
                         "(torch.profiler) and print its top ROWS ops by self CPU time and, "
                         "on CUDA, by self device time: where a fixed cost per call hides")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="what a step's time is: wall (default) or cpu, this process's CPU "
+                        "time (one thread, CPU only): on a shared machine it leaves out the "
+                        "time other processes hold the core, which wall time counts")
     p.add_argument("--examples", action="store_true",
                    help="the size of examples/*.restopo: width 64, depth 16, context 128, "
                         "batch 16, heads 4, one thread (unless --threads)")
@@ -101,6 +109,12 @@ def parse_args(argv=None):
     if args.quick:
         args.width, args.depth, args.context, args.batch = 64, 4, 64, 2
         args.heads, args.blocks, args.iters, args.warmup = 4, 2, 2, 2
+    if args.clock == "cpu" and (args.threads != 1 or not args.device.startswith("cpu")):
+        # CPU time sums the threads (a step on 2 threads would read twice its length), and a
+        # GPU's work is not the process's CPU time at all
+        p.error("--clock cpu times one CPU thread: give --threads 1 (--examples does) and no "
+                "--device")
+    args.now = time.process_time if args.clock == "cpu" else time.perf_counter
     return args
 
 
@@ -197,11 +211,11 @@ def measure(args, mode: str, models: dict, base: str = "standard") -> dict:
                 saved[name] = saved_bytes(fn, idx)
                 continue
             sync(args.device)
-            t0 = time.perf_counter()
+            t0 = args.now()
             step(fn, idx)
             sync(args.device)
             if r >= args.warmup:
-                times[name].append(time.perf_counter() - t0)
+                times[name].append(args.now() - t0)
         print(f"  {mode}: round {r + 1}/{args.warmup + args.iters}", file=sys.stderr)
     base = times[base]
     return {name: dict(step=min(times[name]), median=statistics.median(times[name]),
@@ -243,7 +257,7 @@ def setting(args) -> str:
     return (f"width {args.width}, depth {args.depth} ({2 * args.depth} sublayers), context "
             f"{args.context}, batch {args.batch}, heads {args.heads}, vocab {args.vocab}, "
             f"device {args.device}, aggregation backend {','.join(args.backend)}, "
-            f"threads {torch.get_num_threads()}, torch {torch.__version__}")
+            f"threads {torch.get_num_threads()}, clock {args.clock}, torch {torch.__version__}")
 
 
 def first_step(args) -> dict:

@@ -44,6 +44,24 @@ def test_overhead_bench_regional_mode(capsys, monkeypatch):
     assert rows[0][3] == "1.000" and float(rows[1][7]) > 1.0
 
 
+def test_overhead_bench_times_cpu_time_with_clock_cpu(capsys, monkeypatch):
+    """--clock cpu times steps by the process's CPU time (here a fake clock that moves 0.25 s
+    a reading), not wall time; it refuses more than one thread, whose CPU times would add."""
+    bench = load_bench("overhead")
+    ticks = iter(range(10**6))
+    monkeypatch.setattr(bench.time, "process_time", lambda: 0.25 * next(ticks))
+    assert bench.main(["--quick", "--no-compile", "--streams", "0", "--iters", "2",
+                       "--threads", "1", "--clock", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "clock cpu" in out
+    rows = [line.split() for line in out.splitlines() if line.startswith("eager ")]
+    assert [r[1] for r in rows] == ["standard", "full", "block2"]
+    assert all(float(r[2]) == 250.0 and float(r[4]) == 250.0 for r in rows)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--quick", "--threads", "2", "--clock", "cpu"])
+    assert "--threads 1" in capsys.readouterr().err
+
+
 def test_aggregation_bench_quick(capsys):
     """bench/aggregation.py: each topology's aggregations over stand-in sublayers, as
     milliseconds beyond the standard residual's (which is 0 by definition)."""
