@@ -513,8 +513,11 @@ def phase2_backward(dh, dy, o1, m1, s1, partial, query, gain, norm_weight, eps, 
         o1, m1, s1, partial, query, gain, key_norm)
     dev = o1.device
     has_partial = partial is not None
-    need_dp, need_du = need_dp and has_partial, need_du and has_partial
-    need_dnw = need_dnw and with_norm and norm_weight is not None
+    need_dp = need_dp and has_partial
+    # no rows, no kernel: the [d] gradients are sums over nothing, zeros (not the unwritten
+    # per-program partials)
+    need_du = need_du and has_partial and rows > 0
+    need_dnw = need_dnw and with_norm and norm_weight is not None and rows > 0
     fixed = _phase2_fixed(rows, block_d, dev)
     programs = rt.persistent_programs(triton.cdiv(max(rows, 1), fixed["BLOCK_R"])
                                       if dev.type != "cuda" else max(rows, 1), dev)

@@ -194,6 +194,33 @@ def test_zero_rows_with_the_norm_epsilon():
             assert torch.isfinite(a).all()
 
 
+def test_no_tokens_give_the_eager_gradients_in_every_op():
+    """A batch of zero tokens: every gradient is eager's (zeros, float64), the [d] ones
+    (queries, gains, norm gain) too, which phase 2 read from partial sums no kernel wrote
+    (in deterministic mode torch.empty fills with NaN, so unwritten memory cannot pass)."""
+    d = 24
+    vs = separate(3, (0, 2), d, seed=9)
+    ins = vs + list(query(d)) + list(query(d, seed=2, S=2)) + [leaf(torch.randn(d))]
+    got_ins, want_ins = twins([x.double() for x in ins])
+    got, want = [], []
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        for backend, (*v, q, g, qs, gs, nw), out in (("triton", got_ins, got),
+                                                     ("eager", want_ins, want)):
+            out.append(ops.depth_attention(v, q, g, backend=backend))
+            o1, m1, s1 = ops.phase1(v[:2], qs, gs, backend=backend)
+            out.extend(ops.phase2_norm(o1[1], m1[1], s1[1], v[2], qs[1], gs[1],
+                                       norm_weight=nw, backend=backend))
+        cots = [torch.ones(o.shape, dtype=torch.float64) for o in want]
+        pairs = zip(grads(got, got_ins, cots), grads(want, want_ins, cots))
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert all(o.shape == (0, 2, d) for o in got + want)
+    for k, (a, b) in enumerate(pairs):
+        assert a is not None and torch.equal(a, b), f"gradient of input {k}: {a} vs {b}"
+
+
 # ---- what autograd keeps for backward ------------------------------------------------------
 def saved_bytes(fn) -> int:
     """Bytes of the distinct storages autograd saves for backward while fn runs."""
