@@ -76,9 +76,16 @@ def _too_wide(sources) -> bool:
     return len(sources) > 0 and sources[0].shape[-1] > runtime.MAX_BLOCK
 
 
-def _check_query(name: str, q: torch.Tensor | None, shape: tuple[int, ...]) -> None:
-    if q is not None and tuple(q.shape) != shape:
+def _check_input(name: str, q: torch.Tensor | None, shape: tuple[int, ...] | None,
+                 device: torch.device) -> None:
+    """q's shape (None: any) and device: a kernel reads q by its address, so on another
+    device than the sources it read another device's memory, or failed inside triton."""
+    if q is None:
+        return
+    if shape is not None and tuple(q.shape) != shape:
         raise ValueError(f"{name} has shape {tuple(q.shape)}, expected {shape}")
+    if q.device != device:
+        raise ValueError(f"{name} is on {q.device}, the other inputs on {device}: move it there")
 
 
 def depth_attention(sources, query: torch.Tensor,
@@ -92,8 +99,8 @@ def depth_attention(sources, query: torch.Tensor,
                                       gate=gate, heads=heads)
     sources = as_list(sources)
     d = sources[0].shape[-1]
-    _check_query("query", query, (d,))
-    _check_query("key_norm_weight", key_norm_weight, (d,))
+    _check_input("query", query, (d,), sources[0].device)
+    _check_input("key_norm_weight", key_norm_weight, (d,), sources[0].device)
     h, _ = _load_ops().depth_attention_op(sources, query, key_norm_weight, float(eps),
                                           bool(key_norm))
     return h
@@ -112,8 +119,9 @@ def phase1(completed, queries: torch.Tensor,
     completed = as_list(completed)
     if queries.dim() != 2:
         raise ValueError(f"queries must be [S, d], got shape {tuple(queries.shape)}")
-    _check_query("queries", queries, (queries.shape[0], completed[0].shape[-1]))
-    _check_query("key_norm_weights", key_norm_weights, tuple(queries.shape))
+    device = completed[0].device
+    _check_input("queries", queries, (queries.shape[0], completed[0].shape[-1]), device)
+    _check_input("key_norm_weights", key_norm_weights, tuple(queries.shape), device)
     o1, m1, s1, _ = _load_ops().phase1_op(completed, queries, key_norm_weights, float(eps),
                                           bool(key_norm))
     return tuple(o1), m1, s1
@@ -135,9 +143,10 @@ def _phase2(o1, m1, s1, partial, query, key_norm_weight, eps, norm_weight, norm_
     d = o1.shape[-1]
     if partial is not None and partial.shape != o1.shape:
         raise ValueError(f"partial has shape {tuple(partial.shape)}, expected {tuple(o1.shape)}")
-    _check_query("query", query, (d,))
-    _check_query("key_norm_weight", key_norm_weight, (d,))
-    _check_query("norm_weight", norm_weight, (d,))
+    for name, t, shape in (("m1", m1, None), ("s1", s1, None), ("partial", partial, None),
+                           ("query", query, (d,)), ("key_norm_weight", key_norm_weight, (d,)),
+                           ("norm_weight", norm_weight, (d,))):
+        _check_input(name, t, shape, o1.device)
     return _load_ops().phase2_op(o1, m1, s1, partial, query, key_norm_weight, norm_weight,
                                  float(eps), float(norm_eps), bool(key_norm), with_norm,
                                  with_h or not with_norm)

@@ -288,6 +288,26 @@ def test_phase2_shape_errors():
         T.phase2(o1, torch.zeros(3, 1), torch.ones(3, 1), torch.zeros(2, 8), torch.zeros(8))
 
 
+@pytest.mark.parametrize("op,name", [
+    ("depth_attention", "query"), ("depth_attention", "key_norm_weight"),
+    ("phase1", "queries"), ("phase1", "key_norm_weights"), ("phase2", "m1"), ("phase2", "s1"),
+    ("phase2", "partial"), ("phase2", "query"), ("phase2", "key_norm_weight"),
+    ("phase2_norm", "norm_weight")])
+def test_an_input_on_another_device_is_refused_by_name(op, name):
+    """The kernels read every input by its address: one on another device than the sources
+    (meta here, as a CPU query would be beside CUDA sources) is refused, named."""
+    v, w, g = make_sources(2, (3,), 8)
+    two = dict(o1=v[0], m1=torch.zeros(3, 1), s1=torch.ones(3, 1), partial=v[1], query=w,
+               key_norm_weight=g)
+    kw = {"depth_attention": dict(sources=v, query=w, key_norm_weight=g),
+          "phase1": dict(completed=v, queries=torch.stack([w, w]),
+                         key_norm_weights=torch.stack([g, g])),
+          "phase2": two, "phase2_norm": dict(two, norm_weight=g)}[op]
+    kw[name] = kw[name].to("meta")
+    with pytest.raises(ValueError, match=f"^{name} is on meta, the other inputs on cpu"):
+        getattr(T, op)(**kw)
+
+
 def test_phase1_backward_kernels_with_different_tiles(monkeypatch):
     """On a GPU each phase-1 kernel is tuned on its own (the backward ones share their
     scratch by row): the gradients must not depend on their tiles."""
