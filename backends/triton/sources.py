@@ -12,7 +12,8 @@ O(L d). Here each call builds a small int64 table instead (FLA and fast-attnres 
 Sources of two dtypes are allowed (under bf16 autocast the embedding is fp32, the sublayer
 outputs bf16): the table lists the dtype of the first source first (`n0` of them), then the
 other, and a kernel loops over the two groups with each group's pointer type
-(`NGROUPS`, `DT0`, `DT1`). More than two dtypes are cast to their promoted type (a copy).
+(`NGROUPS`, `DT0`, `DT1`). More than two dtypes are cast to their promoted type (a copy);
+their gradients come back in each source's own dtype.
 
 `ALIGNED` says every address is 16-byte aligned and every row stride a multiple of 16
 elements; the kernels then tell the compiler so (`tl.multiple_of`), which lets it use
@@ -66,10 +67,11 @@ class Sources:
         if len(shape) < 1:
             raise ValueError(f"{what} must be [*batch, d] tensors; got shape {shape}")
         self.shape, self.device, self.d = shape, device, shape[-1]
-        dtypes = [t.dtype for t in tensors]
+        dtypes = self.given_dtypes = [t.dtype for t in tensors]
         self.out_dtype = reduce(torch.promote_types, dtypes)
         if len(set(dtypes)) > 2:
-            tensors, dtypes = [t.to(self.out_dtype) for t in tensors], [self.out_dtype] * len(dtypes)
+            tensors = [t.to(self.out_dtype) for t in tensors]
+            dtypes = [self.out_dtype] * len(dtypes)
         first = dtypes[0]
         self.order = ([k for k, t in enumerate(dtypes) if t == first]
                       + [k for k, t in enumerate(dtypes) if t != first])
@@ -105,10 +107,13 @@ class Sources:
         return flat, views
 
     def in_caller_order(self, per_position: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Tensors given in table order, back in the caller's order, shaped like a source."""
+        """Tensors given in table order (the sources' gradients), back in the caller's order,
+        each shaped and typed as its source: with more than two dtypes the table's are
+        all promoted, and torch.compile takes each gradient for its source's dtype (the
+        fake backward ops say so)."""
         out: list[torch.Tensor | None] = [None] * self.n
         for k, t in zip(self.order, per_position):
-            out[k] = t.view(self.shape)
+            out[k] = t.view(self.shape).to(self.given_dtypes[k])
         return out
 
 

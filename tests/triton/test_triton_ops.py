@@ -6,7 +6,7 @@ import torch
 import restopo.backends.triton as T
 from restopo.backends.eager import depth as E
 from restopo.backends.triton import custom_ops  # noqa: F401  (registers torch.ops.restopo.*)
-from triton_testing import assert_rel, grads, leaf, make_sources, ref_phase1
+from triton_testing import TOL, assert_rel, grads, leaf, make_sources, ref_leaf, ref_phase1
 
 restopo_ops = torch.ops.restopo
 
@@ -47,6 +47,33 @@ def test_opcheck_depth_attention_mixed_dtypes():
     v, w, g, _, _ = _inputs()
     vs = [leaf(x, torch.bfloat16 if i else torch.float32) for i, x in enumerate(v.unbind(0))]
     _opcheck(restopo_ops.depth_attention.default, (vs, w, g, 1e-6, True))
+
+
+def test_opcheck_backward_ops_with_three_source_dtypes():
+    """bf16, fp16 and fp32 sources (the kernels read them all promoted to fp32): each
+    gradient comes back in its source's dtype, as the fake backward ops say (under
+    inductor, fp32 gradients taken for bf16 and fp16 ones were off by 8 and 225), and as
+    eager's in float64 to bf16's tolerance."""
+    v, w, g, wq, _ = _inputs()
+    dtypes = (torch.bfloat16, torch.float16, torch.float32)
+    vs = [leaf(x, dt) for x, dt in zip(v.unbind(0), dtypes)]
+    out, lse = restopo_ops.depth_attention(vs, w, g, 1e-6, True)
+    plain = [x.detach() for x in vs]
+    _opcheck(restopo_ops.depth_attention_backward.default,
+             (torch.randn_like(out), torch.randn_like(lse), lse.detach(), plain, w.detach(),
+              g.detach(), 1e-6, True, True))
+    o1, m1, s1, z = restopo_ops.phase1(vs, wq, None, 1e-6, True)
+    _opcheck(restopo_ops.phase1_backward.default,
+             ([torch.randn_like(o) for o in o1], torch.randn_like(m1), torch.randn_like(s1),
+              plain, wq.detach(), None, z.detach(), m1.detach(), 1e-6, True, True))
+    refs = [ref_leaf(x, dt) for x, dt in zip(v.unbind(0), dtypes)]
+    cot = torch.randn(out.shape, dtype=torch.float64)
+    with T.tiles(rows=4):
+        got = grads(T.depth_attention(vs, w, g), vs, cot)
+    want = grads(E.depth_attention(refs, w.detach().double(), g.detach().double()), refs, cot)
+    for a, b, dt in zip(got, want, dtypes):
+        assert a.dtype == dt
+        assert_rel(a, b, TOL[torch.bfloat16], f"{dt} source's gradient")
 
 
 def test_opcheck_phase1():
