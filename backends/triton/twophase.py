@@ -458,7 +458,9 @@ def _rows2(x: torch.Tensor, d: int) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-def _phase2_setup(o1, m1, s1, partial, query, gain, key_norm):
+def _phase2_setup(o1, m1, s1, partial, query, gain, norm_weight, key_norm):
+    """The kernels' view of phase 2's inputs; the [d] and per-row ones row-major, as the
+    kernels index them (a strided norm gain was read at the wrong channels)."""
     d = o1.shape[-1]
     acc = rt.acc_dtype(torch.float64 if torch.float64 in (o1.dtype, getattr(partial, "dtype", None))
                        else o1.dtype)
@@ -469,7 +471,8 @@ def _phase2_setup(o1, m1, s1, partial, query, gain, key_norm):
     rows = o.shape[0]
     block_d = rt.next_pow2(d)
     out_dtype = o1.dtype if partial is None else torch.promote_types(o1.dtype, partial.dtype)
-    return (d, acc, o, p, u, m1.reshape(rows).contiguous(), s1.reshape(rows).contiguous(),
+    nw = norm_weight.contiguous() if norm_weight is not None else u
+    return (d, acc, o, p, u, nw, m1.reshape(rows).contiguous(), s1.reshape(rows).contiguous(),
             rows, block_d, out_dtype)
 
 
@@ -483,13 +486,12 @@ def phase2_forward(o1, m1, s1, partial, query, gain, norm_weight, eps, norm_eps,
     """(h, y = rmsnorm(h) * norm_weight), in the promoted dtype of o1 and the partial; y is
     an empty tensor without the norm, h one when not with_h (only y is written then)."""
     rt.require(o1.device)
-    d, acc, o, p, u, m, s, rows, block_d, out_dtype = _phase2_setup(
-        o1, m1, s1, partial, query, gain, key_norm)
+    d, acc, o, p, u, nw, m, s, rows, block_d, out_dtype = _phase2_setup(
+        o1, m1, s1, partial, query, gain, norm_weight, key_norm)
     shape = tuple(o1.shape)
     h = torch.empty(shape if with_h else (0,), dtype=out_dtype, device=o1.device)
     y = torch.empty(shape if with_norm else (0,), dtype=out_dtype, device=o1.device)
     if rows:
-        nw = norm_weight if norm_weight is not None else u
         rt.launch(_phase2_fwd, o1.device, rt.row_grid(rows),
                   (o, m, s, p, u, nw, h if with_h else y, y if with_norm else h, rows, d,
                    o.stride(0), p.stride(0), eps, norm_eps),
@@ -509,8 +511,8 @@ def phase2_backward(dh, dy, o1, m1, s1, partial, query, gain, norm_weight, eps, 
     (h was not an output)."""
     rt.require(o1.device)
     need_dp, need_du, need_dnw = need
-    d, acc, o, p, u, m, s, rows, block_d, _ = _phase2_setup(
-        o1, m1, s1, partial, query, gain, key_norm)
+    d, acc, o, p, u, nw, m, s, rows, block_d, _ = _phase2_setup(
+        o1, m1, s1, partial, query, gain, norm_weight, key_norm)
     dev = o1.device
     has_partial = partial is not None
     need_dp = need_dp and has_partial
@@ -530,7 +532,6 @@ def phase2_backward(dh, dy, o1, m1, s1, partial, query, gain, norm_weight, eps, 
     dnw_part = torch.empty((programs, d) if need_dnw else (1,), dtype=acc, device=dev)
     has_dh = dh.numel() > 0
     if rows:
-        nw = norm_weight if norm_weight is not None else u
         rt.launch(_phase2_bwd, dev, lambda meta: (programs,),
                   (_rows2(dh, d).contiguous() if has_dh else o,
                    _rows2(dy, d).contiguous() if with_norm else o, o, m, s, p, u, nw, do1, dm1,

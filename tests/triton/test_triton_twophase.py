@@ -138,7 +138,8 @@ def test_rows_wider_than_a_tile_are_left_to_eager(monkeypatch):
 
 
 def check_phase2(d, dtype, *, with_partial=True, with_norm=False, key_norm=True,
-                 norm_gain=True, tile=4):
+                 norm_gain=True, tile=4, prep=None):
+    """`prep`: applied to each input of the fused call (e.g. a non-contiguous view)."""
     batch = BATCH
     v, w, g = make_sources(3, batch, d, seed=d)
     o1, m1, s1 = (x[0].detach() for x in ref_phase1(v, w[None], g[None]))
@@ -162,7 +163,7 @@ def check_phase2(d, dtype, *, with_partial=True, with_norm=False, key_norm=True,
         return (h, F.rms_norm(h, (d,), gain, 1e-6)) if with_norm else h
 
     with T.tiles(rows=tile):
-        got = run(ins, T.phase2_norm, True)
+        got = run([prep(x) for x in ins] if prep else ins, T.phase2_norm, True)
     want = run(refs, None, False)
     got = got if isinstance(got, tuple) else (got,)
     want = want if isinstance(want, tuple) else (want,)
@@ -196,6 +197,12 @@ def test_phase2_options():
     check_phase2(200, torch.float32, key_norm=False)
     check_phase2(200, torch.float32, with_norm=True, norm_gain=False)
     check_phase2(96, torch.float64, with_norm=True)
+
+
+def test_phase2_strided_inputs():
+    """Every input a view with a channel stride of 2 (the norm gain's was read as if 1)."""
+    check_phase2(24, torch.float64, with_norm=True,
+                 prep=lambda x: torch.stack([x, x], -1)[..., 0])
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
