@@ -117,8 +117,8 @@ def phase1(completed, queries: torch.Tensor,
         return _eager.phase1(completed, queries, key_norm_weights, eps, key_norm=key_norm,
                              heads=heads)
     completed = as_list(completed)
-    if queries.dim() != 2:
-        raise ValueError(f"queries must be [S, d], got shape {tuple(queries.shape)}")
+    if queries.dim() != 2 or len(queries) == 0:
+        raise ValueError(f"queries must be [S >= 1, d], got shape {tuple(queries.shape)}")
     device = completed[0].device
     _check_input("queries", queries, (queries.shape[0], completed[0].shape[-1]), device)
     _check_input("key_norm_weights", key_norm_weights, tuple(queries.shape), device)

@@ -1,4 +1,6 @@
 """Phase 1 / phase 2 kernels against the eager reference, and two-phase == single read."""
+import re
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -285,6 +287,15 @@ def test_heads_fall_back_to_eager():
         torch.testing.assert_close(a, b)
     h = T.phase2(got[0][0], got[1][0], got[2][0], v[0], w[0], g[0])
     torch.testing.assert_close(h, E.phase2(want[0][0], want[1][0], want[2][0], v[0], w[0], g[0]))
+
+
+@pytest.mark.parametrize("shape", [(8,), (0, 8)])
+def test_phase1_queries_that_are_not_s_by_d_are_refused(shape):
+    """No query (S = 0) got past the shape check and failed on an empty o1."""
+    v = make_sources(2, (3,), 8)[0]
+    want = re.escape(f"queries must be [S >= 1, d], got shape {shape}")
+    with pytest.raises(ValueError, match=want):
+        T.phase1(v, torch.zeros(shape), None)
 
 
 def test_phase2_shape_errors():
