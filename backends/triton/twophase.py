@@ -300,7 +300,11 @@ def phase1_backward(do1, dm1, ds1, completed, queries, gains, z, m1, eps, key_no
     if not rows:
         return src.in_caller_order(dsrc), du
     u = folded_query(queries, gains, key_norm, acc)
+    # the kernels tell the compiler each output gradient starts 16-byte aligned
+    # (tl.multiple_of, for vector loads), as a fresh buffer does; a view at another
+    # offset (of a torch.cat's gradient, say) is copied
     do1 = [g.reshape(rows, d).to(src.out_dtype).contiguous() for g in do1]
+    do1 = [g if g.data_ptr() % 16 == 0 else g.clone() for g in do1]
     dm1 = dm1.reshape(S, rows).to(acc).contiguous()
     ds1 = ds1.reshape(S, rows).to(acc).contiguous()
     m1 = m1.reshape(S, rows).contiguous()

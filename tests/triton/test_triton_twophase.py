@@ -326,6 +326,33 @@ def test_an_input_on_another_device_is_refused_by_name(op, name):
         getattr(T, op)(**kw)
 
 
+def test_phase1_backward_reads_output_gradients_at_aligned_addresses(monkeypatch):
+    """The phase-1 backward kernels take each output gradient's address as 16-byte aligned
+    (tl.multiple_of: vector loads on a GPU, where a misaligned one faults); a gradient that
+    is a view at an odd offset (here of a torch.cat) reaches them as an aligned copy, with
+    eager's values."""
+    import restopo.backends.triton.runtime as rt
+    v, w, _ = make_sources(2, (3,), 8)
+    ins = [leaf(x) for x in (*v, torch.stack([w, w]))]
+    seen = []
+    real = rt.launch
+
+    def launch(fn, device, grid, args, **kw):
+        if fn.__name__ == "_phase1_dlogits":
+            seen.extend(args[1].tolist())  # DO1S: the output gradients' addresses
+        return real(fn, device, grid, args, **kw)
+
+    monkeypatch.setattr(rt, "launch", launch)
+    o1, _, _ = T.phase1(ins[:2], ins[2], None)
+    got = grads(torch.cat([o1[0].new_ones(1), *(o.flatten() for o in o1)]), ins,
+                torch.ones(1 + 2 * 24, dtype=torch.float64))
+    assert len(seen) == 2 and all(a % 16 == 0 for a in seen), seen
+    refs = [leaf(x) for x in ins]
+    want = grads(E.phase1(refs[:2], refs[2], None)[0], refs, torch.ones(2, 3, 8))
+    for a, b in zip(got, want):
+        assert_rel(a, b, 1e-12, "gradient")
+
+
 def test_phase1_backward_kernels_with_different_tiles(monkeypatch):
     """On a GPU each phase-1 kernel is tuned on its own (the backward ones share their
     scratch by row): the gradients must not depend on their tiles."""
