@@ -176,6 +176,21 @@ def _first(sources) -> torch.Tensor:
     return sources if isinstance(sources, torch.Tensor) else sources[0]
 
 
+def _check_sources(sources, what: str) -> None:
+    """Refuse sources that are not n tensors of one shape [*batch, d], d >= 1, by their
+    shapes, before a backend indexes into them (each failed in its own way: an IndexError,
+    a reshape or matmul error, or a kernel's)."""
+    if isinstance(sources, torch.Tensor):
+        if sources.dim() < 2 or sources.shape[-1] == 0:
+            raise ValueError(f"{what} must be [n, *batch, d] with d >= 1; got shape "
+                             f"{tuple(sources.shape)}")
+        return
+    shapes = list(dict.fromkeys(tuple(v.shape) for v in sources))
+    if len(shapes) > 1 or not shapes[0] or shapes[0][-1] == 0:
+        raise ValueError(f"{what} must be tensors of one shape [*batch, d] with d >= 1; got "
+                         f"{', '.join(str(s) for s in shapes)}")
+
+
 def depth_attention(sources: torch.Tensor, query: torch.Tensor,
                     key_norm_weight: torch.Tensor | None = None, eps: float = 1e-6, *,
                     key_norm: bool = True, gate: str = "softmax", heads: int = 1,
@@ -186,10 +201,9 @@ def depth_attention(sources: torch.Tensor, query: torch.Tensor,
     keeps a stacked copy for backward. `logits`: each source's logit [*batch, heads],
     already made (restopo.nn.shared_sources); the eager backend uses them with a sequence of
     sources, the fused kernels make their own."""
-    if isinstance(sources, torch.Tensor) and sources.dim() < 2:
-        raise ValueError(f"sources must be [n, *batch, d]; got shape {tuple(sources.shape)}")
     if len(sources) == 0:  # a softmax over nothing: every backend refuses, none returns 0
         raise ValueError("depth attention needs at least one source; got none")
+    _check_sources(sources, "sources")
     if logits is not None and gate == "softmax" and len(logits) == 1 and len(sources) == 1:
         # a softmax over one logit is 1 exactly: the source itself (a grouped Full AttnRes
         # reader that reads nothing besides its group's phase 1, restopo.nn.shared_sources;
@@ -217,6 +231,7 @@ def phase1(completed: torch.Tensor, queries: torch.Tensor,
     if len(completed) == 0:
         raise ValueError("phase 1 needs at least one completed block; got none (a block's "
                          "first sublayer with nothing before it has no phase 1)")
+    _check_sources(completed, "completed blocks")
     picked = _pick(backend, _first(completed))
     if picked == "triton":
         return _triton_module().phase1(completed, queries, key_norm_weights, eps,

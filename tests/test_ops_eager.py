@@ -176,6 +176,19 @@ def test_no_sources_is_an_error_on_every_backend():
         ops.phase1(torch.randn(0, 2, 8), torch.randn(3, 8))
 
 
+@pytest.mark.parametrize("backend", ["eager", "cpu"])
+def test_sources_of_no_width_or_unlike_shapes_are_refused_by_shape(backend):
+    """0-dim sources, a width of 0 and sources of two shapes are named by their shapes on
+    every backend, where each backend failed its own way (IndexError, reshape errors)."""
+    bad = [[torch.randn(()), torch.randn(())], [torch.randn(2, 0)] * 2,
+           [torch.randn(2, 8), torch.randn(3, 8)], torch.randn(3, 2, 0), torch.randn(3)]
+    for sources in bad:
+        with pytest.raises(ValueError, match="d >= 1; got"):
+            ops.depth_attention(sources, torch.randn(8), torch.ones(8), backend=backend)
+        with pytest.raises(ValueError, match="d >= 1; got"):
+            ops.phase1(sources, torch.randn(2, 8), torch.ones(2, 8), backend=backend)
+
+
 def test_unknown_backend_and_heads_errors():
     s = torch.randn(2, 3, 8)
     with pytest.raises(ValueError, match="unknown backend"):
