@@ -124,7 +124,7 @@ def test_sweep_mistakes_are_refused_before_any_run(tmp_path, capsys):
     specs = _specs(tmp_path)
     out = tmp_path / "sweep"
     for extra, said in ((["--seed-list", "a,b"], "--seed-list takes whole numbers"),
-                        (["--baseline", "nosuch"], "names no arm and no spec"),
+                        (["--baseline", "nosuch"], "names no arm, spec or --vary value"),
                         (["--seeds", "1", "--vary", "model.width=abc,16"], "abc"),
                         (["--set", 'train.data="nosuch.txt"'], "nosuch.txt' does not exist"),
                         (["--set", "train.seed=3"], "give --seeds N or --seed-list"),
@@ -479,7 +479,8 @@ def test_a_baseline_named_by_a_spec_of_several_sizes_says_so():
     with pytest.raises(ValueError, match=r"'standard' is the spec of 2 arms \(width16, "
                                          r"width32\): name the one"):
         report.pick_baseline(arms, "standard")
-    with pytest.raises(ValueError, match="names no arm and no spec: the arms are width16"):
+    with pytest.raises(ValueError, match="names no arm, spec or --vary value: the arms are "
+                                         "width16"):
         report.pick_baseline(arms, "nosuch")
 
 
@@ -965,3 +966,39 @@ def test_two_runs_of_one_arm_and_seed_are_refused_not_one_dropped():
         report.group([a, b])
     b.seed = 1
     assert [len(arm.runs) for arm in report.group([a, b])] == [2]
+
+
+def test_a_baseline_named_by_its_vary_value_picks_that_topologys_arms(tmp_path, capsys):
+    """`sweep tiny.restopo --vary residual=standard,block_attnres(...) --vary train.lr=...`
+    refused --baseline standard ('names no arm and no spec'): only the whole arm name
+    (standard-lr1e-3) was taken. The value, as typed or as run names give it, names the
+    arms of that topology, each the baseline at its lr; a value of several arms that do
+    not pair up is refused, naming them."""
+    spec = _specs(tmp_path)[0]
+    vary = ["--vary", "residual=standard,block_attnres(blocks: 1)", "--vary",
+            "train.lr=1e-3,3e-3"]
+    for name in ("standard", "block_attnres(blocks:1)", "block_attnres_blocks_1"):
+        assert main(["sweep", spec, *vary, "--baseline", name, "--out",
+                     str(tmp_path / "sw"), "--dry-run"]) == 0, capsys.readouterr().err
+    assert main(["sweep", spec, *vary, "--baseline", "lr3e_3", "--out",
+                 str(tmp_path / "sw"), "--dry-run"]) == 2
+    assert "--baseline 'lr3e_3' is a value of 2 arms (standard-lr3e_3, " \
+           "block_attnres_blocks_1-lr3e_3): name the one" in capsys.readouterr().err
+
+    def run(arm, seed, loss, *overrides):
+        r = _synthetic_run(arm, "tiny", seed, 10, loss + 0.01 * seed)
+        r.job = {"spec": "/x/tiny.restopo", "overrides": list(overrides)}
+        return r
+
+    grid = {("standard", "1e-3"): 2.0, ("standard", "3e-3"): 1.5,
+            ("block_attnres", "1e-3"): 1.9, ("block_attnres", "3e-3"): 1.45}
+    arms = report.group([run(f"{r}-lr{lr}", s, loss, f"residual={r}", f"train.lr={lr}")
+                         for (r, lr), loss in grid.items() for s in (0, 1)])
+    base = report.pick_baseline(arms, "standard")
+    report.compare(arms, base)
+    by = {a.name: a for a in arms}
+    assert base is by["standard-lr1e-3"]
+    assert report.compared_with(by["block_attnres-lr3e-3"], base) is by["standard-lr3e-3"]
+    with pytest.raises(ValueError, match="'nosuch' names no arm, spec or --vary value: the "
+                                         "arms are standard-lr1e-3, standard-lr3e-3, "):
+        report.pick_baseline(arms, "nosuch")

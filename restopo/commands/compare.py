@@ -31,8 +31,9 @@ def register(subparsers) -> None:
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+", metavar="RUN", help="run folders, or folders of runs")
     p.add_argument("--baseline", metavar="ARM",
-                   help="the arm (or spec name) the others are compared with; an arm of "
-                        "another spec is compared with this spec at its own --vary values")
+                   help="the arm (or spec name, or a sweep's --vary value such as "
+                        "standard) the others are compared with; an arm of another topology "
+                        "is compared with this one at its own other --vary values")
     p.add_argument("--out", metavar="DIR",
                    help="where to write results.md, results.csv and the plots (default: the "
                         "single folder given, else ./compare)")

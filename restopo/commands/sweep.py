@@ -56,8 +56,8 @@ def register(subparsers) -> None:
                    help="a submitit/Slurm parameter, e.g. timeout_min=120, "
                         "slurm_partition=gpu (repeatable)")
     p.add_argument("--baseline", metavar="ARM",
-                   help="compare the others with this arm (or spec: with it at their own "
-                        "--vary values)")
+                   help="compare the others with this arm (or spec, or --vary value such "
+                        "as standard: with it at their own other --vary values)")
     p.add_argument("--dry-run", action="store_true", help="list the runs and their state only")
     p.set_defaults(func=run)
 

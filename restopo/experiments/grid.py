@@ -45,7 +45,7 @@ def parse_vary(text: str) -> tuple[str, list[str]]:
     return key.strip(), items
 
 
-def _short(key: str, value: str) -> str:
+def short_name(key: str, value: str) -> str:
     """The part of a run's name one varied value gives: model.width=128 -> width128; a whole
     section's value is named by itself: residual=block_attnres(blocks: 4) ->
     block_attnres_blocks_4 (not residualblock_attnres...)."""
@@ -97,7 +97,7 @@ def make_grid(specs, seeds, sets=(), varies=()) -> list[Job]:
         for combo in itertools.product(*[values for _, values in axes]):
             varied = [made[value] for made, value in zip(shown, combo)]
             parts = ([stem] if len(specs) > 1 or not axes else []) + \
-                [_short(key, value) for (key, _), value in zip(axes, combo)]
+                [short_name(key, value) for (key, _), value in zip(axes, combo)]
             arm = "-".join(parts)
             for seed in seeds:
                 jobs.append(Job(f"{arm}-s{seed}", arm, spec, tuple(sets) + tuple(varied), seed))

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..io import make_folder, write_atomic
+from .grid import short_name
 from .runs import Run
 from .stats import Difference, PowerLaw, difference, fit_power_law, mean_std
 
@@ -136,23 +137,30 @@ def pick_baseline(arms: list[Arm], name: str | None) -> Arm | None:
 
 def baseline_arm(name: str, arms: list[tuple[str, str, frozenset]]) -> str:
     """Which of `arms` ((name, the spec's stem, settings) triples) --baseline `name` picks:
-    the arm of that name, or the one arm of that spec, or the first of its arms where each
-    arm of another spec has its own among them (a grid of specs x --vary values: each is
-    compared with the baseline at its values); ValueError says which case failed (a sweep
-    checks its --baseline with this before any run trains, compare after)."""
+    the arm of that name, or the one arm of that spec (else of that --vary value, as typed
+    or as run names give it: residual=standard as 'standard', train.lr=1e-3 as 'lr1e_3'),
+    or the first of those where each other arm has its own among them (a grid of specs x
+    --vary values: each is compared with the baseline at its values); ValueError says
+    which case failed (a sweep checks its --baseline with this before any run trains,
+    compare after)."""
     if any(arm == name for arm, _, _ in arms):
         return name
-    family = [a for a in arms if a[1] == name]
-    others = [a for a in arms if a[1] != name]
+    what, family = "the spec", [a for a in arms if a[1] == name]
+    if not family:
+        what, family = "a value", [a for a in arms if any(
+            name == short_name(k, v) or short_name(k, name) == short_name(k, v)
+            for k, v in a[2])]
+    others = [a for a in arms if a not in family]
     if len(family) == 1 or family and others and all(
             counterpart(a, family[0], arms) for a in others):
         return family[0][0]
     if family:
         raise ValueError(
-            f"--baseline {name!r} is the spec of {len(family)} arms "
+            f"--baseline {name!r} is {what} of {len(family)} arms "
             f"({', '.join(arm for arm, _, _ in family)}): name the one the others are "
-            f"compared with (--scaling fits all of {name}'s sizes whichever it is)")
-    raise ValueError(f"--baseline {name!r} names no arm and no spec: the arms are "
+            f"compared with" + (f" (--scaling fits all of {name}'s sizes whichever it is)"
+                                if what == "the spec" else ""))
+    raise ValueError(f"--baseline {name!r} names no arm, spec or --vary value: the arms are "
                      f"{', '.join(arm for arm, _, _ in arms)}")
 
 
