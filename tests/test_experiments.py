@@ -523,12 +523,14 @@ def test_a_scaling_fit_counts_sizes_not_arms(tmp_path):
                        train_flops_per_token=f) for i, f in enumerate(flops)]
     arms.append(report.Arm("block", [_synthetic_run("block", "block", 0, 100, 2.0)],
                            train_flops_per_token=4e6))
-    report.compare(arms, arms[-2])
-    text = report.write_report(arms, arms[-2], tmp_path, ["restopo"], scaling=True)["md"]
+    base = arms[-2]
+    report.compare(arms, base)
+    text = report.write_report(arms, base, tmp_path, ["restopo"], scaling=True)["md"]
     assert f"fitted over its {len(set(flops))} sizes:" in text.read_text()
     # and the table calls the one at the baseline's compute no other size
-    assert [r[4] for r in report.rows(arms, arms[-2])[:4]] == [
-        "baseline, another size", "baseline, same size", "baseline, another size", "baseline"]
+    assert {r[0]: r[4] for r in report.rows(arms, base)[:4]} == {
+        "standard-3": "baseline", "standard-0": "baseline, another size",
+        "standard-1": "baseline, same size", "standard-2": "baseline, another size"}
 
 
 @pytest.mark.slow
@@ -1002,3 +1004,34 @@ def test_a_baseline_named_by_its_vary_value_picks_that_topologys_arms(tmp_path, 
     with pytest.raises(ValueError, match="'nosuch' names no arm, spec or --vary value: the "
                                          "arms are standard-lr1e-3, standard-lr3e-3, "):
         report.pick_baseline(arms, "nosuch")
+
+
+def test_compare_puts_the_baseline_first_and_sizes_in_numeric_order(tmp_path, capsys):
+    """compare listed arms in the folder's text order: the baseline wherever its name fell
+    (blk above std), and a width sweep as width128, width16, width32. The baseline (and the
+    baselines paired with it) now comes first, then the rest by the numbers in their names."""
+    std, blk = _specs(tmp_path)
+    runs = {f"{arm}-s{seed}": (arm, spec, [f"model.width={w}"] if w else [], seed,
+                               2.0 + 0.01 * seed + 0.001 * (w or 0))
+            for arm, spec, w in (("blk", blk, None), ("std-width128", std, 128),
+                                 ("std-width16", std, 16), ("std-width32", std, 32))
+            for seed in (0, 1)}
+    _sweep_folder(tmp_path / "sw", runs)
+    assert main(["compare", str(tmp_path / "sw"), "--baseline", "std-width32"]) == 0
+    table = _md_table(capsys.readouterr().out, "| " + " | ".join(report.COLUMNS) + " |")
+    assert [r[0] for r in table] == ["std-width32", "blk", "std-width16", "std-width128"]
+    assert [r[4] for r in table][0] == "baseline"
+    with open(tmp_path / "sw" / "results.csv") as f:
+        assert [r["arm"] for r in csv.DictReader(f)] == [r[0] for r in table]
+    # paired baselines (one per --vary value) come before the arms compared with them
+    def run(arm, seed, *overrides):
+        r = _synthetic_run(arm, "tiny", seed, 10, 2.0 + 0.01 * seed)
+        r.job = {"spec": "/x/tiny.restopo", "overrides": list(overrides)}
+        return r
+
+    arms = report.group([run(f"{r}-lr{lr}", s, f"residual={r}", f"train.lr={lr}")
+                         for r in ("block_attnres", "standard") for lr in ("1e-3", "3e-3")
+                         for s in (0, 1)])
+    report.compare(arms, report.pick_baseline(arms, "standard-lr3e-3"))
+    assert [a.name for a in arms] == ["standard-lr3e-3", "standard-lr1e-3",
+                                      "block_attnres-lr1e-3", "block_attnres-lr3e-3"]

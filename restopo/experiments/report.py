@@ -166,8 +166,11 @@ def baseline_arm(name: str, arms: list[tuple[str, str, frozenset]]) -> str:
 
 def compare(arms: list[Arm], baseline: Arm | None) -> None:
     """Each arm's difference to its baseline (pair_baselines); the baseline's own family
-    at other sizes (a scaling series) is not an arm against it."""
+    at other sizes (a scaling series) is not an arm against it. `arms` is reordered for
+    the report: the baseline first, then the baselines paired with it, then the rest as
+    they came (in a folder's order the baseline was anywhere among the rows)."""
     pair_baselines(arms, baseline)
+    arms.sort(key=lambda a: 0 if a is baseline else 1 if a.against is a else 2)
     for arm in arms:
         against = compared_with(arm, baseline)
         if against is not None:

@@ -200,7 +200,7 @@ def find_runs(paths) -> list[Run]:
         except RunError:
             pass
         inner = []
-        for child in sorted(q for q in p.iterdir() if q.is_dir()):
+        for child in sorted((q for q in p.iterdir() if q.is_dir()), key=_natural):
             try:
                 inner.append(read_run(child))
             except RunError:
@@ -209,6 +209,14 @@ def find_runs(paths) -> list[Run]:
             raise RunError(f"{p}: neither a run folder nor a folder of runs")
         runs += inner
     return runs
+
+
+def _natural(path: Path) -> list:
+    """A folder's runs in the order of the numbers in their names (width16, width32,
+    width128; s2 before s10; lr0.0003 before lr0.001), where sorted text put width128
+    first. Split so, text and numbers alternate: each position compares like with like."""
+    parts = re.split(r"(\d+(?:\.\d+)?)", path.name)
+    return [float(t) if i % 2 else t for i, t in enumerate(parts)]
 
 
 def _json(path: Path) -> dict:
