@@ -1035,3 +1035,27 @@ def test_compare_puts_the_baseline_first_and_sizes_in_numeric_order(tmp_path, ca
     report.compare(arms, report.pick_baseline(arms, "standard-lr3e-3"))
     assert [a.name for a in arms] == ["standard-lr3e-3", "standard-lr1e-3",
                                       "block_attnres-lr1e-3", "block_attnres-lr3e-3"]
+
+
+def test_a_figure_the_last_compare_drew_and_this_one_does_not_is_removed(tmp_path):
+    """compare --scaling, then compare without it in the same folder, left the first one's
+    scaling.png beside the new results.md, a figure the new report does not have. A figure
+    the earlier report linked is removed; other files, and a scaling.png no compare's
+    report linked, are left alone."""
+    flops = (1e6, 4e6, 1.6e7)
+    arms = [report.Arm(f"standard-{i}", [_synthetic_run(f"standard-{i}", "standard", 0, 100,
+                                                        9.0 * f ** -0.07)],
+                       train_flops_per_token=f) for i, f in enumerate(flops)]
+    report.compare(arms, arms[0])
+    (tmp_path / "notes.png").write_bytes(b"mine")
+    written = report.write_report(arms, arms[0], tmp_path, ["restopo"], scaling=True)
+    assert written["scaling"].exists()
+    again = report.write_report(arms, arms[0], tmp_path, ["restopo"])
+    assert "scaling" not in again and not (tmp_path / "scaling.png").exists()
+    assert all(p.exists() for p in again.values())
+    assert (tmp_path / "notes.png").read_bytes() == b"mine"
+    # a scaling.png of the user's, beside a results.md no compare wrote, stays
+    (tmp_path / "scaling.png").write_bytes(b"mine too")
+    (tmp_path / "results.md").write_text("# notes\n\n![fit](scaling.png)\n")
+    report.write_report(arms, arms[0], tmp_path, ["restopo"])
+    assert (tmp_path / "scaling.png").read_bytes() == b"mine too"

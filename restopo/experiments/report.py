@@ -8,6 +8,7 @@ import csv
 import io
 import os
 import platform
+import re
 import shlex
 import time
 from dataclasses import dataclass, field
@@ -661,6 +662,7 @@ def write_report(arms: list[Arm], baseline: Arm | None, out: Path, command: list
             raise ValueError(f"--scaling: {e}") from None
     make_folder(out)
     paths = {"csv": out / "results.csv", "md": out / "results.md"}
+    before = report_figures(paths["md"])
     write_atomic(paths["csv"], csv_text(arms, baseline))
     paths["curves"] = plot_curves(arms, out / "val_loss_by_step.png", tokens=False)
     paths["curves_tokens"] = plot_curves(arms, out / "val_loss_by_tokens.png", tokens=True)
@@ -707,7 +709,23 @@ def write_report(arms: list[Arm], baseline: Arm | None, out: Path, command: list
                                 _gap_verdict(a, baseline)] for a, loss, c, ratio in equiv]),
                "![compute equivalence](scaling.png)", ""]
     write_atomic(paths["md"], "\n".join(md))
+    # a figure the report before this one drew and this one does not (scaling.png of an
+    # earlier --scaling) would sit beside the new report as if it were the new report's
+    for name in before - {p.name for p in paths.values()}:
+        (out / name).unlink(missing_ok=True)
     return paths
+
+
+def report_figures(md: Path) -> set[str]:
+    """The figures a results.md that compare wrote links (in its own folder): compare's
+    own files, unlike any other PNG there."""
+    try:
+        text = md.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return set()
+    if "Written by `restopo compare`" not in text:
+        return set()
+    return set(re.findall(r"!\[[^\]]*\]\(([^()/\\]+\.png)\)", text))
 
 
 def elapsed(seconds: float) -> str:
