@@ -1059,3 +1059,36 @@ def test_a_figure_the_last_compare_drew_and_this_one_does_not_is_removed(tmp_pat
     (tmp_path / "results.md").write_text("# notes\n\n![fit](scaling.png)\n")
     report.write_report(arms, arms[0], tmp_path, ["restopo"])
     assert (tmp_path / "scaling.png").read_bytes() == b"mine too"
+
+
+def test_sweep_progress_lines_are_whole_and_end_with_the_error(capsys):
+    """With --jobs 2 the runs' ends are said from the threads that run them: each line is
+    said whole, and a failed run's line gave its time after the error ('... is empty in
+    24 s (24 s so far)'), where it read as the error's own words. The error comes last."""
+    import threading
+
+    from restopo.commands.sweep import _Progress
+    jobs = make_grid([f"{a}.restopo" for a in "abcdefgh"], [0, 1])
+    progress = _Progress(len(jobs))
+    error = "bad.restopo:3:15: error: data file 'empty.txt' is empty"
+
+    def run(job):
+        progress({"event": "start", "job": job, "resume": False})
+        progress({"event": "end", "job": job, "status": "failed" if job.seed else "done",
+                  "seconds": 3.0, "error": error})
+
+    threads = [threading.Thread(target=run, args=(j,)) for j in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    lines = capsys.readouterr().err.splitlines()
+    assert sorted(ln for ln in lines if "starting" in ln) == sorted(
+        f"  starting {j.name}" for j in jobs)
+    ends = [ln for ln in lines if "starting" not in ln]
+    assert len(ends) == len(jobs) and len(lines) == 2 * len(jobs)
+    for ln in ends:
+        name = re.match(r"  \[\d+/16\] (\S+): ", ln).group(1)
+        tail = f": {error}" if name.endswith("-s1") else ""
+        assert re.fullmatch(rf"  \[\d+/16\] {name}: (done|failed) in 3 s \(\d+ s so far\)"
+                            rf"{re.escape(tail)}", ln), ln

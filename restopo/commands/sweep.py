@@ -233,8 +233,9 @@ class _Progress:
         what = event["status"]
         if event["event"] == "skip":
             what = "already done" if what == "done" else f"{what} before"
-        if event.get("status") in ("failed", "diverged"):
-            what += f": {event.get('error')}"
         took = f" in {elapsed(event['seconds'])}" if "seconds" in event else ""
+        # the error last: a time after it read as the error's own words ('... is empty in 3 s')
+        why = f": {event.get('error')}" if what.startswith(("failed", "diverged")) else ""
         print(f"  [{self.ended}/{self.total}] {job.name}: {what}{took} "
-              f"({elapsed(time.perf_counter() - self.t0)} so far)", file=sys.stderr, flush=True)
+              f"({elapsed(time.perf_counter() - self.t0)} so far){why}", file=sys.stderr,
+              flush=True)
