@@ -1092,3 +1092,25 @@ def test_sweep_progress_lines_are_whole_and_end_with_the_error(capsys):
         tail = f": {error}" if name.endswith("-s1") else ""
         assert re.fullmatch(rf"  \[\d+/16\] {name}: (done|failed) in 3 s \(\d+ s so far\)"
                             rf"{re.escape(tail)}", ln), ln
+
+
+def test_a_failed_run_is_said_to_have_failed_with_its_error_not_to_be_unfinished(tmp_path):
+    """A sweep's run that failed (its run.json: status failed, the error) was counted and
+    named 'unfinished' ('no checkpoint'), with `restopo train --resume` offered to finish
+    it: run again as it is, it fails again. It is said failed, with its error."""
+    std = [_synthetic_run("std", "std", s, 400, 2.0 + 0.01 * s) for s in (0, 1)]
+    error = "bad.restopo:3:15: error: data file 'empty.txt' is empty"
+    (tmp_path / "bad-s0").mkdir()
+    (tmp_path / "bad-s0" / "run.json").write_text(json.dumps(
+        {"arm": "bad", "seed": 0, "status": "failed", "error": error}))
+    failed = find_runs([tmp_path / "bad-s0"])[0]
+    arms = report.group(std + [failed, _synthetic_run("bad", "bad", 1, 400, 1.9)])
+    assert arms[1].failed == [failed] and arms[1].unfinished == []
+    report.compare(arms, arms[0])
+    assert report.rows(arms, arms[0])[1][1] == "1 (+1 failed)"
+    said = "\n".join(report.reading(arms, arms[0]))
+    assert "unfinished" not in said and "--resume" not in said
+    assert "Left out of the final and best losses, failed** (1 run: " in said
+    assert f"bad-s0 (no checkpoint; {error})" in said
+    rows = list(csv.DictReader(io.StringIO(report.csv_text(arms, arms[0]))))
+    assert rows[1]["failed_runs"] == "bad-s0" and rows[1]["unfinished_runs"] == ""

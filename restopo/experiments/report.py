@@ -40,8 +40,16 @@ class Arm:
 
     @property
     def unfinished(self) -> list[Run]:
-        """The runs that stopped early and can go on (not those that diverged)."""
-        return [r for r in self.runs if not r.finished and r.diverged is None]
+        """The runs that stopped early and can go on (not those that diverged or failed)."""
+        return [r for r in self.runs if not r.finished and r.diverged is None
+                and r.status != "failed"]
+
+    @property
+    def failed(self) -> list[Run]:
+        """The runs that stopped at an error (a sweep's run.json says so): run as they
+        are, they fail again."""
+        return [r for r in self.runs if not r.finished and r.diverged is None
+                and r.status == "failed"]
 
     @property
     def diverged(self) -> list[Run]:
@@ -298,6 +306,7 @@ def rows(arms: list[Arm], baseline: Arm | None) -> list[list[str]]:
         sps = a.seconds_per_step
         seeds = str(len(a.finals)) + "".join(f" (+{len(left)} {what})" for what, left in
                                              (("unfinished", a.unfinished),
+                                              ("failed", a.failed),
                                               ("diverged", a.diverged)) if left)
         out.append([a.name, seeds, _pm(a.finals), _pm(a.bests), _diff(a, baseline, named),
                     "-" if sps is None else f"{sps:.3f}",
@@ -320,7 +329,8 @@ def csv_text(arms: list[Arm], baseline: Arm | None) -> str:
     w.writerow(["arm", "seeds", "final_val_mean", "final_val_std", "best_val_mean",
                 "best_val_std", "diff_mean", "diff_low", "diff_high", "paired",
                 "seconds_per_step", "parameters", "live_values_per_token",
-                "train_flops_per_token", "unfinished_runs", "diverged_runs", "baseline"])
+                "train_flops_per_token", "unfinished_runs", "failed_runs", "diverged_runs",
+                "baseline"])
     for a in arms:
         fm, fs = mean_std(a.finals.values()) if a.finals else (None, None)
         bm, bs = mean_std(a.bests.values()) if a.bests else (None, None)
@@ -330,6 +340,7 @@ def csv_text(arms: list[Arm], baseline: Arm | None) -> str:
                     d.paired if d else "", a.seconds_per_step or "", a.parameters or "",
                     a.live_values or "", a.train_flops_per_token or "",
                     " ".join(r.name for r in a.unfinished),
+                    " ".join(r.name for r in a.failed),
                     " ".join(r.name for r in a.diverged), against.name if against else ""])
     return buf.getvalue()
 
@@ -397,9 +408,10 @@ def pairing_note(arms: list[Arm], baseline: Arm | None) -> list[str]:
 
 
 def unfinished_note(arms: list[Arm]) -> list[str]:
-    """The runs left out of the final and best losses because they stopped early, or
-    diverged."""
+    """The runs left out of the final and best losses because they stopped early, failed
+    or diverged."""
     left = [r for a in arms for r in a.unfinished]
+    failed = [r for a in arms for r in a.failed]
     lost = [r for a in arms for r in a.diverged]
     out = []
     if left:
@@ -407,6 +419,13 @@ def unfinished_note(arms: list[Arm]) -> list[str]:
                    f"run{'s' * (len(left) != 1)}; `restopo sweep` again, or `restopo train "
                    f"--resume`, finishes them): "
                    + "; ".join(f"{r.name} ({r.progress})" for r in left) + ".")
+    if failed:  # not 'unfinished': run again as they are, they meet the same error
+        out.append(f"- **Left out of the final and best losses, failed** ({len(failed)} "
+                   f"run{'s' * (len(failed) != 1)}: training stopped at an error, which "
+                   f"each run's train.log shows in full; fix it, then `restopo sweep` "
+                   f"again tries them again): "
+                   + "; ".join(f"{r.name} ({r.progress}; {r.error or 'no error recorded'})"
+                               for r in failed) + ".")
     if lost:
         out.append(f"- **Left out of the final and best losses, diverged** ({len(lost)} "
                    f"run{'s' * (len(lost) != 1)}: the loss became NaN or infinite and "

@@ -44,6 +44,7 @@ class Run:
     status: str = "done"  # done | partial | failed | diverged (run.json, else inferred)
     load: dict = field(default_factory=dict, repr=False)  # load_mean/max, cpus (run.json)
     job: dict = field(default_factory=dict, repr=False)   # spec, overrides (run.json)
+    error: str = ""  # why it failed, as run.json records it
 
     @property
     def name(self) -> str:
@@ -178,7 +179,7 @@ def read_run(path: str | Path) -> Run:
     status = info.get("status") or ("done" if reached_end(meta) else "partial")
     load = {k: info[k] for k in ("load_mean", "load_max", "cpus") if k in info}
     job = {k: info[k] for k in ("spec", "overrides") if k in info}
-    run = Run(path, arm, seed, meta, records, status, load, job)
+    run = Run(path, arm, seed, meta, records, status, load, job, str(info.get("error") or ""))
     if run.diverged is not None and not run.finished:  # more than run.json's 'failed' says
         run.status = "diverged"
     return run
