@@ -1114,3 +1114,22 @@ def test_a_failed_run_is_said_to_have_failed_with_its_error_not_to_be_unfinished
     assert f"bad-s0 (no checkpoint; {error})" in said
     rows = list(csv.DictReader(io.StringIO(report.csv_text(arms, arms[0]))))
     assert rows[1]["failed_runs"] == "bad-s0" and rows[1]["unfinished_runs"] == ""
+
+
+def test_arms_without_an_interval_are_said_so_in_the_reading():
+    """A sweep with --seeds 1 had '(needs 2+ seeds)' in the table and nothing in the
+    reading of it: an arm with no interval was left out of the words without a trace. The
+    reading names each and why, and how to add seeds."""
+    arms = report.group([_synthetic_run(a, a, 0, 10, loss)
+                         for a, loss in (("std", 2.0), ("blk", 1.9), ("full", 1.8))])
+    arms.append(report.Arm("more", [_synthetic_run("more", "more", s, 10, 1.7 + 0.01 * s)
+                                    for s in (0, 1)]))
+    report.compare(arms, arms[0])
+    said = report.reading(arms, arms[0])
+    line = next(ln for ln in said if ln.startswith("- **No interval**"))
+    assert "blk against std (needs 2+ seeds); full against std (needs 2+ seeds)" in line
+    assert "more" in line and "higher --seeds and the same --out" in line
+    base = report.group([_synthetic_run(a, a, s, 10, 2.0 + 0.1 * s + (a == "blk"))
+                         for a in ("std", "blk") for s in (0, 1)])
+    report.compare(base, base[0])
+    assert not any("No interval" in ln for ln in report.reading(base, base[0]))

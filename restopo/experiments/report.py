@@ -371,6 +371,15 @@ def reading(arms: list[Arm], baseline: Arm | None) -> list[str]:
             lines.append(f"- **{a.name}**: {d.mean:+.4f} against {against.name}, within the "
                          f"noise: the 95% interval [{d.low:+.4f}, {d.high:+.4f}] ({how}, "
                          f"n = {d.n}) contains zero.")
+    # said, not left to a table cell: with one seed the reading said nothing of these arms
+    bare = [(a, b) for a in arms if a.diff is None and (b := compared_with(a, baseline))]
+    if bare:
+        lines.append("- **No interval**, so no gap is claimed: "
+                     + "; ".join(f"{a.name} against {b.name} ({_why_no_interval(a, b)})"
+                                 for a, b in bare)
+                     + ". An interval needs two or more finished seeds of an arm and of its "
+                       "baseline: a sweep again with a higher --seeds and the same --out adds "
+                       "seeds and keeps the runs it has.")
     # each gap against the seed spread of the baseline it is a gap to
     gaps = [(abs(a.diff.mean), compared_with(a, baseline)) for a in arms if a.diff is not None]
     spreads = {b.name: mean_std(b.finals.values())[1] for _, b in gaps}
