@@ -1133,3 +1133,36 @@ def test_arms_without_an_interval_are_said_so_in_the_reading():
                          for a in ("std", "blk") for s in (0, 1)])
     report.compare(base, base[0])
     assert not any("No interval" in ln for ln in report.reading(base, base[0]))
+
+
+def test_no_gap_is_taken_between_runs_on_other_data_or_vocabularies():
+    """compare of runs validated on other text (or over another vocabulary) gave a gap with
+    an interval and a verdict ('lower (better) than'), though the two losses measure other
+    things; 'not trained alike' came only after. The cell and the reading now say the
+    losses do not compare. Another context still has its gap, said to be not the
+    topology's alone."""
+    text = TINY.format(residual="standard", data="c.txt")
+
+    def run(arm, seed, loss, edit=("", "")):
+        meta = {"step": 20, "spec_path": f"/x/{arm}.restopo",
+                "spec_text": text.replace(*edit), "overrides": [],
+                "config": {"steps": 20, "batch": 4, "context": 16, "seed": seed}}
+        return Run(Path(f"/x/{arm}-s{seed}"), arm, seed, meta,
+                   [{"step": 20, "val_loss": loss + 0.01 * seed}])
+
+    edits = {"data": ('"c.txt"', '"other.txt"'), "vocab": ("vocab: 256", "vocab: 512"),
+             "ctx": ("context: 16", "context: 8")}
+    arms = report.group([run("a", s, 2.0) for s in (0, 1)] + [
+        run(name, s, 1.0, edit) for name, edit in edits.items() for s in (0, 1)])
+    report.compare(arms, arms[0])
+    by = {a.name: a for a in arms}
+    assert by["data"].diff is None and by["vocab"].diff is None
+    assert by["ctx"].diff.mean == pytest.approx(-1.0)
+    cells = {r[0]: r[4] for r in report.rows(arms, arms[0])}
+    assert cells["data"] == "(other data: the losses do not compare)"
+    assert cells["vocab"] == "(other vocab: the losses do not compare)"
+    said = "\n".join(report.reading(arms, arms[0]))
+    assert "**data**" not in said and "data against a (other data: the losses do not " \
+                                       "compare)" in said
+    assert "**ctx**: final validation loss -1.0000 lower" in said
+    assert "context: 16 (a, data, vocab), 8 (ctx)" in said

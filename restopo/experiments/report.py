@@ -182,7 +182,7 @@ def compare(arms: list[Arm], baseline: Arm | None) -> None:
     arms.sort(key=lambda a: 0 if a is baseline else 1 if a.against is a else 2)
     for arm in arms:
         against = compared_with(arm, baseline)
-        if against is not None:
+        if against is not None and not measured_otherwise(arm, against):
             arm.diff = difference(arm.finals, against.finals)
 
 
@@ -266,6 +266,9 @@ def _diff(arm: Arm, baseline: Arm | None, named: bool = False) -> str:
 def _why_no_interval(arm: Arm, baseline: Arm | None) -> str:
     """Why `arm` has no interval against `baseline`: a side with no final loss at all is
     not helped by more seeds, so it is said before the seed count."""
+    other = measured_otherwise(arm, baseline) if baseline is not None else []
+    if other:
+        return f"other {', '.join(other)}: the losses do not compare"
     for side, who in ((arm, ""), (baseline, "the baseline: ")):
         if side is not None and not side.finals:
             return who + ("no run finished" if not side.finished else "no final val loss")
@@ -376,10 +379,12 @@ def reading(arms: list[Arm], baseline: Arm | None) -> list[str]:
     if bare:
         lines.append("- **No interval**, so no gap is claimed: "
                      + "; ".join(f"{a.name} against {b.name} ({_why_no_interval(a, b)})"
-                                 for a, b in bare)
-                     + ". An interval needs two or more finished seeds of an arm and of its "
-                       "baseline: a sweep again with a higher --seeds and the same --out adds "
-                       "seeds and keeps the runs it has.")
+                                 for a, b in bare) + "."
+                     + (" An interval needs two or more finished seeds of an arm and of its "
+                        "baseline: a sweep again with a higher --seeds and the same --out "
+                        "adds seeds and keeps the runs it has." if any(
+                            _why_no_interval(a, b) == "needs 2+ seeds" for a, b in bare)
+                        else ""))
     # each gap against the seed spread of the baseline it is a gap to
     gaps = [(abs(a.diff.mean), compared_with(a, baseline)) for a in arms if a.diff is not None]
     spreads = {b.name: mean_std(b.finals.values())[1] for _, b in gaps}
@@ -462,6 +467,18 @@ def timing_note(runs) -> str:
     return (f"- s/step was measured at a load average of {lo:.1f} to {hi:.1f} on {cpus} CPUs: "
             "runs competed for cores under a changing load, so it does not compare arms. "
             "`python bench/overhead.py` measures the aggregations' cost side by side.")
+
+
+# Settings that make a validation loss another quantity: the text it is measured on, the
+# vocabulary it is over. No gap is taken across them. (Another context is the same
+# quantity, conditioned on less: a gap across it is said to be not the topology's alone.)
+MEASURES = ("data", "vocab")
+
+
+def measured_otherwise(arm: Arm, baseline: Arm) -> list[str]:
+    """The MEASURES in which `arm`'s runs and `baseline`'s differ."""
+    seen = _setting_values([arm, baseline])
+    return [k for k in MEASURES if len(seen.get(k, ())) > 1]
 
 
 # What a run's training was, besides its seed and the bookkeeping of evaluation, logging
