@@ -135,6 +135,9 @@ def test_sweep_mistakes_are_refused_before_any_run(tmp_path, capsys):
                         (["--seed-list", "1,-2"], "'seed' must be at least 0, got -2"),
                         (["--seed-list", "5000000000"], "'seed' is too large"),
                         (["--seeds", "3", "--seed-list", "1"], "give one of them"),
+                        # dropped silently: the runs went on, locally, without a time limit
+                        (["--slurm", "timeout_min=5"], "--slurm timeout_min=5 is a parameter "
+                         "of submitit's jobs, but the runs are local processes"),
                         # a typo whose grid of runs would fill memory before any check
                         (["--seeds", "3000000000"], "give at most 10,000")):
         assert main(["sweep", *specs, "--out", str(out), *extra]) in (1, 2)

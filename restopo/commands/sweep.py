@@ -111,7 +111,11 @@ def _check_baseline(name: str | None, jobs) -> None:
         baseline_arm(name, [(arm, *spec) for arm, spec in arms.items()])
 
 
-def _parameters(items) -> dict:
+def _parameters(items, executor: str) -> dict:
+    if items and executor == "local":  # else dropped silently: the runs go on unlimited
+        raise ValueError(f"--slurm {items[0]} is a parameter of submitit's jobs, but the runs "
+                         f"are local processes (--executor local); add --executor submitit "
+                         f"(or submitit-local), or drop --slurm")
     out = {}
     for item in items:
         key, eq, value = item.partition("=")
@@ -144,7 +148,7 @@ def run(args) -> int:
                     errors.setdefault((one.path, one.line, one.column, one.message), one)
         raise_all(list(errors.values()))
         _check_seeds(seeds, jobs[0], args)
-        slurm = _parameters(args.slurm)
+        slurm = _parameters(args.slurm, args.executor)
         _check_baseline(args.baseline, jobs)
     except ValueError as e:
         print(f"restopo sweep: error: {e}", file=sys.stderr)
