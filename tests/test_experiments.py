@@ -1169,3 +1169,23 @@ def test_no_gap_is_taken_between_runs_on_other_data_or_vocabularies():
                                        "compare)" in said
     assert "**ctx**: final validation loss -1.0000 lower" in said
     assert "context: 16 (a, data, vocab), 8 (ctx)" in said
+
+
+def test_a_run_stopped_from_outside_the_sweep_is_said_and_the_sweep_fails(tmp_path, capsys,
+                                                                          monkeypatch):
+    """A run stopped by a signal sent to it alone (SIGTERM from an admin or a scheduler, or
+    Ctrl-C in a sweep that ignores it, as `sweep ... &` in a script does) counted as
+    neither done nor failed: the sweep compared the rest and exited 0, the run unfinished.
+    It is named, with how to resume it, and the sweep exits 1."""
+    from restopo.experiments import runner
+    std, blk = _specs(tmp_path)
+    out = tmp_path / "sw"
+    _sweep_folder(out, {"std-s0": ("std", std, [], 0, 2.0)})
+    monkeypatch.setattr(runner, "run_job", lambda job, out, resume: {
+        "name": job.name, "status": "interrupted", "seconds": 1.0,
+        "error": "interrupted; the sweep resumes it from its last checkpoint when run again"})
+    assert main(["sweep", std, blk, "--out", str(out), "--baseline", "std"]) == 1
+    err = capsys.readouterr().err
+    assert "std-s0: already done" in err
+    assert "restopo sweep: blk-s0 was stopped before its end, not by this sweep; run the " \
+           "sweep again to resume it" in err

@@ -207,11 +207,16 @@ def _execute(args, jobs, out: Path, slurm: dict) -> int:
     for r in failed:
         print(f"restopo sweep: {r['name']} failed: {r.get('error')} (log: "
               f"{out / r['name'] / 'train.log'})", file=sys.stderr)
+    # stopped by a signal that did not stop the sweep (sent to the run alone): not done
+    stopped = [r for r in results if r["status"] == "interrupted"]
+    for r in stopped:
+        print(f"restopo sweep: {r['name']} was stopped before its end, not by this sweep; "
+              f"run the sweep again to resume it", file=sys.stderr)
     from .compare import run as compare_run
     compare_args = argparse.Namespace(runs=[str(out)], baseline=args.baseline, out=str(out),
                                       scaling=False, title=f"restopo sweep {out.name}")
     code = compare_run(compare_args) if len(results) > len(failed) else 1
-    return 1 if failed else code
+    return 1 if failed or stopped else code
 
 
 class _Progress:
