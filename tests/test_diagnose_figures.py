@@ -225,3 +225,27 @@ def test_step0_line_flags_a_broken_start_and_names_the_expected_ones(monkeypatch
     report = step0_report(m, full, build_ir(m.kinds, full), idx)
     assert report["line"].startswith("step 0: DIFFERS from the standard residual")
     assert report["difference"] > 1e-2
+
+
+def test_a_streams_figure_of_the_diagnose_before_is_removed(tmp_path, monkeypatch, capsys,
+                                                             cache):
+    """diagnose of an mhc run, then of a standard one into the same --out, left the first
+    one's hyper_connections.png beside the second's figures, as if of its model. A
+    hyper_connections.png no diagnose wrote there is left alone."""
+    monkeypatch.setenv("RESTOPO_CACHE", str(cache))
+    figures = tmp_path / "figures"
+    runs = {}
+    for residual in ("mhc(streams: 2)", "standard"):
+        spec = tmp_path / f"{residual[:3]}.restopo"
+        spec.write_text(SPEC.replace("RESIDUAL", residual))
+        runs[residual] = tmp_path / residual[:3]
+        assert main(["train", str(spec), "--out", str(runs[residual]), "--no-progress"]) == 0
+    argv = ["--batches", "1", "--batch-size", "2", "--out", str(figures)]
+    assert main(["diagnose", str(runs["mhc(streams: 2)"]), *argv]) == 0
+    assert (figures / "hyper_connections.png").exists()
+    assert main(["diagnose", str(runs["standard"]), *argv]) == 0
+    assert not (figures / "hyper_connections.png").exists()
+    (figures / "hyper_connections.png").write_bytes(b"mine")
+    assert main(["diagnose", str(runs["standard"]), *argv]) == 0
+    assert (figures / "hyper_connections.png").read_bytes() == b"mine"
+    capsys.readouterr()

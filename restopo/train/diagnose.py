@@ -262,8 +262,13 @@ def _row_label(graph, node_id: str) -> str:
 
 
 def write_figures(numbers: dict, graph, out_dir: Path, title: str) -> dict[str, Path]:
-    """The three PNGs and diagnose.json in out_dir."""
+    """The three PNGs (four with streams) and diagnose.json in out_dir."""
     make_folder(out_dir)
+    js = out_dir / "diagnose.json"
+    try:  # what the diagnose before this one in out_dir wrote, by its numbers
+        streams_before = bool(json.loads(js.read_text()).get("stream_coefficients"))
+    except (OSError, ValueError, AttributeError):
+        streams_before = False
     kinds = numbers["kinds"]
     xlabels = [f"{i} {k}" for i, k in enumerate(kinds, start=1)]
     paths = {}
@@ -304,9 +309,10 @@ def write_figures(numbers: dict, graph, out_dir: Path, title: str) -> dict[str, 
         paths["streams"] = plot_stream_coefficients(
             numbers["stream_coefficients"], out_dir / "hyper_connections.png", xlabels=xlabels,
             title=f"{title}: mean H^pre, H^post and H^res per sublayer")
-    js = out_dir / "diagnose.json"
     write_atomic(js, json.dumps(numbers, indent=1))
     paths["json"] = js
+    if streams_before and "streams" not in paths:  # its figure is not of this model
+        (out_dir / "hyper_connections.png").unlink(missing_ok=True)
     return paths
 
 
