@@ -1189,3 +1189,14 @@ def test_a_run_stopped_from_outside_the_sweep_is_said_and_the_sweep_fails(tmp_pa
     assert "std-s0: already done" in err
     assert "restopo sweep: blk-s0 was stopped before its end, not by this sweep; run the " \
            "sweep again to resume it" in err
+
+
+def test_a_run_folder_that_holds_runs_too_is_read_whole(tmp_path):
+    """`restopo train --out SWEEP` trains in a sweep's folder: compare SWEEP then read it as
+    that one run and left the sweep's runs out without a word. Both are read."""
+    std, blk = _specs(tmp_path)
+    out = tmp_path / "sw"
+    _sweep_folder(out, {"std-s0": ("std", std, [], 0, 2.0), "blk-s0": ("blk", blk, [], 0, 1.9)})
+    _sweep_folder(tmp_path, {"sw": ("sw", std, [], 0, 2.1)})  # the train run in its folder
+    assert sorted(r.name for r in find_runs([out])) == ["blk-s0", "std-s0", "sw"]
+    assert [r.name for r in find_runs([out / "std-s0"])] == ["std-s0"]

@@ -187,7 +187,7 @@ def read_run(path: str | Path) -> Run:
 
 def find_runs(paths) -> list[Run]:
     """Runs from folders given on the command line: a run folder, or a folder of runs (a
-    sweep's --out). Folders that are not runs inside a sweep folder are skipped."""
+    sweep's --out), or both. Folders that are not runs inside a sweep folder are skipped."""
     runs = []
     for p in map(Path, paths):
         if p.exists() and not p.is_dir():
@@ -196,19 +196,20 @@ def find_runs(paths) -> list[Run]:
         if not p.is_dir():
             raise RunError(f"{p}: no such folder")
         try:
-            runs.append(read_run(p))
-            continue
+            own = [read_run(p)]
         except RunError:
-            pass
+            own = []
+        # a run folder may hold runs too (a sweep's --out that a `train --out` trained in):
+        # read as the one run alone, the sweep's runs were left out without a word
         inner = []
         for child in sorted((q for q in p.iterdir() if q.is_dir()), key=_natural):
             try:
                 inner.append(read_run(child))
             except RunError:
                 continue
-        if not inner:
+        if not own and not inner:
             raise RunError(f"{p}: neither a run folder nor a folder of runs")
-        runs += inner
+        runs += own + inner
     return runs
 
 
