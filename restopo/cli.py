@@ -215,9 +215,11 @@ def _warnings_as_notes(command: str):
 
 def main(argv=None) -> int:
     # a character stdout's encoding cannot hold (PYTHONIOENCODING=ascii, a Latin-1 locale)
-    # is shown as '?', not a codec error that stops the command: generated text, a report's ±
+    # is shown as '?', not a codec error that stops the command: generated text, a report's ±.
+    # Line-buffered as stderr is: into one pipe or file (2>&1 | tee log) a block-buffered
+    # stdout came out after later stderr lines (compare's table after its 'wrote' line)
     if hasattr(sys.stdout, "reconfigure"):
-        sys.stdout.reconfigure(errors="replace")
+        sys.stdout.reconfigure(errors="replace", line_buffering=True)
     try:
         parser = build_parser()
         try:

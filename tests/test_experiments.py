@@ -1200,3 +1200,20 @@ def test_a_run_folder_that_holds_runs_too_is_read_whole(tmp_path):
     _sweep_folder(tmp_path, {"sw": ("sw", std, [], 0, 2.1)})  # the train run in its folder
     assert sorted(r.name for r in find_runs([out])) == ["blk-s0", "std-s0", "sw"]
     assert [r.name for r in find_runs([out / "std-s0"])] == ["std-s0"]
+
+
+def test_compare_output_keeps_its_order_in_one_pipe(tmp_path):
+    """`restopo sweep ... 2>&1 | tee log`: stdout into a pipe was block-buffered, stderr
+    not, so compare's table and reading (stdout) came out after its 'wrote results.md'
+    line (stderr), and a long table could be split by stderr lines. Lines now keep the
+    order they were printed in."""
+    std, blk = _specs(tmp_path)
+    _sweep_folder(tmp_path / "sw", {f"{a}-s{s}": (a, spec, [], s, 2.0 + 0.01 * s)
+                                    for a, spec in (("std", std), ("blk", blk)) for s in (0, 1)})
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    done = subprocess.run([sys.executable, "-m", "restopo", "compare", str(tmp_path / "sw"),
+                           "--baseline", "std"], stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stdout
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("| arm |") and lines[-1].startswith("wrote "), done.stdout
