@@ -302,7 +302,7 @@ GOLDEN = [
      M + "residual custom {\n  before sublayer: attend(embedding, window(8 layers))\n}\n", (),
      'spec.restopo', 3, 47,
      "'window' takes a number alone, got '8 layers'",
-     "write the number alone, e.g. window(8); it counts sublayers, 2 per transformer layer"),
+     "write the number alone: window(8); it counts sublayers, 2 per transformer layer"),
     ('two_windows',  # was "source 'window(4)' is listed twice"
      M + "residual custom {\n  before sublayer: attend(embedding, window(8), window(4))\n}\n",
      (), 'spec.restopo', 3, 49,
@@ -779,3 +779,29 @@ def test_a_stream_count_without_its_key_is_one_error():
         parse_spec(M + "residual hyper_connections(4)\n", "spec.restopo")
     assert not isinstance(info.value, SpecErrors), str(info.value)
     assert info.value.hint == "e.g. hyper_connections(streams: 4)"
+
+
+S = "residual standard\n"
+
+
+@pytest.mark.parametrize("text,overrides,hint", [
+    (M.replace(" }", '; mlp: gelu("4x") }') + S, (), "write it without the quotes: gelu(4x)"),
+    (M + 'residual full_attnres(window: "8")', (), "write it without the quotes: window: 8"),
+    (M + S, ('model.mlp=gelu("2x")',), "write it without the quotes: --set model.mlp=gelu(2x)"),
+    (M + S + "train { steps: 50 steps }", (), "write the number alone: steps: 50"),
+    (M + S, ("train.steps=50 steps",), "write the number alone: --set train.steps=50"),
+    (M + S, ("model.mlp=gelu 2x",), "write --set model.mlp=gelu(2x), or mlp: gelu and"),
+    (M + "residual custom { before sublayer: attend(embedding sublayers, gate: sigmoid) }", (),
+     "write attend(embedding, sublayers, gate: sigmoid)"),
+    (M + "residual custom { before sublayer: mhc(embedding, streams: 2, sinkhorn: 5) }", (),
+     "write mhc(streams: 2, sinkhorn: 5)"),
+], ids=["quoted_ratio", "quoted_option", "quoted_ratio_set", "unit_word", "unit_word_set",
+        "ratio_outside_parentheses_set", "sources_without_commas", "stream_rule_sources"])
+def test_a_hint_that_rewrites_a_value_keeps_the_other_words(text, overrides, hint):
+    """A hint that corrects one value wrote the rest from the key's example: gelu("4x") was
+    told to write swiglu(4x), window: "8" window(8), `50 steps` steps: 300, and a stream
+    rule or sources without commas lost their options; it now rewrites what was typed."""
+    with pytest.raises(SpecError) as info:
+        parse_spec(text + "\n", "spec.restopo", overrides)
+    err = info.value.errors[0] if isinstance(info.value, SpecErrors) else info.value
+    assert err.hint.startswith(hint), err.hint

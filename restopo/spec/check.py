@@ -107,8 +107,10 @@ def _mlp(fl: Field, c: Checker):
     items = fl.value.items if isinstance(fl.value, ListValue) else ()
     if len(items) == 2 and isinstance(items[0], Name) and isinstance(items[1], Number):
         kind, ratio = items[0].text, items[1].text  # `mlp: swiglu 4x`
+        called = f"{kind}({ratio})"
         c.error(items[1].pos, f"the MLP ratio goes in parentheses, got '{kind} {ratio}'",
-                f"write mlp: {kind}({ratio}), or mlp: {kind} and mlp_ratio: {ratio}")
+                f"write {c.src.rewrite(fl.pos, fl.value.pos, called) or 'mlp: ' + called}, "
+                f"or mlp: {kind} and mlp_ratio: {ratio}")
         return None, None
     v = c.single(fl, "mlp")
     if v is None:

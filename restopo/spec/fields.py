@@ -99,8 +99,10 @@ class Checker:
             said = " ".join(describe(v) for v in items)
             sublayers = name in ("window", "block_size") and any(
                 v.text.startswith("layer") for v in items[1:])
+            alone = self.src.rewrite(f.pos, f.value.pos, items[0].text)
             self.error(items[1].pos, f"'{name}' takes a number alone, got '{said}'",
-                       f"write the number alone, {example(name)}" + (
+                       (f"write the number alone: {alone}" if alone else
+                        f"write the number alone, {example(name)}") + (
                            "; it counts sublayers, 2 per transformer layer" if sublayers
                            else ""))
             return None
@@ -110,9 +112,10 @@ class Checker:
         if not isinstance(v, Number):
             quoted = isinstance(v, String) and re.fullmatch(r"\s*-?[0-9][0-9_.eE+-]*[xkM]?\s*",
                                                             v.value)
+            plain = quoted and (self.src.rewrite(f.pos, v.pos, v.value.strip())
+                                or _written(name, v.value.strip()))
             self.error(v.pos, f"'{name}' must be a number, got '{describe(v)}'",
-                       f"write it without the quotes: {_written(name, v.value.strip())}"
-                       if quoted else example(name))
+                       f"write it without the quotes: {plain}" if quoted else example(name))
             return None
         digits = v.text[:len(v.text) - len(v.unit)] if v.unit else v.text
         if "_" in digits and not _GROUPED.fullmatch(digits):

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from ..topology import Rule, Topology, sublayer_kinds
 from .errors import SpecError
-from .nodes import Pos
+from .nodes import Pos, from_command_line
 
 if TYPE_CHECKING:  # pragma: no cover
     import networkx as nx
@@ -34,6 +34,22 @@ class SourceText:
 
     def error(self, pos: Pos, message: str, hint: str | None = None) -> SpecError:
         return SpecError(pos.source, pos.line, pos.column, message, hint, self.line(pos))
+
+    def rewrite(self, span: Pos, part: Pos, new: str) -> str | None:
+        """What a person wrote at `span` with `part` of it replaced by `new`, for a hint that
+        corrects one value and keeps the other words (`gelu("4x")` -> `gelu(4x)`). On the
+        command line, the whole line as typed (`--set train.lr=3e-3`); None when either
+        spans lines or the text is unknown."""
+        line = self.line(part)
+        if line is None or {span.line, span.end_line, part.end_line} != {part.line}:
+            return None
+        if from_command_line(span.source):  # a --set or a flag: the line as typed
+            start, end = 0, len(line)
+        else:
+            start, end = span.column - 1, span.end_column - 1
+        if not start <= part.column - 1 <= part.end_column - 1 <= end:
+            return None
+        return (line[start:part.column - 1] + new + line[part.end_column - 1:end]).strip()
 
 
 def _where(positions, key: str) -> Pos | None:

@@ -326,8 +326,9 @@ def _rule(fl: Field, target: str, c: Checker) -> T.Rule | None:
     if method in T.MULTI_STREAM_METHODS:
         if any(a.key is None for a in args):
             first = next(a for a in args if a.key is None)
+            options = ", ".join(f"{k}: {describe(fa.value)}" for k, fa in named.items())
             c.error(first.pos, f"{method} reads the n residual streams, not sources",
-                    f"write {method}(streams: 4)")
+                    f"write {method}({options or 'streams: 4'})")
             return None
         got = _stream_options({k: v for k, v in named.items() if k in takes}, method, v.pos, c,
                               quiet=len(c.errors) > before)
@@ -423,7 +424,7 @@ def _source(a: Arg, target: str, c: Checker, rule: Call) -> T.Source | None:
     if isinstance(v, ListValue):  # `attend(embedding sublayers)`
         listed = ", ".join(describe(x) for x in v.items)
         c.error(v.items[1].pos, f"sources are separated by ',', got '{describe(v)}'",
-                f"write {rule.name.text}({listed})")
+                f"write {c.src.rewrite(rule.pos, v.pos, listed) or f'{rule.name.text}({listed})'}")
         return None
     c.error(v.pos, f"expected a source, got '{describe(v)}'",
             f"sources: {', '.join(names)}")
