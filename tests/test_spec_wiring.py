@@ -169,3 +169,55 @@ def test_sublayers_that_reach_nothing_the_head_reads(monkeypatch):
         line = str(e.value).splitlines()[0]
         assert ":4:16:" in line and (("sublayers 1..4 (4 of 6)" in line) if case == "some"
                                      else "no sublayer's output reaches the head" in line)
+
+
+@pytest.mark.parametrize("rule", ["sum(embedding, sublayers)", "rezero()",
+                                  "attend(embedding, sublayers)",
+                                  "scalars(embedding, window(2))"])
+@pytest.mark.parametrize("blocks", ["blocks: 3", "block_size: 4"])
+def test_blocks_that_no_rule_reads_are_refused(rule, blocks):
+    """Blocks given to wiring that reads neither 'blocks' nor 'partial' were said ok ('3
+    blocks') and changed nothing but the sums made for no reader; they are refused at the
+    key. `blocks: 1` (no blocks) stays the one-stream default."""
+    from restopo.spec import SpecError
+    text = MODEL + "residual custom {\n " + blocks + "\n before sublayer: " + rule + "\n}\n"
+    with pytest.raises(SpecError) as info:
+        parse_spec(text)
+    err = info.value
+    key = blocks.split(":")[0]
+    assert (err.line, err.column) == (3, 2)
+    assert err.message == f"'{key}' has no effect here: no rule reads 'blocks' or 'partial'"
+    assert err.hint.startswith(f"remove '{key}'")
+    parse_spec(text.replace(blocks, "blocks: 1"))
+    # a head that reads the blocks is a reader
+    parse_spec(text.replace("\n}", "\n before head: attend(embedding, blocks)\n}"))
+
+
+@pytest.mark.parametrize("residual", ["standard", "rezero", "denseformer", "full_attnres",
+                                      "block_attnres(blocks: 3)", "block_attnres(block_size: 4)",
+                                      "custom { blocks: 2; before sublayer: attend(embedding, "
+                                      "blocks, partial); before head: attend(embedding, "
+                                      "sublayers) }",
+                                      "custom { blocks: 3; before sublayer: attend(embedding, "
+                                      "sublayers); before head: sum(embedding, blocks) }"])
+def test_the_ir_holds_no_running_sum_that_nothing_reads(residual):
+    """A standard residual is one block of every sublayer, and the IR held its block sum
+    and L - 1 partial sums that no aggregation reads (the lowering builds sums on first
+    use, so only the IR carried them). Each running sum now feeds an aggregation, itself or
+    through the later partial or block sum it is summed into."""
+    from restopo.ir import Aggregation, BlockSum, Partial
+    g = parse_spec(MODEL + f"residual {residual}\n").ir()
+    sums = [v for v in g.values() if isinstance(v, (BlockSum, Partial))]
+
+    def feeds(v) -> bool:
+        if any(isinstance(g.node(s), Aggregation) for s in g.successors(v.id)):
+            return True
+        n = v.block if isinstance(v, Partial) else None
+        later = [w for w in sums if isinstance(w, Partial) and w.block == n and w.j == v.j + 1]
+        later += [w for w in sums if isinstance(w, BlockSum) and w.index == n
+                  and len(w.members) == v.j]
+        return isinstance(v, Partial) and any(feeds(w) for w in later)
+
+    assert [v.id for v in sums if not feeds(v)] == []
+    if residual == "standard":
+        assert sums == []

@@ -5,6 +5,7 @@ Nodes (typed values of restopo.ir.nodes; ids are the names people see in `restop
   sublayer{i}      Sublayer     v_i = f_i(h_i), i = 1..L
   block{n}         BlockSum     b_n, for blocks of two or more sublayers
   partial{n}.{j}   Partial      p_n^j, the sum of the first j-1 outputs of block n (j >= 2)
+                                (running sums only as far as some aggregation reads them)
   agg{l}           Aggregation  h_l, l = 1..L+1 (L+1: before the head)
   head             Head         final norm and LM head
 A multi-stream topology (restopo.topology.MULTI_STREAM_METHODS) has no block or partial
@@ -41,22 +42,8 @@ def build_ir(kinds: tuple[str, ...], topology: Topology, width: int | None = Non
         g.add_value(Sublayer(i, k, block_of[i]))
     if topology.sublayer_rule.multi_stream or topology.head_rule.multi_stream:
         return _multi_stream(g, topology)
-    for n, members in enumerate(topology.blocks, start=1):
-        if len(members) >= 2:
-            g.add_value(BlockSum(n, members))
-            for i in members:
-                g.add_edge(f"sublayer{i}", f"block{n}")
-        for j in range(2, len(members) + 1):
-            # members as a range (blocks are contiguous) and p_n^j = p_n^{j-1} + v: two
-            # edges, so a block of S sublayers costs O(S), not O(S^2) (a standard residual
-            # is one block of all L sublayers)
-            partial = Partial(n, j, range(members[0], members[j - 2] + 1))
-            g.add_value(partial)
-            if j > 2:
-                g.add_edge(f"partial{n}.{j - 1}", partial.id)
-            g.add_edge(f"sublayer{members[j - 2]}", partial.id)
-
     names = ["embedding"] + [f"sublayer{i}" for i in range(1, L + 1)]  # shared by all reads
+    points = []
     for l in range(1, L + 2):
         head = l == L + 1
         rule = topology.head_rule if head else topology.sublayer_rule
@@ -67,6 +54,9 @@ def build_ir(kinds: tuple[str, ...], topology: Topology, width: int | None = Non
             raise TopologyError(
                 f"the aggregation before {'the head' if head else f'sublayer {l}'} reads no "
                 f"source; add 'embedding' to its sources")
+        points.append((l, head, rule, n, j, sources))
+    _running_sums(g, topology.blocks, {s for *_, sources in points for s in sources})
+    for l, head, rule, n, j, sources in points:
         agg = Aggregation(l, "head" if head else kinds[l - 1], rule.method, tuple(sources),
                           n, j, query=rule.query, gate=rule.gate, key_norm=rule.key_norm,
                           heads=rule.heads, window=_window(rule))
@@ -102,6 +92,27 @@ def _multi_stream(g: IR, topology: Topology) -> IR:
         g.add_edge(agg.id, "head" if head else f"sublayer{l}")
     g.add_value(Head(L + 1))
     return g
+
+
+def _running_sums(g: IR, blocks, read: set[str]) -> None:
+    """The block and partial sums some aggregation reads, with the partials they are summed
+    from (none for a standard residual, one block of every sublayer that nobody reads)."""
+    for n, members in enumerate(blocks, start=1):
+        whole = f"block{n}" in read and len(members) >= 2
+        last = len(members) if whole else max(
+            (j for j in range(2, len(members) + 1) if f"partial{n}.{j}" in read), default=1)
+        if whole:
+            g.add_value(BlockSum(n, members))
+            for i in members:
+                g.add_edge(f"sublayer{i}", f"block{n}")
+        for j in range(2, last + 1):
+            # members as a range (blocks are contiguous) and p_n^j = p_n^{j-1} + v: two
+            # edges, so a block of S sublayers costs O(S), not O(S^2)
+            partial = Partial(n, j, range(members[0], members[j - 2] + 1))
+            g.add_value(partial)
+            if j > 2:
+                g.add_edge(f"partial{n}.{j - 1}", partial.id)
+            g.add_edge(f"sublayer{members[j - 2]}", partial.id)
 
 
 def _window(rule: Rule) -> int | None:

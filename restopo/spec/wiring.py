@@ -212,10 +212,30 @@ def _custom(view: View, c: Checker) -> ResidualSpec | None:
         return _custom_streams(view, sub, head, c)
     if head is None:  # the head reads what the sublayers read; no partial is open there
         head = replace(sub, sources=tuple(s for s in sub.sources if s.name != "partial"))
+    if _blocks_unread(view, blocks, sub, head, c):
+        return None
     name = view.label.text if view.label else "custom"
     return ResidualSpec(name, "custom", (), blocks, block_size, sub, head,
                         pos=(view.label or view.kind).pos,
                         positions=positions(view) + _heads_positions(view), source=c.src)
+
+
+def _blocks_unread(view: View, blocks: int | None, sub: T.Rule, head: T.Rule,
+                   c: Checker) -> bool:
+    """Blocks that no rule reads ('blocks' or 'partial') change nothing but would make their
+    sums for no reader (a standard residual, a stream update, depth attention over every
+    output); True after the error. `blocks: 1`, no blocks, is the one-stream default."""
+    given = next((view.fields[k] for k in ("blocks", "block_size") if k in view.fields), None)
+    if given is None or blocks == 1 or any(s.name in ("blocks", "partial")
+                            for rule in (sub, head) for s in rule.sources):
+        return False
+    k = given.key.text
+    c.error(given.key.pos, f"'{k}' has no effect here: no rule reads 'blocks' or 'partial'",
+            f"remove '{k}'" + (f": {sub.method} updates one running stream, which reads "
+                               "every output" if sub.method in T.STREAM_METHODS else
+                               ", or read the blocks, e.g. before sublayer: "
+                               "attend(embedding, blocks, partial)"))
+    return True
 
 
 def _heads_positions(view: View) -> tuple:
