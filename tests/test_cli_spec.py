@@ -410,3 +410,29 @@ def test_check_reports_a_data_path_that_is_not_there_where_train_looks(tmp_path,
     err = capsys.readouterr().err
     assert err.startswith(f"<--set 1>:1:18: error: data path "
                           f"'{tmp_path.resolve() / 'corpus.txt'}' does not exist"), err
+
+
+@pytest.mark.parametrize("example", sorted(p.name for p in EXAMPLES.glob("*.restopo")))
+@pytest.mark.parametrize("overrides", [(), ("model.tie_embeddings=false", "model.mlp=gelu(3x)")])
+def test_inspect_counts_the_compiled_models_parameters(example, overrides, capsys):
+    """inspect gave the topology's added parameters but no total; its total, embedding and
+    non-embedding counts are the compiled model's (a tied LM head's table counted once).
+    check's parameter bound counts the same way (it took SwiGLU's hidden width as ratio x d
+    and left the norms out)."""
+    from restopo.api import compile
+    from restopo.spec import load_spec
+    from restopo.spec.limits import parameters
+    args = [a for o in overrides for a in ("--set", o)]
+    assert main(["inspect", str(EXAMPLES / example), "--format", "json", *args]) == 0
+    report = json.loads(capsys.readouterr().out)
+    got = report["parameters"]
+    spec = load_spec(EXAMPLES / example, overrides)
+    model = compile(spec, backend="eager")
+    tables = {id(w): w.numel() for w in (model.get_submodule("embed").weight,
+                                         model.get_submodule("head.lm_head").weight)}
+    assert got["total"] == sum(p.numel() for p in model.parameters())
+    assert got["embedding"] == sum(tables.values())
+    assert got["non_embedding"] == got["total"] - got["embedding"]
+    assert parameters(spec.model) == got["total"] - report["added_parameters"]
+    assert main(["inspect", str(EXAMPLES / example), *args]) == 0
+    assert f"parameters             {got['total']:,} (" in capsys.readouterr().out

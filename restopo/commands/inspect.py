@@ -25,7 +25,9 @@ The text table lists every aggregation point in execution order: the sublayer it
 (attn, mlp, or the head), its method and its ordered sources (embedding, blockN, partial,
 sublayerN). JSON has the keys spec (the file), topology, model (its section), sublayers,
 blocks, block_sizes, live_values_per_token, live_values_two_phase (with the phase-1 results
-the two-phase groups keep; null without any), added_parameters, two_phase_groups,
+the two-phase groups keep; null without any), parameters (the model's: total, embedding for
+the vocab x width tables, one when tied, and non_embedding, the rest with the topology's),
+added_parameters (the topology's), two_phase_groups,
 flops_per_token (forward FLOPs per token of the sublayers, the head and the aggregations,
 their sum `forward`, and `train` for a training step: 3x forward),
 residual_io (memory I/O per token per sublayer in units of d, unfused, as the paper's Table
@@ -68,6 +70,7 @@ def build_report(spec, args=None) -> dict:
                        "heads": m.heads, "mlp": m.mlp, "mlp_ratio": m.mlp_ratio,
                        "context": m.context, "layer": list(m.layer),
                        "tie_embeddings": m.tie_embeddings}
+    report["parameters"] = _parameters(m, report.get("added_parameters"))
     report["flops_per_token"] = _flops(g, m)
     pv = _pipeline_asked(spec, args)  # -- pipeline view --
     if pv is not None:
@@ -83,6 +86,15 @@ def _pipeline_asked(spec, args) -> str | None:
     if pv is None and parallel is not None and parallel.stages > 1:
         pv = f"{parallel.stages}x{parallel.virtual}"
     return pv
+
+
+def _parameters(model, added: int | None) -> dict:
+    """The model's parameters (restopo.nn.sizes, the topology's added ones with them): in
+    all, in the vocab x width tables (one when tied) and in the rest."""
+    from ..nn.sizes import model_parameters
+    body, embedding = model_parameters(model)
+    body += added or 0
+    return {"total": body + embedding, "embedding": embedding, "non_embedding": body}
 
 
 def _flops(g, model) -> dict:
@@ -177,6 +189,10 @@ def format_text(report: dict) -> str:
              + (f" ({report['live_values_two_phase']} as the two-phase groups run: each "
                 "phase 1 keeps one result per member until its last)"
                 if report.get("live_values_two_phase") else "")]
+    if report.get("parameters"):
+        p = report["parameters"]
+        lines.append(f"  parameters             {p['total']:,} (embedding {p['embedding']:,}, "
+                     f"non-embedding {p['non_embedding']:,})")
     if report.get("added_parameters") is not None:
         lines.append(f"  added parameters       {report['added_parameters']:,}")
     if report.get("flops_per_token"):
@@ -196,7 +212,7 @@ def format_text(report: dict) -> str:
     known = {"spec", "topology", "sublayers", "blocks", "block_sizes", "live_values_per_token",
              "live_values_two_phase",
              "added_parameters", "two_phase_groups", "aggregations", "model", "residual_io",
-             "flops_per_token"}
+             "flops_per_token", "parameters"}
     for key, value in report.items():
         if key in known:
             continue

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from ..ir import IR, Aggregation, BlockSum, Partial, stream_fed
 from ..topology import STREAM_METHODS
-from .sizes import swiglu_hidden
+from .sizes import mlp_hidden
 
 TRAIN_PER_FORWARD = 3
 
@@ -41,8 +41,7 @@ def sublayer_flops(kind: str, d: int, context: int, mlp: str = "swiglu",
     d and left out next to these."""
     if kind == "attn":
         return 2 * 4 * d * d + 2 * d * (context + 1)
-    hidden = swiglu_hidden(d, mlp_ratio) if mlp == "swiglu" else int(round(mlp_ratio * d))
-    return 2 * (3 if mlp == "swiglu" else 2) * d * hidden
+    return 2 * (3 if mlp == "swiglu" else 2) * d * mlp_hidden(d, mlp, mlp_ratio)
 
 
 def aggregation_flops(g: IR, d: int) -> float:

@@ -18,6 +18,7 @@ IR has billions of edges) at the line that wrote them, in one pass over the dept
 """
 from __future__ import annotations
 
+from ..nn.sizes import model_parameters, sublayer_parameters
 from .fields import Checker
 from .nodes import blame
 from .objects import ModelSpec, ParallelSpec, TrainSpec
@@ -33,16 +34,16 @@ def _parts(model: ModelSpec) -> tuple[int, int, int]:
     """The parameters of all attention sublayers, of all MLPs, and of one vocab x width
     table (the embedding; an untied LM head is a second)."""
     d = model.width
-    per_mlp = (3 if model.mlp == "swiglu" else 2) * int(model.mlp_ratio * d) * d
     n_attn = sum(k == "attn" for k in model.kinds)
-    return n_attn * 4 * d * d, (len(model.kinds) - n_attn) * per_mlp, model.vocab * d
+    per_mlp = sublayer_parameters("mlp", d, model.mlp, model.mlp_ratio)
+    return (n_attn * sublayer_parameters("attn", d), (len(model.kinds) - n_attn) * per_mlp,
+            model.vocab * d)
 
 
 def parameters(model: ModelSpec) -> int:
     """The parameter count of restopo's transformer for `model` (sublayers, embedding and
     LM head; the topology's own few are left out)."""
-    attention, mlps, table = _parts(model)
-    return attention + mlps + table * (1 if model.tie_embeddings else 2)
+    return sum(model_parameters(model))
 
 
 def check_model_limits(model: ModelSpec, c: Checker) -> bool:
