@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 
 from ..ir import IR, Aggregation, BlockSum, Partial, stream_fed
-from ..topology import STREAM_METHODS
+from ..topology import DEFAULT_SINKHORN, STREAM_METHODS
 from .sizes import mlp_hidden
 
 TRAIN_PER_FORWARD = 3
@@ -81,9 +81,9 @@ def attend_flops_per_source(key_norm: str, d: int) -> float:
 
 def stream_flops(a: Aggregation, d: int) -> float:
     """A multi-stream point (restopo.nn.streams), n streams: the read sum_i pre_i X_i, the
-    write R X + post (x) v, and the coefficients' matrices (DHC's [d, n+2] per stream,
-    mHC's [n d, 2n + n^2] and mHC-lite's [n d, 2n + n!]); the head sums the streams. Norms
-    and Sinkhorn's n x n iterations are linear in d or free of it, left out."""
+    write R X + post (x) v, the coefficients' matrices (DHC's [d, n+2] per stream, mHC's
+    [n d, 2n + n^2] and mHC-lite's [n d, 2n + n!]) and mHC's Sinkhorn iterations; the head
+    sums the streams. Norms, linear in d, are left out as the sublayers' are."""
     n = a.streams
     if a.is_head:
         return (n - 1) * d
@@ -91,7 +91,17 @@ def stream_flops(a: Aggregation, d: int) -> float:
     if a.method == "hyper_connections":
         return total + (2 * n * d * (n + 2) if a.dynamic else 0)
     k = n * n if a.method == "mhc" else math.factorial(n)
-    return total + 2 * n * d * (2 * n + k)
+    total += 2 * n * d * (2 * n + k)
+    return total + (sinkhorn_flops(n, a.sinkhorn or DEFAULT_SINKHORN) if a.method == "mhc"
+                    else 0)
+
+
+def sinkhorn_flops(n: int, iters: int) -> float:
+    """restopo.nn.streams.sinkhorn on one token's n x n logits: a row softmax (n exp, n - 1
+    adds and n divisions a row) and + eps, then 2 iters - 1 normalisations, each n sums of
+    n numbers, n + eps and n^2 divisions. Free of d, but at mHC's 20 iterations about as
+    much as a [n d, n] matrix at d = 40 (n = 4)."""
+    return n * (3 * n - 1) + n * n + (2 * iters - 1) * (n * (n - 1) + n + n * n)
 
 
 def flops_per_token(g: IR, model) -> Flops:
