@@ -634,6 +634,18 @@ GOLDEN = [
      'spec.restopo', 2, 9,
      "unexpected end of file",
      "expected a name, a number, a \"quoted string\" or '{' after 'residual'"),
+    ('set_option_of_a_topology_without_options',  # was "write 'residual standard'"
+     M + "residual standard\n", ("residual.blocks=2",),
+     '<--set 1>', 1, 16,
+     "'standard' takes no options, got 'blocks'",
+     "the spec's residual is standard, and --set residual.KEY sets an option of that "
+     "topology; to use block_attnres: --set 'residual=block_attnres(blocks: 2)'"),
+    ('set_misspelt_option_of_a_topology_without_options',
+     M + "residual rezero\n", ("residual.windw=4",),
+     '<--set 1>', 1, 16,
+     "'rezero' takes no options, got 'windw'",
+     "the spec's residual is rezero, and --set residual.KEY sets an option of that "
+     "topology; to use full_attnres: --set 'residual=full_attnres(window: 4)'"),
 ]
 
 

@@ -67,7 +67,7 @@ def _named(view: View, c: Checker) -> ResidualSpec | None:
         del view.fields[k]
         if not allowed:
             c.error(f.key.pos, f"'{name.text}' takes no options, got '{k}'",
-                    f"write 'residual {name.text}'")
+                    _no_options_hint(name.text, k, f))
             continue
         owners = _owners(k, NAMED_OPTIONS)
         if owners:
@@ -98,6 +98,20 @@ def _named(view: View, c: Checker) -> ResidualSpec | None:
         opts["window"] = window
     return ResidualSpec(name.text, "named", tuple(opts.items()), blocks, block_size,
                         pos=name.pos, positions=positions(view), source=c.src)
+
+
+def _no_options_hint(topology: str, key: str, f: Field) -> str:
+    """For an option given to a topology that takes none: in the file, write it bare; from
+    --set residual.KEY=V, which the spec's topology ignores, the topology that takes it."""
+    if not from_command_line(f.key.pos.source):
+        return f"write 'residual {topology}'"
+    options = {o for opts in NAMED_OPTIONS.values() for o in opts}
+    meant = key if key in options else next(iter(difflib.get_close_matches(key, options, 1)),
+                                            None)
+    owner = next((t for t, opts in NAMED_OPTIONS.items() if meant in opts), None)
+    return (f"the spec's residual is {topology}, and --set residual.KEY sets an option of that "
+            "topology" + (f"; to use {owner}: --set 'residual={owner}({meant}: "
+                          f"{describe(f.value)})'" if owner else ""))
 
 
 def _rule_options(fields: dict[str, Field], method: str, c: Checker) -> dict:
