@@ -151,6 +151,11 @@ GOLDEN = [
      'spec.restopo', 1, 28,
      "'width' is not a ratio; write 64 without 'x'",
      "the 'x' unit marks a ratio, as in mlp: swiglu(4x)"),
+    ('ratio_unit_on_a_rate',  # was "write 0.003 without 'x'": the number rewritten
+     M + "residual standard\ntrain { lr: 3e-3x }\n", (),
+     'spec.restopo', 3, 13,
+     "'lr' is not a ratio; write 3e-3 without 'x'",
+     "the 'x' unit marks a ratio, as in mlp: swiglu(4x)"),
     ('unknown_unit', M.replace("vocab: 256", "vocab: 256q") + "residual standard\n", (),
      'spec.restopo', 1, 16,
      "unknown unit 'q' in '256q'",

@@ -139,8 +139,8 @@ class Checker:
                            f"values are at most {MAX_INT:,}")
             return None
         if v.unit == "x" and not ratio:
-            self.error(v.pos, f"'{name}' is not a ratio; write {describe_number(v.value)} "
-                       f"without 'x'", "the 'x' unit marks a ratio, as in mlp: swiglu(4x)")
+            self.error(v.pos, f"'{name}' is not a ratio; write {digits} without 'x'",
+                       "the 'x' unit marks a ratio, as in mlp: swiglu(4x)")
             return None
         return value
 
