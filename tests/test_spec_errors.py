@@ -151,6 +151,15 @@ GOLDEN = [
      'spec.restopo', 1, 28,
      "'width' is not a ratio; write 64 without 'x'",
      "the 'x' unit marks a ratio, as in mlp: swiglu(4x)"),
+    ('section_label_not_a_name',  # was "unexpected '{'" after it, expecting a key
+     M.replace("model {", "model 3 {") + "residual standard\n", (),
+     'spec.restopo', 1, 7,
+     "a section's label is a name, got '3'",
+     "e.g. 'model tiny { ... }', or no label: 'model { ... }'"),
+    ('section_label_quoted', M + "residual standard\ntrain \"run\" { steps: 3 }\n", (),
+     'spec.restopo', 3, 7,
+     "a section's label is a name, got '\"run\"'",
+     "e.g. 'train tiny { ... }', or no label: 'train { ... }'"),
     ('ratio_unit_on_a_rate',  # was "write 0.003 without 'x'": the number rewritten
      M + "residual standard\ntrain { lr: 3e-3x }\n", (),
      'spec.restopo', 3, 13,

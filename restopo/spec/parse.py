@@ -382,6 +382,15 @@ def syntax_error(e: UnexpectedInput, text: str, path: str, what: str = "spec") -
                                  f"{tok.line} at the latest, where "
                                  f"'{text.splitlines()[tok.line - 1].strip()}' opens another",
                                  tok.line)
+        label = re.search(r"(?:^|[;\n}])[ \t]*(model|residual|parallel|train)[ \t]+"
+                          r"(\S+)[ \t]*$", text[:tok.start_pos])
+        if tok.type == "LBRACE" and label and not label.group(2).isidentifier():
+            kind, at = label.group(1), label.start(2)  # `model 3 {`: not a name
+            line = text.count("\n", 0, at) + 1
+            return SpecError(path, line, at - text.rfind("\n", 0, at),
+                             f"a section's label is a name, got '{label.group(2)}'",
+                             f"e.g. '{kind} tiny {{ ... }}', or no label: '{kind} {{ ... }}'",
+                             _line(text, line))
         expected = _in_context(set(e.expected or ()), text, tok.start_pos)
         message = f"unexpected {_describe_token(tok)}"
         hint = f"expected {expected_words(expected)}"
