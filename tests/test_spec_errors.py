@@ -160,6 +160,11 @@ GOLDEN = [
      'spec.restopo', 3, 7,
      "a section's label is a name, got '\"run\"'",
      "e.g. 'train tiny { ... }', or no label: 'train { ... }'"),
+    ('set_with_a_line_break',  # was at line 2 of a '--set' shown over two lines
+     M + "residual standard\n", ("model.width=32\nmodel.depth=3",),
+     '<--set 1>', 1, 21,
+     "a line break in --set",
+     "give each setting its own --set, e.g. --set model.width=64 --set model.depth=4"),
     ('ratio_unit_on_a_rate',  # was "write 0.003 without 'x'": the number rewritten
      M + "residual standard\ntrain { lr: 3e-3x }\n", (),
      'spec.restopo', 3, 13,
@@ -831,3 +836,16 @@ def test_a_hint_that_rewrites_a_value_keeps_the_other_words(text, overrides, hin
         parse_spec(text + "\n", "spec.restopo", overrides)
     err = info.value.errors[0] if isinstance(info.value, SpecErrors) else info.value
     assert err.hint.startswith(hint), err.hint
+
+
+def test_a_set_with_a_line_break_is_shown_on_one_line():
+    """A --set holding a line break (pasted, or from a file read by the shell) had its
+    error shown over two lines, the caret under neither; a trailing break is a blank, and
+    any other is said where it is, on one line."""
+    with pytest.raises(SpecError) as info:
+        parse_spec(M + "residual standard\n", "spec.restopo", ("train.steps=x\r\n",))
+    assert str(info.value).splitlines()[:3] == [
+        "<--set 1>:1:19: error: 'steps' must be a number, got 'x'",
+        "    --set train.steps=x  ", "    " + " " * 18 + "^"]
+    assert parse_spec(M + "residual standard\n", overrides=("train.steps=3\r\n",)
+                      ).train.steps == 3

@@ -189,7 +189,14 @@ def apply_overrides(views: dict[str, View], overrides, c: Checker) -> None:
         else:
             source, line = f"<--set {i}>", f"--set {text}"
             key_base = value_base = len("--set ")
-        c.src.texts[source] = line
+        # shown on one line, each line break as a blank (a trailing one, pasted, is a blank)
+        brk = re.search(r"[\r\n]", line.rstrip())
+        line = c.src.texts[source] = re.sub(r"[\r\n]", " ", line)
+        if brk:
+            c.error(Pos(source, 1, brk.start() + 1), f"a line break in {line.split()[0]}",
+                    "give each setting its own --set, e.g. --set model.width=64 --set "
+                    "model.depth=4")
+            continue
 
         def at(col0: int, end: int | None = None) -> Pos:
             """Position of 0-based column `col0` of the override text, in the shown line."""
