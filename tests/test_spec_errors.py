@@ -822,16 +822,22 @@ S = "residual standard\n"
     (M + S + "train { steps: 50 steps }", (), "write the number alone: steps: 50"),
     (M + S, ("train.steps=50 steps",), "write the number alone: --set train.steps=50"),
     (M + S, ("model.mlp=gelu 2x",), "write --set model.mlp=gelu(2x), or mlp: gelu and"),
+    (M + "residual block_attnres(blocks: 2, gate: \"sigmoid\")", (),
+     "write it without the quotes: gate: sigmoid"),
+    (M + S, ('train.schedule="constant"',),
+     "write it without the quotes: --set train.schedule=constant"),
     (M + "residual custom { before sublayer: attend(embedding sublayers, gate: sigmoid) }", (),
      "write attend(embedding, sublayers, gate: sigmoid)"),
     (M + "residual custom { before sublayer: mhc(embedding, streams: 2, sinkhorn: 5) }", (),
      "write mhc(streams: 2, sinkhorn: 5)"),
 ], ids=["quoted_ratio", "quoted_option", "quoted_ratio_set", "unit_word", "unit_word_set",
-        "ratio_outside_parentheses_set", "sources_without_commas", "stream_rule_sources"])
+        "ratio_outside_parentheses_set", "quoted_choice", "quoted_choice_set", "sources_without_commas", "stream_rule_sources"])
 def test_a_hint_that_rewrites_a_value_keeps_the_other_words(text, overrides, hint):
     """A hint that corrects one value wrote the rest from the key's example: gelu("4x") was
     told to write swiglu(4x), window: "8" window(8), `50 steps` steps: 300, and a stream
-    rule or sources without commas lost their options; it now rewrites what was typed."""
+    rule or sources without commas lost their options, and a quoted word of a choice got
+    the key's first choice (gate: "sigmoid": e.g. gate: softmax); each now rewrites what
+    was typed."""
     with pytest.raises(SpecError) as info:
         parse_spec(text + "\n", "spec.restopo", overrides)
     err = info.value.errors[0] if isinstance(info.value, SpecErrors) else info.value

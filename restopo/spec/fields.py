@@ -197,8 +197,11 @@ class Checker:
             return None
         # a word that starts with a digit (the schedule 1f1b) lexes as a number with a unit
         if not (isinstance(v, Name) or (isinstance(v, Number) and v.unit)):
+            word = v.value.strip() if isinstance(v, String) else None
+            plain = word in choices and self.src.rewrite(f.pos, v.pos, word)
             self.error(v.pos, f"'{name}' must be one of {alts(choices)}, got '{describe(v)}'",
-                       f"e.g. {name}: {next(iter(choices))}")
+                       f"write it without the quotes: {plain}" if plain
+                       else f"e.g. {name}: {next(iter(choices))}")
             return None
         if v.text not in choices:
             self.error(v.pos, f"unknown {name} '{v.text}'", did_you_mean(v.text, choices))
