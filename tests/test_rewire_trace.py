@@ -9,6 +9,7 @@ from restopo.fx.rewire import RewireError, recover, rewire
 from restopo.fx.tracer import classify
 
 from models import attnres_loop as loop
+from models.rewired import randomise
 from models.metallama import ModelArgs, Transformer
 from models.nanogpt import GPT, GPTConfig
 
@@ -328,3 +329,54 @@ def test_sublayers_that_read_training_are_traced_per_mode():
     torch.testing.assert_close(r(idx)[0], r(idx)[0], rtol=0, atol=0)
     torch.testing.assert_close(rewire(m.eval(), "residual standard\n")(idx)[0], m(idx)[0],
                                rtol=0, atol=1e-12)
+
+
+class AuxMoE(nn.Module):
+    """An MoE MLP that returns (output, load-balancing loss), as Switch/Mixtral-style ones do."""
+
+    def __init__(self, config):
+        super().__init__()
+        from models.nanogpt import MLP
+        self.gate = nn.Linear(config.n_embd, 2)
+        self.experts = nn.ModuleList(MLP(config) for _ in range(2))
+
+    def forward(self, x):
+        w = torch.softmax(self.gate(x), -1)
+        aux = (w.mean((0, 1)) ** 2).sum()
+        return sum(w[..., i:i + 1] * e(x) for i, e in enumerate(self.experts)), aux
+
+
+class AuxDroppedBlock(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        from models.nanogpt import CausalSelfAttention, LayerNorm
+        self.ln_1, self.attn = LayerNorm(config.n_embd, True), CausalSelfAttention(config)
+        self.ln_2, self.mlp = LayerNorm(config.n_embd, True), AuxMoE(config)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        y, _ = self.mlp(self.ln_2(x))  # the aux loss is not used
+        return x + y
+
+
+class AuxDroppedGPT(GPT):
+    block = AuxDroppedBlock
+
+
+def test_a_tuple_output_item_never_read_is_no_read_of_the_sublayer():
+    """`y, _ = self.mlp(...)` traces a getitem of the unused aux loss too: it was refused as
+    reading the hidden state between sublayers; the unread item is dropped."""
+    torch.manual_seed(0)
+    m = AuxDroppedGPT(GPTConfig(n_layer=2)).double()
+    idx = tokens()
+    torch.testing.assert_close(rewire(m, "residual standard\n")(idx, idx)[1], m(idx, idx)[1],
+                               rtol=0, atol=1e-12)
+    r = rewire(m, "residual block_attnres(blocks: 2)\n")
+    queries, gains = randomise(r)
+    tr = m.transformer
+    v0 = tr.wte(idx) + tr.wpe(torch.arange(idx.shape[1]))
+    subs = [f for b in tr.h for f in (lambda h, b=b: b.attn(b.ln_1(h)),
+                                      lambda h, b=b: b.mlp(b.ln_2(h))[0])]
+    head = lambda h: m.lm_head(tr.ln_f(h))  # noqa: E731
+    want = loop.run(v0, subs, head, loop.layer_blocks(2, 2), loop.attend, queries, gains)
+    torch.testing.assert_close(r(idx, idx)[0], want, rtol=0, atol=1e-10)

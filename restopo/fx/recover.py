@@ -77,7 +77,17 @@ class _Graph:
 
 def recover(model: nn.Module, fixed: Iterable[tuple[str, object]] = ()) -> "StreamCut":
     """Trace `model` (the (name, value) arguments fixed) and cut it at its residual stream."""
-    return StreamCut(model, _Graph(model, trace(model, fixed)))
+    graph = trace(model, fixed)
+    _drop_unread_items(graph)
+    return StreamCut(model, _Graph(model, graph))
+
+
+def _drop_unread_items(graph: fx.Graph) -> None:
+    """Tuple unpacking (`y, _ = self.moe(x)`) traces a getitem for every item: one never read
+    is no value of the model, but left in the front it looked like a read of the sublayer."""
+    for n in reversed(list(graph.nodes)):
+        if n.op == "call_function" and n.target is operator.getitem and not n.users:
+            graph.erase_node(n)
 
 
 class StreamCut:
