@@ -380,3 +380,56 @@ def test_a_tuple_output_item_never_read_is_no_read_of_the_sublayer():
     head = lambda h: m.lm_head(tr.ln_f(h))  # noqa: E731
     want = loop.run(v0, subs, head, loop.layer_blocks(2, 2), loop.attend, queries, gains)
     torch.testing.assert_close(r(idx, idx)[0], want, rtol=0, atol=1e-10)
+
+
+class AuxReadBlock(AuxDroppedBlock):
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        y, aux = self.mlp(self.ln_2(x))
+        return x + y, aux
+
+
+class AuxReadGPT(GPT):
+    block = AuxReadBlock
+
+    def forward(self, idx, targets=None):
+        x = self.transformer.wte(idx) + self.transformer.wpe(torch.arange(idx.size(1)))
+        aux_total = 0
+        for block in self.transformer.h:
+            x, aux = block(x)
+            aux_total = aux_total + aux
+        return self.lm_head(self.transformer.ln_f(x)), aux_total
+
+
+class AuxKeptMoE(AuxMoE):
+    """What the refusal says to do: keep the aux loss on the module."""
+
+    def forward(self, x):
+        y, self.aux_loss = super().forward(x)
+        return y
+
+
+class AuxKeptBlock(AuxDroppedBlock):
+    def __init__(self, config):
+        super().__init__(config)
+        self.mlp = AuxKeptMoE(config)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class AuxKeptGPT(GPT):
+    block = AuxKeptBlock
+
+
+def test_a_second_output_read_outside_its_sublayer_is_refused_naming_it():
+    """An MoE's aux loss summed by the model was refused as `getitem_1` reading the hidden
+    state `transformer_h_0_mlp`: fx's names, and no word of what to do."""
+    with pytest.raises(RewireError, match=r"AuxReadGPT: `transformer\.h\.0\.mlp\(\.\.\.\)"
+                       r"\[1\]` is read outside the sublayer `transformer\.h\.0\.ln_2 \+ "
+                       r"transformer\.h\.0\.mlp`.*self\.aux_loss = "):
+        rewire(AuxReadGPT(GPTConfig(n_layer=2)), "residual standard\n")
+    m = AuxKeptGPT(GPTConfig(n_layer=2))
+    rewire(m, "residual full_attnres\n")(tokens())
+    assert all(b.mlp.aux_loss.requires_grad for b in m.transformer.h)

@@ -72,7 +72,14 @@ class _Graph:
         return sorted(nodes, key=self.order.__getitem__)
 
     def where(self, n: fx.Node) -> str:
-        return n.target if n.op == "call_module" else n.name
+        """A node as messages name it: a module call (or an item of its output) by the
+        module's path, anything else by its node name."""
+        if n.op == "call_module":
+            return n.target
+        src = n.args[0] if n.target is operator.getitem else None
+        if isinstance(src, fx.Node) and src.op == "call_module":
+            return f"{src.target}(...)[{n.args[1]!r}]"
+        return n.name
 
 
 def recover(model: nn.Module, fixed: Iterable[tuple[str, object]] = ()) -> "StreamCut":
@@ -164,19 +171,35 @@ class StreamCut:
             if isinstance(other, fx.Node) and any(s in self.G.anc[other] for s in self.streams):
                 raise RewireError(
                     f"{type(self.model).__name__} has parallel sublayers: `{x.name}` adds "
-                    f"`{other.name}`, computed from the stream before `{prev.name}`, so the "
-                    f"attention and the MLP read the same input (a GPT-J / GPT-NeoX parallel "
-                    f"block), not one after the other. {SUPPORTED}")
+                    f"`{self.G.where(other)}`, computed from the stream before `{prev.name}`, "
+                    f"so the attention and the MLP read the same input (a GPT-J / GPT-NeoX "
+                    f"parallel block), not one after the other. {SUPPORTED}")
 
     def _check_front(self, inside: set[fx.Node]) -> None:
         for n in self.front_nodes:
             hit = self.G.anc[n] & inside
             if hit and n is not self.G.output:
                 src = self.G.ordered(hit)[-1]
+                self._check_read_of_sublayer(n, src)
                 raise RewireError(
                     f"{type(self.model).__name__}: `{self.G.where(n)}` reads the hidden state "
                     f"`{src.name}` between sublayers, which a rewired stream no longer has. "
                     f"{SUPPORTED}")
+
+    def _check_read_of_sublayer(self, n: fx.Node, src: fx.Node) -> None:
+        """`n`, outside every sublayer, reads `src`: refused in words when `src` is inside one
+        (a second output of the sublayer's module, such as an MoE's auxiliary loss)."""
+        k = next((k for k, r in enumerate(self.regions) if src in r), None)
+        if k is None:
+            return
+        name, sub = type(self.model).__name__, self.names()[k]
+        read = (f"`{self.G.where(n)}`" if n.target is operator.getitem
+                else f"`{self.G.where(src)}` (by `{self.G.where(n)}`)")
+        raise RewireError(
+            f"{name}: {read} is read outside the sublayer `{sub}`; a rewired stream keeps "
+            f"only what a sublayer adds to it, so a second output such as an MoE's auxiliary "
+            f"loss has nowhere to go: return only the added value and keep the other on the "
+            f"module (self.aux_loss = ...) to read after the forward. {SUPPORTED}")
 
     def _check_inputs(self, nodes: set[fx.Node], allowed: set[fx.Node]) -> None:
         """A piece may read its own stream value and the front, nothing else in between."""
@@ -200,7 +223,7 @@ class StreamCut:
             outside = [u for u in n.users if u not in region and u is not self.adds[k]]
             if outside:
                 raise RewireError(
-                    f"{type(self.model).__name__}: `{G.where(outside[0])}` reads `{n.name}` "
+                    f"{type(self.model).__name__}: `{G.where(outside[0])}` reads `{G.where(n)}` "
                     f"from inside the sublayer `{where}`. {SUPPORTED}")
         kinds = {G.kind(n) for n in region} - {None, "norm"}
         if kinds == {"attn", "mlp"}:
