@@ -433,3 +433,30 @@ def test_a_second_output_read_outside_its_sublayer_is_refused_naming_it():
     m = AuxKeptGPT(GPTConfig(n_layer=2))
     rewire(m, "residual full_attnres\n")(tokens())
     assert all(b.mlp.aux_loss.requires_grad for b in m.transformer.h)
+
+
+class ListGPT(GPT):
+    """Its blocks in a plain Python list (not registered), or in an nn.ModuleDict."""
+
+    def __init__(self, config, holder=list):
+        super().__init__(config)
+        blocks = {f"b{i}": self.block(config) for i in range(config.n_layer)}
+        self.blocks = list(blocks.values()) if holder is list else holder(blocks)
+
+    def forward(self, idx, targets=None):
+        x = self.transformer.wte(idx) + self.transformer.wpe(torch.arange(idx.size(1)))
+        for block in (self.blocks if isinstance(self.blocks, list) else self.blocks.values()):
+            x = block(x)
+        return self.lm_head(self.transformer.ln_f(x))
+
+
+def test_blocks_in_a_plain_list_are_refused_naming_where_they_are():
+    """torch.fx's 'module is not installed as a submodule' named neither the module nor the
+    fix."""
+    with pytest.raises(RewireError, match=r"ListGPT: `blocks\[0\]` \(a Block in a plain list\) "
+                       r"is not a registered submodule.*nn\.ModuleList"):
+        rewire(ListGPT(GPTConfig()), "residual standard\n")
+    torch.manual_seed(0)
+    m = ListGPT(GPTConfig(), holder=nn.ModuleDict).double()
+    torch.testing.assert_close(rewire(m, "residual standard\n")(tokens()), m(tokens()),
+                               rtol=0, atol=1e-12)

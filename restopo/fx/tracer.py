@@ -63,6 +63,12 @@ class SublayerTracer(fx.Tracer):
             self._leaf[key] = classify(m) == "norm" or not block
         return self._leaf[key]
 
+    def path_of_module(self, mod: nn.Module) -> str:
+        try:
+            return super().path_of_module(mod)
+        except NameError:  # fx says only "module is not installed as a submodule"
+            raise RewireError(_unregistered(self.root, mod)) from None
+
     def to_bool(self, obj):
         # A guard (`assert t <= block_size`, `if t > block_size: raise ...`) branches on a
         # traced value only to raise: take the branch that does not raise and record the
@@ -90,6 +96,26 @@ def trace(model: nn.Module, fixed: Iterable[tuple[str, object]] = ()) -> fx.Grap
         raise RewireError(
             f"torch.fx could not trace {type(model).__name__}.forward{where}: {e}. "
             f"{SUPPORTED}") from e
+
+
+def _unregistered(root: nn.Module, mod: nn.Module) -> str:
+    """Says where `root` keeps `mod` without registering it (a plain list, tuple or dict)."""
+    return (f"{type(root).__name__}: {_held_at(root, mod) or f'a {type(mod).__name__} it calls'}"
+            f" is not a registered submodule, so torch.fx cannot trace its call, and "
+            f"parameters() and state_dict() leave out its weights (no optimizer trains them): "
+            f"hold such modules in an nn.ModuleList or nn.ModuleDict")
+
+
+def _held_at(root: nn.Module, mod: nn.Module) -> str | None:
+    for name, m in root.named_modules():
+        for attr, value in vars(m).items():
+            keys = (range(len(value)) if isinstance(value, (list, tuple)) else
+                    value.keys() if isinstance(value, dict) else ())
+            for key in keys:
+                if value[key] is mod:
+                    return (f"`{name + '.' if name else ''}{attr}[{key!r}]` (a "
+                            f"{type(mod).__name__} in a plain {type(value).__name__})")
+    return None
 
 
 def _user_frame(e: BaseException) -> str:
