@@ -146,6 +146,33 @@ def test_training_lowers_the_loss():
     assert any(a.pseudo_query.abs().sum() > 0 for a in restopo.aggregations(r))
 
 
+def test_gradient_checkpointing_is_kept_as_recompute_of_each_sublayer(monkeypatch):
+    """rewire calls a layer's self_attn and mlp itself, past the decoder layer that runs
+    under checkpoint: with gradient_checkpointing_enable() the rewired model kept every
+    activation. Its sublayers now recompute; the gradients are those of no checkpointing."""
+    m = llama().train()
+    ac = "activation" if hasattr(m, "activation_checkpointing_enable") else "gradient"
+    getattr(m, f"{ac}_checkpointing_enable")()  # transformers 5 renamed it
+    r = rewire(m, "residual block_attnres(blocks: 2)\n", norm_eps=1e-24)
+    getattr(m, f"{ac}_checkpointing_disable")()
+    plain = rewire(m, "residual block_attnres(blocks: 2)\n", norm_eps=1e-24)
+    randomise(r), randomise(plain)
+    calls, forward = [], type(m.model.layers[0].mlp).forward
+    monkeypatch.setattr(type(m.model.layers[0].mlp), "forward",
+                        lambda self, x: calls.append(1) or forward(self, x))
+    idx = tokens()
+    r(idx, labels=idx).loss.backward()
+    assert len(calls) == 2 * 2  # two MLPs, each run in forward and again in backward
+    got = [p.grad.clone() for p in m.parameters()]
+    m.zero_grad()
+    plain(idx, labels=idx).loss.backward()
+    assert len(calls) == 2 * 2 + 2
+    for a, p in zip(got, m.parameters()):
+        torch.testing.assert_close(a, p.grad, rtol=0, atol=1e-12)
+    r.eval()
+    assert r.generate(idx, max_new_tokens=3, do_sample=False).shape == (2, 13)
+
+
 def test_blocks_larger_than_the_model_is_a_spec_error():
     with pytest.raises(SpecError):
         rewire(llama(), "residual block_attnres(blocks: 3)\n")

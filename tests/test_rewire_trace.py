@@ -460,3 +460,45 @@ def test_blocks_in_a_plain_list_are_refused_naming_where_they_are():
     m = ListGPT(GPTConfig(), holder=nn.ModuleDict).double()
     torch.testing.assert_close(rewire(m, "residual standard\n")(tokens()), m(tokens()),
                                rtol=0, atol=1e-12)
+
+
+class CheckpointedGPT(GPT):
+    """Activation checkpointing of every block, as training scripts switch it on."""
+
+    checkpointing = True
+
+    def forward(self, idx, targets=None):
+        from torch.utils.checkpoint import checkpoint
+        x = self.transformer.wte(idx) + self.transformer.wpe(torch.arange(idx.size(1)))
+        for block in self.transformer.h:
+            x = checkpoint(block, x, use_reentrant=False) if self.checkpointing else block(x)
+        return self.lm_head(self.transformer.ln_f(x))
+
+
+def forward_calls(monkeypatch, cls) -> list:
+    """Counts the forward calls of every `cls` module (recomputations in backward too)."""
+    calls, forward = [], cls.forward
+    monkeypatch.setattr(cls, "forward", lambda self, *a: calls.append(1) or forward(self, *a))
+    return calls
+
+
+def test_a_model_that_checkpoints_its_blocks_is_rewired_recomputing(monkeypatch):
+    """The trace calls checkpointed blocks plainly: the rewired model kept every activation
+    for backward where the original recomputed them. Its sublayers now recompute."""
+    from models.nanogpt import MLP
+    torch.manual_seed(0)
+    m = CheckpointedGPT(GPTConfig()).double()
+    r = rewire(m, "residual full_attnres\n")
+    m.checkpointing = False
+    plain = rewire(m, "residual full_attnres\n")
+    randomise(r), randomise(plain)
+    calls = forward_calls(monkeypatch, MLP)
+    r(tokens()).sum().backward()
+    assert len(calls) == 2 * 2  # two MLPs, each run in forward and again in backward
+    got = [p.grad.clone() for p in m.parameters()]
+    m.zero_grad()
+    calls.clear()
+    plain(tokens()).sum().backward()
+    assert len(calls) == 2
+    for a, p in zip(got, m.parameters()):
+        torch.testing.assert_close(a, p.grad, rtol=0, atol=1e-12)

@@ -76,12 +76,24 @@ def _cache_arg(fn) -> str:
     return "cache" if "cache" in inspect.signature(fn).parameters else "past_key_values"
 
 
-def _structure(model, subs, names, ends, context_names) -> Structure:
+def _structure(model, subs, names, ends, context_names, layers: str) -> Structure:
     kinds = tuple(["attn", "mlp"] * (len(subs) // 2))
     cfg = model.config
+    # its decoder layers run under checkpoint, but rewire calls their sublayers directly
+    checkpointed = (layers,) if _checkpointing(model) else ()
     return Structure(kinds=kinds, width=cfg.hidden_size, sublayers=subs, names=tuple(names),
                      ends=ends, signature=ends.signature, family=type(model).__name__,
-                     vocab=cfg.vocab_size, context_names=context_names)
+                     vocab=cfg.vocab_size, context_names=context_names,
+                     checkpointed=checkpointed)
+
+
+def _checkpointing(model: nn.Module) -> bool:
+    """Is the model's gradient checkpointing on? (transformers 5 renamed the property to
+    is_activation_checkpointing, and warns when the old name is read.)"""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(model), name):
+            return bool(getattr(model, name))
+    return False
 
 
 # ------------------------------------------------------------------ Llama family
@@ -135,7 +147,8 @@ def _llama(model: nn.Module, rule: str) -> Structure:
         names += [f"model.layers.{i}.input_layernorm + model.layers.{i}.self_attn",
                   f"model.layers.{i}.post_attention_layernorm + model.layers.{i}.mlp"]
     return _structure(model, subs, names, LlamaFrontAndBack(model, cache_arg, set(types)),
-                      ("cos", "sin", "position_ids", "masks", "cache", "use_cache"))
+                      ("cos", "sin", "position_ids", "masks", "cache", "use_cache"),
+                      "model.layers")
 
 
 class CausalLMFrontAndBack(abc.ABC):
@@ -286,7 +299,7 @@ def _gpt2(model: nn.Module) -> Structure:
         names += [f"transformer.h.{i}.ln_1 + transformer.h.{i}.attn",
                   f"transformer.h.{i}.ln_2 + transformer.h.{i}.mlp"]
     return _structure(model, subs, names, GPT2FrontAndBack(model, cache_arg),
-                      ("position_ids", "mask", "cache", "use_cache"))
+                      ("position_ids", "mask", "cache", "use_cache"), "transformer.h")
 
 
 class GPT2FrontAndBack(CausalLMFrontAndBack):

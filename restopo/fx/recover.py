@@ -84,9 +84,9 @@ class _Graph:
 
 def recover(model: nn.Module, fixed: Iterable[tuple[str, object]] = ()) -> "StreamCut":
     """Trace `model` (the (name, value) arguments fixed) and cut it at its residual stream."""
-    graph = trace(model, fixed)
+    graph, checkpointed = trace(model, fixed)
     _drop_unread_items(graph)
-    return StreamCut(model, _Graph(model, graph))
+    return StreamCut(model, _Graph(model, graph), checkpointed)
 
 
 def _drop_unread_items(graph: fx.Graph) -> None:
@@ -101,8 +101,8 @@ class StreamCut:
     """One traced call pattern cut at its residual stream: the residual adds, the nodes of
     each sublayer, of the front and of the back, and the front values the pieces read."""
 
-    def __init__(self, model: nn.Module, G: _Graph):
-        self.model, self.G = model, G
+    def __init__(self, model: nn.Module, G: _Graph, checkpointed: tuple[str, ...] = ()):
+        self.model, self.G, self.checkpointed = model, G, checkpointed
         adds = G.residual_adds()
         name = type(model).__name__
         # adds before the first attention/MLP branch belong to the embedding

@@ -76,6 +76,9 @@ class Structure:
     family: str = "fx"
     vocab: int | None = None   # token ids for the self-check are drawn below it
     context_names: tuple[str, ...] | None = None  # how the lowered code names the context
+    # the modules the original recomputes in backward (torch.utils.checkpoint, or Hugging
+    # Face's gradient checkpointing): the rewired model then recomputes its sublayers
+    checkpointed: tuple[str, ...] = ()
     # GraphModules cut from a trace: they hold the model's buffers by reference, and a
     # buffer is replaced (not updated in place) when the model moves; see `resync`
     graph_modules: list = field(default_factory=list)

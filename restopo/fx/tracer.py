@@ -9,9 +9,11 @@ from __future__ import annotations
 import inspect
 import operator
 import re
+import sys
 from collections.abc import Iterable
 
 import torch
+import torch.utils.checkpoint
 from torch import fx, nn
 
 from .guards import guard_outcome
@@ -49,6 +51,13 @@ class SublayerTracer(fx.Tracer):
         # buffers read in a forward (rotary tables, masks) become graph values, so that
         # slicing them by a traced length works
         self.proxy_buffer_attributes = True
+        self.checkpointed: list[str] = []  # the outermost modules called under a checkpoint
+
+    def call_module(self, m, forward, args, kwargs):
+        path = self.path_of_module(m)
+        if _under_checkpoint() and not any(path.startswith(f"{c}.") for c in self.checkpointed):
+            self.checkpointed.append(path)
+        return super().call_module(m, forward, args, kwargs)
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         if classify(m) is not None and self._is_sublayer_leaf(m):
@@ -84,11 +93,14 @@ class SublayerTracer(fx.Tracer):
         return passes
 
 
-def trace(model: nn.Module, fixed: Iterable[tuple[str, object]] = ()) -> fx.Graph:
+def trace(model: nn.Module, fixed: Iterable[tuple[str, object]] = ()
+          ) -> tuple[fx.Graph, tuple[str, ...]]:
     """The fx graph of `model.forward` with the (name, value) arguments fixed (see
-    `structure.pattern`)."""
+    `structure.pattern`), and the modules it calls under torch.utils.checkpoint (the graph
+    calls them plainly: nothing says they were recomputed)."""
+    tracer = SublayerTracer()
     try:
-        return SublayerTracer().trace(model, concrete_args=dict(fixed))
+        return tracer.trace(model, concrete_args=dict(fixed)), tuple(tracer.checkpointed)
     except RewireError:
         raise
     except Exception as e:  # fx raises TraceError, TypeError, RuntimeError, ... from user code
@@ -96,6 +108,16 @@ def trace(model: nn.Module, fixed: Iterable[tuple[str, object]] = ()) -> fx.Grap
         raise RewireError(
             f"torch.fx could not trace {type(model).__name__}.forward{where}: {e}. "
             f"{SUPPORTED}") from e
+
+
+def _under_checkpoint() -> bool:
+    """Is torch.utils.checkpoint on the stack (either form, however it was imported)?"""
+    f = sys._getframe(1)
+    while f is not None:
+        if f.f_code.co_filename == torch.utils.checkpoint.__file__:
+            return True
+        f = f.f_back
+    return False
 
 
 def _unregistered(root: nn.Module, mod: nn.Module) -> str:
