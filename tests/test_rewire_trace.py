@@ -502,3 +502,73 @@ def test_a_model_that_checkpoints_its_blocks_is_rewired_recomputing(monkeypatch)
     assert len(calls) == 2
     for a, p in zip(got, m.parameters()):
         torch.testing.assert_close(a, p.grad, rtol=0, atol=1e-12)
+
+
+class MaskedAttention(nn.Module):
+    """Causal attention that also takes an optional padding mask [B, T] (1 keep, 0 pad)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.qkv, self.n_head = nn.Linear(config.n_embd, 3 * config.n_embd), config.n_head
+        self.proj = nn.Linear(config.n_embd, config.n_embd)
+
+    def forward(self, x, attention_mask=None):
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, self.n_head, -1).transpose(1, 2)
+                   for t in self.qkv(x).split(C, dim=2))
+        mask = torch.ones(T, T, dtype=torch.bool).tril()
+        if attention_mask is not None:
+            mask = mask & attention_mask[:, None, None, :].bool()
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class MaskedBlock(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        from models.nanogpt import MLP, LayerNorm
+        self.ln_1, self.attn = LayerNorm(config.n_embd, True), MaskedAttention(config)
+        self.ln_2, self.mlp = LayerNorm(config.n_embd, True), MLP(config)
+
+    def forward(self, x, attention_mask=None):
+        x = x + self.attn(self.ln_1(x), attention_mask)
+        return x + self.mlp(self.ln_2(x))
+
+
+class MaskedGPT(GPT):
+    """Hugging Face-style keyword arguments: an optional mask, positions and use_cache."""
+
+    block = MaskedBlock
+    mask_always = False
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=False):
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.size(1))
+        if attention_mask is None and self.mask_always:
+            attention_mask = torch.ones_like(input_ids)
+        x = self.transformer.wte(input_ids) + self.transformer.wpe(position_ids)
+        for block in self.transformer.h:
+            x = block(x, attention_mask)
+        logits = self.lm_head(self.transformer.ln_f(x))
+        return (logits, None) if use_cache else logits
+
+
+def test_an_optional_mask_that_changes_the_sublayers_is_refused_naming_it():
+    """A mask given where the default call has None runs other sublayer code; the refusal
+    named only the other arguments ('called with position_ids=None, use_cache=False')."""
+    torch.manual_seed(0)
+    m = MaskedGPT(GPTConfig()).double()
+    r = rewire(m, "residual standard\n")
+    idx, mask = tokens(), torch.ones(2, 10)
+    mask[0, :3] = 0
+    pos = torch.arange(10)[None] + 3
+    torch.testing.assert_close(r(idx, position_ids=pos), m(idx, position_ids=pos),
+                               rtol=0, atol=1e-12)
+    with pytest.raises(RewireError, match=r"MaskedGPT: called with attention_mask given \(the "
+                       r"default call has attention_mask=None\), the sublayer `transformer\.h\.0"
+                       r"\.ln_1 \+ transformer\.h\.0\.attn` runs other code.*MaskedGPT\.forward"):
+        r(idx, attention_mask=mask)
+    m.mask_always = True  # what the refusal says to do
+    r = rewire(m, "residual standard\n")
+    for kw in ({}, {"attention_mask": mask}, {"use_cache": True}):
+        torch.testing.assert_close(r(idx, **kw), m(idx, **kw), rtol=0, atol=1e-12)

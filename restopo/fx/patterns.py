@@ -56,13 +56,27 @@ class TracesByPattern:
                                         for k in range(len(cut.adds))]
             self.graph_modules.extend(self.sublayers[training])
         elif layout != self.layouts[training]:
-            given = ", ".join(f"{n}={v!r}" for n, v in key) or "no fixed arguments"
-            raise RewireError(
-                f"{type(self.model).__name__}: called with {given}, its sublayers run "
-                f"differently from the default call; rewire needs one set of sublayers "
-                f"for every call")
+            raise RewireError(self._differs(key, cut, layout[0], self.layouts[training][0]))
         self.cache[(key, training)], modules = front_and_back(cut)
         self.graph_modules.extend(modules)
+
+    def _differs(self, key: tuple, cut: StreamCut, regions: list, traced: list) -> str:
+        """Says which arguments of this call pattern are not the default call's, and which
+        sublayer runs other code for them."""
+        default, given = dict(self.default), dict(key)
+        names = [n for n in default if given.get(n, ...) != default[n]]
+        names += [n for n in given if n not in default]
+        changed = ", ".join(f"{n}={given[n]!r}" if n in given else f"{n} given" for n in names)
+        before = ", ".join(f"{n}={default[n]!r}" for n in names if n in default)
+        k = next((k for k, (a, b) in enumerate(zip(regions, traced)) if a != b), None)
+        what = (f"the sublayer `{cut.names()[k]}` runs other code" if k is not None else
+                "its sublayers read other values")
+        name = type(self.model).__name__
+        return (f"{name}: called with {changed}" + (f" (the default call has {before})"
+                                                     if before else "")
+                + f", {what} than in the default call, and a rewired stream has one set of "
+                f"sublayers for every call: make {name}.forward give its blocks the same "
+                f"arguments in every call (a tensor where it passes None)")
 
     def __call__(self, key: tuple) -> FrontAndBack:
         training = self.model.training
