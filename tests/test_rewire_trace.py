@@ -572,3 +572,49 @@ def test_an_optional_mask_that_changes_the_sublayers_is_refused_naming_it():
     r = rewire(m, "residual standard\n")
     for kw in ({}, {"attention_mask": mask}, {"use_cache": True}):
         torch.testing.assert_close(r(idx, **kw), m(idx, **kw), rtol=0, atol=1e-12)
+
+
+class DenseFirstBlock(nn.Module):
+    """An MLP-only first block (its blocks are not all of one class)."""
+
+    def __init__(self, config):
+        super().__init__()
+        from models.nanogpt import MLP, LayerNorm
+        self.ln, self.mlp = LayerNorm(config.n_embd, True), MLP(config)
+
+    def forward(self, x):
+        return x + self.mlp(self.ln(x))
+
+
+class DenseFirstGPT(GPT):
+    def __init__(self, config):
+        super().__init__(config)
+        self.transformer.h[0] = DenseFirstBlock(config)
+
+    def forward(self, idx, targets=None):
+        x = self.transformer.wte(idx) + self.transformer.wpe(torch.arange(idx.size(1)))
+        for block in self.transformer.h:
+            x = block(x)
+        return self.lm_head(self.transformer.ln_f(x))
+
+
+def test_a_model_whose_first_sublayer_is_an_mlp_is_told_what_rewires_it():
+    """A spec failed with a SpecError at its own `residual standard` line ('the sublayer
+    pattern must begin with an attention sublayer'), as if the spec were wrong; the refusal
+    names the model's sublayer, and the callable it points to rewires the model."""
+    torch.manual_seed(0)
+    m = DenseFirstGPT(GPTConfig(n_layer=3)).double()
+    with pytest.raises(RewireError, match=r"DenseFirstGPT: its first sublayer `transformer\.h"
+                       r"\.0\.ln \+ transformer\.h\.0\.mlp` is an MLP.*callable"):
+        rewire(m, "residual standard\n")
+    r = rewire(m, restopo.topology.full_attnres)
+    assert r.kinds == ("mlp", "attn", "mlp", "attn", "mlp")
+    queries, gains = randomise(r)
+    tr, idx = m.transformer, tokens()
+    subs = [lambda h, b=tr.h[0]: b.mlp(b.ln(h))]
+    subs += [f for b in tr.h[1:] for f in (lambda h, b=b: b.attn(b.ln_1(h)),
+                                           lambda h, b=b: b.mlp(b.ln_2(h)))]
+    v0 = tr.wte(idx) + tr.wpe(torch.arange(idx.shape[1]))
+    want = loop.run(v0, subs, lambda h: m.lm_head(tr.ln_f(h)), loop.full_blocks(5),
+                    loop.attend, queries, gains)
+    torch.testing.assert_close(r(idx), want, rtol=0, atol=1e-10)

@@ -81,6 +81,12 @@ def rewire(model: nn.Module, spec_or_path, backend: str = "auto", *,
     structure = recover(model)
     if verify:
         _verify(model, structure)
+    if spec is not None and structure.kinds[0] != "attn":  # the spec's error blamed the spec
+        raise RewireError(
+            f"{type(model).__name__}: its first sublayer `{structure.names[0]}` is an MLP, and "
+            f"a spec's residual section groups sublayers into transformer layers that each "
+            f"begin with an attention; pass a callable kinds -> Topology instead (e.g. "
+            f"restopo.topology.full_attnres)")
     topology = residual(structure.kinds)
     _warn_of_norm_eps(model, topology)
     _warn_of_other_sizes(spec, structure)
