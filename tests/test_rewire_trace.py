@@ -504,6 +504,30 @@ def test_a_model_that_checkpoints_its_blocks_is_rewired_recomputing(monkeypatch)
         torch.testing.assert_close(a, p.grad, rtol=0, atol=1e-12)
 
 
+class TrainCheckpointedGPT(CheckpointedGPT):
+    """Checkpoints only in training, as most training code does."""
+
+    def forward(self, idx, targets=None):
+        from torch.utils.checkpoint import checkpoint
+        x = self.transformer.wte(idx) + self.transformer.wpe(torch.arange(idx.size(1)))
+        for block in self.transformer.h:
+            x = checkpoint(block, x, use_reentrant=False) if self.training else block(x)
+        return self.lm_head(self.transformer.ln_f(x))
+
+
+def test_checkpointing_in_training_only_is_seen_when_rewired_in_eval_mode(monkeypatch):
+    """Only the model's current mode was traced, so a model rewired in eval mode that
+    checkpoints when training did not recompute once trained."""
+    from models.nanogpt import MLP
+    m = TrainCheckpointedGPT(GPTConfig()).eval()
+    r = rewire(m, "residual full_attnres\n")
+    assert not any(x.training for x in m.modules())  # traced in both modes, left in its own
+    r.train()
+    calls = forward_calls(monkeypatch, MLP)
+    r(tokens()).sum().backward()
+    assert len(calls) == 2 * 2
+
+
 class MaskedAttention(nn.Module):
     """Causal attention that also takes an optional padding mask [B, T] (1 keep, 0 pad)."""
 

@@ -1,7 +1,9 @@
 """The Structure of a model torch.fx can trace: `recover_structure`, with the model traced
-once per call pattern (`structure.pattern`) and train/eval mode, each on first use."""
+once per call pattern (`structure.pattern`) and train/eval mode, each on first use (the
+default call in both modes at once)."""
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import torch
@@ -14,16 +16,34 @@ from .structure import FrontAndBack, RewireError, Structure, pattern
 
 def recover_structure(model: nn.Module) -> Structure:
     """The Structure of an fx-traceable PreNorm transformer; the call pattern with every
-    optional argument at its default is traced first, the others when first called."""
+    optional argument at its default is traced first, in both modes, the others when first
+    called."""
     signature = inspect.signature(model.forward)
     default = pattern(signature, *_defaults_call(signature))
     cut = recover(model, default)
     patterns = TracesByPattern(model, default, cut)
+    # a forward may checkpoint only in training (`if self.training: checkpoint(...)`): the
+    # other mode is traced too, to see it; one it cannot trace fails when first used, as before
+    with contextlib.suppress(RewireError), _in_mode(model, not model.training):
+        patterns(default)
     return Structure(kinds=cut.kinds, width=cut.width(),
                      sublayers=[ModeSublayer(patterns, k) for k in range(len(cut.adds))],
                      graph_modules=patterns.graph_modules, names=cut.names(), ends=patterns,
                      signature=signature, family="fx", vocab=cut.vocab(),
-                     context_names=cut.context_names(), checkpointed=cut.checkpointed)
+                     context_names=cut.context_names(),
+                     checkpointed=tuple(dict.fromkeys(patterns.checkpointed)))
+
+
+@contextlib.contextmanager
+def _in_mode(model: nn.Module, training: bool):
+    """`model` in train or eval mode for a while; every module's own mode restored after."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.train(training)
+    try:
+        yield
+    finally:
+        for m, t in modes:
+            m.training = t
 
 
 class TracesByPattern:
@@ -41,9 +61,11 @@ class TracesByPattern:
         self.layouts: dict[bool, tuple] = {}
         self.sublayers: dict[bool, list[fx.GraphModule]] = {}
         self.graph_modules: list[fx.GraphModule] = []
+        self.checkpointed: list[str] = []  # what any trace calls under a checkpoint
         self._add(default, model.training, cut)
 
     def _add(self, key: tuple, training: bool, cut: StreamCut) -> None:
+        self.checkpointed += cut.checkpointed
         layout = ([cut.signature_of_region(k) for k in range(len(cut.adds))],
                   len(cut.context))
         if training not in self.layouts:
