@@ -173,6 +173,22 @@ def test_gradient_checkpointing_is_kept_as_recompute_of_each_sublayer(monkeypatc
     assert r.generate(idx, max_new_tokens=3, do_sample=False).shape == (2, 13)
 
 
+def test_training_with_gradient_checkpointing_makes_no_cache_as_the_original():
+    """The original turns use_cache off when checkpointing in training; the rewired model
+    made a cache, and its recomputed attentions appended their keys to it again."""
+    m = llama().train()
+    ac = "activation" if hasattr(m, "activation_checkpointing_enable") else "gradient"
+    getattr(m, f"{ac}_checkpointing_enable")()
+    r = rewire(m, "residual standard\n")
+    idx = tokens()
+    want, out = m(idx, labels=idx), r(idx, labels=idx)
+    assert want.past_key_values is None and out.past_key_values is None
+    torch.testing.assert_close(out.loss, want.loss, rtol=0, atol=1e-12)
+    with torch.no_grad():  # no backward, nothing recomputed: decoding keeps its cache
+        assert r(idx, use_cache=True).past_key_values.get_seq_length() == idx.shape[1]
+        assert m(idx, use_cache=True).past_key_values.get_seq_length() == idx.shape[1]
+
+
 def test_blocks_larger_than_the_model_is_a_spec_error():
     with pytest.raises(SpecError):
         rewire(llama(), "residual block_attnres(blocks: 3)\n")

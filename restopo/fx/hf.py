@@ -191,6 +191,10 @@ class CausalLMFrontAndBack(abc.ABC):
         use_cache = a.get("use_cache")
         if use_cache is None:
             use_cache = getattr(self.model.config, "use_cache", False)
+        if (use_cache and self.model.training and torch.is_grad_enabled()
+                and _checkpointing(self.model)):
+            use_cache = False  # as the model's layers do: a recomputed attention would
+            # append its keys to the cache again
         a["use_cache"] = use_cache
         cache = a.get(self.cache_arg)
         if use_cache and cache is None:
