@@ -642,3 +642,31 @@ def test_a_model_whose_first_sublayer_is_an_mlp_is_told_what_rewires_it():
     want = loop.run(v0, subs, lambda h: m.lm_head(tr.ln_f(h)), loop.full_blocks(5),
                     loop.attend, queries, gains)
     torch.testing.assert_close(r(idx), want, rtol=0, atol=1e-10)
+
+
+class DictOutputGPT(GPT):
+    """Returns a dict, as many training codebases' models do."""
+
+    def forward(self, idx, targets=None):
+        x = self.transformer.wte(idx) + self.transformer.wpe(torch.arange(idx.size(1)))
+        for block in self.transformer.h:
+            x = block(x)
+        logits = self.lm_head(self.transformer.ln_f(x))
+        loss = None if targets is None else F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        return {"loss": loss, "logits": logits}
+
+
+def test_a_model_that_returns_a_dict_is_rewired():
+    """The self-check compared the first tensor of a tuple or .logits only: a dict output was
+    refused as 'the recovered head does not give the model's output (dict vs dict)'."""
+    torch.manual_seed(0)
+    m = DictOutputGPT(GPTConfig()).double()
+    idx = tokens()
+    want, got = m(idx, idx), rewire(m, "residual standard\n")(idx, idx)
+    for k in ("loss", "logits"):
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-12)
+    r = rewire(m, "residual block_attnres(blocks: 2)\n")
+    queries, gains = randomise(r)
+    v0, subs, head = loop.nanogpt_pieces(m, idx)
+    want = loop.run(v0, subs, head, loop.layer_blocks(2, 2), loop.attend, queries, gains)
+    torch.testing.assert_close(r(idx)["logits"], want, rtol=0, atol=1e-10)

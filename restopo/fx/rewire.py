@@ -444,8 +444,10 @@ def _first_tensor(out: Any) -> torch.Tensor | None:
     logits = getattr(out, "logits", None)
     if isinstance(logits, torch.Tensor):
         return logits
-    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
-        return out[0]
+    if isinstance(out, dict):  # {"loss": ..., "logits": ...}, as many models return
+        out = [out.get("logits"), *out.values()]
+    if isinstance(out, (tuple, list)):
+        return next((t for t in out if isinstance(t, torch.Tensor)), None)
     return None
 
 
