@@ -670,3 +670,52 @@ def test_a_model_that_returns_a_dict_is_rewired():
     v0, subs, head = loop.nanogpt_pieces(m, idx)
     want = loop.run(v0, subs, head, loop.layer_blocks(2, 2), loop.attend, queries, gains)
     torch.testing.assert_close(r(idx)["logits"], want, rtol=0, atol=1e-10)
+
+
+def norm(x):
+    """modded-nanogpt's norm: a function, no module, no weight."""
+    return F.rms_norm(x, (x.size(-1),))
+
+
+class FunctionalNormBlock(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        from models.nanogpt import MLP, CausalSelfAttention
+        self.attn, self.mlp = CausalSelfAttention(config), MLP(config)
+
+    def forward(self, x):
+        x = x + self.attn(norm(x))
+        return x + self.mlp(norm(x))
+
+
+class FunctionalNormGPT(GPT):
+    block = FunctionalNormBlock
+
+    def __init__(self, config):
+        super().__init__(config)
+        del self.transformer.ln_f  # no norm module left
+
+    def forward(self, idx, targets=None):
+        x = self.transformer.wte(idx) + self.transformer.wpe(torch.arange(idx.size(1)))
+        for block in self.transformer.h:
+            x = block(x)
+        return self.lm_head(norm(x))
+
+
+def test_norms_written_as_functions_are_norms():
+    """`x + self.attn(norm(x))` with norm = F.rms_norm was refused as reading the stream
+    'directly in `rms_norm`, not through a norm'; and norm_eps= had nothing to set, silently."""
+    torch.manual_seed(0)
+    m = FunctionalNormGPT(GPTConfig(n_layer=2)).double()
+    idx = tokens()
+    torch.testing.assert_close(rewire(m, "residual standard\n")(idx), m(idx), rtol=0, atol=1e-12)
+    r = rewire(m, "residual block_attnres(blocks: 2)\n")
+    queries, gains = randomise(r)
+    v0 = m.transformer.wte(idx) + m.transformer.wpe(torch.arange(idx.shape[1]))
+    subs = [f for b in m.transformer.h for f in (lambda h, b=b: b.attn(norm(h)),
+                                                 lambda h, b=b: b.mlp(norm(h)))]
+    want = loop.run(v0, subs, lambda h: m.lm_head(norm(h)), loop.layer_blocks(2, 2),
+                    loop.attend, queries, gains)
+    torch.testing.assert_close(r(idx), want, rtol=0, atol=1e-10)
+    with pytest.raises(RewireError, match=r"FunctionalNormGPT has no norm modules.*pass eps= "):
+        rewire(m, "residual full_attnres\n", norm_eps=1e-24)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from .structure import SUPPORTED, RewireError
-from .tracer import classify, trace
+from .tracer import NORM_FUNCTIONS, classify, trace
 
 ADDS = (operator.add, operator.iadd, torch.add)
 
@@ -48,6 +48,8 @@ class _Graph:
             return classify(self.model.get_submodule(n.target))
         if n.op == "call_function" and n.target is F.scaled_dot_product_attention:
             return "attn"
+        if n.op == "call_function" and n.target in NORM_FUNCTIONS:  # modded-nanogpt's norm(x)
+            return "norm"
         return None
 
     def residual_adds(self) -> list[tuple[fx.Node, fx.Node, fx.Node]]:
@@ -244,7 +246,7 @@ class StreamCut:
 
     def width(self) -> int:
         for n in self.G.ordered(self.regions[0]):
-            if self.G.kind(n) == "norm":
+            if self.G.kind(n) == "norm" and n.op == "call_module":
                 m = self.model.get_submodule(n.target)
                 w = getattr(m, "weight", None)
                 if isinstance(w, torch.Tensor) and w.dim() == 1:
@@ -252,6 +254,9 @@ class StreamCut:
                 shape = getattr(m, "normalized_shape", None)
                 if shape:
                     return tuple(shape)[-1]
+        emb = self._token_embedding()  # a functional norm has no weight to read
+        if emb is not None:
+            return emb.embedding_dim
         raise RewireError(f"{type(self.model).__name__}: cannot read the width from the first "
                           f"sublayer's norm; give it a 1-d weight or normalized_shape")
 
@@ -275,12 +280,17 @@ class StreamCut:
 
     def vocab(self) -> int | None:
         """The size of the embedding table read with the first argument (token ids)."""
+        emb = self._token_embedding()
+        return None if emb is None else emb.num_embeddings
+
+    def _token_embedding(self) -> nn.Embedding | None:
+        """The embedding module read with the first argument (token ids)."""
         first = next((n for n in self.G.nodes if n.op == "placeholder"), None)
         for n in self.front_nodes:
             if n.op == "call_module" and first in n.all_input_nodes:
                 m = self.model.get_submodule(n.target)
                 if isinstance(m, nn.Embedding):
-                    return m.num_embeddings
+                    return m
         return None
 
     def signature_of_region(self, k: int) -> tuple:

@@ -25,7 +25,6 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from ..ir import build_ir
 from ..topology import Topology
@@ -33,6 +32,7 @@ from .lower import lower
 from ..nn.parts import Parts
 from ..nn.sublayers import check_batched
 from .structure import SUPPORTED, FrontAndBack, RewireError, Structure, bind, pattern
+from .tracer import NORM_FUNCTIONS, classify
 
 __all__ = ["rewire", "recover", "Rewired", "RewireError"]
 
@@ -121,7 +121,6 @@ MEAN_START_EPS = 1e-12  # above this, a mean of small sources can sink to the ep
 
 def _norms(model: nn.Module):
     """(name, module) of each norm module, by class, as the tracer finds them."""
-    from .tracer import classify
     return [(name, m) for name, m in model.named_modules() if classify(m) == "norm"]
 
 
@@ -139,10 +138,6 @@ def norm_eps(model: nn.Module) -> dict[str, float]:
     return {name: getattr(m, attr) for name, m, attr in _norm_eps_attrs(model)}
 
 
-# the functional norms and where each takes its epsilon: (position, keyword)
-_EPS_ARG = {F.layer_norm: (4, "eps"), torch.layer_norm: (4, "eps"),
-            F.group_norm: (4, "eps"), **({F.rms_norm: (3, "eps"), torch.rms_norm: (3, "eps")}
-                                        if hasattr(F, "rms_norm") else {})}
 
 
 def coded_norm_eps(model: nn.Module) -> dict[str, float]:
@@ -159,7 +154,7 @@ def coded_norm_eps(model: nn.Module) -> dict[str, float]:
         except Exception:  # noqa: BLE001 - any code fx cannot trace: nothing to read
             continue
         for node in graph.nodes:
-            at = _EPS_ARG.get(node.target) if node.op == "call_function" else None
+            at = NORM_FUNCTIONS.get(node.target) if node.op == "call_function" else None
             if at is None:
                 continue
             eps = node.args[at[0]] if len(node.args) > at[0] else node.kwargs.get(at[1])
@@ -180,7 +175,11 @@ def set_norm_eps(model: nn.Module, eps: float) -> None:
         raise RewireError(f"norm_eps must be 0 or more; got {eps}")
     settable = list(_norm_eps_attrs(model))
     norms = _norms(model)
-    if norms and not settable:
+    if not norms:  # it was ignored without a word
+        raise RewireError(f"{type(model).__name__} has no norm modules whose epsilon norm_eps "
+                          "could set: its norms are functions its code calls (F.rms_norm, "
+                          "F.layer_norm); pass eps= there")
+    if not settable:
         coded = coded_norm_eps(model)
         kind = type(norms[0][1]).__name__
         raise RewireError(f"the model's norms ({kind}) keep their epsilon "

@@ -15,6 +15,7 @@ from collections.abc import Iterable
 import torch
 import torch.utils.checkpoint
 from torch import fx, nn
+from torch.nn import functional as F
 
 from .guards import guard_outcome
 from .structure import SUPPORTED, RewireError
@@ -22,6 +23,13 @@ from .structure import SUPPORTED, RewireError
 NORM = re.compile(r"norm(\d*d)?$", re.I)  # LayerNorm, LlamaRMSNorm, BatchNorm1d; not NormBlock
 ATTN = re.compile(r"attn|attention", re.I)
 MLP = re.compile(r"mlp|feed_?forward|ffn|ffw|swiglu|geglu|moe|experts?$", re.I)
+
+
+# the functional norms and where each takes its epsilon: (position, keyword)
+NORM_FUNCTIONS = {F.layer_norm: (4, "eps"), torch.layer_norm: (4, "eps"),
+                  F.group_norm: (4, "eps"),
+                  **({F.rms_norm: (3, "eps"), torch.rms_norm: (3, "eps")}
+                     if hasattr(F, "rms_norm") else {})}
 
 
 def classify(module: nn.Module) -> str | None:
