@@ -672,24 +672,27 @@ def test_a_model_that_returns_a_dict_is_rewired():
     torch.testing.assert_close(r(idx)["logits"], want, rtol=0, atol=1e-10)
 
 
-def norm(x):
+def norm(x, eps=None):
     """modded-nanogpt's norm: a function, no module, no weight."""
-    return F.rms_norm(x, (x.size(-1),))
+    return F.rms_norm(x, (x.size(-1),), eps=eps)
 
 
 class FunctionalNormBlock(nn.Module):
+    eps = None
+
     def __init__(self, config):
         super().__init__()
         from models.nanogpt import MLP, CausalSelfAttention
         self.attn, self.mlp = CausalSelfAttention(config), MLP(config)
 
     def forward(self, x):
-        x = x + self.attn(norm(x))
-        return x + self.mlp(norm(x))
+        x = x + self.attn(norm(x, self.eps))
+        return x + self.mlp(norm(x, self.eps))
 
 
 class FunctionalNormGPT(GPT):
     block = FunctionalNormBlock
+    eps = None
 
     def __init__(self, config):
         super().__init__(config)
@@ -699,7 +702,7 @@ class FunctionalNormGPT(GPT):
         x = self.transformer.wte(idx) + self.transformer.wpe(torch.arange(idx.size(1)))
         for block in self.transformer.h:
             x = block(x)
-        return self.lm_head(norm(x))
+        return self.lm_head(norm(x, self.eps))
 
 
 def test_norms_written_as_functions_are_norms():
@@ -719,3 +722,24 @@ def test_norms_written_as_functions_are_norms():
     torch.testing.assert_close(r(idx), want, rtol=0, atol=1e-10)
     with pytest.raises(RewireError, match=r"FunctionalNormGPT has no norm modules.*pass eps= "):
         rewire(m, "residual full_attnres\n", norm_eps=1e-24)
+
+
+def test_the_epsilon_of_a_norm_function_is_warned_of():
+    """F.rms_norm without eps uses the dtype's machine epsilon, not negligible against the
+    mean AttnRes starts as; a norm module's was warned of, a norm function's was not."""
+    import warnings
+
+    from restopo.fx.rewire import RewireWarning
+    m = FunctionalNormGPT(GPTConfig(n_layer=2))
+    eps = torch.finfo(torch.float32).eps
+    with pytest.warns(RewireWarning, match=rf"epsilon up to {eps:g}: full_attnres.*its code "
+                                           r"calls torch\.nn\.functional\.rms_norm with it: "
+                                           r"pass eps=1e-24 there"):
+        rewire(m, "residual full_attnres\n")
+    m.eps = 1e-24
+    for block in m.transformer.h:
+        block.eps = 1e-24
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RewireWarning)
+        r = rewire(m, "residual full_attnres\n")
+    torch.testing.assert_close(r(tokens()), m(tokens()), rtol=1e-6, atol=1e-6)  # the mean start

@@ -30,7 +30,7 @@ def recover_structure(model: nn.Module) -> Structure:
                      sublayers=[ModeSublayer(patterns, k) for k in range(len(cut.adds))],
                      graph_modules=patterns.graph_modules, names=cut.names(), ends=patterns,
                      signature=signature, family="fx", vocab=cut.vocab(),
-                     context_names=cut.context_names(),
+                     context_names=cut.context_names(), function_norms=cut.function_norms(),
                      checkpointed=tuple(dict.fromkeys(patterns.checkpointed)))
 
 

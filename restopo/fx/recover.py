@@ -260,6 +260,17 @@ class StreamCut:
         raise RewireError(f"{type(self.model).__name__}: cannot read the width from the first "
                           f"sublayer's norm; give it a 1-d weight or normalized_shape")
 
+    def function_norms(self) -> tuple[tuple[str, float | None], ...]:
+        """(function, epsilon) of each norm the sublayers and the head call as a function
+        (F.rms_norm); None: the function's default for the input's dtype."""
+        out = []
+        for n in self.G.ordered(set().union(*self.regions, self.back_nodes)):
+            if n.op == "call_function" and n.target in NORM_FUNCTIONS:
+                at, kw, default = NORM_FUNCTIONS[n.target]
+                eps = n.args[at] if len(n.args) > at else n.kwargs.get(kw, default)
+                out.append((f"{n.target.__module__}.{n.target.__name__}", eps))
+        return tuple(out)
+
     def context_names(self) -> tuple[str, ...]:
         """Readable names for the context values: the buffer, input or module each one is
         read from (`cos`, `sin`, `mask`), numbered when two share a name."""

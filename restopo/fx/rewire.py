@@ -88,7 +88,7 @@ def rewire(model: nn.Module, spec_or_path, backend: str = "auto", *,
             f"begin with an attention; pass a callable kinds -> Topology instead (e.g. "
             f"restopo.topology.full_attnres)")
     topology = residual(structure.kinds)
-    _warn_of_norm_eps(model, topology)
+    _warn_of_norm_eps(model, topology, structure)
     _warn_of_other_sizes(spec, structure)
     g = build_ir(structure.kinds, topology, structure.width)
     default = structure.ends(pattern(structure.signature, *_probe_call(structure, model)))
@@ -190,7 +190,7 @@ def set_norm_eps(model: nn.Module, eps: float) -> None:
         setattr(m, attr, float(eps))
 
 
-def _warn_of_norm_eps(model: nn.Module, topology: Topology) -> None:
+def _warn_of_norm_eps(model: nn.Module, topology: Topology, structure: Structure) -> None:
     """Warn when the topology starts as a mean of sources and the model's norms have an
     epsilon that is not negligible against it: the rewired model then does not start as
     the original (a standard residual, a sum, is not affected)."""
@@ -199,18 +199,23 @@ def _warn_of_norm_eps(model: nn.Module, topology: Topology) -> None:
         return
     large = {k: v for k, v in norm_eps(model).items() if v > MEAN_START_EPS}
     coded = {k: v for k, v in coded_norm_eps(model).items() if v > MEAN_START_EPS}
-    if large or coded:
-        eps = max({**large, **coded}.values())
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    called = {fn: torch.finfo(dtype).eps if eps is None else eps
+              for fn, eps in structure.function_norms}
+    called = {k: v for k, v in called.items() if isinstance(v, float) and v > MEAN_START_EPS}
+    if large or coded or called:
+        eps = max({**large, **coded, **called}.values())
         where = type(model.get_submodule(next(iter(coded)))).__name__ if coded else ""
         warnings.warn(
             f"the model's norms use epsilon up to {eps:g}: {topology.name}'s aggregations "
             "start as the mean of their sources, whose scale can fall near it at step 0, so "
             "the rewired model does not start as the original (README: 'Starting as the "
             "standard model'); " + (
-                "rewire(..., norm_eps=1e-24) sets the norms' epsilon so that it does"
-                if not coded else
                 f"{where}.forward writes its epsilon in its code: make it 1e-24 there (or "
-                "an attribute rewire's norm_eps= can set) so that it does"),
+                "an attribute rewire's norm_eps= can set) so that it does" if coded else
+                f"its code calls {next(iter(called))} with it: pass eps=1e-24 there so that "
+                "it does" if called else
+                "rewire(..., norm_eps=1e-24) sets the norms' epsilon so that it does"),
             RewireWarning, stacklevel=3)
 
 

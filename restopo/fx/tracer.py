@@ -25,10 +25,11 @@ ATTN = re.compile(r"attn|attention", re.I)
 MLP = re.compile(r"mlp|feed_?forward|ffn|ffw|swiglu|geglu|moe|experts?$", re.I)
 
 
-# the functional norms and where each takes its epsilon: (position, keyword)
-NORM_FUNCTIONS = {F.layer_norm: (4, "eps"), torch.layer_norm: (4, "eps"),
-                  F.group_norm: (4, "eps"),
-                  **({F.rms_norm: (3, "eps"), torch.rms_norm: (3, "eps")}
+# the functional norms, where each takes its epsilon and its default: (position, keyword,
+# default), None for the input dtype's machine epsilon (rms_norm's)
+NORM_FUNCTIONS = {F.layer_norm: (4, "eps", 1e-5), torch.layer_norm: (4, "eps", 1e-5),
+                  F.group_norm: (4, "eps", 1e-5),
+                  **({F.rms_norm: (3, "eps", None), torch.rms_norm: (3, "eps", None)}
                      if hasattr(F, "rms_norm") else {})}
 
 
