@@ -743,3 +743,15 @@ def test_the_epsilon_of_a_norm_function_is_warned_of():
         warnings.simplefilter("error", RewireWarning)
         r = rewire(m, "residual full_attnres\n")
     torch.testing.assert_close(r(tokens()), m(tokens()), rtol=1e-6, atol=1e-6)  # the mean start
+
+
+def test_a_compiled_model_or_block_is_refused_saying_to_rewire_first():
+    """torch.compile's wrapper failed in fx ('Module [OptimizedModule] is missing the required
+    "forward" function', or 'symbolically trace a dynamo-optimized function' for a block)."""
+    m = GPT(GPTConfig())
+    with pytest.raises(RewireError, match=r"this GPT is compiled \(torch\.compile\).*rewire the "
+                       r"model it wraps \(model\._orig_mod\)"):
+        rewire(torch.compile(m), "residual standard\n")
+    m.transformer.h[1] = torch.compile(m.transformer.h[1])
+    with pytest.raises(RewireError, match=r"GPT: `transformer\.h\.1` is compiled"):
+        rewire(m, "residual standard\n")

@@ -32,7 +32,7 @@ from .lower import lower
 from ..nn.parts import Parts
 from ..nn.sublayers import check_batched
 from .structure import SUPPORTED, FrontAndBack, RewireError, Structure, bind, pattern
-from .tracer import NORM_FUNCTIONS, classify
+from .tracer import NORM_FUNCTIONS, classify, compiled
 
 __all__ = ["rewire", "recover", "Rewired", "RewireError"]
 
@@ -42,6 +42,10 @@ def recover(model: nn.Module) -> Structure:
     Hugging Face model, else by tracing it with torch.fx."""
     if not isinstance(model, nn.Module):
         raise RewireError(f"rewire takes a torch.nn.Module; got {type(model).__name__}")
+    if compiled(model):
+        raise RewireError(f"this {type(model._orig_mod).__name__} is compiled (torch.compile), "
+                          "which torch.fx cannot trace: rewire the model it wraps "
+                          "(model._orig_mod), then compile the rewired one")
     from . import hf
     if hf.is_hf(model):
         return hf.recover(model)

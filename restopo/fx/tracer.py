@@ -64,6 +64,11 @@ class SublayerTracer(fx.Tracer):
 
     def call_module(self, m, forward, args, kwargs):
         path = self.path_of_module(m)
+        if compiled(m):  # else fx's "symbolically trace a dynamo-optimized function"
+            raise RewireError(
+                f"{type(self.root).__name__}: `{path}` is compiled (torch.compile), which "
+                f"torch.fx cannot trace into: rewire the model before compiling its modules "
+                f"(then compile the rewired one)")
         if _under_checkpoint() and not any(path.startswith(f"{c}.") for c in self.checkpointed):
             self.checkpointed.append(path)
         return super().call_module(m, forward, args, kwargs)
@@ -117,6 +122,11 @@ def trace(model: nn.Module, fixed: Iterable[tuple[str, object]] = ()
         raise RewireError(
             f"torch.fx could not trace {type(model).__name__}.forward{where}: {e}. "
             f"{SUPPORTED}") from e
+
+
+def compiled(m: nn.Module) -> bool:
+    """Is `m` torch.compile's wrapper of a module (OptimizedModule)?"""
+    return isinstance(getattr(m, "_orig_mod", None), nn.Module)
 
 
 def _under_checkpoint() -> bool:
