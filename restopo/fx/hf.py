@@ -30,6 +30,7 @@ import inspect
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from .structure import SUPPORTED, FrontAndBack, RewireError, Structure
 
@@ -76,15 +77,29 @@ def _cache_arg(fn) -> str:
     return "cache" if "cache" in inspect.signature(fn).parameters else "past_key_values"
 
 
-def _structure(model, subs, names, ends, context_names, layers: str) -> Structure:
+def _structure(model, subs, names, ends, context_names) -> Structure:
     kinds = tuple(["attn", "mlp"] * (len(subs) // 2))
     cfg = model.config
-    # its decoder layers run under checkpoint, but rewire calls their sublayers directly
-    checkpointed = (layers,) if _checkpointing(model) else ()
+    subs = [Checkpointing(model, f) for f in subs]
     return Structure(kinds=kinds, width=cfg.hidden_size, sublayers=subs, names=tuple(names),
                      ends=ends, signature=ends.signature, family=type(model).__name__,
-                     vocab=cfg.vocab_size, context_names=context_names,
-                     checkpointed=checkpointed)
+                     vocab=cfg.vocab_size, context_names=context_names)
+
+
+class Checkpointing(nn.Module):
+    """A sublayer recomputed in backward while the model's gradient checkpointing is on, as
+    the decoder layer it is taken from is (rewire calls the sublayers past that layer)."""
+
+    def __init__(self, model: nn.Module, sublayer: nn.Module):
+        super().__init__()
+        self.__dict__["model"] = model  # referenced, not registered: the model owns it
+        self.sublayer = sublayer
+
+    def forward(self, h, *context):
+        m = self.model
+        if m.training and torch.is_grad_enabled() and _checkpointing(m):
+            return checkpoint(self.sublayer, h, *context, use_reentrant=False)
+        return self.sublayer(h, *context)
 
 
 def _checkpointing(model: nn.Module) -> bool:
@@ -147,8 +162,7 @@ def _llama(model: nn.Module, rule: str) -> Structure:
         names += [f"model.layers.{i}.input_layernorm + model.layers.{i}.self_attn",
                   f"model.layers.{i}.post_attention_layernorm + model.layers.{i}.mlp"]
     return _structure(model, subs, names, LlamaFrontAndBack(model, cache_arg, set(types)),
-                      ("cos", "sin", "position_ids", "masks", "cache", "use_cache"),
-                      "model.layers")
+                      ("cos", "sin", "position_ids", "masks", "cache", "use_cache"))
 
 
 class CausalLMFrontAndBack(abc.ABC):
@@ -303,7 +317,7 @@ def _gpt2(model: nn.Module) -> Structure:
         names += [f"transformer.h.{i}.ln_1 + transformer.h.{i}.attn",
                   f"transformer.h.{i}.ln_2 + transformer.h.{i}.mlp"]
     return _structure(model, subs, names, GPT2FrontAndBack(model, cache_arg),
-                      ("position_ids", "mask", "cache", "use_cache"), "transformer.h")
+                      ("position_ids", "mask", "cache", "use_cache"))
 
 
 class GPT2FrontAndBack(CausalLMFrontAndBack):

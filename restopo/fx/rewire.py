@@ -70,8 +70,9 @@ def rewire(model: nn.Module, spec_or_path, backend: str = "auto", *,
     standard model only when the epsilon is negligible against the mean's scale (README:
     "Starting as the standard model"); with a larger one (Llama's 1e-6, GPT-2's 1e-5) this
     warns, and norm_eps=1e-24 (restopo's own) makes the step-0 model the original one.
-    A model that checkpoints its blocks (torch.utils.checkpoint, Hugging Face's
-    gradient_checkpointing_enable()) is rewired recomputing each sublayer in backward.
+    A model that checkpoints its blocks (torch.utils.checkpoint) is rewired recomputing each
+    sublayer in backward; a Hugging Face model's sublayers recompute while its gradient
+    checkpointing is on.
     """
     residual, spec = _residual(spec_or_path)  # a bad spec is reported before any tracing
     if isinstance(model, Rewired) or hasattr(model, "restopo_ir"):
