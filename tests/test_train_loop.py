@@ -211,11 +211,38 @@ def nan_head_model():
 
 def test_diverging_loss_is_a_clear_error(tmp_path, corpus):
     model = nan_head_model()
-    with pytest.raises(TrainingError, match="loss became nan at step 1; lower train.lr"):
+    with pytest.raises(TrainingError, match="loss became nan at step 1 .no checkpoint was "
+                                            "saved.; lower train.lr"):
         train(model, corpus, cfg(steps=3), tmp_path, progress=False)
     # recorded, so that compare can say the run diverged rather than call it unfinished
     assert records(tmp_path)[-1]["step"] == 1 and records(tmp_path)[-1]["diverged"] == "nan"
     assert (tmp_path / "loss.png").stat().st_size > 1000  # the curve up to there, drawn
+
+
+def test_a_loss_diverged_between_log_lines_saves_no_checkpoint_of_it(tmp_path, corpus):
+    """The loss was read only where a line was logged: a loss gone NaN at step 3, logged
+    every 10 steps, trained on to step 10, and the checkpoints of steps 4, 6 and 8 (all NaN
+    weights, train.keep deleting the good ones) were written over the run's last good
+    one. The run now stops at the first save or line after it, named, with step 2 kept."""
+    from safetensors.torch import load_file
+
+    from restopo.train.checkpoint import latest_checkpoint
+
+    model = tiny_model()
+    nans = {"n": 0}
+
+    def poison(module, args, output):  # the head's output NaN from the third step on
+        nans["n"] += module.training
+        return output * float("nan") if nans["n"] >= 3 else output
+    model.get_submodule("head").register_forward_hook(poison)
+    with pytest.raises(TrainingError, match=r"loss became nan at step 3 \(checkpoints stop "
+                                            r"at step 2, before it\); lower train.lr"):
+        train(model, corpus, cfg(steps=12, save_every=2, log_every=10, eval_every=0, keep=1),
+              tmp_path, progress=False)
+    assert latest_checkpoint(tmp_path / "ckpt").name == "step_000002"
+    weights = load_file(tmp_path / "ckpt" / "step_000002" / "model.safetensors")
+    assert all(torch.isfinite(w).all() for w in weights.values())
+    assert records(tmp_path)[-1] == {**records(tmp_path)[-1], "step": 3, "diverged": "nan"}
 
 
 def test_a_plot_that_fails_does_not_hide_why_the_run_stopped(tmp_path, corpus, monkeypatch,

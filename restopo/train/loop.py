@@ -189,6 +189,14 @@ class StoppedEarly(KeyboardInterrupt):
                 f"{self.ckpt_root / step_dir_name(self.saved)}")
 
 
+def first_diverged(seen: torch.Tensor, loss: torch.Tensor, step: int) -> torch.Tensor:
+    """`seen` ([step, loss] of the first update whose loss was not finite; [0, 0]: none yet)
+    with update `step`'s `loss`, on the device: reading the loss at every step would make
+    each step wait for its kernels."""
+    new = torch.stack((loss.new_full((), step), loss)).to(seen.dtype)
+    return torch.where((seen[0] == 0) & ~torch.isfinite(loss), new, seen)
+
+
 def stopped_at_once(ckpt_root: Path) -> str:
     """What a run stopped mid-step leaves to go on from (its newest checkpoint on disk:
     the stop may have come while one was written)."""
@@ -271,7 +279,27 @@ def train(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, out: str | o
     ckpt_root = out / "ckpt"
     tokens_per_step = cfg.batch * cfg.context
 
+    diverged = torch.zeros(2, dtype=torch.float64, device=device)  # see first_diverged
+
+    def check_loss() -> None:
+        """Raise TrainingError (recorded, so that a report says the run diverged, and that
+        resuming it diverges again, rather than that it is unfinished) when a loss so far was
+        not finite on any rank: read where a line is logged and before every checkpoint,
+        which must not save weights trained on it over good ones."""
+        at, value = diverged.tolist()
+        if ctx.distributed:  # every rank stops, at the first step any of them diverged at
+            at, value = min(exchange(ctx, [at, value]), key=lambda seen: seen[0] or math.inf)
+        if not at:
+            return
+        log.write({"step": int(at), "diverged": str(value),
+                   "elapsed": elapsed0 + time.perf_counter() - t0})
+        kept = ("no checkpoint was saved" if saved is None else
+                f"checkpoints stop at step {saved}, before it")
+        raise TrainingError(f"the loss became {value} at step {int(at)} ({kept}); lower "
+                            f"train.lr (now {cfg.lr:g}) or train.grad_clip")
+
     def save(step: int) -> None:
+        check_loss()
         state = {"step": step, "data": sampler.state_dict(),
                  "torch_cpu": torch.get_rng_state(),
                  "elapsed": elapsed0 + time.perf_counter() - t0}
@@ -314,6 +342,7 @@ def train(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, out: str | o
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
                 with _compile_stopped(stop, StoppedEarly(step, saved, ckpt_root)):
                     loss = stepper.step(x, y)
+                diverged = first_diverged(diverged, loss, step + 1)
                 if cfg.grad_clip > 0:
                     stepper.clip_grad_norm_(cfg.grad_clip)
                 optimizer.step()
@@ -339,14 +368,8 @@ def train(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, out: str | o
                     paused += time.perf_counter() - t_eval
                 if (cfg.log_every > 0 and done % cfg.log_every == 0) or done in (1, cfg.steps) \
                         or val_loss is not None:
+                    check_loss()
                     loss_value = mean_over_ranks(loss.item(), ctx)
-                    if not math.isfinite(loss_value):
-                        # recorded, so that a report says the run diverged (resuming it
-                        # diverges again), not that it is unfinished
-                        log.write({"step": done, "diverged": str(loss_value),
-                                   "elapsed": elapsed0 + time.perf_counter() - t0})
-                        raise TrainingError(f"the loss became {loss_value} at step {done}; lower "
-                                            f"train.lr (now {cfg.lr:g}) or train.grad_clip")
                     now = time.perf_counter()
                     rate = steps_since_log * tokens_per_step / max(now - t_log - paused, 1e-9)
                     mfu = throughput.mfu(rate) if throughput is not None else None
