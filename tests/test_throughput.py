@@ -180,11 +180,10 @@ def test_mfu_in_metrics_with_a_given_peak(tmp_path):
         assert r["mfu"] == pytest.approx(r["tokens_per_s"] * per_token / 0.05e12, rel=1e-12)
 
 
-def test_tokens_per_s_leaves_out_evaluation_and_checkpoints(tmp_path, monkeypatch):
-    """An evaluation or a checkpoint write in a logging interval is not training: made to
-    take 1000 s each on the loop's clock here, tokens/s must still be a step's (each line
-    is one 128-token step; with those 1000 s counted it would be under 0.13). The clock is
-    the loop's own, moved on, not slept: a loaded machine's slow steps cannot fail this."""
+def _slowed(monkeypatch):
+    """The training loop's clock, and a wrapper that makes a call take 1000 s on it. The
+    clock is the loop's own, moved on, not slept: a loaded machine's slow steps cannot fail
+    the tests that use it."""
     from restopo.train import loop
 
     skipped = [0.0]
@@ -196,13 +195,26 @@ def test_tokens_per_s_leaves_out_evaluation_and_checkpoints(tmp_path, monkeypatc
         def perf_counter(self):
             return time.perf_counter() + skipped[0]
 
-    def slow(fn):
+    def slow(fn, calls=None):  # the first `calls` calls (None: all)
         def wrapped(*args, **kwargs):
-            skipped[0] += 1000.0
+            if calls is None or wrapped.n < calls:
+                skipped[0] += 1000.0
+            wrapped.n += 1
             return fn(*args, **kwargs)
+        wrapped.n = 0
         return wrapped
 
     monkeypatch.setattr(loop, "time", Clock())
+    return slow
+
+
+def test_tokens_per_s_leaves_out_evaluation_and_checkpoints(tmp_path, monkeypatch):
+    """An evaluation or a checkpoint write in a logging interval is not training: made to
+    take 1000 s each on the loop's clock here, tokens/s must still be a step's (each line
+    is one 128-token step; with those 1000 s counted it would be under 0.13)."""
+    from restopo.train import loop
+
+    slow = _slowed(monkeypatch)
     monkeypatch.setattr(loop.DataParallelStep, "evaluate",
                         slow(loop.DataParallelStep.evaluate))
     monkeypatch.setattr(loop, "save_checkpoint", slow(loop.save_checkpoint))
@@ -211,6 +223,24 @@ def test_tokens_per_s_leaves_out_evaluation_and_checkpoints(tmp_path, monkeypatc
     assert all(r["tokens_per_s"] > 1 for r in records), records
     assert records[-1]["elapsed"] > 5000  # the slow calls did pass on the loop's clock
     assert (tmp_path / "run" / "ckpt" / "step_000003").is_dir()
+
+
+def test_tokens_per_s_leaves_out_the_step_that_compiles(tmp_path, monkeypatch):
+    """With --compile the first step compiles the model (seconds to minutes), and its
+    tokens/s and MFU were that time's, not a step's. Made to take 1000 s on the loop's clock
+    here (the compiler itself faked), step 1's line has no rate at all (nothing but the
+    compiling step in it), and the next lines a step's."""
+    from restopo.train import compile as train_compile
+    from restopo.train import loop
+
+    slow = _slowed(monkeypatch)
+    monkeypatch.setattr(loop.DataParallelStep, "step", slow(loop.DataParallelStep.step, 1))
+    monkeypatch.setattr(train_compile, "compile_model", lambda model, stepper, mode: 2)
+    monkeypatch.setenv(train_compile.BACKEND_ENV, "eager")  # no C++ compiler asked for
+    records = _train(tmp_path, "--compile", "--peak-tflops", "0.05")
+    assert "tokens_per_s" not in records[0] and "mfu" not in records[0], records[0]
+    assert all(r["tokens_per_s"] > 1 and r["mfu"] > 0 for r in records[1:]), records
+    assert records[0]["elapsed"] > 1000  # the slow step did pass on the loop's clock
 
 
 def test_no_mfu_on_the_cpu_without_a_peak(tmp_path):

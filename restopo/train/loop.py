@@ -320,7 +320,8 @@ def train(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, out: str | o
                disable=not (progress and ctx.is_main), dynamic_ncols=True)
     t0 = time.perf_counter()
     # tokens/s counts training steps only: `paused` is the time since the last log line
-    # spent evaluating and writing checkpoints, taken out of the interval
+    # spent evaluating and writing checkpoints, taken out of the interval, and a compiled
+    # run's first step (its compilation) is left out
     t_log, steps_since_log, paused = t0, 0, 0.0
     raw.train()
     if compiled and ctx.is_main:  # else a bar sits at 0 for a minute with no word why
@@ -352,10 +353,13 @@ def train(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, out: str | o
                 stopping = any_rank(stop.asked, ctx)
                 steps_since_log += 1
                 bar.update(1)
-                if compiled and step == start and ctx.is_main:
+                if compiled and step == start:  # compiling it took most of its time
                     from .compile import compiled_line
 
-                    bar.write(compiled_line(compiled, time.perf_counter() - t0), file=sys.stderr)
+                    now = time.perf_counter()
+                    if ctx.is_main:
+                        bar.write(compiled_line(compiled, now - t0), file=sys.stderr)
+                    t_log, steps_since_log = now, 0  # tokens/s: of the steps after it
 
                 val_loss = None
                 # 0 turns evaluation (eval_every) and the periodic checkpoints (save_every)
@@ -371,17 +375,20 @@ def train(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, out: str | o
                     check_loss()
                     loss_value = mean_over_ranks(loss.item(), ctx)
                     now = time.perf_counter()
-                    rate = steps_since_log * tokens_per_step / max(now - t_log - paused, 1e-9)
-                    mfu = throughput.mfu(rate) if throughput is not None else None
+                    # none when the line's only step was the one that compiled
+                    rate = (steps_since_log * tokens_per_step / max(now - t_log - paused, 1e-9)
+                            if steps_since_log else None)
+                    mfu = None if throughput is None or rate is None else throughput.mfu(rate)
                     t_log, steps_since_log, paused = now, 0, 0.0
                     last["loss"] = loss_value
                     log.write({"step": done, "loss": loss_value, "val_loss": val_loss, "lr": lr,
-                               "tokens_per_s": rate, "elapsed": elapsed0 + now - t0,
+                               **({"tokens_per_s": rate} if rate is not None else {}),
+                               "elapsed": elapsed0 + now - t0,
                                **({"mfu": mfu} if mfu is not None else {})})
                     bar.set_postfix_str(f"loss {loss_value:.3f}"
                                         + (f" val {last['val_loss']:.3f}" if last["val_loss"]
                                            is not None else "")
-                                        + f" {rate:,.0f} tok/s"
+                                        + (f" {rate:,.0f} tok/s" if rate is not None else "")
                                         + (f" MFU {mfu:.1%}" if mfu is not None else ""),
                                         refresh=False)
                 if (cfg.save_every > 0 and done % cfg.save_every == 0) or done == cfg.steps \
