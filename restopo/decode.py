@@ -31,7 +31,7 @@ from torch import nn
 from .fx.lower import lower, lowered, parts_of
 from .nn.aggregate import FIXED_FOR
 from .nn.parts import Parts
-from .nn.sublayers import MLP, Attention, KVCache, Rotary
+from .nn.sublayers import MLP, Attention, KVCache, Rotary, token_ids_in
 
 
 class Step:
@@ -259,11 +259,7 @@ def stream(model: nn.Module, idx: torch.Tensor, max_new_tokens: int,
     if max_new_tokens == 0:
         return
     context = context_length(model)
-    vocab = parts_of(lowered(model)).embed.weight.shape[0]
-    low, high = int(idx.min()), int(idx.max())
-    if low < 0 or high >= vocab:
-        raise ValueError(f"idx holds token id {low if low < 0 else high}, outside the "
-                         f"model's vocabulary 0..{vocab - 1}")
+    token_ids_in(idx, parts_of(lowered(model)).embed.weight.shape[0])
     decoder = Decoder(model, idx.shape[0], min(idx.shape[1] + max_new_tokens, context),
                       compile=compile)
     generator = None

@@ -67,6 +67,28 @@ def test_api_mistakes_are_named():
         restopo.compile(text, init=3)
 
 
+def test_token_ids_outside_the_vocabulary_are_named_eager_and_compiled():
+    """An id >= vocab (or < 0) failed inside the embedding: an IndexError eagerly, an
+    inductor 'index out of bounds' compiled, a device assert on CUDA. Every form of the
+    model now names the id and the vocabulary, with or without autograd; torch.compile
+    (the whole model, one region) keeps the check in its graph and does not break it."""
+    text = "model t { vocab: 32; width: 16; depth: 1; heads: 2; context: 8 }\nresidual standard\n"
+    eager = restopo.compile(text, backend="eager")
+    regional = restopo.compile(text, backend="eager")
+    regional.embed.compile(backend="aot_eager")
+    whole = torch.compile(restopo.compile(text, backend="eager"), backend="aot_eager")
+    torch._dynamo.utils.counters.clear()
+    for model in (eager, regional, whole):
+        assert model(torch.tensor([[0, 31]])).shape == (1, 2, 32)
+        for bad in (32, 1000, -1):
+            for grad in (True, False):
+                with torch.set_grad_enabled(grad), pytest.raises(
+                        ValueError, match=f"^token id {bad}, outside the model's vocabulary "
+                                          f"0..31$"):
+                    model(torch.tensor([[3, bad]]))
+    assert not torch._dynamo.utils.counters["graph_break"]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_load_onto_cuda_without_cuda_says_so(tmp_path):
     """torch's own was an AssertionError from deep in the load."""

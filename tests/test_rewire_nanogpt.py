@@ -48,6 +48,17 @@ def test_one_sequence_without_a_batch_is_refused_naming_the_shape():
     assert r(idx[:1])[0].shape == (1, 1, 128)
 
 
+def test_token_ids_outside_the_vocabulary_are_named():
+    """They failed with an IndexError inside the traced front's embedding; now refused as
+    restopo.compile's model refuses them (restopo.nn.sublayers.token_ids_in)."""
+    idx, _ = tokens()
+    r = rewire(gpt(), "residual standard\n")
+    for bad in (128, -1):
+        with pytest.raises(ValueError, match=f"token id {bad}, outside the model's "
+                                             f"vocabulary 0..127"):
+            r(torch.cat([idx, torch.tensor([[bad], [0]])], dim=1))
+
+
 def test_same_call_signature_and_output_type():
     m = gpt()
     r = rewire(m, "residual full_attnres\n")

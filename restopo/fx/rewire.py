@@ -30,7 +30,7 @@ from ..ir import build_ir
 from ..topology import Topology
 from .lower import lower
 from ..nn.parts import Parts
-from ..nn.sublayers import check_batched
+from ..nn.sublayers import check_batched, check_token_ids
 from .structure import SUPPORTED, FrontAndBack, RewireError, Structure, bind, pattern
 from .tracer import NORM_FUNCTIONS, classify, compiled
 
@@ -328,11 +328,13 @@ class DeferredHead(nn.Module):
         return h
 
 
-def _check_ids(ids) -> None:
-    """Token ids [T] refused as restopo.compile's model refuses them (an IndexError deep in
-    the traced front or in Hugging Face's generate otherwise)."""
+def _check_ids(ids, vocab: int | None) -> None:
+    """Token ids [T], or outside the vocabulary, refused as restopo.compile's model refuses
+    them (an IndexError deep in the traced front or in Hugging Face's generate otherwise)."""
     if isinstance(ids, torch.Tensor) and not ids.is_floating_point():
         check_batched(ids)
+        if vocab is not None:
+            check_token_ids(ids, vocab)
 
 
 class Rewired(nn.Module):
@@ -357,7 +359,8 @@ class Rewired(nn.Module):
 
     def forward(self, *args, **kwargs):
         s = self.structure
-        _check_ids(bind(s.signature, args, kwargs)[0])  # token ids come first (_probe_call)
+        # token ids come first (_probe_call)
+        _check_ids(bind(s.signature, args, kwargs)[0], s.vocab)
         ends = s.ends(pattern(s.signature, args, kwargs))
         call = Call(ends.arguments(s.signature, args, kwargs), ends)
         h = self.body(call)
@@ -371,7 +374,8 @@ class Rewired(nn.Module):
         if generate is None:
             raise AttributeError(f"{type(self.model).__name__} has no generate(); for a model "
                                  f"of restopo's own use restopo.generate")
-        _check_ids(args[0] if args else kwargs.get("inputs", kwargs.get("input_ids")))
+        _check_ids(args[0] if args else kwargs.get("inputs", kwargs.get("input_ids")),
+                   self.structure.vocab)
         self.model.forward = self.forward  # an instance attribute: the class is untouched
         try:
             return generate(*args, **kwargs)

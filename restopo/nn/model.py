@@ -8,7 +8,7 @@ from torch import nn
 from .init import Init
 from .parts import Parts
 from ..topology import sublayer_kinds
-from .sublayers import MLP, Attention, Head, Rotary
+from .sublayers import MLP, Attention, Head, Rotary, TokenEmbedding
 
 
 def model_kinds(model) -> tuple[str, ...]:
@@ -38,7 +38,7 @@ def build_parts(model, init: Init | None = None) -> Parts:
     tie = getattr(model, "tie_embeddings", True)
 
     def embedding():
-        return _initialised(nn.Embedding(model.vocab, d), std, out_std)
+        return _initialised(TokenEmbedding(model.vocab, d), std, out_std)
 
     def sublayer(k):
         return _initialised(Attention(d, model.heads) if k == "attn"
@@ -48,7 +48,7 @@ def build_parts(model, init: Init | None = None) -> Parts:
         return _initialised(Head(d, model.vocab), std, out_std)
 
     if init is None:
-        embed = nn.Embedding(model.vocab, d)
+        embed = TokenEmbedding(model.vocab, d)
         subs = nn.ModuleList(
             Attention(d, model.heads) if k == "attn"
             else MLP(d, model.mlp, float(model.mlp_ratio)) for k in kinds)
