@@ -83,11 +83,25 @@ class LastPosition(nn.Module):
         return self.head(h[:, -1:])
 
 
+class Lookup(nn.Module):
+    """The embedding's lookup without its check of the ids (TokenEmbedding): a decoding
+    step's ids are tokens the model drew, after a prompt `stream` checks once, and reading
+    them back at every step would stall it (a Python call on the CPU, a wait on CUDA)."""
+
+    def __init__(self, embed: nn.Module):
+        super().__init__()
+        self.embed = embed
+
+    def forward(self, idx):
+        return nn.functional.embedding(idx, self.embed.weight)
+
+
 class Decoder:
     """A cached view of `model` for `batch` sequences of up to `length` tokens.
 
     decoder(idx [B, T]) runs the T tokens after those already seen and returns the logits
-    of the last one, [B, vocab]. compile=True runs the one-token steps through
+    of the last one, [B, vocab]; the ids are not checked against the vocabulary here
+    (`stream` checks its prompt). compile=True runs the one-token steps through
     torch.compile with fixed shapes (`fixed`, the default then): the step's position is
     updated in place and each cache is attended over its full length, masked.
     """
@@ -115,7 +129,7 @@ class Decoder:
                 sub = CachedAttention(sub, cache)
             subs.append(sub)
         self.graph = lower(gm.restopo_ir,
-                           Parts(embed=parts.embed, sublayers=subs, kinds=parts.kinds,
+                           Parts(embed=Lookup(parts.embed), sublayers=subs, kinds=parts.kinds,
                                  head=LastPosition(parts.head),
                                  context=StepRotary(rotary, self.step),
                                  context_names=parts.context_names),

@@ -199,6 +199,23 @@ def test_a_wrong_kind_of_argument_is_named(call, error, said):
     assert model.generate(tokens(), np.int64(1), top_k=np.int32(3)).shape == (2, 6)
 
 
+def test_decoding_checks_the_prompt_once_not_every_step(monkeypatch):
+    """A model's forward reads its ids back to check them (restopo.nn.sublayers); a
+    decoding step's are tokens the model drew, and reading them at every step would stall
+    the decoder (a Python call per step on the CPU, a wait for the GPU on CUDA). The prompt
+    is still checked, once."""
+    from restopo.nn import sublayers
+
+    model = model_for("standard", dtype=torch.float32)
+    checked = []
+    monkeypatch.setattr(sublayers, "check_token_ids", lambda idx, vocab: checked.append(idx))
+    assert model(tokens()).shape == (2, 5, 61) and len(checked) == 1  # the forward checks
+    assert model.generate(tokens(), 6).shape == (2, 11)
+    assert len(checked) == 1
+    with pytest.raises(ValueError, match="token id 61, outside the model's vocabulary"):
+        model.generate(torch.tensor([[3, 61]]), 2)
+
+
 @pytest.mark.long
 @pytest.mark.parametrize("topology", ["standard", "full_attnres", "block_attnres(blocks: 3)"])
 def test_compiled_decoding_equals_uncached(topology):
