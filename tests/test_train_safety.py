@@ -297,6 +297,42 @@ def test_ctrl_c_of_nproc_saves_the_step_it_stops_at(spec, tmp_path):
     assert [r["step"] for r in records(out)] == list(range(1, stopped + 3))
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_second_ctrl_c_of_nproc_ends_the_workers_at_once(spec, tmp_path):
+    """A second Ctrl-C waited out torchrun's 30 s for workers that do not stop (here rank 1
+    is frozen, so rank 0 waits for it in the step's collectives): they now end at once, the
+    checkpoint saved before intact, and the line says why the steps after it are lost."""
+    from test_train_processes import _worker_pids
+
+    out = tmp_path / "run"
+    assert train(spec, "--out", out, "--steps", 2) == 0
+    run, _, _ = started_run(spec, out, "100000", "train.save_every=0", "--nproc", "2",
+                            "--resume")
+    while max([r["step"] for r in read_metrics(out / "metrics.jsonl")] or [0]) < 3 \
+            and run.poll() is None:
+        time.sleep(0.2)
+    frozen = _worker_pids(run.pid, "1")
+    assert len(frozen) == 1
+    os.kill(frozen[0], signal.SIGSTOP)
+    run.send_signal(signal.SIGINT)
+    time.sleep(1)
+    run.send_signal(signal.SIGINT)
+    second = time.time()
+    _, err = run.communicate(timeout=120)
+    assert time.time() - second < 15, err  # not torchrun's 30 s
+    assert run.returncode == 130 and "Traceback" not in err, err
+    deadline = time.time() + 5  # killed: gone within moments
+    while processes_writing(out) and time.time() < deadline:
+        time.sleep(0.2)
+    assert processes_writing(out) == []
+    saved = ck.latest_checkpoint(out / "ckpt")
+    assert saved.name == "step_000002" and ck.verify_checkpoint(saved) is None, err
+    reached = [r["step"] for r in read_metrics(out / "metrics.jsonl")][-1]
+    assert (f"--resume continues from step_000002; steps 3-{reached} are lost (the second "
+            f"stop ended the workers at once)\n") in err, err
+
+
 def test_a_stop_of_nproc_says_the_steps_it_lost(tmp_path):
     """Steps trained after the last checkpoint (torchrun killed the workers before they
     saved the one they stopped at) are said to be lost, not only where --resume goes."""
@@ -311,6 +347,7 @@ def test_a_stop_of_nproc_says_the_steps_it_lost(tmp_path):
         "--resume continues from step_000005; steps 6-7 are lost")
     ck.save_checkpoint(tmp_path / "ckpt", 7, torch.nn.Linear(2, 2), None, {"step": 7}, {})
     assert _after_stop(tmp_path / "ckpt") == "--resume continues from step_000007"
+    assert _after_stop(tmp_path / "ckpt", at_once=True) == "--resume continues from step_000007"
 
 
 def test_resume_names_what_differs_not_a_flag_given_again(spec, tmp_path, capsys):

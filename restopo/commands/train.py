@@ -208,6 +208,8 @@ def run(args) -> int:
     from ..worker import STOP_WITH_PARENT, die_with_parent
     if os.environ.pop(STOP_WITH_PARENT, None):  # a sweep's run (experiments.runner.run_job)
         die_with_parent(signal.SIGTERM)  # its sweep killed outright: stop, saving first
+    elif under_torchrun():  # a live agent stops its workers itself; one killed (a second
+        die_with_parent(signal.SIGKILL)  # stop of the launcher, dist.launch) ends them at once
     try:
         if args.max_restarts and args.nproc is None and not under_torchrun():
             raise _Stop("--max-restarts is torchrun's, so it needs --nproc N; a run of one "

@@ -188,15 +188,18 @@ def torchrun_command(argv: list[str], nproc: int, max_restarts: int = 0) -> list
 STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")
 
 
-def _run_until_stopped(cmd: list[str], env: dict) -> tuple[int, str | None]:
-    """Run torchrun to its end: (exit code, None), or, when this process is asked to stop,
-    (its code, the signal's name) once torchrun and its workers have stopped.
+def _run_until_stopped(cmd: list[str], env: dict) -> tuple[int, list[str]]:
+    """Run torchrun to its end: (exit code, the names of the stop signals this process got,
+    none if none) once torchrun and its workers have stopped.
 
     torchrun runs in a session of its own, so a terminal's Ctrl-C reaches this process
-    only; each stop signal here is passed on as SIGTERM, which torchrun answers by stopping
-    its workers (in sessions of their own) and then itself. Meanwhile this process waits,
-    holding the run folder's lock, so no second run starts while a worker still writes;
-    torchrun dies with it (restopo.worker.die_with_parent) if it is killed outright."""
+    only; the first stop signal here is passed on as SIGTERM, which torchrun answers by
+    stopping its workers (in sessions of their own) and then itself, waiting up to 30 s for
+    them to save the step they stop at. A second kills torchrun, and its workers with it (at
+    once: their parent-death signal is SIGKILL; a second SIGTERM would have torchrun wait
+    for them once more). Meanwhile this process waits, holding the run folder's lock, so no
+    second run starts while a worker still writes; torchrun dies with it
+    (restopo.worker.die_with_parent) if it is killed outright."""
     import signal
 
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
@@ -204,20 +207,22 @@ def _run_until_stopped(cmd: list[str], env: dict) -> tuple[int, str | None]:
 
     def pass_on(signum, frame):
         stopped_by.append(signal.Signals(signum).name)
-        # once: the workers are saving the step they stop at, and torchrun, given another,
-        # would exit without waiting for them (it kills them after 30 s in any case)
-        if proc.poll() is None and len(stopped_by) == 1:
-            proc.send_signal(signal.SIGTERM)
+        if proc.poll() is None:
+            if len(stopped_by) == 1:
+                proc.send_signal(signal.SIGTERM)
+            else:
+                proc.kill()
 
     with signals_handled(STOP_SIGNALS, pass_on):
         code = proc.wait()
-    return code, (stopped_by[0] if stopped_by else None)
+    return code, stopped_by
 
 
-def _after_stop(checkpoints) -> str:
+def _after_stop(checkpoints, at_once: bool = False) -> str:
     """Where --resume continues after a stop, and the steps trained since its checkpoint,
     which are lost: the workers save the step they stop at (restopo.train.interrupt) unless
-    torchrun kills them first, 30 s after passing the stop on."""
+    they are killed first, by a second stop (`at_once`) or by torchrun, 30 s after passing
+    the stop on."""
     from .checkpoint import latest_checkpoint, step_of
     from .plots import read_metrics
 
@@ -229,8 +234,10 @@ def _after_stop(checkpoints) -> str:
         (r["step"] for r in read_metrics(checkpoints.parent / "metrics.jsonl")), default=0)
     if reached <= saved:
         return said
-    return (f"{said}; steps {saved + 1}-{reached} are lost (torchrun killed the workers "
-            f"before they had saved the step they stopped at; it waits 30 s for them)")
+    why = ("the second stop ended the workers at once" if at_once else
+           "torchrun killed the workers before they had saved the step they stopped at; it "
+           "waits 30 s for them")
+    return f"{said}; steps {saved + 1}-{reached} are lost ({why})"
 
 
 def launch(argv: list[str], nproc: int, max_restarts: int = 0, env: dict | None = None,
@@ -243,9 +250,9 @@ def launch(argv: list[str], nproc: int, max_restarts: int = 0, env: dict | None 
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     cmd = torchrun_command(argv, nproc, max_restarts)
     code, stopped_by = _run_until_stopped(cmd, env)
-    if stopped_by is not None:
-        print(f"restopo train: stopped ({stopped_by}); the workers are stopped; "
-              + _after_stop(checkpoints), file=sys.stderr)
+    if stopped_by:
+        print(f"restopo train: stopped ({stopped_by[0]}); the workers are stopped; "
+              + _after_stop(checkpoints, at_once=len(stopped_by) > 1), file=sys.stderr)
         return 130
     if code == USAGE_EXIT:
         return 1
