@@ -11,12 +11,15 @@ and returns restopo.compile(spec, overrides) with the weights loaded strictly (a
 head is the embedding, stored once or twice), in eval mode, in the dtype the weights were
 saved in (a float64 export or checkpoint loads as float64). Nothing is unpickled.
 
-An exported .safetensors holds every state_dict key, the tied head too, so plain
+An export (.safetensors or .pt) carries a SHA-256 of its weights, which load checks: a
+damaged byte is an error, not a wrong weight. An exported .safetensors holds every
+state_dict key, the tied head too, so plain
 `model.load_state_dict(safetensors.torch.load_file(path))` is strict anywhere, the
 standalone model.py of `restopo compile` included.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pickle
@@ -32,6 +35,9 @@ from .io import atomic_path
 SPEC_KEY, OVERRIDES_KEY = "restopo.spec", "restopo.overrides"
 # the folder the model's run read a relative train.data from (spec.datapath.data_base)
 DATA_BASE_KEY = "restopo.data_base"
+# a SHA-256 of the weights (weights_digest): neither format checks its data, so a damaged
+# byte would load as a wrong weight, unsaid
+DIGEST_KEY = "restopo.weights_sha256"
 
 
 class LoadError(ValueError):
@@ -113,7 +119,7 @@ def _from_pt(p: Path, backend: str, device) -> nn.Module:
                         f"write one with restopo compile -o model.pt or restopo export")
     model = _compile(blob["spec"], blob.get("overrides", ()), p, backend,
                      blob.get("data_base")).to(device)
-    _load_strict(model, blob["state_dict"], p)
+    _load_strict(model, blob["state_dict"], p, blob.get(DIGEST_KEY))
     return model
 
 
@@ -135,7 +141,7 @@ def _from_safetensors(p: Path, backend: str, device) -> nn.Module:
     from safetensors.torch import load_file
     # safetensors names devices its own way ("cpu:0", which torch takes, it refuses)
     where = "cpu" if torch.device(device).type == "cpu" else str(device)
-    _load_strict(model, load_file(str(p), device=where), p)
+    _load_strict(model, load_file(str(p), device=where), p, metadata.get(DIGEST_KEY))
     return model
 
 
@@ -146,14 +152,29 @@ def _as_saved(model: nn.Module, dtypes: set[torch.dtype]) -> None:
         model.to(next(iter(dtypes)))
 
 
-def _load_strict(model: nn.Module, state_dict, where: Path) -> None:
-    """Load `state_dict` into `model` strictly, in the dtype it was saved in (_as_saved)."""
+def _load_strict(model: nn.Module, state_dict, where: Path, digest: str | None) -> None:
+    """Load `state_dict` into `model` strictly, in the dtype it was saved in (_as_saved),
+    and check it against the `digest` export wrote (None: a file written before it did)."""
     _as_saved(model, {v.dtype for v in state_dict.values()
                       if isinstance(v, torch.Tensor) and v.is_floating_point()})
     try:
         model.load_state_dict(state_dict, strict=True)
     except RuntimeError as e:
         raise LoadError(f"{where}: does not fit its own spec ({_one_line(e)})") from None
+    if digest is not None and digest != weights_digest(state_dict):
+        raise LoadError(f"{where}: its weights do not match the checksum written with them: "
+                        f"the file is damaged (or was changed by other means than restopo "
+                        f"export); export it again from its run")
+
+
+def weights_digest(state_dict) -> str:
+    """SHA-256 of a state_dict's names, dtypes, shapes and bytes, in name order."""
+    h = hashlib.sha256()
+    for name in sorted(state_dict):
+        t = state_dict[name].detach().cpu().contiguous().reshape(-1)
+        h.update(f"{name}|{t.dtype}|{tuple(state_dict[name].shape)}|".encode())
+        h.update(t.view(torch.uint8).numpy())
+    return h.hexdigest()
 
 
 def _one_line(e: Exception, limit: int = 300) -> str:
@@ -182,16 +203,17 @@ def export(model: nn.Module, path: str | os.PathLike) -> Path:
     base = None if spec is None else data_base(spec)
     # every key, tied ones as their own contiguous copies (safetensors refuses shared memory)
     state = {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
+    digest = weights_digest(state)
     if p.suffix == ".safetensors":
         from safetensors.torch import save_file
-        meta = {SPEC_KEY: spec_text, OVERRIDES_KEY: json.dumps(overrides),
+        meta = {SPEC_KEY: spec_text, OVERRIDES_KEY: json.dumps(overrides), DIGEST_KEY: digest,
                 **({DATA_BASE_KEY: base} if base else {})}
         with atomic_path(p) as tmp:
             save_file(state, tmp, metadata=meta)
     elif p.suffix == ".pt":
         with atomic_path(p) as tmp, open(tmp, "wb") as f:
             torch.save({"spec": spec_text, "overrides": overrides, "state_dict": state,
-                        **({"data_base": base} if base else {})}, f)
+                        DIGEST_KEY: digest, **({"data_base": base} if base else {})}, f)
     else:
         raise LoadError(f"{p}: export writes .safetensors or .pt (for a standalone "
                         f"model.py use restopo export CKPT -o model.py)")

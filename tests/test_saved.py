@@ -168,6 +168,34 @@ def test_a_file_that_does_not_fit_is_refused(run, tmp_path):
             load(path)
 
 
+@pytest.mark.parametrize("name", ["m.safetensors", "m.pt"])
+def test_a_damaged_byte_in_an_export_is_refused(run, tmp_path, capsys, name):
+    """Neither format checks its data: a byte changed in an export's weights loaded as a
+    wrong weight (a nan or a wrong score, unsaid); now the checksum export writes says so.
+    A file without one (written before it was) still loads."""
+    folder, model = run
+    path = tmp_path / name
+    export(load(folder / "run"), path)
+    data = bytearray(path.read_bytes())
+    weight = model.state_dict()["aggregations.0.pseudo_query"].detach().numpy().tobytes()
+    at = bytes(data).find(weight)
+    assert at > 0 and bytes(data).find(weight, at + 1) < 0  # stored once, uncompressed
+    data[at + 1] ^= 0x40
+    damaged = tmp_path / f"damaged{path.suffix}"
+    damaged.write_bytes(bytes(data))
+    with pytest.raises(LoadError, match=r"damaged\.\w+: its weights do not match the checksum"):
+        load(damaged)
+    assert main(["eval", str(damaged), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("restopo eval: error: ") and "export it again" in err
+    assert "Traceback" not in err and len(err.splitlines()) == 1
+    if path.suffix == ".pt":  # a .pt written before the checksum was
+        blob = torch.load(path, weights_only=True)
+        del blob["restopo.weights_sha256"]
+        torch.save(blob, tmp_path / "old.pt")
+        assert same(load(tmp_path / "old.pt"), model)
+
+
 @pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
 def test_export_refuses_a_rewired_model_it_could_not_load(tmp_path, suffix):
     """A rewired model's spec is wiring only: its export was written, then restopo.load

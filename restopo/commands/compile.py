@@ -3,7 +3,8 @@
 model.py  a standalone Python module that imports only torch (restopo.commands.standalone):
           the sublayers, aggregation modules and eager kernels, and the generated forward;
           the .pt weights load into its build() with strict=True.
-model.pt  {"spec": text, "overrides": [...], "data_base": folder, "state_dict": ...}
+model.pt  {"spec": text, "overrides": [...], "data_base": folder, "state_dict": ...,
+          "restopo.weights_sha256": hex}
           (restopo.saved.export), loadable with torch.load(weights_only=True);
           restopo.compile(spec, overrides=...) then load_state_dict rebuilds the model, and
           restopo.load reads a relative train.data from data_base.
