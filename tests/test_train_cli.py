@@ -181,6 +181,31 @@ def test_relative_data_is_read_next_to_the_spec_even_when_resuming(spec, tmp_pat
     assert [r["step"] for r in metrics(out)] == list(range(1, 7))
 
 
+@pytest.mark.parametrize("change", ["append", "same size"])
+def test_resuming_on_data_that_changed_since_the_checkpoint_says_so(spec, tmp_path, capsys,
+                                                                   change):
+    """Data edited between a run and its --resume went on unsaid: the saved data position
+    then draws other windows than the run would have, and the validation split moves."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("def f(x):\n    return x + 1\n" * 400)
+    spec.write_text(SPEC.replace("builtin:stdlib", f'"{corpus}"'))
+    out = tmp_path / "run"
+    argv = ["train", "--resume", "--out", str(out), "--no-progress", "--steps"]
+    assert main(["train", str(spec), "--out", str(out), "--no-progress", "--steps", "4"]) == 0
+    assert main(argv + ["5"]) == 0  # the same data: no note
+    assert "has changed" not in capsys.readouterr().err
+    text = corpus.read_text()
+    corpus.write_text(text + "more text\n" * 50 if change == "append" else
+                      text.replace("x + 1", "x - 1", 1))
+    assert main(argv + ["6"]) == 0
+    err = capsys.readouterr().err
+    before, now = len(text.encode()), len(corpus.read_bytes())
+    how = (f"{before:,} tokens then, {now:,} now" if change == "append" else
+           "as many tokens, other content")
+    assert (f"note: train.data (text file {corpus}) has changed since "
+            f"{out / 'ckpt' / 'step_000005'} was saved ({how}" in err)
+
+
 def test_a_checkpoint_without_optimizer_state_evaluates_and_exports_but_does_not_resume(
         spec, tmp_path, capsys):
     """Deleting optimizer.pt (needed only to train on) made eval and export refuse the step

@@ -488,15 +488,26 @@ def _launch(args, out: Path) -> int:
     from ..train import dist, runspec
     from ..train.runlock import hand_down
 
-    spec, _ = _load_spec(args, out)  # bad specs and data fail here, once, not per rank
+    spec, step_dir = _load_spec(args, out)  # bad specs and data fail here, once, not per rank
     if spec.model is None:
         return _fail(f"{spec.path} has no model section; training needs one")
     _note_schedule(spec)
     _layout(args, spec, args.nproc)  # so do layouts that cannot run
-    runspec.open_data(spec, progress=not args.no_progress, resuming=args.resume)
+    corpus = runspec.open_data(spec, progress=not args.no_progress, resuming=args.resume)
+    _note_data(spec, corpus, step_dir)
     _replace_old_run(args, out)  # every check passed here; the workers find it gone
     return dist.launch(_worker_argv(args), args.nproc, args.max_restarts,
                        env={**hand_down(out), NOTES_SAID: "1"}, checkpoints=out / "ckpt")
+
+
+def _note_data(spec, corpus, step_dir) -> None:
+    """The note when a resumed run's data changed since its checkpoint (runspec.data_note)."""
+    if step_dir is not None:
+        from ..train import runspec
+        from ..train.checkpoint import read_meta
+        note = runspec.data_note(spec, corpus, read_meta(step_dir), step_dir)
+        if note:
+            _note(note)
 
 
 def _layout(args, spec, world: int):
@@ -597,6 +608,7 @@ def _train(args, out: Path) -> int:
                                    resuming=args.resume)
         if ctx.is_main:
             dist.barrier(ctx)
+        _note_data(spec, corpus, step_dir)
         try:  # whole, or this process's share of it (restopo.train.layout)
             model, stepper = layout.build(spec, chosen, ctx, args.backend)
         except RuntimeError as e:  # a backend that cannot run here says why
@@ -617,7 +629,7 @@ def _train(args, out: Path) -> int:
         _replace_old_run(args, out)  # the layout, compile, data and model are ready
         try:
             summary = train(model, corpus, cfg, out, ctx,
-                            meta=runspec.run_meta(spec, runspec.data_base(spec)),
+                            meta=runspec.run_meta(spec, runspec.data_base(spec), corpus),
                             resume_from=step_dir, progress=not args.no_progress,
                             stepper=stepper,
                             throughput=Throughput.of(flops_per_token(spec.ir(), spec.model).train,

@@ -540,8 +540,8 @@ def _unverified_said(step_dir: Path, say) -> Path:
 
 # -- what the files must hold -----------------------------------------------------------
 _META_TYPES = {"step": int, "spec_text": str, "spec_path": str, "data_base": str,
-               "title": str, "world": int, "config": dict, "loss": (int, float, type(None)),
-               "val_loss": (int, float, type(None))}
+               "title": str, "world": int, "config": dict, "data": dict,
+               "loss": (int, float, type(None)), "val_loss": (int, float, type(None))}
 
 
 def read_meta(step_dir: str | os.PathLike) -> dict:

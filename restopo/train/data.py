@@ -36,6 +36,7 @@ BUILTIN_STDLIB = "builtin:stdlib"
 BYTE_VOCAB = 256
 VAL_FRACTION = 0.05          # share of files (or of the tail) held out for validation
 STDLIB_CAP_BYTES = 16 << 20  # keeps preparation to seconds on any machine
+FINGERPRINT_BYTES = 1 << 20  # read at each end of each split by Corpus.fingerprint
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test",
               "idlelib"}
 
@@ -80,6 +81,17 @@ class Corpus:
     def byte_level(self) -> bool:
         """Raw bytes (vocab 256 by construction), as opposed to pre-tokenized ids."""
         return self.train.dtype == np.uint8
+
+    def fingerprint(self) -> dict:
+        """What a checkpoint records of the data it trained on, for resuming to tell a
+        changed corpus: the split sizes, and a SHA-256 of each split's first and last MiB
+        (at most 4 MiB read, whatever the corpus's size)."""
+        h = hashlib.sha256()
+        for part in (self.train, self.val):
+            n = FINGERPRINT_BYTES // part.itemsize
+            h.update(np.ascontiguousarray(part[:n]).tobytes())
+            h.update(np.ascontiguousarray(part[-n:]).tobytes())
+        return {"tokens": [len(self.train), len(self.val)], "sha256": h.hexdigest()}
 
     def check(self, spec_vocab: int, context: int) -> None:
         """Raise DataError unless the spec's model can train on this corpus."""

@@ -49,13 +49,36 @@ def build_model(spec, backend: str = "auto", seed: int | None = None, *,
     return compile_spec(spec, backend=backend, init=Init(seed, meta=meta))
 
 
-def run_meta(spec, base: str) -> dict:
-    """What a checkpoint records about the spec (JSON)."""
+def run_meta(spec, base: str, corpus=None) -> dict:
+    """What a checkpoint records about the spec (JSON), and about `corpus`, the data it
+    trains on (for data_note)."""
     path = str(spec.path)
     return {"spec_text": spec.text,
             "spec_path": path if path.startswith("<") else str(Path(path).resolve()),
             "overrides": list(spec.overrides or ()), "data_base": base,
-            "title": f"{Path(str(spec.path)).stem} ({spec.topology.name})"}
+            "title": f"{Path(str(spec.path)).stem} ({spec.topology.name})",
+            **({"data": {"source": spec.train.data, **corpus.fingerprint()}}
+               if corpus is not None else {})}
+
+
+def data_note(spec, corpus, meta: dict, step_dir) -> str | None:
+    """The note when the data at the same train.data changed since `step_dir` (its meta.json:
+    `meta`) was saved: the run then goes on with other batches than it would have. (Another
+    train.data is said by resume_notes.)"""
+    then = meta.get("data")
+    if not isinstance(then, dict) or then.get("source") != spec.train.data:
+        return None
+    now = corpus.fingerprint()
+    if then.get("tokens") == now["tokens"] and then.get("sha256") == now["sha256"]:
+        return None
+    tokens = then.get("tokens")
+    how = (f"{tokens[0] + tokens[1]:,} tokens then, {sum(now['tokens']):,} now"
+           if isinstance(tokens, list) and tokens != now["tokens"] else
+           "as many tokens, other content")
+    step = int(meta.get("step", 0))
+    return (f"train.data ({corpus.description}) has changed since {step_dir} was saved "
+            f"({how}): the steps from {step + 1} on draw their batches from it as it is now, "
+            f"and the validation losses before and after do not compare")
 
 
 def open_data(spec, *, progress: bool = True, resuming: bool = False):
