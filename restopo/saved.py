@@ -112,8 +112,9 @@ def _from_pt(p: Path, backend: str, device) -> nn.Module:
     except pickle.UnpicklingError:
         from .train.checkpoint import refused_pickle
         raise LoadError(f"{p}: {refused_pickle(p)}") from None
-    except Exception as e:  # not a torch file at all
-        raise LoadError(f"{p}: not a torch file restopo wrote ({_one_line(e)})") from None
+    except Exception as e:  # not a torch file, or one cut short or damaged
+        zipped = _head(p, 4) == b"PK\x03\x04"  # how every torch.save file begins
+        raise _unreadable(p, "torch file", zipped, e) from None
     if not isinstance(blob, dict) or not {"spec", "state_dict"} <= set(blob):
         raise LoadError(f"{p}: not a restopo model file (no 'spec' and 'state_dict'); "
                         f"write one with restopo compile -o model.pt or restopo export")
@@ -129,7 +130,7 @@ def _from_safetensors(p: Path, backend: str, device) -> nn.Module:
         with safe_open(str(p), framework="pt") as f:
             metadata = f.metadata() or {}
     except Exception as e:
-        raise LoadError(f"{p}: not a safetensors file ({_one_line(e)})") from None
+        raise _unreadable(p, "safetensors file", _safetensors_header(p), e) from None
     if SPEC_KEY not in metadata:
         if (p.parent / "meta.json").is_file():  # a checkpoint's own weights file
             return _from_checkpoint(p.parent, backend, device)
@@ -143,6 +144,41 @@ def _from_safetensors(p: Path, backend: str, device) -> nn.Module:
     where = "cpu" if torch.device(device).type == "cpu" else str(device)
     _load_strict(model, load_file(str(p), device=where), p, metadata.get(DIGEST_KEY))
     return model
+
+
+def _unreadable(p: Path, kind: str, begins_as_one: bool, e: Exception) -> LoadError:
+    """A file that did not read as `kind`: empty, one that begins as one (so it was cut
+    short or damaged since it was written), or none at all."""
+    if _size(p) == 0:
+        return LoadError(f"{p}: the file is empty; write it again (restopo export CKPT -o "
+                         f"{p.name})")
+    if begins_as_one:
+        return LoadError(f"{p}: begins as a {kind} but is cut short or damaged "
+                         f"({_one_line(e)}); write it again (restopo export CKPT -o {p.name})")
+    return LoadError(f"{p}: not a {kind} restopo wrote ({_one_line(e)})")
+
+
+def _safetensors_header(p: Path) -> bool:
+    """Whether `p` begins as a safetensors file: a header length, then that much JSON."""
+    head = _head(p, 9)
+    return (len(head) == 9 and head[8:] == b"{"
+            and 8 + int.from_bytes(head[:8], "little") <= _size(p))
+
+
+def _size(p: Path) -> int:
+    try:
+        return p.stat().st_size
+    except OSError:
+        return -1
+
+
+def _head(p: Path, n: int) -> bytes:
+    """The first `n` bytes of `p` (fewer in a shorter file; none when it cannot be read)."""
+    try:
+        with open(p, "rb") as f:
+            return f.read(n)
+    except OSError:
+        return b""
 
 
 def _as_saved(model: nn.Module, dtypes: set[torch.dtype]) -> None:

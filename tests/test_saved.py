@@ -196,6 +196,27 @@ def test_a_damaged_byte_in_an_export_is_refused(run, tmp_path, capsys, name):
         assert same(load(tmp_path / "old.pt"), model)
 
 
+@pytest.mark.parametrize("name, kind", [("m.safetensors", "safetensors"), ("m.pt", "torch")])
+def test_an_export_cut_short_or_empty_says_so(run, tmp_path, capsys, name, kind):
+    """An export cut short (a copy stopped, a full disk) was 'not a torch file restopo
+    wrote ([Errno 22] Invalid argument)', an empty one '... (EOFError)': now each says what
+    happened to the file and to write it again."""
+    folder, _ = run
+    path = tmp_path / name
+    export(load(folder / "run"), path)
+    data = path.read_bytes()
+    for cut, said in ((len(data) // 2, f"begins as a {kind} file but is cut short or damaged"),
+                      (0, "the file is empty")):
+        short = tmp_path / f"short{path.suffix}"
+        short.write_bytes(data[:cut])
+        with pytest.raises(LoadError, match=f"short{path.suffix}: {said}"):
+            load(short)
+        assert main(["generate", str(short)]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("restopo generate: error: ") and len(err.splitlines()) == 1
+        assert f"write it again (restopo export CKPT -o short{path.suffix})" in err
+
+
 @pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
 def test_export_refuses_a_rewired_model_it_could_not_load(tmp_path, suffix):
     """A rewired model's spec is wiring only: its export was written, then restopo.load
