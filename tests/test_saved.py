@@ -607,3 +607,13 @@ def test_generate_flags_that_cannot_both_hold_or_are_not_numbers(run, capsys, fl
     folder, _ = run
     assert main(["generate", str(folder / "run"), *flags]) == 2
     assert said in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("data", ["", "  "])
+def test_a_blank_eval_data_names_the_flag(run, capsys, data):
+    """eval --data '' said 'train.data is empty', a setting the command was not reading."""
+    folder, _ = run
+    assert main(["eval", str(folder / "run"), "--data", data]) == 2
+    err = capsys.readouterr().err
+    assert "argument --data: must not be empty; give builtin:stdlib" in err
+    assert "train.data" not in err

@@ -30,7 +30,7 @@ def register(subparsers) -> None:
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", metavar="CKPT",
                    help="a run folder, checkpoint folder, .pt or .safetensors")
-    p.add_argument("--data", metavar="SOURCE",
+    p.add_argument("--data", metavar="SOURCE", type=_data_source,
                    help="builtin:stdlib, a text file or folder, or .bin token ids (default: "
                         "the checkpoint's train.data)")
     p.add_argument("--split", choices=("val", "train", "all"), default=None,
@@ -44,6 +44,15 @@ def register(subparsers) -> None:
                    help="where the model runs (default cpu)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
+
+
+def _data_source(text: str) -> str:
+    """--data: a blank one is a usage error naming the flag (open_corpus's own message names
+    train.data, which this command does not read then)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty; give builtin:stdlib, a text "
+                                         "file or folder, or .bin token ids")
+    return text
 
 
 def _fail(message: str) -> int:
