@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -617,3 +618,19 @@ def test_a_blank_eval_data_names_the_flag(run, capsys, data):
     err = capsys.readouterr().err
     assert "argument --data: must not be empty; give builtin:stdlib" in err
     assert "train.data" not in err
+
+
+def test_eval_of_a_split_too_short_to_score_says_which_and_what_to_do(tmp_path, capsys):
+    """A .bin whose held-out tail is one token was 'need at least 2 tokens to score; got 1',
+    naming neither the split nor --split all, which scores it."""
+    ids = np.arange(30, dtype=np.uint16)
+    ids.tofile(tmp_path / "ids.bin")  # 5% held out: a tail of 1 token
+    (tmp_path / "t.restopo").write_text(SPEC.replace('"corpus.txt"', '"ids.bin"'))
+    export(restopo.compile(str(tmp_path / "t.restopo")), tmp_path / "m.pt")
+    capsys.readouterr()
+    assert main(["eval", str(tmp_path / "m.pt"), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("restopo eval: error: the val split of token ids ")
+    assert "too short to score (1 token(s)" in err and "--split all" in err
+    assert main(["eval", str(tmp_path / "m.pt"), "--no-progress", "--split", "all"]) == 0
+    assert f"(all split, {len(ids) - 1} tokens)" in capsys.readouterr().out

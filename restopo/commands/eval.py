@@ -82,7 +82,7 @@ def run(args) -> int:
     from ..cli import load_model
     from ..saved import LoadError
     from ..train.data import DataError, open_corpus
-    from ..train.score import score
+    from ..train.score import score, scored_tokens
     try:
         model = load_model("eval", args.checkpoint, device=args.device)
         spec = model.restopo_spec
@@ -113,7 +113,13 @@ def run(args) -> int:
         if corpus.vocab > spec.model.vocab:
             return _fail(f"{corpus.description} has token ids up to {corpus.vocab - 1}, past "
                          f"the model's vocab {spec.model.vocab}")
-        result = score(model, corpus.parts(split), spec.model.context, args.batch_size,
+        parts = corpus.parts(split)
+        if not scored_tokens(parts):  # score's own error would not say which split, or what to do
+            return _fail(f"the {split} split of {corpus.description} is too short to score "
+                         f"({sum(map(len, parts))} token(s); it takes 2 or more in a row); "
+                         + ("give more data" if split == "all" else
+                            "score all of it with --split all, or give more data"))
+        result = score(model, parts, spec.model.context, args.batch_size,
                        device=args.device, progress=not args.no_progress)
     except (LoadError, DataError, ValueError, RuntimeError) as e:
         return _fail(str(e))

@@ -21,6 +21,11 @@ def windows(n_tokens: int, context: int) -> list[tuple[int, int]]:
     return [(s, min(s + context + 1, n_tokens)) for s in range(0, max(n_tokens - 1, 0), context)]
 
 
+def scored_tokens(parts: list[np.ndarray]) -> int:
+    """How many tokens of `parts` score predicts: each but the first of each sequence."""
+    return sum(max(len(t) - 1, 0) for t in parts)
+
+
 @torch.no_grad()
 def score(model, parts: list[np.ndarray], context: int, batch: int = 16, *,
           device: str | torch.device = "cpu", progress: bool = True) -> dict:
@@ -28,15 +33,15 @@ def score(model, parts: list[np.ndarray], context: int, batch: int = 16, *,
     sequence in `parts`, none of its windows crossing from one sequence into another."""
     from tqdm import tqdm
 
-    targets = sum(max(len(t) - 1, 0) for t in parts)
-    if not targets:
+    n_targets = scored_tokens(parts)
+    if not n_targets:
         raise ValueError(f"need at least 2 tokens to score; got {max(map(len, parts))}")
     spans = [(t, s, e) for t in parts for s, e in windows(len(t), context)]
     full = [w for w in spans if w[2] - w[1] == context + 1]
     rest = [w for w in spans if w[2] - w[1] != context + 1]  # each part's shorter tail
     total, count = 0.0, 0
     model.eval()
-    with tqdm(total=targets, unit="tok", unit_scale=True, disable=not progress,
+    with tqdm(total=n_targets, unit="tok", unit_scale=True, disable=not progress,
               desc="eval", file=None) as bar:
         for k in range(0, len(full), batch):
             chunk = full[k:k + batch]
