@@ -63,6 +63,10 @@ def load(path: str | os.PathLike, backend: str = "auto", device: str | torch.dev
                         f"folder, a .pt from restopo compile or a .safetensors export")
     if p.is_dir():
         model = _from_checkpoint(p, backend, device, say)
+    elif p.suffix != ".safetensors" and ((p.parent / "meta.json").is_file()
+                                         or p.name == "latest"):
+        raise LoadError(f"{p} is a file of the checkpoint folder {p.parent}, not a model; "
+                        f"give the folder itself: {p.parent}")
     elif p.suffix == ".pt":
         model = _from_pt(p, backend, device)
     elif p.suffix == ".safetensors":

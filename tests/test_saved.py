@@ -634,3 +634,20 @@ def test_eval_of_a_split_too_short_to_score_says_which_and_what_to_do(tmp_path, 
     assert "too short to score (1 token(s)" in err and "--split all" in err
     assert main(["eval", str(tmp_path / "m.pt"), "--no-progress", "--split", "all"]) == 0
     assert f"(all split, {len(ids) - 1} tokens)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", ["latest", "step_000002/state.pt", "step_000002/meta.json",
+                                  "step_000002/optimizer.pt"])
+def test_a_file_of_a_checkpoint_points_at_its_folder(run, capsys, name):
+    """A checkpoint's state.pt was 'not a restopo model file (no 'spec' and 'state_dict');
+    write one with restopo compile', its meta.json or ckpt/latest 'not a model restopo
+    saved': now each names the folder to give instead."""
+    folder, model = run
+    path = folder / "run" / "ckpt" / name
+    assert path.is_file()
+    with pytest.raises(LoadError, match=f"is a file of the checkpoint folder {path.parent}, "
+                                        f"not a model; give the folder itself"):
+        load(path)
+    assert same(load(path.parent), model)  # the folder it names loads
+    assert main(["generate", str(path)]) == 1
+    assert len(capsys.readouterr().err.splitlines()) == 1
