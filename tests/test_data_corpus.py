@@ -1,6 +1,9 @@
 """Corpora (builtin:stdlib, text, uint16 .bin), their errors, and the seeded batch sampler."""
+import gzip
 import hashlib
+import io
 import os
+import re
 
 import numpy as np
 import pytest
@@ -66,7 +69,7 @@ def test_real_stdlib_corpus(tmp_path):
 
 def test_text_file_and_folder(tmp_path):
     f = tmp_path / "a.txt"
-    f.write_bytes(bytes(range(256)) * 40)
+    f.write_bytes(bytes(range(1, 256)) * 40)  # every byte but NUL (binary: refused)
     c = open_corpus(str(f))
     assert bytes(c.train) + bytes(c.val) == f.read_bytes()
     assert len(c.val) == int(len(f.read_bytes()) * 0.05)
@@ -95,6 +98,31 @@ def test_text_folder_skips_binary_files_and_says_so(tmp_path):
     (folder / "notes.txt").unlink()
     with pytest.raises(DataError, match="holds only binary files .* as in __pycache__"):
         open_corpus(str(folder))
+
+
+def _npy(text: str) -> bytes:
+    out = io.BytesIO()
+    np.save(out, np.frombuffer(text.encode(), np.uint8))  # token ids saved by NumPy
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("name, data", [
+    ("corpus.txt.gz", lambda text: gzip.compress(text.encode())),
+    ("tokens.npy", _npy),
+    ("notes.txt", lambda text: text.encode("utf-16")),
+])
+def test_a_binary_data_file_is_refused(tmp_path, name, data):
+    """A gzipped corpus, a NumPy array of ids or UTF-16 text given as the data file trained
+    on its raw bytes without a word (a folder skips such files); now it is refused, as a
+    text file in another 8-bit encoding is not."""
+    text = "caf\u00e9 au lait, s'il vous pla\u00eet\n" * 200
+    (tmp_path / name).write_bytes(data(text))
+    with pytest.raises(DataError, match=f"data file .*{re.escape(name)}' is binary, not text "
+                                        f"\\(a NUL byte in its first 8,000 bytes"):
+        open_corpus(name, base_dir=tmp_path)
+    (tmp_path / "latin.txt").write_bytes(text.encode("latin-1"))
+    c = open_corpus("latin.txt", base_dir=tmp_path)
+    assert bytes(c.train) + bytes(c.val) == text.encode("latin-1")
 
 
 def test_uint16_bin_folder_and_single_file(tmp_path):

@@ -4,7 +4,8 @@ A `data:` value is one of
   builtin:stdlib      the Python standard library's own .py sources on this machine,
                       byte-level (vocab 256), prepared once into a cached memory-mapped file
   PATH.txt | FOLDER   a text file or a folder of text files, byte-level (vocab 256); a
-                      folder's binary files (a NUL byte in the first 8000) are skipped
+                      folder's binary files (a NUL byte in the first 8000) are skipped, and
+                      a binary file given alone is refused
   PATH.bin | FOLDER   pre-tokenized uint16 token ids (nanoGPT's format): a folder holding
                       train.bin and val.bin, or one .bin split deterministically
 
@@ -233,6 +234,10 @@ def _text_file(path: Path) -> Corpus:
         raise DataError(f"cannot read data file {str(path)!r}: {e.strerror or e}") from None
     if tokens is None:
         raise DataError(f"data file {str(path)!r} is empty")
+    if looks_binary(tokens[:BINARY_SNIFF].tobytes()):  # as a folder's binary files are skipped
+        raise DataError(f"data file {str(path)!r} is binary, not text (a NUL byte in its first "
+                        f"{BINARY_SNIFF:,} bytes: compressed, an array, UTF-16?); give text "
+                        f"(UTF-8 or any 8-bit encoding), or token ids as a .bin of uint16")
     train, val = tail_split(tokens)
     return Corpus(train, val, BYTE_VOCAB, f"text file {path}", tokens)
 
