@@ -651,3 +651,40 @@ def test_a_file_of_a_checkpoint_points_at_its_folder(run, capsys, name):
     assert same(load(path.parent), model)  # the folder it names loads
     assert main(["generate", str(path)]) == 1
     assert len(capsys.readouterr().err.splitlines()) == 1
+
+
+def test_generate_reads_text_for_a_model_trained_on_text_whatever_its_vocab(tmp_path, capsys):
+    """generate took a vocab of 256 for 'reads bytes': a model trained on text with vocab 300
+    refused --prompt and printed ids, and one trained on token ids of vocab 256 read
+    --prompt as bytes and printed its ids as text. What the run trained on decides now."""
+    (tmp_path / "corpus.txt").write_text(TEXT)
+    np.arange(200, dtype=np.uint16).tofile(tmp_path / "ids.bin")
+    for data, vocab in (("corpus.txt", 300), ("ids.bin", 256)):
+        spec = tmp_path / f"{vocab}.restopo"  # a relative data: read beside the spec
+        spec.write_text(SPEC.replace("corpus.txt", data).replace("256", str(vocab)))
+        torch.manual_seed(3)
+        export(restopo.compile(str(spec)), tmp_path / f"{vocab}.pt")
+    capsys.readouterr()
+    text_model = str(tmp_path / "300.pt")
+    assert main(["generate", text_model, "--prompt", "def f(", "--max-new-tokens", "40",
+                 "--temperature", "1", "--seed", "1"]) == 0
+    prompt = torch.tensor([list(b"def f(")])
+    new = restopo.generate(load(text_model), prompt, 40, temperature=1, seed=1)[0, 6:].tolist()
+    assert max(new) > 255  # ids that are no byte: each shows as U+FFFD
+    pieces, run_of_bytes = [], b""
+    for t in new:
+        if t > 255:
+            pieces += [run_of_bytes.decode("utf-8", "replace"), "\ufffd"]
+            run_of_bytes = b""
+        else:
+            run_of_bytes += bytes([t])
+    assert capsys.readouterr().out == "".join(pieces) + run_of_bytes.decode("utf-8",
+                                                                              "replace") + "\n"
+    ids_model = str(tmp_path / "256.pt")
+    assert main(["generate", ids_model, "--prompt", "def"]) == 1
+    assert "it was trained on token ids (.bin): give the prompt as token ids with " \
+        "--prompt-ids" in capsys.readouterr().err
+    assert main(["generate", ids_model, "--prompt-ids", "5 6", "--max-new-tokens", "4",
+                 "--temperature", "0"]) == 0
+    new = restopo.generate(load(ids_model), torch.tensor([[5, 6]]), 4, temperature=0)
+    assert capsys.readouterr().out.split() == [str(t) for t in new[0, 2:].tolist()]

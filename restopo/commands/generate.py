@@ -16,8 +16,9 @@ examples:
 
 CKPT is anything restopo.load reads: a run folder (its latest checkpoint), a ckpt/ or
 ckpt/step_NNNNNN folder, a .pt from restopo compile / export, or an exported .safetensors.
-A byte-level model (vocab 256) reads the prompt as UTF-8 and prints its bytes as they come
-(invalid UTF-8 shows as U+FFFD); any other vocab takes --prompt-ids and prints token ids.
+A model trained on text (bytes) reads the prompt as UTF-8 and prints its bytes as they come
+(invalid UTF-8 shows as U+FFFD); one trained on token ids (.bin) takes --prompt-ids and
+prints token ids (with its data gone: bytes at vocab 256, else ids).
 """
 
 
@@ -62,8 +63,18 @@ def _fail(message: str) -> int:
     return 1
 
 
-def prompt_tokens(args, vocab: int):
-    """The prompt's token ids: UTF-8 bytes for a byte-level model, else --prompt-ids."""
+def data_kind(model) -> str | None:
+    """What the model's run trained on: "bytes" (text) or "ids" (.bin token ids); None when
+    that cannot be told (its data gone, a spec without train)."""
+    from ..spec.datapath import data_base
+    from ..train.data import source_kind
+    spec = model.restopo_spec
+    return None if spec.train is None else source_kind(spec.train.data, data_base(spec))
+
+
+def prompt_tokens(args, vocab: int, kind: str | None = None):
+    """The prompt's token ids: UTF-8 bytes for a model that reads bytes (reads_bytes; `kind`
+    is its data_kind), else --prompt-ids."""
     if args.prompt_ids is not None:
         try:
             ids = [int(t) for t in args.prompt_ids.replace(",", " ").split()]
@@ -73,16 +84,23 @@ def prompt_tokens(args, vocab: int):
         bad = [i for i in ids if not 0 <= i < vocab]
         if bad:
             raise ValueError(f"--prompt-ids: token {bad[0]} is outside the vocab 0..{vocab - 1}")
-    elif vocab == 256:
+    elif reads_bytes(vocab, kind):
         # the bytes as typed: a command line that is not UTF-8 reaches Python as surrogate
         # escapes (os.fsdecode), which this turns back into its own bytes
         ids = list(args.prompt.encode("utf-8", "surrogateescape"))
     else:
-        raise ValueError(f"the model's vocab is {vocab}, not bytes (256): give the prompt as "
-                         f"token ids with --prompt-ids")
+        why = ("it was trained on token ids (.bin)" if kind == "ids" else
+               f"the model's vocab is {vocab}, not bytes (256)")
+        raise ValueError(f"{why}: give the prompt as token ids with --prompt-ids")
     if not ids:
         raise ValueError("the prompt is empty; give at least one character (or token id)")
     return ids
+
+
+def reads_bytes(vocab: int, kind: str | None) -> bool:
+    """Whether a model's tokens are bytes: trained on text (a vocab above 256 too, its ids
+    past 255 unused), else, with its data not known, a vocab of 256."""
+    return kind == "bytes" if kind is not None else vocab == 256
 
 
 def run(args) -> int:
@@ -93,15 +111,15 @@ def run(args) -> int:
     from ..saved import LoadError
     try:
         model = load_model("generate", args.checkpoint, device=args.device)
-        vocab = model.embed.num_embeddings
-        ids = prompt_tokens(args, vocab)
+        vocab, kind = model.embed.num_embeddings, data_kind(model)
+        ids = prompt_tokens(args, vocab, kind)
         idx = torch.tensor([ids], dtype=torch.long, device=args.device)
         if args.compile and args.max_new_tokens > 1:
             print("restopo generate: compiling the one-token step (once, before the second "
                   "new token)", file=sys.stderr)
         tokens = stream(model, idx, args.max_new_tokens, args.temperature, args.top_k,
                         args.top_p, args.seed, compile=args.compile)
-        write = _byte_writer() if vocab == 256 else _id_writer()
+        write = _byte_writer() if reads_bytes(vocab, kind) else _id_writer()
         for token in tokens:
             write(int(token[0]))
         write(None)
@@ -111,11 +129,15 @@ def run(args) -> int:
 
 
 def _byte_writer():
-    """Print bytes as UTF-8 as soon as they form characters (replacement for bad ones)."""
+    """Print bytes as UTF-8 as soon as they form characters (replacement for bad ones, and
+    for an id past 255, no byte, which a vocab above 256 can draw)."""
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def write(byte):
-        text = decoder.decode(b"" if byte is None else bytes([byte]), final=byte is None)
+        if byte is not None and byte > 255:
+            text = decoder.decode(b"", final=True) + "\ufffd"
+        else:
+            text = decoder.decode(b"" if byte is None else bytes([byte]), final=byte is None)
         if byte is None:
             text += "\n"
         sys.stdout.write(text)
