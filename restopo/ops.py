@@ -185,10 +185,12 @@ def _check_sources(sources, what: str) -> None:
             raise ValueError(f"{what} must be [n, *batch, d] with d >= 1; got shape "
                              f"{tuple(sources.shape)}")
         return
-    shapes = list(dict.fromkeys(tuple(v.shape) for v in sources))
-    if len(shapes) > 1 or not shapes[0] or shapes[0][-1] == 0:
-        raise ValueError(f"{what} must be tensors of one shape [*batch, d] with d >= 1; got "
-                         f"{', '.join(str(s) for s in shapes)}")
+    first = sources[0].shape
+    if first and first[-1] and all(v.shape == first for v in sources):
+        return  # the common case, cheaply: it runs at every aggregation of a forward
+    shapes = ", ".join(str(s) for s in dict.fromkeys(tuple(v.shape) for v in sources))
+    raise ValueError(f"{what} must be tensors of one shape [*batch, d] with d >= 1; got "
+                     f"{shapes}")
 
 
 def depth_attention(sources: torch.Tensor, query: torch.Tensor,
