@@ -178,6 +178,30 @@ def test_gradient_checkpointing_is_kept_as_recompute_of_each_sublayer(monkeypatc
     assert r.generate(idx, max_new_tokens=3, do_sample=False).shape == (2, 13)
 
 
+def test_each_sublayer_follows_its_layers_checkpointing_without_walking_the_model(
+        monkeypatch):
+    """Each sublayer asked the model's is_activation_checkpointing, which walks every module
+    (2 walks a layer each forward: 50 ms at 32 layers), and one layer checkpointed alone made
+    every sublayer recompute. Each now reads its own decoder layer's switch, as the layer."""
+    m = llama(layers=3).train()
+    ac = "activation" if hasattr(m, "activation_checkpointing_enable") else "gradient"
+    getattr(m, f"{ac}_checkpointing_enable")()
+    if hasattr(m.model.layers[0], "gradient_checkpointing"):  # transformers 5: per layer
+        m.model.layers[0].gradient_checkpointing = False
+    r = rewire(m, "residual standard\n")
+    calls, forward = [], type(m.model.layers[0].mlp).forward
+    monkeypatch.setattr(type(m.model.layers[0].mlp), "forward",
+                        lambda self, x: calls.append(self) or forward(self, x))
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(m), name):
+            monkeypatch.setattr(type(m), name, property(lambda self: pytest.fail("walked")))
+    idx = tokens()
+    m(idx, labels=idx).loss.backward()
+    want, calls[:] = list(calls), []
+    r(idx, labels=idx).loss.backward()
+    assert sorted(map(id, calls)) == sorted(map(id, want))  # the same MLPs run again
+
+
 def test_training_with_gradient_checkpointing_makes_no_cache_as_the_original():
     """The original turns use_cache off when checkpointing in training; the rewired model
     made a cache, and its recomputed attentions appended their keys to it again."""

@@ -77,38 +77,45 @@ def _cache_arg(fn) -> str:
     return "cache" if "cache" in inspect.signature(fn).parameters else "past_key_values"
 
 
-def _structure(model, subs, names, ends, context_names) -> Structure:
+def _structure(model, subs, names, ends, context_names, layers) -> Structure:
     kinds = tuple(["attn", "mlp"] * (len(subs) // 2))
     cfg = model.config
-    subs = [Checkpointing(model, f) for f in subs]
+    subs = [Checkpointing(model, f, _switch(model, layers[i // 2])) for i, f in enumerate(subs)]
     return Structure(kinds=kinds, width=cfg.hidden_size, sublayers=subs, names=tuple(names),
                      ends=ends, signature=ends.signature, family=type(model).__name__,
                      vocab=cfg.vocab_size, context_names=context_names)
 
 
 class Checkpointing(nn.Module):
-    """A sublayer recomputed in backward while the model's gradient checkpointing is on, as
-    the decoder layer it is taken from is (rewire calls the sublayers past that layer)."""
+    """A sublayer recomputed in backward while its decoder layer's gradient checkpointing is
+    on, as that layer is (rewire calls the sublayers past that layer)."""
 
-    def __init__(self, model: nn.Module, sublayer: nn.Module):
+    def __init__(self, model: nn.Module, sublayer: nn.Module, switch: nn.Module | None):
         super().__init__()
-        self.__dict__["model"] = model  # referenced, not registered: the model owns it
+        # referenced, not registered: the model owns them
+        self.__dict__["model"], self.__dict__["switch"] = model, switch
         self.sublayer = sublayer
 
     def forward(self, h, *context):
-        m = self.model
-        if m.training and torch.is_grad_enabled() and _checkpointing(m):
+        if (self.switch is not None and self.switch.gradient_checkpointing
+                and self.model.training and torch.is_grad_enabled()):
             return checkpoint(self.sublayer, h, *context, use_reentrant=False)
         return self.sublayer(h, *context)
 
 
-def _checkpointing(model: nn.Module) -> bool:
-    """Is the model's gradient checkpointing on? (transformers 5 renamed the property to
-    is_activation_checkpointing, and warns when the old name is read.)"""
-    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
-        if hasattr(type(model), name):
-            return bool(getattr(model, name))
-    return False
+def _switches(model: nn.Module) -> tuple[nn.Module, ...]:
+    """The modules whose gradient_checkpointing flag Hugging Face reads (each decoder layer
+    in transformers 5, the model that runs them before), found once: the model's own
+    is_activation_checkpointing walks every module at each call (asked by every sublayer,
+    tens of ms of Python a forward at 32 layers)."""
+    return tuple(m for m in model.modules() if hasattr(m, "gradient_checkpointing"))
+
+
+def _switch(model: nn.Module, layer: nn.Module) -> nn.Module | None:
+    """The flag that decides whether `layer` is checkpointed: its own, else the model's."""
+    if hasattr(layer, "gradient_checkpointing"):
+        return layer
+    return next(iter(_switches(model)), None)
 
 
 # ------------------------------------------------------------------ Llama family
@@ -162,7 +169,7 @@ def _llama(model: nn.Module, rule: str) -> Structure:
         names += [f"model.layers.{i}.input_layernorm + model.layers.{i}.self_attn",
                   f"model.layers.{i}.post_attention_layernorm + model.layers.{i}.mlp"]
     return _structure(model, subs, names, LlamaFrontAndBack(model, cache_arg, set(types)),
-                      ("cos", "sin", "position_ids", "masks", "cache", "use_cache"))
+                      ("cos", "sin", "position_ids", "masks", "cache", "use_cache"), layers)
 
 
 class CausalLMFrontAndBack(abc.ABC):
@@ -175,6 +182,7 @@ class CausalLMFrontAndBack(abc.ABC):
 
     def __init__(self, model: nn.Module, cache_arg: str):
         self.model, self.cache_arg = model, cache_arg
+        self.switches = _switches(model)
         self.signature = inspect.signature(model.forward)
         self.names = list(self.signature.parameters)
 
@@ -206,7 +214,7 @@ class CausalLMFrontAndBack(abc.ABC):
         if use_cache is None:
             use_cache = getattr(self.model.config, "use_cache", False)
         if (use_cache and self.model.training and torch.is_grad_enabled()
-                and _checkpointing(self.model)):
+                and any(m.gradient_checkpointing for m in self.switches)):
             use_cache = False  # as the model's layers do: a recomputed attention would
             # append its keys to the cache again
         a["use_cache"] = use_cache
@@ -317,7 +325,7 @@ def _gpt2(model: nn.Module) -> Structure:
         names += [f"transformer.h.{i}.ln_1 + transformer.h.{i}.attn",
                   f"transformer.h.{i}.ln_2 + transformer.h.{i}.mlp"]
     return _structure(model, subs, names, GPT2FrontAndBack(model, cache_arg),
-                      ("position_ids", "mask", "cache", "use_cache"))
+                      ("position_ids", "mask", "cache", "use_cache"), blocks)
 
 
 class GPT2FrontAndBack(CausalLMFrontAndBack):
