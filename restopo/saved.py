@@ -63,8 +63,7 @@ def load(path: str | os.PathLike, backend: str = "auto", device: str | torch.dev
                         f"folder, a .pt from restopo compile or a .safetensors export")
     if p.is_dir():
         model = _from_checkpoint(p, backend, device, say)
-    elif p.suffix != ".safetensors" and ((p.parent / "meta.json").is_file()
-                                         or p.name == "latest"):
+    elif p.suffix != ".safetensors" and _of_a_checkpoint(p):
         raise LoadError(f"{p} is a file of the checkpoint folder {p.parent}, not a model; "
                         f"give the folder itself: {p.parent}")
     elif p.suffix == ".pt":
@@ -108,6 +107,14 @@ def _from_checkpoint(p: Path, backend: str, device, say=None) -> nn.Module:
     except CheckpointError as e:
         raise LoadError(str(e)) from None
     return model.to(device)
+
+
+def _of_a_checkpoint(p: Path) -> bool:
+    """Whether file `p` is ckpt/latest or one of a checkpoint folder's own files (a model.pt
+    exported beside some other meta.json is not)."""
+    from .train.checkpoint import MANIFEST, checkpoint_files
+    return p.name == "latest" or ((p.parent / "meta.json").is_file() and p.name in
+                                  (checkpoint_files(p.parent) or ()) + (MANIFEST,))
 
 
 def _from_pt(p: Path, backend: str, device) -> nn.Module:

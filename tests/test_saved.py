@@ -688,3 +688,12 @@ def test_generate_reads_text_for_a_model_trained_on_text_whatever_its_vocab(tmp_
                  "--temperature", "0"]) == 0
     new = restopo.generate(load(ids_model), torch.tensor([[5, 6]]), 4, temperature=0)
     assert capsys.readouterr().out.split() == [str(t) for t in new[0, 2:].tolist()]
+
+
+def test_an_export_beside_a_meta_json_is_no_file_of_a_checkpoint(run, tmp_path):
+    """Any file but a .safetensors in a folder holding a meta.json was refused as a file of
+    a checkpoint folder: a model.pt exported beside the user's own meta.json too."""
+    folder, model = run
+    (tmp_path / "meta.json").write_text("{}")
+    export(model, tmp_path / "model.pt")
+    assert same(load(tmp_path / "model.pt"), model)
