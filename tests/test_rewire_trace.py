@@ -745,6 +745,35 @@ def test_the_epsilon_of_a_norm_function_is_warned_of():
     torch.testing.assert_close(r(tokens()), m(tokens()), rtol=1e-6, atol=1e-6)  # the mean start
 
 
+class NoEpsRMSNorm(nn.Module):
+    """A norm module calling F.rms_norm without eps: the dtype's machine epsilon."""
+
+    def __init__(self, ndim, bias=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(ndim))
+
+    def forward(self, x):
+        return F.rms_norm(x, self.weight.shape, self.weight)
+
+
+@pytest.mark.parametrize("case", ["module_without_eps", "function_with_eps_only_last"])
+def test_every_norm_epsilon_a_call_takes_by_default_is_warned_of(case, monkeypatch):
+    """A norm module whose code called F.rms_norm without eps was not warned of (only an eps
+    written there was read), and of a norm function's calls only the last was: a head's
+    eps=1e-24 hid the blocks' default epsilon."""
+    from restopo.fx.rewire import RewireWarning
+    if case == "module_without_eps":
+        import models.nanogpt
+        monkeypatch.setattr(models.nanogpt, "LayerNorm", NoEpsRMSNorm)
+        m = GPT(GPTConfig(n_layer=2))
+    else:
+        m = FunctionalNormGPT(GPTConfig(n_layer=2))
+        m.eps = 1e-24  # the head's norm only
+    eps = torch.finfo(torch.float32).eps
+    with pytest.warns(RewireWarning, match=rf"epsilon up to {eps:g}: full_attnres"):
+        rewire(m, "residual full_attnres\n")
+
+
 def test_a_compiled_model_or_block_is_refused_saying_to_rewire_first():
     """torch.compile's wrapper failed in fx ('Module [OptimizedModule] is missing the required
     "forward" function', or 'symbolically trace a dynamo-optimized function' for a block)."""

@@ -32,7 +32,7 @@ from .lower import lower
 from ..nn.parts import Parts
 from ..nn.sublayers import check_batched, check_token_ids
 from .structure import SUPPORTED, FrontAndBack, RewireError, Structure, bind, pattern
-from .tracer import NORM_FUNCTIONS, classify, compiled
+from .tracer import NORM_FUNCTIONS, called_norm_eps, classify, compiled, float_dtype
 
 __all__ = ["rewire", "recover", "Rewired", "RewireError"]
 
@@ -143,14 +143,12 @@ def norm_eps(model: nn.Module) -> dict[str, float]:
     return {name: getattr(m, attr) for name, m, attr in _norm_eps_attrs(model)}
 
 
-
-
 def coded_norm_eps(model: nn.Module) -> dict[str, float]:
     """{module name: epsilon} of the norm modules that write theirs in their code (nanoGPT's
     `F.layer_norm(x, ..., 1e-5)`), read from a trace of their forward; a norm that does not
     trace, or computes its own, is left out."""
     kept = {name for name, _, _ in _norm_eps_attrs(model)}
-    out = {}
+    out, dtype = {}, float_dtype(model)
     for name, m in _norms(model):
         if name in kept or type(m).forward in _TORCH_NORM_FORWARDS:
             continue
@@ -159,12 +157,10 @@ def coded_norm_eps(model: nn.Module) -> dict[str, float]:
         except Exception:  # noqa: BLE001 - any code fx cannot trace: nothing to read
             continue
         for node in graph.nodes:
-            at = NORM_FUNCTIONS.get(node.target) if node.op == "call_function" else None
-            if at is None:
-                continue
-            eps = node.args[at[0]] if len(node.args) > at[0] else node.kwargs.get(at[1])
-            if isinstance(eps, float):
-                out[name] = eps
+            if node.op == "call_function" and node.target in NORM_FUNCTIONS:
+                eps = called_norm_eps(node, dtype)
+                if isinstance(eps, float):  # the largest, where it calls two
+                    out[name] = max(eps, out.get(name, eps))
     return out
 
 
@@ -204,10 +200,10 @@ def _warn_of_norm_eps(model: nn.Module, topology: Topology, structure: Structure
         return
     large = {k: v for k, v in norm_eps(model).items() if v > MEAN_START_EPS}
     coded = {k: v for k, v in coded_norm_eps(model).items() if v > MEAN_START_EPS}
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    called = {fn: torch.finfo(dtype).eps if eps is None else eps
-              for fn, eps in structure.function_norms}
-    called = {k: v for k, v in called.items() if isinstance(v, float) and v > MEAN_START_EPS}
+    called = {}  # the largest of each function's calls: one with 1e-24 hides no other
+    for fn, eps in structure.function_norms:
+        if isinstance(eps, float) and eps > max(MEAN_START_EPS, called.get(fn, 0.0)):
+            called[fn] = eps
     if large or coded or called:
         eps = max({**large, **coded, **called}.values())
         where = type(model.get_submodule(next(iter(coded)))).__name__ if coded else ""

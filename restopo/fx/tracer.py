@@ -33,6 +33,19 @@ NORM_FUNCTIONS = {F.layer_norm: (4, "eps", 1e-5), torch.layer_norm: (4, "eps", 1
                      if hasattr(F, "rms_norm") else {})}
 
 
+def called_norm_eps(node: fx.Node, dtype: torch.dtype):
+    """The epsilon a traced call of a NORM_FUNCTIONS norm uses: the one passed, else the
+    function's default (rms_norm's: `dtype`'s machine epsilon), as the call runs."""
+    at, kw, default = NORM_FUNCTIONS[node.target]
+    eps = node.args[at] if len(node.args) > at else node.kwargs.get(kw, default)
+    return torch.finfo(dtype).eps if eps is None else eps
+
+
+def float_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype of `model`'s first floating parameter (float32 without one)."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+
+
 def classify(module: nn.Module) -> str | None:
     """"norm" | "attn" | "mlp" by the module's class name, or None."""
     name = type(module).__name__
