@@ -831,7 +831,8 @@ S = "residual standard\n"
     (M + "residual custom { before sublayer: mhc(embedding, streams: 2, sinkhorn: 5) }", (),
      "write mhc(streams: 2, sinkhorn: 5)"),
 ], ids=["quoted_ratio", "quoted_option", "quoted_ratio_set", "unit_word", "unit_word_set",
-        "ratio_outside_parentheses_set", "quoted_choice", "quoted_choice_set", "sources_without_commas", "stream_rule_sources"])
+        "ratio_outside_parentheses_set", "quoted_choice", "quoted_choice_set",
+        "sources_without_commas", "stream_rule_sources"])
 def test_a_hint_that_rewrites_a_value_keeps_the_other_words(text, overrides, hint):
     """A hint that corrects one value wrote the rest from the key's example: gelu("4x") was
     told to write swiglu(4x), window: "8" window(8), `50 steps` steps: 300, and a stream

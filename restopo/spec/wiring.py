@@ -240,8 +240,8 @@ def _blocks_unread(view: View, blocks: int | None, sub: T.Rule, head: T.Rule,
     sums for no reader (a standard residual, a stream update, depth attention over every
     output); True after the error. `blocks: 1`, no blocks, is the one-stream default."""
     given = next((view.fields[k] for k in ("blocks", "block_size") if k in view.fields), None)
-    if given is None or blocks == 1 or any(s.name in ("blocks", "partial")
-                            for rule in (sub, head) for s in rule.sources):
+    read = any(s.name in ("blocks", "partial") for rule in (sub, head) for s in rule.sources)
+    if given is None or blocks == 1 or read:
         return False
     k = given.key.text
     c.error(given.key.pos, f"'{k}' has no effect here: no rule reads 'blocks' or 'partial'",
