@@ -202,6 +202,24 @@ def test_each_sublayer_follows_its_layers_checkpointing_without_walking_the_mode
     assert sorted(map(id, calls)) == sorted(map(id, want))  # the same MLPs run again
 
 
+def test_generate_checks_the_prompt_once_not_every_step(monkeypatch):
+    """Each of generate's one-token steps read its ids back through the rewired forward's
+    vocabulary check (a wait for the GPU on CUDA), as restopo's own decoder no longer does;
+    the prompt is checked once, and a forward still checks its ids."""
+    import restopo.fx.rewire
+    r = rewire(llama(), "residual block_attnres(blocks: 2)\n")
+    checked, check = [], restopo.fx.rewire.check_token_ids
+    monkeypatch.setattr(restopo.fx.rewire, "check_token_ids",
+                        lambda ids, vocab: checked.append(ids) or check(ids, vocab))
+    idx = tokens()
+    assert r.generate(idx, max_new_tokens=4, do_sample=False).shape == (2, 14)
+    assert len(checked) == 1
+    with pytest.raises(ValueError, match="token id 128, outside the model's vocabulary"):
+        r.generate(torch.cat([idx, torch.full((2, 1), 128)], dim=1), max_new_tokens=2)
+    with pytest.raises(ValueError, match="token id 128, outside the model's vocabulary"):
+        r(torch.full((2, 1), 128))
+
+
 def test_training_with_gradient_checkpointing_makes_no_cache_as_the_original():
     """The original turns use_cache off when checkpointing in training; the rewired model
     made a cache, and its recomputed attentions appended their keys to it again."""

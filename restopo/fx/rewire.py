@@ -354,9 +354,15 @@ class Rewired(nn.Module):
                 _hold(self, name, getattr(model, name))
 
     def forward(self, *args, **kwargs):
-        s = self.structure
         # token ids come first (_probe_call)
-        _check_ids(bind(s.signature, args, kwargs)[0], s.vocab)
+        _check_ids(bind(self.structure.signature, args, kwargs)[0], self.structure.vocab)
+        return self._unchecked(*args, **kwargs)
+
+    def _unchecked(self, *args, **kwargs):
+        """forward without its check of the ids: generate's steps feed back tokens the model
+        drew, after a prompt checked once, and reading them back at every step would stall
+        it (a Python call on the CPU, a wait on CUDA), as restopo's own Decoder does not."""
+        s = self.structure
         ends = s.ends(pattern(s.signature, args, kwargs))
         call = Call(ends.arguments(s.signature, args, kwargs), ends)
         h = self.body(call)
@@ -372,7 +378,8 @@ class Rewired(nn.Module):
                                  f"of restopo's own use restopo.generate")
         _check_ids(args[0] if args else kwargs.get("inputs", kwargs.get("input_ids")),
                    self.structure.vocab)
-        self.model.forward = self.forward  # an instance attribute: the class is untouched
+        # an instance attribute: the class is untouched
+        self.model.forward = self._unchecked
         try:
             return generate(*args, **kwargs)
         finally:
