@@ -63,7 +63,6 @@ def die_with_parent(signum: int) -> None:
     launcher killed outright would otherwise leave the agent and the workers training,
     unlocked, in a run folder a second run may then take."""
     import ctypes
-    import signal
     if not sys.platform.startswith("linux"):
         return
     parent = os.getppid()
@@ -72,8 +71,8 @@ def die_with_parent(signum: int) -> None:
         libc.prctl(1, int(signum), 0, 0, 0)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         return
-    if os.getppid() != parent:  # the parent died before the request took
-        os.kill(os.getpid(), signal.SIGTERM)
+    if os.getppid() != parent:  # the parent died before the request took: as if it had
+        os.kill(os.getpid(), signum)
 
 
 @contextmanager

@@ -101,3 +101,26 @@ def test_the_restopo_console_script_exits_through_leave():
     tree = ast.parse(pathlib.Path(importlib.util.find_spec(module).origin).read_text())
     (func,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name]
     assert calls_exit_with(func.body)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+@pytest.mark.parametrize("signum", ["SIGTERM", "SIGKILL"])
+def test_a_parent_dead_before_die_with_parent_took_sends_the_signal_asked_for(
+        monkeypatch, signum):
+    """A parent that died between reading it and the prctl was answered with SIGTERM
+    whatever signal was asked for: a torchrun worker (SIGKILL, to end at once with its
+    killed agent) started its save instead."""
+    import ctypes
+    import signal
+    import types
+
+    from restopo import worker
+    parents, sent = iter([100, 1]), []
+    asked = []  # the prctl, not made on this test process
+    monkeypatch.setattr(ctypes, "CDLL", lambda *a, **k: types.SimpleNamespace(
+        prctl=lambda *args: asked.append(args)))
+    monkeypatch.setattr(worker.os, "getppid", lambda: next(parents))
+    monkeypatch.setattr(worker.os, "kill", lambda pid, sig: sent.append((pid, sig)))
+    worker.die_with_parent(getattr(signal, signum))
+    assert asked == [(1, getattr(signal, signum), 0, 0, 0)]  # PR_SET_PDEATHSIG
+    assert sent == [(os.getpid(), getattr(signal, signum))]
