@@ -263,6 +263,10 @@ def _diff(arm: Arm, baseline: Arm | None, named: bool = False) -> str:
     return f"{d.mean:+.4f} [{d.low:+.4f}, {d.high:+.4f}]{vs}"
 
 
+# the one reason for no interval that more seeds cure (the reading then says how to add them)
+NEEDS_SEEDS = "needs 2+ seeds"
+
+
 def _why_no_interval(arm: Arm, baseline: Arm | None) -> str:
     """Why `arm` has no interval against `baseline`: a side with no final loss at all is
     not helped by more seeds, so it is said before the seed count."""
@@ -272,7 +276,7 @@ def _why_no_interval(arm: Arm, baseline: Arm | None) -> str:
     for side, who in ((arm, ""), (baseline, "the baseline: ")):
         if side is not None and not side.finals:
             return who + ("no run finished" if not side.finished else "no final val loss")
-    return "needs 2+ seeds"
+    return NEEDS_SEEDS
 
 
 def made_by(arms: list[Arm]) -> list[str]:
@@ -383,7 +387,7 @@ def reading(arms: list[Arm], baseline: Arm | None) -> list[str]:
                      + (" An interval needs two or more finished seeds of an arm and of its "
                         "baseline: a sweep again with a higher --seeds and the same --out "
                         "adds seeds and keeps the runs it has." if any(
-                            _why_no_interval(a, b) == "needs 2+ seeds" for a, b in bare)
+                            _why_no_interval(a, b) == NEEDS_SEEDS for a, b in bare)
                         else ""))
     # each gap against the seed spread of the baseline it is a gap to
     gaps = [(abs(a.diff.mean), compared_with(a, baseline)) for a in arms if a.diff is not None]

@@ -28,7 +28,7 @@ def token_ids_in(idx: torch.Tensor, vocab: int) -> None:
     CUDA a wait for the GPU."""
     if idx.numel() == 0:
         return
-    low, high = (int(v) for v in torch.aminmax(idx))
+    low, high = torch.stack(torch.aminmax(idx)).tolist()  # one read back, not two
     if low < 0 or high >= vocab:
         raise ValueError(f"token id {low if low < 0 else high}, outside the model's "
                          f"vocabulary 0..{vocab - 1}")
