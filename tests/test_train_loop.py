@@ -245,6 +245,35 @@ def test_a_loss_diverged_between_log_lines_saves_no_checkpoint_of_it(tmp_path, c
     assert records(tmp_path)[-1] == {**records(tmp_path)[-1], "step": 3, "diverged": "nan"}
 
 
+def test_weights_gone_nan_at_a_step_whose_loss_was_finite_are_not_saved(tmp_path, corpus):
+    """Gradients that overflowed at step 4 (its loss finite) made NaN weights (clipping an
+    infinite norm), which step 4's checkpoint saved over step 2's (train.keep 1): the loss
+    check saw NaN only at step 5. The weights are now checked before each save."""
+    from safetensors.torch import load_file
+
+    from restopo.experiments.runs import read_run
+    from restopo.train.checkpoint import latest_checkpoint
+
+    model = tiny_model()
+    calls = {"n": 0}
+
+    def overflow(grad):  # one weight's gradient infinite at the fourth step
+        calls["n"] += 1
+        return grad * math.inf if calls["n"] == 4 else grad
+    next(model.parameters()).register_hook(overflow)
+    c = cfg(steps=12, save_every=2, log_every=10, eval_every=0, keep=1)
+    with pytest.raises(TrainingError, match=r"the weights became nan by step 4 \(checkpoints "
+                                            r"stop at step 2, before it\); the gradients "
+                                            r"overflowed though the loss was finite: lower "
+                                            rf"train.lr \(now {c.lr:g}\)"):
+        train(model, corpus, c, tmp_path, progress=False)
+    assert all(math.isfinite(r["loss"]) for r in records(tmp_path) if "loss" in r)
+    assert latest_checkpoint(tmp_path / "ckpt").name == "step_000002"
+    weights = load_file(tmp_path / "ckpt" / "step_000002" / "model.safetensors")
+    assert all(torch.isfinite(w).all() for w in weights.values())
+    assert read_run(tmp_path).progress == "diverged at step 4: weights nan"
+
+
 def test_a_plot_that_fails_does_not_hide_why_the_run_stopped(tmp_path, corpus, monkeypatch,
                                                              capsys):
     import restopo.train.loop as loop

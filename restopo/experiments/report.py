@@ -446,8 +446,8 @@ def unfinished_note(arms: list[Arm]) -> list[str]:
                                for r in failed) + ".")
     if lost:
         out.append(f"- **Left out of the final and best losses, diverged** ({len(lost)} "
-                   f"run{'s' * (len(lost) != 1)}: the loss became NaN or infinite and "
-                   f"training stopped; resumed as they are they diverge again, so lower "
+                   f"run{'s' * (len(lost) != 1)}: the loss or the weights became NaN or infinite "
+                   f"and training stopped; resumed as they are they diverge again, so lower "
                    f"train.lr or train.grad_clip and train them anew): "
                    + "; ".join(f"{r.name} ({r.progress})" for r in lost) + ".")
     return out

@@ -67,7 +67,7 @@ def _skipped(todo, out: Path, report) -> list[dict]:
         if s in ("done", "diverged"):
             event = {"name": job.name, "status": s, "skipped": True}
             if s == "diverged":
-                event["error"] = (f"its loss diverged at step {diverged_at(out / job.name)}; "
+                event["error"] = (f"it diverged at step {diverged_at(out / job.name)}; "
                                   f"not run again (lower train.lr or train.grad_clip, or "
                                   f"delete {out / job.name} to train it afresh)")
             report({"event": "skip", "job": job, **event})

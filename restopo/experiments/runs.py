@@ -72,9 +72,9 @@ class Run:
 
     @property
     def diverged(self) -> int | None:
-        """The step at which the run stopped because its loss became NaN or infinite (as
-        its metrics record), else None. Such a run is not unfinished: resuming it from its
-        last checkpoint diverges again."""
+        """The step at which the run stopped because its loss (or its weights) became NaN or
+        infinite (as its metrics record), else None. Such a run is not unfinished: resuming
+        it from its last checkpoint diverges again."""
         return diverged_step(self.records)
 
     @property
@@ -82,7 +82,9 @@ class Run:
         """'step 300 of 400' (or 'no checkpoint', or 'diverged at step 230: loss nan') for a
         note on a run that did not finish."""
         if self.diverged is not None:
-            return f"diverged at step {self.diverged}: loss {self.records[-1]['diverged']}"
+            last = self.records[-1]  # 'in': what diverged, when not the loss
+            return (f"diverged at step {self.diverged}: {last.get('in', 'loss')} "
+                    f"{last['diverged']}")
         if not self.meta:
             return "no checkpoint"
         return f"step {self.steps} of {self.planned_steps}"

@@ -35,6 +35,7 @@ from .data import BatchSampler, Corpus, DataError, fixed_batches
 from .dist import DistContext, any_rank, barrier, collectively, exchange, mean_over_ranks
 from .interrupt import deferred_interrupt
 from .plots import plot_losses, read_metrics
+from .shards import local_tensor
 from .stepper import DataParallelStep, Stepper, evaluate  # noqa: F401 (evaluate: re-export)
 from .throughput import Throughput
 
@@ -197,6 +198,14 @@ def first_diverged(seen: torch.Tensor, loss: torch.Tensor, step: int) -> torch.T
     return torch.where((seen[0] == 0) & ~torch.isfinite(loss), new, seen)
 
 
+@torch.no_grad()
+def largest_weight(params) -> float:
+    """The largest |entry| of `params` (of a DTensor, this process's shard), NaN when any is
+    NaN: one fused reduction, read before each checkpoint."""
+    held = [t for t in map(local_tensor, params) if t.numel()]
+    return torch.stack(torch._foreach_norm(held, math.inf)).max().item() if held else 0.0
+
+
 def stopped_at_once(ckpt_root: Path) -> str:
     """What a run stopped mid-step leaves to go on from (its newest checkpoint on disk:
     the stop may have come while one was written)."""
@@ -281,25 +290,42 @@ def train(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, out: str | o
 
     diverged = torch.zeros(2, dtype=torch.float64, device=device)  # see first_diverged
 
-    def check_loss() -> None:
-        """Raise TrainingError (recorded, so that a report says the run diverged, and that
-        resuming it diverges again, rather than that it is unfinished) when a loss so far was
-        not finite on any rank: read where a line is logged and before every checkpoint,
-        which must not save weights trained on it over good ones."""
-        at, value = diverged.tolist()
-        if ctx.distributed:  # every rank stops, at the first step any of them diverged at
-            at, value = min(exchange(ctx, [at, value]), key=lambda seen: seen[0] or math.inf)
-        if not at:
-            return
-        log.write({"step": int(at), "diverged": str(value),
+    def diverged_at(at: int, value: float, what: str, advice: str, when: str = "at") -> None:
+        """Record that `what` became `value` at step `at` (so that a report says the run
+        diverged, and that resuming it diverges again, rather than that it is unfinished)
+        and stop with TrainingError; `when`: "by" where it was seen at `at`, not first."""
+        log.write({"step": at, "diverged": str(value),
+                   **({"in": what} if what != "loss" else {}),
                    "elapsed": elapsed0 + time.perf_counter() - t0})
         kept = ("no checkpoint was saved" if saved is None else
                 f"checkpoints stop at step {saved}, before it")
-        raise TrainingError(f"the loss became {value} at step {int(at)} ({kept}); lower "
-                            f"train.lr (now {cfg.lr:g}) or train.grad_clip")
+        raise TrainingError(f"the {what} became {value} {when} step {at} ({kept}); {advice}")
+
+    def check_loss() -> None:
+        """Stop (diverged_at) when a loss so far was not finite on any rank: read where a
+        line is logged and before every checkpoint, which must not save weights trained on
+        it over good ones."""
+        at, value = diverged.tolist()
+        if ctx.distributed:  # every rank stops, at the first step any of them diverged at
+            at, value = min(exchange(ctx, [at, value]), key=lambda seen: seen[0] or math.inf)
+        if at:
+            diverged_at(int(at), value, "loss",
+                        f"lower train.lr (now {cfg.lr:g}) or train.grad_clip")
+
+    def check_weights(step: int) -> None:
+        """Stop when a weight is not finite on any rank, before it is saved: gradients that
+        overflowed at a step whose loss was finite (clipping an infinite norm makes them NaN)
+        make NaN weights that the loss shows only at the next step."""
+        values = exchange(ctx, largest_weight(p for _, p in stepper.held()))
+        bad = [v for v in values if not math.isfinite(v)]
+        if bad:
+            diverged_at(step, min(bad, key=math.isinf), "weights",  # NaN before inf
+                        f"the gradients overflowed though the loss was finite: lower "
+                        f"train.lr (now {cfg.lr:g})", when="by")
 
     def save(step: int) -> None:
         check_loss()
+        check_weights(step)
         state = {"step": step, "data": sampler.state_dict(),
                  "torch_cpu": torch.get_rng_state(),
                  "elapsed": elapsed0 + time.perf_counter() - t0}
