@@ -175,8 +175,8 @@ def test_mfu_in_metrics_with_a_given_peak(tmp_path):
     records = _train(tmp_path, "--peak-tflops", "0.05")
     spec = load_spec("examples/tiny.restopo")
     per_token = flops_per_token(spec.ir(), spec.model).train
-    assert len(records) == 3
-    for r in records:
+    assert len(records) == 3 and "mfu" not in records[0]  # the first step: no rate
+    for r in records[1:]:
         assert r["mfu"] == pytest.approx(r["tokens_per_s"] * per_token / 0.05e12, rel=1e-12)
 
 
@@ -211,7 +211,8 @@ def _slowed(monkeypatch):
 def test_tokens_per_s_leaves_out_evaluation_and_checkpoints(tmp_path, monkeypatch):
     """An evaluation or a checkpoint write in a logging interval is not training: made to
     take 1000 s each on the loop's clock here, tokens/s must still be a step's (each line
-    is one 128-token step; with those 1000 s counted it would be under 0.13)."""
+    is one 128-token step; with those 1000 s counted it would be under 0.13). Step 2's
+    line has step 1's checkpoint and its own evaluation in its interval."""
     from restopo.train import loop
 
     slow = _slowed(monkeypatch)
@@ -220,31 +221,39 @@ def test_tokens_per_s_leaves_out_evaluation_and_checkpoints(tmp_path, monkeypatc
     monkeypatch.setattr(loop, "save_checkpoint", slow(loop.save_checkpoint))
     records = _train(tmp_path, "--set", "train.keep=1", every=1)
     assert [r["val_loss"] is not None for r in records] == [True] * 3
-    assert all(r["tokens_per_s"] > 1 for r in records), records
+    assert all(r["tokens_per_s"] > 1 for r in records[1:]), records
     assert records[-1]["elapsed"] > 5000  # the slow calls did pass on the loop's clock
     assert (tmp_path / "run" / "ckpt" / "step_000003").is_dir()
 
 
-def test_tokens_per_s_leaves_out_the_step_that_compiles(tmp_path, monkeypatch):
-    """With --compile the first step compiles the model (seconds to minutes), and its
-    tokens/s and MFU were that time's, not a step's. Made to take 1000 s on the loop's clock
-    here (the compiler itself faked), step 1's line has no rate at all (nothing but the
-    compiling step in it), and the next lines a step's."""
+@pytest.mark.parametrize("first", ["compiles", "builds kernels", "resumes"])
+def test_tokens_per_s_leaves_out_a_runs_first_step(first, tmp_path, monkeypatch):
+    """A run's first step carries one-time costs: with --compile it compiles the model
+    (seconds to minutes), and without it kernels are built or JIT-compiled and memory first
+    allocated, a resumed run's too; its tokens/s and MFU were that time's, not a step's.
+    Made to take 1000 s on the loop's clock here (a compiler faked), the first step's line
+    has no rate at all (nothing but that step in it), and the next lines a step's."""
     from restopo.train import compile as train_compile
     from restopo.train import loop
 
+    before = len(_train(tmp_path)) if first == "resumes" else 0
     slow = _slowed(monkeypatch)
     monkeypatch.setattr(loop.DataParallelStep, "step", slow(loop.DataParallelStep.step, 1))
     monkeypatch.setattr(train_compile, "compile_model", lambda model, stepper, mode: 2)
     monkeypatch.setenv(train_compile.BACKEND_ENV, "eager")  # no C++ compiler asked for
-    records = _train(tmp_path, "--compile", "--peak-tflops", "0.05")
+    extra = {"compiles": ["--compile"], "builds kernels": [],
+             "resumes": ["--resume", "--steps", "6"]}[first]
+    records = _train(tmp_path, *extra, "--peak-tflops", "0.05")[before:]
+    assert len(records) == 3
     assert "tokens_per_s" not in records[0] and "mfu" not in records[0], records[0]
     assert all(r["tokens_per_s"] > 1 and r["mfu"] > 0 for r in records[1:]), records
     assert records[0]["elapsed"] > 1000  # the slow step did pass on the loop's clock
 
 
 def test_no_mfu_on_the_cpu_without_a_peak(tmp_path):
-    assert all("mfu" not in r and r["tokens_per_s"] > 0 for r in _train(tmp_path))
+    records = _train(tmp_path)
+    assert all("mfu" not in r for r in records)
+    assert all(r["tokens_per_s"] > 0 for r in records[1:])
 
 
 def test_a_bad_peak_is_said_where_it_was_written(tmp_path, capsys):

@@ -91,8 +91,10 @@ def test_damaged_newest_checkpoint_falls_back_and_resumes_exactly(spec, tmp_path
     assert "step_000016 is damaged (model.safetensors" in err
     assert "moved to ckpt/damaged/step_000016" in err
     assert "resuming from step_000012, the newest checkpoint that verifies" in err
-    assert records(out) == [{**r, "tokens_per_s": x["tokens_per_s"], "elapsed": x["elapsed"]}
-                            for r, x in zip(clean, records(out))]  # every loss, bit for bit
+    def timeless(recs):  # the clock's figures differ; every loss must not, bit for bit
+        return [{k: v for k, v in r.items() if k not in ("tokens_per_s", "elapsed")}
+                for r in recs]
+    assert timeless(records(out)) == timeless(clean)
     assert (out / "ckpt" / "damaged" / "step_000016").is_dir()  # kept aside, not deleted
     assert ck.check_checkpoint(out / "ckpt" / "step_000016") is None  # saved again, intact
 

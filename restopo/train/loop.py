@@ -346,8 +346,9 @@ def train(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, out: str | o
                disable=not (progress and ctx.is_main), dynamic_ncols=True)
     t0 = time.perf_counter()
     # tokens/s counts training steps only: `paused` is the time since the last log line
-    # spent evaluating and writing checkpoints, taken out of the interval, and a compiled
-    # run's first step (its compilation) is left out
+    # spent evaluating and writing checkpoints, taken out of the interval, and the run's
+    # first step is left out: its one-time costs (compiling, kernels built or JIT-compiled,
+    # memory first allocated) are no step's
     t_log, steps_since_log, paused = t0, 0, 0.0
     raw.train()
     if compiled and ctx.is_main:  # else a bar sits at 0 for a minute with no word why
@@ -379,13 +380,13 @@ def train(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, out: str | o
                 stopping = any_rank(stop.asked, ctx)
                 steps_since_log += 1
                 bar.update(1)
-                if compiled and step == start:  # compiling it took most of its time
-                    from .compile import compiled_line
-
+                if step == start:  # tokens/s: of the steps after it
                     now = time.perf_counter()
-                    if ctx.is_main:
+                    if compiled and ctx.is_main:  # compiling it took most of its time
+                        from .compile import compiled_line
+
                         bar.write(compiled_line(compiled, now - t0), file=sys.stderr)
-                    t_log, steps_since_log = now, 0  # tokens/s: of the steps after it
+                    t_log, steps_since_log = now, 0
 
                 val_loss = None
                 # 0 turns evaluation (eval_every) and the periodic checkpoints (save_every)
@@ -401,7 +402,7 @@ def train(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, out: str | o
                     check_loss()
                     loss_value = mean_over_ranks(loss.item(), ctx)
                     now = time.perf_counter()
-                    # none when the line's only step was the one that compiled
+                    # none when the line's only step was the run's first
                     rate = (steps_since_log * tokens_per_step / max(now - t_log - paused, 1e-9)
                             if steps_since_log else None)
                     mfu = None if throughput is None or rate is None else throughput.mfu(rate)
