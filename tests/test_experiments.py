@@ -370,6 +370,25 @@ def test_runs_trained_differently_are_said_so_with_each_arms_budget():
     assert "1,280 training tokens per run (20 steps of 64 tokens)" in report.scale_note(same)
 
 
+def test_the_loss_unit_is_what_the_runs_trained_on_not_their_vocab(tmp_path):
+    """Vocab 256 was taken to mean bytes: runs on .bin token ids at vocab 256 were said to
+    be in nats per byte-level token, and text runs at vocab 300 per token (vocab 300). What
+    each run trained on (its train.data, read from where the run read it) now decides."""
+    (tmp_path / "ids.bin").write_bytes(bytes(64))
+    (tmp_path / "text.txt").write_text("text")
+
+    def arms(data, vocab=256):
+        text = TINY.format(residual="standard", data=data).replace("vocab: 256",
+                                                                  f"vocab: {vocab}")
+        meta = {"step": 5, "spec_path": "/elsewhere/a.restopo", "spec_text": text,
+                "data_base": str(tmp_path), "config": {"steps": 5}}
+        return report.group([Run(tmp_path / "a-s0", "a", 0, meta, [{"step": 5}])])
+
+    assert report.loss_unit(arms("ids.bin")) == "token (vocab 256)"
+    assert report.loss_unit(arms("text.txt", vocab=300)) == "byte-level token"
+    assert report.loss_unit(arms("gone.bin")) == "byte-level token"  # not known: by vocab
+
+
 def test_an_unfinished_run_is_left_out_of_the_final_losses_and_named(tmp_path):
     """A seed stopped at step 300 of 400 was averaged into its arm's 'final' loss (and into
     the interval against the baseline) without a word. It is left out, counted and named."""

@@ -64,11 +64,8 @@ def _kind_mismatch(spec, corpus) -> str | None:
     """Why `corpus` cannot score this model: byte text for a model trained on token ids,
     or token ids for one trained on bytes (ids below the vocab would score, meaninglessly:
     the same number means another symbol). None when they agree or the run's data is gone."""
-    from ..spec.datapath import data_base
-    from ..train.data import source_kind
-    if spec.train is None:
-        return None
-    trained = source_kind(spec.train.data, data_base(spec))
+    from ..train.data import trained_on
+    trained = trained_on(spec)
     given = "bytes" if corpus.byte_level else "ids"
     if trained is None or trained == given:
         return None

@@ -63,18 +63,10 @@ def _fail(message: str) -> int:
     return 1
 
 
-def data_kind(model) -> str | None:
-    """What the model's run trained on: "bytes" (text) or "ids" (.bin token ids); None when
-    that cannot be told (its data gone, a spec without train)."""
-    from ..spec.datapath import data_base
-    from ..train.data import source_kind
-    spec = model.restopo_spec
-    return None if spec.train is None else source_kind(spec.train.data, data_base(spec))
-
-
 def prompt_tokens(args, vocab: int, kind: str | None = None):
     """The prompt's token ids: UTF-8 bytes for a model that reads bytes (reads_bytes; `kind`
-    is its data_kind), else --prompt-ids."""
+    is what it trained on), else --prompt-ids."""
+    from ..train.data import reads_bytes
     if args.prompt_ids is not None:
         try:
             ids = [int(t) for t in args.prompt_ids.replace(",", " ").split()]
@@ -97,21 +89,16 @@ def prompt_tokens(args, vocab: int, kind: str | None = None):
     return ids
 
 
-def reads_bytes(vocab: int, kind: str | None) -> bool:
-    """Whether a model's tokens are bytes: trained on text (a vocab above 256 too, its ids
-    past 255 unused), else, with its data not known, a vocab of 256."""
-    return kind == "bytes" if kind is not None else vocab == 256
-
-
 def run(args) -> int:
     import torch
 
     from ..decode import stream
     from ..cli import load_model
     from ..saved import LoadError
+    from ..train.data import reads_bytes, trained_on
     try:
         model = load_model("generate", args.checkpoint, device=args.device)
-        vocab, kind = model.embed.num_embeddings, data_kind(model)
+        vocab, kind = model.embed.num_embeddings, trained_on(model.restopo_spec)
         ids = prompt_tokens(args, vocab, kind)
         idx = torch.tensor([ids], dtype=torch.long, device=args.device)
         if args.compile and args.max_new_tokens > 1:

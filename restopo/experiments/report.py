@@ -520,13 +520,15 @@ def _setting_values(arms) -> dict[str, dict]:
 
 
 def loss_unit(arms: list[Arm]) -> str:
-    """What a loss is per: a byte-level token when every model reads bytes (vocab 256),
-    else a token of the vocab(s) the runs used (losses over other vocabularies do not
-    compare)."""
-    vocabs = sorted({r.spec.model.vocab for a in arms for r in a.runs
-                     if r.spec is not None and r.spec.model is not None})
-    if vocabs == [256]:
+    """What a loss is per: a byte-level token when every model reads bytes (trained on text,
+    reads_bytes), else a token of the vocab(s) the runs used (losses over other vocabularies
+    do not compare)."""
+    from ..train.data import reads_bytes, trained_on
+    specs = [r.spec for a in arms for r in a.runs
+             if r.spec is not None and r.spec.model is not None]
+    if specs and all(reads_bytes(s.model.vocab, trained_on(s)) for s in specs):
         return "byte-level token"
+    vocabs = sorted({s.model.vocab for s in specs})
     if len(vocabs) == 1:
         return f"token (vocab {vocabs[0]:,})"
     return ("token of each run's own vocabulary (" + ", ".join(f"{v:,}" for v in vocabs)

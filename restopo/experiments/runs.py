@@ -117,14 +117,13 @@ class Run:
 
     @cached_property
     def spec(self):
-        """The checked spec the run trained (from its checkpoint), or None."""
-        from ..spec import parse_spec
+        """The checked spec the run trained (from its checkpoint), or None; a relative
+        train.data in it is read from where the run read it."""
+        from ..train.runspec import spec_from_meta
 
-        text = self.meta.get("spec_text")
-        if not isinstance(text, str):
+        if not isinstance(self.meta.get("spec_text"), str):
             return None
-        return parse_spec(text, path=str(self.meta.get("spec_path", "<run>")),
-                          overrides=tuple(self.meta.get("overrides") or ()))
+        return spec_from_meta({"spec_path": "<run>", **self.meta})
 
     @property
     def spec_name(self) -> str:

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from ..io import atomic_folder, cache_folder, cache_root
-from ..spec.datapath import DataPathError, DataPathMissing, data_mode, data_path
+from ..spec.datapath import DataPathError, DataPathMissing, data_base, data_mode, data_path
 from ..spec.datapath import shown as _shown
 
 BUILTIN_STDLIB = "builtin:stdlib"
@@ -145,6 +145,19 @@ def source_kind(source: str, base_dir: str | os.PathLike | None = None) -> str |
         return _kind(path, data_mode(path))
     except DataPathError:
         return None
+
+
+def trained_on(spec) -> str | None:
+    """What `spec`'s run trained on, its train.data read from where the run read it: "bytes"
+    (text) or "ids" (.bin token ids); None when that cannot be told (no train section, its
+    data gone)."""
+    return None if spec.train is None else source_kind(spec.train.data, data_base(spec))
+
+
+def reads_bytes(vocab: int, kind: str | None) -> bool:
+    """Whether a model's tokens are bytes: trained on text (a vocab above 256 too, its ids
+    past 255 unused), else, with its data not known (trained_on: None), a vocab of 256."""
+    return kind == "bytes" if kind is not None else vocab == 256
 
 
 def _kind(path: Path, mode: int) -> str:
