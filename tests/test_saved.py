@@ -441,13 +441,15 @@ def test_eval_refuses_data_of_another_kind_than_the_model_was_trained_on(run, tm
     assert main(["eval", str(folder / "run"), "--data", str(tmp_path / "ids.bin"),
                  "--no-progress"]) == 1
     err = capsys.readouterr().err
-    assert "--data is token ids (.bin)" in err and "trained on byte-level text" in err
-    assert "corpus.txt" in err
+    assert (f"--data {tmp_path / 'ids.bin'} is token ids (.bin), but this model was trained "
+            f"on byte-level text (") in err and "corpus.txt); an id means" in err
+    assert err.count("(") == err.count(")") == 2, err  # no kind said twice, in two brackets
     ids_run = _ids_run(folder, tmp_path, tmp_path / "ids.bin")
     assert main(["eval", str(ids_run), "--data", str(folder / "corpus.txt"),
                  "--no-progress"]) == 1
     err = capsys.readouterr().err
-    assert "--data is byte-level text" in err and "trained on token ids (.bin)" in err
+    assert (f"--data {folder / 'corpus.txt'} is byte-level text, but this model was trained "
+            f"on token ids (.bin) ({tmp_path / 'ids.bin'}); an id means") in err
     assert main(["eval", str(ids_run), "--data", str(tmp_path / "ids.bin"), "--format",
                  "json", "--no-progress"]) == 0
     assert json.loads(capsys.readouterr().out)["split"] == "val"

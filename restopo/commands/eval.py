@@ -60,17 +60,18 @@ def _fail(message: str) -> int:
     return 1
 
 
-def _kind_mismatch(spec, corpus) -> str | None:
-    """Why `corpus` cannot score this model: byte text for a model trained on token ids,
-    or token ids for one trained on bytes (ids below the vocab would score, meaninglessly:
-    the same number means another symbol). None when they agree or the run's data is gone."""
+def _kind_mismatch(spec, corpus, source: str) -> str | None:
+    """Why `corpus` (from --data `source`) cannot score this model: byte text for a model
+    trained on token ids, or token ids for one trained on bytes (ids below the vocab would
+    score, meaninglessly: the same number means another symbol). None when they agree or
+    the run's data is gone."""
     from ..train.data import trained_on
     trained = trained_on(spec)
     given = "bytes" if corpus.byte_level else "ids"
     if trained is None or trained == given:
         return None
     name = {"bytes": "byte-level text", "ids": "token ids (.bin)"}
-    return (f"--data is {name[given]} ({corpus.description}), but this model was trained on "
+    return (f"--data {source} is {name[given]}, but this model was trained on "
             f"{name[trained]} ({spec.train.data}); an id means another symbol in each, so "
             f"the score would mean nothing: give --data of the kind it was trained on")
 
@@ -104,7 +105,7 @@ def run(args) -> int:
         # split the model may have trained on, as builtin:stdlib has
         own_text = corpus.byte_level and not str(source).strip().startswith("builtin:")
         split = args.split or ("all" if args.data is not None and own_text else "val")
-        mismatch = _kind_mismatch(spec, corpus) if args.data is not None else None
+        mismatch = _kind_mismatch(spec, corpus, source) if args.data is not None else None
         if mismatch:
             return _fail(mismatch)
         if corpus.vocab > spec.model.vocab:
