@@ -633,6 +633,18 @@ GOLDEN = [
      "--set gives one value, and a list's values are separated by spaces (--set "
      "'model.layer=attn mlp'); to compare several values, use restopo sweep SPEC --vary "
      "KEY=V1,V2"),
+    ('set_value_with_a_semicolon',  # was: expected nothing more
+     M + "residual standard\n", ("model.width=64;",),
+     '<--set 1>', 1, 21,
+     "unexpected ';'",
+     "--set gives one value, with nothing after it; give each setting its own --set, e.g. "
+     "--set model.width=64 --set model.depth=2"),
+    ('set_two_settings',  # was: paths are quoted
+     M + "residual standard\n", ("model.width=64 model.depth=2",),
+     '<--set 1>', 1, 27,
+     "unexpected character '.'",
+     "--set gives one value, with nothing after it; give each setting its own --set, e.g. "
+     "--set model.width=64 --set model.depth=2"),
     ('set_custom_wiring',  # was: expected a name, a number, ... '(', ':' or ';'
      M + "residual standard\n", ("residual=custom { before sublayer: rezero() }",),
      '<--set 1>', 1, 23,

@@ -338,6 +338,17 @@ def _never_closed(text: str, path: str, opened, hint: str, upto: int | None = No
     return SpecError(path, line, col, f"this '{c}' is never closed", hint, _line(text, line))
 
 
+# a --set value that runs on into another setting ('64; model.depth=2', '64 model.depth=2')
+ONE_SETTING = ("--set gives one value, with nothing after it; give each setting its own "
+               "--set, e.g. --set model.width=64 --set model.depth=2")
+
+
+def _second_setting(text: str, pos: int) -> bool:
+    """Whether the word at `pos` of a --set value starts another KEY=VALUE after the value."""
+    return bool(re.search(r"\S\s+[A-Za-z_][\w.]*$", text[:pos])
+                and re.match(r"[\w.]*=", text[pos:]))
+
+
 def syntax_error(e: UnexpectedInput, text: str, path: str, what: str = "spec") -> SpecError:
     """Map Lark's UnexpectedToken/UnexpectedCharacters/UnexpectedEOF to a SpecError in words."""
     if isinstance(e, UnexpectedCharacters):
@@ -346,7 +357,9 @@ def syntax_error(e: UnexpectedInput, text: str, path: str, what: str = "spec") -
         expected = _in_context(set(e.allowed or ()), text, e.pos_in_stream)
         message = f"unexpected character {char!r}"
         hint = f"expected {expected_words(expected)}" if expected else None
-        if char == "=":
+        if path.startswith("<--set") and _second_setting(text, e.pos_in_stream):
+            hint = ONE_SETTING
+        elif char == "=":
             hint = "write 'key: value' (with a colon) or, on the command line, --set section.key=value" \
                 if what == "spec" else hint
             message = "unexpected '='"
@@ -402,6 +415,8 @@ def syntax_error(e: UnexpectedInput, text: str, path: str, what: str = "spec") -
         elif tok.type == "COLON" and "LBRACE" in expected:
             hint = ("a section has no ':' after its name: write 'residual standard', "
                     "'residual block_attnres(blocks: 8)' or 'model tiny { ... }'")
+        elif tok.type == "SEMICOLON" and opened is None and path.startswith("<--set"):
+            hint = ONE_SETTING
         elif tok.type == "COMMA" and opened is None and path.startswith("<--set"):
             hint = ("--set gives one value, and a list's values are separated by spaces "
                     "(--set 'model.layer=attn mlp'); to compare several values, use "
