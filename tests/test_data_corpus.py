@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from restopo.train import data
-from restopo.train.data import BatchSampler, DataError, fixed_batches, open_corpus
+from restopo.train.data import BatchSampler, Corpus, DataError, fixed_batches, open_corpus
 
 
 def _fake_stdlib(root):
@@ -181,6 +181,9 @@ def test_too_short_and_byte_vocab(tmp_path):
     c = open_corpus(str(f))
     with pytest.raises(DataError, match="fewer than context \\+ 1 = 65"):
         c.check(256, 64)
+    one = Corpus(np.arange(100, dtype=np.uint16), np.arange(1, dtype=np.uint16), 100, "t")
+    with pytest.raises(DataError, match="the validation split has 1 token, fewer than"):
+        one.check(256, 8)
     with pytest.raises(DataError, match="byte-level data needs model.vocab >= 256"):
         open_corpus(str(tmp_path / "short.txt")).check(128, 2)
 

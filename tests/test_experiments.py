@@ -92,6 +92,23 @@ def test_a_sweep_again_with_other_specs_keeps_the_folders_names(tmp_path, capsys
     assert capsys.readouterr().out.split()[0] == "width16-s0"
 
 
+def test_one_run_is_said_as_one(tmp_path, capsys):
+    """A sweep of one run said 'restopo sweep: 1 runs in ...' (and 'note: 1 runs keep the
+    names'); counts are said by one helper, the singular for one."""
+    std, _ = _specs(tmp_path)
+    out = tmp_path / "sw"
+    assert main(["sweep", std, "--out", str(out), "--dry-run"]) == 0
+    assert f"restopo sweep: 1 run in {out} (0 done, 0 to resume)" in capsys.readouterr().err
+    job = make_grid([std], [0], [], ["model.width=16"])[0]  # named by its width, in the folder
+    (out / "std-width16-s0").mkdir(parents=True)
+    (out / "std-width16-s0" / "run.json").write_text(json.dumps(
+        {"arm": "std-width16", "seed": 0, "spec": job.spec, "overrides": list(job.overrides),
+         "status": "done"}))
+    assert main(["sweep", std, "--vary", "model.width=16", "--out", str(out), "--dry-run"]) == 0
+    err = capsys.readouterr().err
+    assert "note: 1 run keeps the names" in err and "restopo sweep: 1 run in" in err
+
+
 def test_a_grid_that_would_collide_or_drop_a_value_is_refused():
     for vary, said in (("model.width=32,,64", "empty value"), ("model.width=32,32", "32 twice")):
         with pytest.raises(ValueError, match=said):

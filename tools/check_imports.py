@@ -27,8 +27,8 @@ import networkx as nx
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "restopo"
-LAYERS = ("grammars", "worker", "io", "codegen", "registry", "topology", "ir", "draw", "spec", "ops", "nn",
-          "fx", "backends", "decode", "api", "train", "saved", "experiments", "cli", "commands",
+LAYERS = ("grammars", "words", "worker", "io", "codegen", "registry", "topology", "ir", "draw",
+          "spec", "ops", "nn", "fx", "backends", "decode", "api", "train", "saved", "experiments", "cli", "commands",
           "__main__")
 PLUGINS = ("backends",)
 

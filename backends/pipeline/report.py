@@ -11,6 +11,7 @@ import math
 import networkx as nx
 
 from .plan import Plan, make_plan, model_costs, parse_pv
+from restopo.words import counted
 
 
 def to_json(plan: Plan) -> dict:
@@ -55,8 +56,8 @@ def describe(plan) -> str:
     d = to_json(plan) if isinstance(plan, Plan) else plan
     P, V, C = d["stages"], d["virtual"], d["chunks"]
     N = d["blocks"]
-    lines = [f"pipeline {P}x{V}: {C} chunk{'s' * (C != 1)} on {P} rank{'s' * (P != 1)} "
-             f"(chunk c on rank c mod {P}); topology {d['topology']}, {N} block{'s' * (N != 1)}"]
+    lines = [f"pipeline {P}x{V}: {counted(C, 'chunk')} on {counted(P, 'rank')} "
+             f"(chunk c on rank c mod {P}); topology {d['topology']}, {counted(N, 'block')}"]
     rows = [("chunk", "rank", "sublayers", "blocks done", "to next: naive", "to next: cached")]
     for c in d["chunk_table"]:
         a, b = c["sublayers"]

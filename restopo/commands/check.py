@@ -5,6 +5,7 @@ import argparse
 import sys
 
 from ..cli import SetOverride
+from ..words import counted
 
 EXAMPLES = """\
 examples:
@@ -41,8 +42,8 @@ def describe(spec) -> str:
     g = spec.ir()
     L = g.n_sublayers
     n = len(g.blocks)
-    parts = [f"{L} sublayers", f"topology {spec.residual.name}", f"{n} block{'s' * (n != 1)}",
-             f"{_n(live_values_per_token(g), 'live value')} per token"]
+    parts = [counted(L, "sublayer"), f"topology {spec.residual.name}", counted(n, "block"),
+             f"{counted(live_values_per_token(g), 'live value')} per token"]
     wide = min((a.window for a in g.aggregations() if a.window and a.window >= L), default=None)
     if wide is not None:  # allowed (a sweep over depth may reach it), but worth a word
         same = "full_attnres" if spec.residual.form == "named" else "reading 'sublayers'"
@@ -56,10 +57,6 @@ def describe(spec) -> str:
         if p.data != "ddp":
             parts.append(f"data parallel {p.data}")
     return ", ".join(parts)
-
-
-def _n(k: int, what: str) -> str:
-    return f"{k} {what}{'s' * (k != 1)}"
 
 
 def run(args) -> int:

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from ..cli import SetOverride, at_least
+from ..words import counted
 
 EXAMPLES = """\
 examples:
@@ -162,12 +163,15 @@ def run(args) -> int:
         return 1
     renamed = [(g.name, j.name) for g, j in zip(grid, jobs) if g.name != j.name]
     if renamed:
-        print(f"restopo sweep: note: {len(renamed)} runs keep the names {out} gave their arms "
-              f"before, such as {renamed[0][1]} (this grid alone names it {renamed[0][0]})",
+        keep = "keeps" if len(renamed) == 1 else "keep"
+        print(f"restopo sweep: note: {counted(len(renamed), 'run')} {keep} the names {out} "
+              f"gave their arms before, such as {renamed[0][1]} (this grid alone names it "
+              f"{renamed[0][0]})",
               file=sys.stderr)
     states = {j.name: runner.state(out, j) for j in jobs}
-    print(f"restopo sweep: {len(jobs)} runs in {out} ({sum(s == 'done' for s in states.values())}"
-          f" done, {sum(s == 'resume' for s in states.values())} to resume)", file=sys.stderr)
+    print(f"restopo sweep: {counted(len(jobs), 'run')} in {out} "
+          f"({sum(s == 'done' for s in states.values())} done, "
+          f"{sum(s == 'resume' for s in states.values())} to resume)", file=sys.stderr)
     if args.dry_run:
         for j in jobs:
             command = j.command(out, resume=states[j.name] == "resume")[3:]

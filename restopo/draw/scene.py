@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from ..ir import (IR, Aggregation, BlockSum, Head, Partial, Streams,
                   two_phase_plan)
+from ..words import counted
 
 # columns, left to right: completed values, phase 1 (or streams), aggregation, partial
 # sums, sublayers; the bus runs left of everything
@@ -133,8 +134,9 @@ def build_scene(g: IR, title: str) -> Scene:
         phase = f"block{first.block}_phase1"
         # below the sum of the block before (it reads it: a tap reads what joined above it)
         # and above its first member's aggregation
-        scene.add(Box(phase, phase, "phase", f"{phase}\n{len(grp.members)} queries",
-                      first.index - 0.45, first.block))
+        queries = counted(len(grp.members), "query", "queries")
+        scene.add(Box(phase, phase, "phase", f"{phase}\n{queries}", first.index - 0.45,
+                      first.block))
         if _on_bus(g, first.block, grp.completed):
             bus.append((phase, first.block))
         else:

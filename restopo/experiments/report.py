@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..io import make_folder, write_atomic
+from ..words import counted
 from .grid import short_name
 from .runs import Run
 from .stats import Difference, PowerLaw, difference, fit_power_law, mean_std
@@ -433,22 +434,22 @@ def unfinished_note(arms: list[Arm]) -> list[str]:
     lost = [r for a in arms for r in a.diverged]
     out = []
     if left:
-        out.append(f"- **Left out of the final and best losses, unfinished** ({len(left)} "
-                   f"run{'s' * (len(left) != 1)}; `restopo sweep` again, or `restopo train "
+        out.append(f"- **Left out of the final and best losses, unfinished** "
+                   f"({counted(len(left), 'run')}; `restopo sweep` again, or `restopo train "
                    f"--resume`, finishes them): "
                    + "; ".join(f"{r.name} ({r.progress})" for r in left) + ".")
     if failed:  # not 'unfinished': run again as they are, they meet the same error
-        out.append(f"- **Left out of the final and best losses, failed** ({len(failed)} "
-                   f"run{'s' * (len(failed) != 1)}: training stopped at an error, which "
+        out.append(f"- **Left out of the final and best losses, failed** "
+                   f"({counted(len(failed), 'run')}: training stopped at an error, which "
                    f"each run's train.log shows in full; fix it, then `restopo sweep` "
                    f"again tries them again): "
                    + "; ".join(f"{r.name} ({r.progress}; {r.error or 'no error recorded'})"
                                for r in failed) + ".")
     if lost:
-        out.append(f"- **Left out of the final and best losses, diverged** ({len(lost)} "
-                   f"run{'s' * (len(lost) != 1)}: the loss or the weights became NaN or infinite "
-                   f"and training stopped; resumed as they are they diverge again, so lower "
-                   f"train.lr or train.grad_clip and train them anew): "
+        out.append(f"- **Left out of the final and best losses, diverged** "
+                   f"({counted(len(lost), 'run')}: the loss or the weights became NaN or "
+                   f"infinite and training stopped; resumed as they are they diverge again, "
+                   f"so lower train.lr or train.grad_clip and train them anew): "
                    + "; ".join(f"{r.name} ({r.progress})" for r in lost) + ".")
     return out
 

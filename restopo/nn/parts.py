@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from ..words import counted
+
 
 @dataclass
 class Parts:
@@ -43,8 +45,8 @@ class Parts:
         if not isinstance(self.sublayers, nn.ModuleList):
             self.sublayers = nn.ModuleList(self.sublayers)
         if len(self.sublayers) != len(self.kinds):
-            raise ValueError(f"Parts has {len(self.sublayers)} sublayers but "
-                             f"{len(self.kinds)} kinds; give one kind per sublayer")
+            raise ValueError(f"Parts has {counted(len(self.sublayers), 'sublayer')} but "
+                             f"{counted(len(self.kinds), 'kind')}; give one kind per sublayer")
         bad = [k for k in self.kinds if k not in ("attn", "mlp")]
         if bad:
             raise ValueError(f"sublayer kinds must be 'attn' or 'mlp'; got {bad[0]!r}")

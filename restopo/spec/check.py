@@ -11,6 +11,7 @@ here evaluates user text: values are matched against fixed vocabularies and numb
 from __future__ import annotations
 
 from .. import topology as T
+from ..words import counted
 from .errors import SpecError, did_you_mean, raise_all
 from .fields import (EXAMPLES, MAX_DEPTH, Checker, Field, View, alts, divisors, dym_suffix,
                      positions)
@@ -366,7 +367,7 @@ def _reported(errors: list[SpecError]) -> list[SpecError]:
         return errors
     rest, nxt = len(errors) - MAX_REPORTED, errors[MAX_REPORTED]
     return errors[:MAX_REPORTED] + [SpecError(
-        nxt.path, nxt.line, nxt.column, f"... and {rest:,} more error{'s' * (rest != 1)} "
+        nxt.path, nxt.line, nxt.column, f"... and {counted(rest, 'more error')} "
         f"from here on, not shown", "fix the errors above first", nxt.source_line)]
 
 

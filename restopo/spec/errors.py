@@ -4,6 +4,8 @@ from __future__ import annotations
 import difflib
 from typing import Iterable, Sequence
 
+from ..words import counted
+
 
 class SpecError(Exception):
     """A mistake in a .restopo spec (or in a --set override).
@@ -64,7 +66,7 @@ class SpecErrors(SpecError):
         body = "\n".join(e.render(source_text if e.path == self.errors[0].path else None)
                          for e in self.errors)
         n = len(self.errors)
-        return f"{body}\n{n} error{'s' if n != 1 else ''}"
+        return f"{body}\n{counted(n, 'error')}"
 
     def __str__(self) -> str:
         return self.render()

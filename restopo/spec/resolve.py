@@ -13,6 +13,7 @@ from .. import topology as T
 from .errors import SpecError
 from .nodes import Pos
 from .objects import ResidualSpec, SourceText
+from ..words import counted
 
 ATTEND_OPTIONS = ("query", "gate", "key_norm", "heads")
 SCALARS_OPTIONS = ("gate",)
@@ -27,7 +28,7 @@ def allowed_blocks_hint(kinds: tuple[str, ...]) -> str:
     allowed = T.allowed_block_counts(kinds)
     depth = len(T.layer_starts(kinds))
     listed = _span(allowed)
-    return (f"for depth {depth} ({len(kinds)} sublayers) blocks may be {listed}; "
+    return (f"for depth {depth} ({counted(len(kinds), 'sublayer')}) blocks may be {listed}; "
             f"{len(kinds)} gives one block per sublayer (Full AttnRes)")
 
 
@@ -42,7 +43,8 @@ def _span(values: list[int]) -> str:
 
 
 def block_size_hint(kinds: tuple[str, ...]) -> str:
-    return (f"for these {len(kinds)} sublayers block_size may be "
+    return (f"for {'these ' * (len(kinds) > 1)}{counted(len(kinds), 'sublayer')} "
+            f"block_size may be "
             f"{_span(T.allowed_block_sizes(kinds))}")
 
 

@@ -55,6 +55,7 @@ import torch
 from torch import nn
 
 from ..fx.lower import lowered
+from ..words import counted
 
 # Containers of regions in a lowered model (restopo.fx.lower) and in a pipeline chunk
 # (backends/pipeline/stage.py ChunkModule), which use the same names.
@@ -213,5 +214,5 @@ def compiled_line(what: int | str, seconds: float) -> str:
     breaks = sum(counters["graph_break"].values())
     return (f"compiled {_compiled(what)} in {seconds:.1f} s (the first step, compilation "
             f"included; evaluation compiles its no-grad variants at its first batch)"
-            + (f"; {breaks} graph break{'s' * (breaks != 1)}, past which code runs "
+            + (f"; {counted(breaks, 'graph break')}, past which code runs "
                f"uncompiled (TORCH_LOGS=graph_breaks says where)" if breaks else ""))

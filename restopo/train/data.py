@@ -32,6 +32,7 @@ import torch
 from ..io import atomic_folder, cache_folder, cache_root
 from ..spec.datapath import DataPathError, DataPathMissing, data_base, data_mode, data_path
 from ..spec.datapath import shown as _shown
+from ..words import counted
 
 BUILTIN_STDLIB = "builtin:stdlib"
 BYTE_VOCAB = 256
@@ -106,8 +107,9 @@ class Corpus:
         for name, part in (("training", self.train), ("validation", self.val)):
             if len(part) < context + 1:
                 raise DataError(
-                    f"{self.description}: the {name} split has {len(part)} tokens, fewer than "
-                    f"context + 1 = {context + 1}; use more text or a smaller model.context")
+                    f"{self.description}: the {name} split has "
+                    f"{counted(len(part), 'token')}, fewer than context + 1 = {context + 1}; "
+                    f"use more text or a smaller model.context")
 
 
 def open_corpus(source: str, *, base_dir: str | os.PathLike | None = None,
@@ -206,7 +208,7 @@ def stdlib_corpus(cache_dir=None, *, progress: bool = True, root: str | None = N
         _prepare_stdlib(root, files, folder, progress)
     train = np.memmap(folder / "train.u8", dtype=np.uint8, mode="r")
     val = np.memmap(folder / "val.u8", dtype=np.uint8, mode="r")
-    return Corpus(train, val, BYTE_VOCAB, f"builtin:stdlib ({len(files)} files)")
+    return Corpus(train, val, BYTE_VOCAB, f"builtin:stdlib ({counted(len(files), 'file')})")
 
 
 def _prepare_stdlib(root: str, files, folder: Path, progress: bool) -> None:
@@ -337,7 +339,7 @@ def _text_folder(path: Path) -> Corpus:
     if not train and not val:
         raise DataError(f"data folder {str(path)!r} holds only empty files")
     kept = len(files) - len(binary)
-    desc = f"text folder {path} ({kept} file{'s' if kept != 1 else ''}"
+    desc = f"text folder {path} ({counted(kept, 'file')}"
     if binary:
         desc += (f"; {len(binary)} binary skipped: {binary[0]}"
                  + (f" and {len(binary) - 1} more" if len(binary) > 1 else ""))

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from ..registry import get_backend
 from ..spec.combos import recompute_conflict, said
+from ..words import counted
 
 
 class LayoutError(ValueError):
@@ -55,7 +56,7 @@ class Layout:
             parts.append(f"pipeline {self.pipeline.stages}x{self.pipeline.virtual}")
         if self.replicas > 1 or not parts:
             parts.append(f"data {self.data}")
-        return ", ".join(parts) + f" ({self.world} process{'es' * (self.world != 1)})"
+        return ", ".join(parts) + f" ({counted(self.world, 'process', 'processes')})"
 
 
 def resolve(pv: str | None, parallel, world: int) -> Layout:
