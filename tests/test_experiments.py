@@ -1207,6 +1207,29 @@ def test_no_gap_is_taken_between_runs_on_other_data_or_vocabularies():
     assert "context: 16 (a, data, vocab), 8 (ctx)" in said
 
 
+def test_one_data_file_given_two_ways_is_one_data(tmp_path):
+    """compare took train.data as written: runs on one file, given as a relative path (read
+    from the run's folder, data_base) and as an absolute one, were 'other data' with no gap,
+    and a relative path read from two folders was one data. Where each run read it decides."""
+    def run(arm, seed, data, base):
+        text = TINY.format(residual="standard", data=data)
+        meta = {"step": 20, "spec_path": f"/specs/{arm}.restopo", "spec_text": text,
+                "overrides": [], "data_base": str(base),
+                "config": {"steps": 20, "batch": 4, "context": 16, "seed": seed}}
+        return Run(tmp_path / f"{arm}-s{seed}", arm, seed, meta,
+                   [{"step": 20, "val_loss": (2.0 if arm == "a" else 1.0) + 0.01 * seed}])
+
+    here, there = tmp_path / "here", tmp_path / "there"
+    arms = report.group([run("a", s, "c.txt", here) for s in (0, 1)]
+                        + [run("abs", s, here / "c.txt", there) for s in (0, 1)]
+                        + [run("elsewhere", s, "c.txt", there) for s in (0, 1)])
+    report.compare(arms, arms[0])
+    by = {a.name: a for a in arms}
+    assert by["abs"].diff.mean == pytest.approx(-1.0) and by["elsewhere"].diff is None
+    said = "\n".join(report.reading(arms, arms[0]))
+    assert f"data: {here / 'c.txt'} (a, abs), {there / 'c.txt'} (elsewhere)" in said
+
+
 def test_a_run_stopped_from_outside_the_sweep_is_said_and_the_sweep_fails(tmp_path, capsys,
                                                                           monkeypatch):
     """A run stopped by a signal sent to it alone (SIGTERM from an admin or a scheduler, or

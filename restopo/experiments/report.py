@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..io import make_folder, write_atomic
+from ..spec.datapath import data_place
 from ..words import counted
 from .grid import short_name
 from .runs import Run
@@ -513,6 +514,7 @@ def _setting_values(arms) -> dict[str, dict]:
             if r.spec is None or r.spec.train is None:
                 continue
             values = {k: getattr(r.spec.train, k) for k in SETTINGS}
+            values["data"] = data_place(r.spec)  # not as written: where the run read it
             values["context"] = r.spec.model.context if r.spec.model is not None else None
             values["vocab"] = r.spec.model.vocab if r.spec.model is not None else None
             for k, v in values.items():
@@ -545,7 +547,7 @@ def scale_note(arms: list[Arm]) -> str:
     r = read[0]
     params = [a.parameters for a in arms if a.parameters]
     budgets = {(x.planned_steps, x.tokens_per_step) for x in read}
-    data = (r.spec.train.data if r.spec is not None else "?")
+    data = data_place(r.spec) if r.spec is not None and r.spec.train is not None else "?"
     if len(budgets) == 1:
         budget = (f"{r.tokens_per_step * r.planned_steps:,} training tokens per run "
                   f"({r.planned_steps} steps of {r.tokens_per_step:,} tokens)")

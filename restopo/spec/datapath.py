@@ -52,6 +52,13 @@ def data_path(source: str, base_dir: str | os.PathLike | None) -> Path | None:
     return path
 
 
+def data_place(spec) -> str:
+    """Where `spec`'s train.data is, as one string: the absolute path its run reads (one file
+    given as a relative path and as an absolute one is one place), or a builtin as written."""
+    path = data_path(spec.train.data, data_base(spec))
+    return spec.train.data.strip() if path is None else str(path.resolve())
+
+
 def data_mode(path: Path) -> int:
     """The st_mode of a data path that is a regular file or a folder; DataPathError when
     nothing is there, the system refuses to look, or it is something else (a pipe)."""
