@@ -27,9 +27,9 @@ import networkx as nx
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "restopo"
-LAYERS = ("grammars", "words", "worker", "io", "codegen", "registry", "topology", "ir", "draw",
-          "spec", "ops", "nn", "fx", "backends", "decode", "api", "train", "saved", "experiments", "cli", "commands",
-          "__main__")
+LAYERS = ("grammars", "words", "worker", "io", "sizes", "codegen", "registry", "topology", "ir",
+          "draw", "spec", "ops", "nn", "fx", "backends", "decode", "api", "train", "saved",
+          "experiments", "cli", "commands", "__main__")
 PLUGINS = ("backends",)
 
 

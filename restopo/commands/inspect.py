@@ -89,9 +89,9 @@ def _pipeline_asked(spec, args) -> str | None:
 
 
 def _parameters(model, added: int | None) -> dict:
-    """The model's parameters (restopo.nn.sizes, the topology's added ones with them): in
+    """The model's parameters (restopo.sizes, the topology's added ones with them): in
     all, in the vocab x width tables (one when tied) and in the rest."""
-    from ..nn.sizes import model_parameters
+    from ..sizes import model_parameters
     body, embedding = model_parameters(model)
     body += added or 0
     return {"total": body + embedding, "embedding": embedding, "non_embedding": body}

@@ -122,8 +122,8 @@ def build():
 '''
 
 SUBLAYER_CODE = (norm.RMSNorm, sublayers.check_batched, sublayers.Rotary, sublayers.apply_rotary,
-                 sublayers.KVCache, sublayers.Attention, sublayers.swiglu_hidden, sublayers.MLP,
-                 sublayers.Head)
+                 sublayers.KVCache, sublayers.Attention, sublayers.swiglu_hidden,
+                 sublayers.mlp_hidden, sublayers.MLP, sublayers.Head)
 
 
 def _source(obj) -> str:

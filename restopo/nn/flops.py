@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from ..ir import IR, Aggregation, BlockSum, Partial, stream_fed
 from ..topology import DEFAULT_SINKHORN, STREAM_METHODS
-from .sizes import mlp_hidden
+from ..sizes import mlp_hidden
 
 TRAIN_PER_FORWARD = 3
 

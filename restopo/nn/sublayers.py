@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .norm import NORM_EPS, RMSNorm
-from .sizes import swiglu_hidden  # noqa: F401  (also for the standalone writer)
+from ..sizes import mlp_hidden, swiglu_hidden  # noqa: F401  (also for the standalone writer)
 
 
 def check_batched(idx: torch.Tensor) -> None:
@@ -187,7 +187,7 @@ class MLP(nn.Module):
             raise ValueError(f"mlp must be 'swiglu' or 'gelu'; got {kind!r}")
         self.kind = kind
         self.norm = RMSNorm(d, eps=NORM_EPS)
-        hidden = swiglu_hidden(d, ratio) if kind == "swiglu" else int(round(ratio * d))
+        hidden = mlp_hidden(d, kind, ratio)
         self.up = nn.Linear(d, 2 * hidden if kind == "swiglu" else hidden, bias=False)
         self.down = nn.Linear(hidden, d, bias=False)
 

@@ -18,7 +18,7 @@ IR has billions of edges) at the line that wrote them, in one pass over the dept
 """
 from __future__ import annotations
 
-from ..nn.sizes import model_parameters, sublayer_parameters
+from ..sizes import model_parameters, sublayer_parameters
 from .fields import Checker
 from .nodes import blame
 from .objects import ModelSpec, ParallelSpec, TrainSpec

@@ -1045,6 +1045,11 @@ def swiglu_hidden(d: int, ratio: float) -> int:
     return 8 * math.ceil(2 * ratio * d / 3 / 8)
 
 
+def mlp_hidden(d: int, kind: str, ratio: float) -> int:
+    """The hidden width of restopo.nn.sublayers.MLP: SwiGLU's, or GELU's ratio x d."""
+    return swiglu_hidden(d, ratio) if kind == "swiglu" else int(round(ratio * d))
+
+
 class MLP(nn.Module):
     """Feed-forward sublayer, `swiglu` (silu(W1 x) * W3 x) or `gelu`; PreNorm inside.
     `*context` is accepted and ignored so every sublayer has one call signature."""
@@ -1055,7 +1060,7 @@ class MLP(nn.Module):
             raise ValueError(f"mlp must be 'swiglu' or 'gelu'; got {kind!r}")
         self.kind = kind
         self.norm = RMSNorm(d, eps=NORM_EPS)
-        hidden = swiglu_hidden(d, ratio) if kind == "swiglu" else int(round(ratio * d))
+        hidden = mlp_hidden(d, kind, ratio)
         self.up = nn.Linear(d, 2 * hidden if kind == "swiglu" else hidden, bias=False)
         self.down = nn.Linear(hidden, d, bias=False)
 

@@ -1,5 +1,6 @@
-"""Sizes of the reference sublayers that need no torch: restopo.nn.flops reads them, and
-`restopo inspect` prints FLOPs without importing torch."""
+"""Sizes of the reference sublayers, without torch: restopo.nn reads them (its MLP,
+its FLOPs), restopo.spec (the parameter bound) and `restopo inspect`, which prints FLOPs
+and parameters without importing torch."""
 from __future__ import annotations
 
 import math
