@@ -373,3 +373,16 @@ def test_a_compile_failing_after_a_stop_was_asked_is_that_stop(tmp_path):
     with pytest.raises(ValueError):  # another failure is not taken for the stop
         with _compile_stopped(stop, StoppedEarly(0, None, tmp_path)):
             raise ValueError("a bug")
+
+
+def test_the_divergence_record_holds_no_graph_of_a_loss():
+    """first_diverged keeps [step, loss] on the device across steps: a step's loss that
+    still held its graph (a stepper that returned it undetached) would chain every step's
+    graph, and its activations, to the record."""
+    from restopo.train.loop import first_diverged
+    w = torch.ones((), requires_grad=True)
+    seen = torch.zeros(2, dtype=torch.float64)
+    for step, value in enumerate([2.0, float("nan"), 3.0], start=1):
+        seen = first_diverged(seen, w * value, step)
+    assert seen.grad_fn is None and not seen.requires_grad
+    assert seen[0].item() == 2 and seen[1].isnan()

@@ -194,6 +194,7 @@ def first_diverged(seen: torch.Tensor, loss: torch.Tensor, step: int) -> torch.T
     """`seen` ([step, loss] of the first update whose loss was not finite; [0, 0]: none yet)
     with update `step`'s `loss`, on the device: reading the loss at every step would make
     each step wait for its kernels."""
+    loss = loss.detach()  # a step's loss holding its graph would chain every step's to it
     new = torch.stack((loss.new_full((), step), loss)).to(seen.dtype)
     return torch.where((seen[0] == 0) & ~torch.isfinite(loss), new, seen)
 
