@@ -11,9 +11,9 @@ here evaluates user text: values are matched against fixed vocabularies and numb
 from __future__ import annotations
 
 from .. import topology as T
-from ..words import counted
+from ..words import alts, counted
 from .errors import SpecError, did_you_mean, raise_all
-from .fields import (EXAMPLES, MAX_DEPTH, Checker, Field, View, alts, divisors, dym_suffix,
+from .fields import (EXAMPLES, MAX_DEPTH, Checker, Field, View, divisors, dym_suffix,
                      positions)
 from .nodes import (Call, Key, ListValue, Name, Number, Pos, Qualified, SpecFile, String, blame,
                     describe, from_command_line)

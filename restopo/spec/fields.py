@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from ..words import alts
 from .errors import SpecError, did_you_mean
 from .nodes import Call, Key, ListValue, Name, Number, Pos, String, Value, describe
 from .objects import SourceText
@@ -278,11 +279,6 @@ def divisors(n: int) -> list[int]:
 
 def describe_number(x) -> str:
     return str(int(x)) if float(x) == int(x) else repr(float(x))
-
-
-def alts(choices) -> str:
-    choices = list(choices)
-    return ", ".join(choices[:-1]) + " or " + choices[-1] if len(choices) > 1 else choices[0]
 
 
 def dym_suffix(word, choices) -> str:

@@ -12,6 +12,7 @@ from importlib import resources
 from lark import Lark, Token, Transformer, v_args
 from lark.exceptions import UnexpectedCharacters, UnexpectedInput, UnexpectedToken
 
+from ..words import alts
 from .errors import SpecError
 from .nodes import (Arg, Call, Entry, Key, ListValue, Name, Number, Pos, Qualified, Section,
                     SpecFile, String)
@@ -201,11 +202,7 @@ _ORDER = list(_WORDS)
 def expected_words(names) -> str:
     words = sorted({_WORDS.get(n, n) for n in names},
                    key=lambda w: next((i for i, k in enumerate(_ORDER) if _WORDS[k] == w), 99))
-    if not words:
-        return "nothing more"
-    if len(words) == 1:
-        return words[0]
-    return ", ".join(words[:-1]) + " or " + words[-1]
+    return alts(words) if words else "nothing more"
 
 
 def _describe_token(tok: Token) -> str:

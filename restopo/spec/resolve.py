@@ -13,7 +13,7 @@ from .. import topology as T
 from .errors import SpecError
 from .nodes import Pos
 from .objects import ResidualSpec, SourceText
-from ..words import counted
+from ..words import alts, counted
 
 ATTEND_OPTIONS = ("query", "gate", "key_norm", "heads")
 SCALARS_OPTIONS = ("gate",)
@@ -37,8 +37,7 @@ def _span(values: list[int]) -> str:
     run = [v for i, v in enumerate(values) if v == values[0] + i]
     rest = values[len(run):]
     if len(run) <= 4:
-        items = [str(v) for v in values]
-        return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " or " + items[-1]
+        return alts(str(v) for v in values)
     return f"{run[0]} to {run[-1]}" + "".join(f", or {v}" for v in rest)
 
 

@@ -15,7 +15,8 @@ from dataclasses import replace
 
 from .. import topology as T
 from .errors import SpecError, did_you_mean
-from .fields import SEP_HINT, Checker, Field, View, alts, divisors, positions
+from ..words import alts
+from .fields import SEP_HINT, Checker, Field, View, divisors, positions
 from .nodes import (SECTIONS, Arg, Call, Key, ListValue, Name, blame, describe,
                     from_command_line)
 from .objects import ModelSpec, ResidualSpec
