@@ -925,20 +925,32 @@ def test_a_sweep_over_specs_and_vary_values_pairs_each_arm_with_the_baseline_at_
         assert "not trained alike" not in printed  # each pair was, at its own lr
 
 
+def _run_of_tiny(arm, seed, loss, *overrides):
+    """A synthetic finished run of tiny.restopo with `overrides`, its loss moved by seed."""
+    r = _synthetic_run(arm, "tiny", seed, 10, loss + 0.01 * seed)
+    r.job = {"spec": "/x/tiny.restopo", "overrides": list(overrides)}
+    return r
+
+
+# (residual, lr) -> final loss of a one-spec sweep over --vary residual=... x train.lr=...
+_RESIDUAL_LR_GRID = {("standard", "1e-3"): 2.0, ("standard", "3e-3"): 1.5,
+                     ("block_attnres", "1e-3"): 1.9, ("block_attnres", "3e-3"): 1.45}
+
+
+def _residual_lr_arms():
+    """The arms of that sweep, two seeds each, named as a sweep names them."""
+    return report.group([_run_of_tiny(f"{r}-lr{lr}", s, loss, f"residual={r}",
+                                      f"train.lr={lr}")
+                         for (r, lr), loss in _RESIDUAL_LR_GRID.items() for s in (0, 1)])
+
+
 def test_a_sweep_of_residuals_and_lrs_of_one_spec_pairs_each_arm_at_its_lr():
     """`sweep tiny.restopo --vary residual=standard,block_attnres --vary train.lr=1e-3,3e-3
     --baseline standard-lr1e_3`: the topology is varied by --vary, not by a spec file, and
     block at lr 3e-3 is compared with standard at lr 3e-3. An lr swept alone is still what
     is compared."""
-    def run(arm, seed, loss, *overrides):
-        r = _synthetic_run(arm, "tiny", seed, 10, loss + 0.01 * seed)
-        r.job = {"spec": "/x/tiny.restopo", "overrides": list(overrides)}
-        return r
-
-    grid = {("standard", "1e-3"): 2.0, ("standard", "3e-3"): 1.5,
-            ("block_attnres", "1e-3"): 1.9, ("block_attnres", "3e-3"): 1.45}
-    arms = report.group([run(f"{r}-lr{lr}", s, loss, f"residual={r}", f"train.lr={lr}")
-                         for (r, lr), loss in grid.items() for s in (0, 1)])
+    grid, run = _RESIDUAL_LR_GRID, _run_of_tiny
+    arms = _residual_lr_arms()
     base = report.pick_baseline(arms, "standard-lr1e-3")
     report.compare(arms, base)
     by = {a.name: a for a in arms}
@@ -1026,15 +1038,7 @@ def test_a_baseline_named_by_its_vary_value_picks_that_topologys_arms(tmp_path, 
     assert "--baseline 'lr3e_3' is a value of 2 arms (standard-lr3e_3, " \
            "block_attnres_blocks_1-lr3e_3): name the one" in capsys.readouterr().err
 
-    def run(arm, seed, loss, *overrides):
-        r = _synthetic_run(arm, "tiny", seed, 10, loss + 0.01 * seed)
-        r.job = {"spec": "/x/tiny.restopo", "overrides": list(overrides)}
-        return r
-
-    grid = {("standard", "1e-3"): 2.0, ("standard", "3e-3"): 1.5,
-            ("block_attnres", "1e-3"): 1.9, ("block_attnres", "3e-3"): 1.45}
-    arms = report.group([run(f"{r}-lr{lr}", s, loss, f"residual={r}", f"train.lr={lr}")
-                         for (r, lr), loss in grid.items() for s in (0, 1)])
+    arms = _residual_lr_arms()
     base = report.pick_baseline(arms, "standard")
     report.compare(arms, base)
     by = {a.name: a for a in arms}
