@@ -17,6 +17,7 @@ generator state is the data position a checkpoint saves.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -84,10 +85,12 @@ class Corpus:
         """Raw bytes (vocab 256 by construction), as opposed to pre-tokenized ids."""
         return self.train.dtype == np.uint8
 
+    @functools.cached_property
     def fingerprint(self) -> dict:
         """What a checkpoint records of the data it trained on, for resuming to tell a
         changed corpus: the split sizes, and a SHA-256 of each split's first and last MiB
-        (at most 4 MiB read, whatever the corpus's size)."""
+        (at most 4 MiB read, whatever the corpus's size; once a run: a resume compares it
+        with its checkpoint's and records it in its own)."""
         h = hashlib.sha256()
         for part in (self.train, self.val):
             n = FINGERPRINT_BYTES // part.itemsize

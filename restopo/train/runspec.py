@@ -57,7 +57,7 @@ def run_meta(spec, base: str, corpus=None) -> dict:
             "spec_path": path if path.startswith("<") else str(Path(path).resolve()),
             "overrides": list(spec.overrides or ()), "data_base": base,
             "title": f"{Path(str(spec.path)).stem} ({spec.topology.name})",
-            **({"data": {"source": spec.train.data, **corpus.fingerprint()}}
+            **({"data": {"source": spec.train.data, **corpus.fingerprint}}
                if corpus is not None else {})}
 
 
@@ -68,7 +68,7 @@ def data_note(spec, corpus, meta: dict, step_dir) -> str | None:
     then = meta.get("data")
     if not isinstance(then, dict) or then.get("source") != spec.train.data:
         return None
-    now = corpus.fingerprint()
+    now = corpus.fingerprint
     if then.get("tokens") == now["tokens"] and then.get("sha256") == now["sha256"]:
         return None
     tokens = then.get("tokens")
