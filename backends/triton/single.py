@@ -34,9 +34,16 @@ def key_logit(v, u, D, eps, KEY_NORM: tl.constexpr):
     z = tl.sum(v * u[None, :], axis=1)
     if KEY_NORM:
         r = 1.0 / tl.sqrt(tl.sum(v * v, axis=1) / D + eps)
-    else:
-        r = z * 0.0 + 1.0
-    return z * r, r
+        return z * r, r
+    # not z * 0 + 1: an infinite logit would make r, and so z, NaN
+    return z, tl.full(z.shape, 1.0, z.dtype)
+
+
+@rt.device_fn
+def exp_shift(m):
+    """What an online softmax subtracts before taking e^: its running max m, or 0 while every
+    logit so far is -inf (e^(-inf - -inf) is NaN; such a logit's weight is 0, as eager's)."""
+    return tl.where(m == float("-inf"), 0.0, m)
 
 
 def _depth_fwd(SRC, U, OUT, LSE, R, D, n0, n, eps,
@@ -57,8 +64,9 @@ def _depth_fwd(SRC, U, OUT, LSE, R, D, n0, n, eps,
             v = load_source(SRC, n, i, rows, cols, mask, DT0 if g == 0 else DT1, ALIGNED, ACC)
             z, _ = key_logit(v, u, D, eps, KEY_NORM)
             m_new = tl.maximum(m, z)
-            scale = tl.exp(m - m_new)
-            p = tl.exp(z - m_new)
+            shift = exp_shift(m_new)
+            scale = tl.exp(m - shift)
+            p = tl.exp(z - shift)
             acc = acc * scale[:, None] + p[:, None] * v
             s = s * scale + p
             m = m_new

@@ -39,7 +39,7 @@ import torch
 
 from . import runtime as rt
 from .runtime import tl, triton
-from .single import folded_query, key_logit
+from .single import exp_shift, folded_query, key_logit
 from .sources import Sources, buffer_rows, load_source, tl_dtype
 
 
@@ -79,7 +79,8 @@ def _phase1_fwd(SRC, U, Z, M, SUM, OUTS, R, D, n0, n, S, eps,
                 z = dot
             tl.store(Z + tl.cast(i, tl.int64) * S * R + rs, z, mask=zmask)
             m_new = tl.maximum(m, z)
-            ssum = ssum * tl.exp(m - m_new) + tl.exp(z - m_new)
+            shift = exp_shift(m_new)
+            ssum = ssum * tl.exp(m - shift) + tl.exp(z - shift)
             m = m_new
     # the normalised state (h1, lse, 1): pass B then sums alpha_i v_i, a convex mix of the
     # blocks. The un-normalised sum_i e^(z_i - m) v_i is up to n times the largest block
