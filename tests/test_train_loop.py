@@ -381,8 +381,40 @@ def test_the_divergence_record_holds_no_graph_of_a_loss():
     graph, and its activations, to the record."""
     from restopo.train.loop import first_diverged
     w = torch.ones((), requires_grad=True)
-    seen = torch.zeros(2, dtype=torch.float64)
+    seen = torch.zeros(2, dtype=torch.float64).unbind()
     for step, value in enumerate([2.0, float("nan"), 3.0], start=1):
         seen = first_diverged(seen, w * value, step)
-    assert seen.grad_fn is None and not seen.requires_grad
+    assert all(t.grad_fn is None and not t.requires_grad for t in seen)
     assert seen[0].item() == 2 and seen[1].isnan()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_divergence_record_keeps_the_first_loss_not_finite_in_six_ops(dtype):
+    """first_diverged runs at every step: it keeps the step and value (nan, inf or -inf) of
+    the first loss that is not finite, as a plain loop over the losses finds them, with six
+    small ops on the device and no read of the loss (it had 13)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from restopo.train.loop import first_diverged
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, op, types, args=(), kwargs=None):
+            self.names.append(op.__name__)
+            return op(*args, **(kwargs or {}))
+
+    inf, nan = float("inf"), float("nan")
+    for losses in ([1.5, 3e38], [2.0, -inf, nan, 1.0], [nan, inf], [0.0, inf, -inf], [-2.0]):
+        losses = [torch.tensor(value, dtype=dtype) for value in losses]
+        seen, ops = torch.zeros(2, dtype=torch.float64).unbind(), Ops()
+        for step, loss in enumerate(losses, start=1):
+            with ops:
+                seen = first_diverged(seen, loss, step)
+        want = next(((step, loss.item()) for step, loss in enumerate(losses, start=1)
+                     if not math.isfinite(loss.item())), (0, 0.0))
+        at, value = torch.stack(seen).tolist()
+        assert (at, str(value)) == (want[0], str(want[1]))  # str: nan == nan
+        assert len(ops.names) <= 6 * len(losses) and "_local_scalar_dense" not in ops.names

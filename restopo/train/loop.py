@@ -190,13 +190,17 @@ class StoppedEarly(KeyboardInterrupt):
                 f"{self.ckpt_root / step_dir_name(self.saved)}")
 
 
-def first_diverged(seen: torch.Tensor, loss: torch.Tensor, step: int) -> torch.Tensor:
-    """`seen` ([step, loss] of the first update whose loss was not finite; [0, 0]: none yet)
-    with update `step`'s `loss`, on the device: reading the loss at every step would make
-    each step wait for its kernels."""
+def first_diverged(seen: tuple[torch.Tensor, torch.Tensor], loss: torch.Tensor,
+                   step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`seen` (step, loss) of the first update whose loss was not finite ((0, 0): none yet;
+    float64 scalars) with update `step`'s `loss`, on the device: reading the loss at every
+    step would make each step wait for its kernels. Six small ops a step."""
+    at, value = seen
     loss = loss.detach()  # a step's loss holding its graph would chain every step's to it
-    new = torch.stack((loss.new_full((), step), loss)).to(seen.dtype)
-    return torch.where((seen[0] == 0) & ~torch.isfinite(loss), new, seen)
+    # loss - loss is 0, or NaN where the loss is not finite (inf - inf too); as 1/2, that is
+    # above `at` only while no step is recorded (0; steps count from 1)
+    first = torch.nan_to_num(loss - loss, nan=0.5).gt(at)
+    return at.masked_fill(first, step), torch.where(first, loss, value)
 
 
 @torch.no_grad()
@@ -289,7 +293,7 @@ def train(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, out: str | o
     ckpt_root = out / "ckpt"
     tokens_per_step = cfg.batch * cfg.context
 
-    diverged = torch.zeros(2, dtype=torch.float64, device=device)  # see first_diverged
+    diverged = torch.zeros(2, dtype=torch.float64, device=device).unbind()  # first_diverged
 
     def diverged_at(at: int, value: float, what: str, advice: str, when: str = "at") -> None:
         """Record that `what` became `value` at step `at` (so that a report says the run
@@ -306,7 +310,7 @@ def train(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, out: str | o
         """Stop (diverged_at) when a loss so far was not finite on any rank: read where a
         line is logged and before every checkpoint, which must not save weights trained on
         it over good ones."""
-        at, value = diverged.tolist()
+        at, value = torch.stack(diverged).tolist()
         if ctx.distributed:  # every rank stops, at the first step any of them diverged at
             at, value = min(exchange(ctx, [at, value]), key=lambda seen: seen[0] or math.inf)
         if at:
