@@ -190,6 +190,28 @@ def test_inspect_pipeline_cli(capsys):
     assert "at most 32 chunks" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("mlp", ["swiglu(4x)", "gelu(3x)"])
+def test_chunk_costs_are_the_flops_inspect_reports(mlp, tmp_path, capsys):
+    """The plan weighed an MLP as 3 ratio d^2 (multiply-adds), where the SwiGLU the model
+    builds has 2/3 of ratio d hidden units (the cuts then moved toward the MLPs' side). Its
+    chunk costs now add up to inspect's FLOPs of the sublayers and the head, and an MLP's is
+    twice the matrix entries of the one the model builds."""
+    from restopo.api import compile as compile_spec
+    from restopo.cli import main
+    from restopo.nn.sublayers import MLP
+    spec = tmp_path / "m.restopo"
+    spec.write_text(f"model m {{ vocab: 50; width: 40; depth: 2; heads: 2; context: 16; "
+                    f"mlp: {mlp} }}\nresidual block_attnres(blocks: 2)\n")
+    assert main(["inspect", str(spec), "--pipeline", "2x2", "--format", "json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    chunks, flops = report["pipeline"]["chunk_table"], report["flops_per_token"]
+    assert [c["sublayers"] for c in chunks] == [[1, 1], [2, 2], [3, 3], [4, 4]]
+    assert sum(c["cost"] for c in chunks) == pytest.approx(flops["sublayers"] + flops["head"])
+    mlps = [m for m in compile_spec(str(spec)).modules() if isinstance(m, MLP)]
+    assert len(mlps) == 2 and chunks[1]["cost"] == 2 * sum(
+        p.numel() for p in mlps[0].parameters() if p.dim() == 2)
+
+
 def test_inspect_plans_the_spec_s_own_pipeline(tmp_path, capsys):
     """A spec whose parallel section asks for a pipeline is planned as train runs it, with
     no --pipeline (inspect showed none); --pipeline still wins; a spec without one shows no

@@ -46,6 +46,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from restopo.ir import IR, BlockSum, Embedding, Streams, Sublayer, stream_fed
+from restopo.nn.flops import head_flops, sublayer_flops
 
 TRANSIENT = ("partial", "stream", "streams")
 
@@ -201,20 +202,18 @@ def parse_pv(text: str) -> tuple[int, int]:
 
 def sublayer_costs(kinds, width: int | None = None, context: int | None = None,
                    mlp: str = "swiglu", mlp_ratio: float = 4.0) -> dict[str, float]:
-    """Per-token FLOP weights of one sublayer of each kind (multiply-adds, constant factors
-    shared): attention 4 d^2 projections + 2 T d for scores and values; an MLP
-    3 ratio d^2 (SwiGLU, three matrices) or 2 ratio d^2 (GELU). Without a width every
+    """Per-token forward FLOPs of one sublayer of each kind, as `restopo inspect` counts them
+    (restopo.nn.flops: the MLP at the hidden width the model builds). Without a width every
     sublayer weighs 1."""
     if width is None:
         return {k: 1.0 for k in set(kinds)}
-    d, T = width, context or 0
-    mats = 3 if mlp == "swiglu" else 2
-    return {"attn": 4.0 * d * d + 2.0 * T * d, "mlp": mats * mlp_ratio * d * d}
+    return {k: sublayer_flops(k, width, context or 0, mlp, mlp_ratio) for k in set(kinds)}
 
 
-def model_costs(model) -> dict[str, float]:
-    """Costs from a spec's ModelSpec (width, context, mlp, mlp_ratio)."""
-    return sublayer_costs(model.kinds, model.width, model.context, model.mlp, model.mlp_ratio)
+def model_costs(model) -> tuple[dict[str, float], float]:
+    """(sublayer costs, the head's) from a spec's ModelSpec, in the same FLOPs."""
+    return (sublayer_costs(model.kinds, model.width, model.context, model.mlp,
+                           float(model.mlp_ratio)), head_flops(model))
 
 
 def balance(weights: list[float], n_chunks: int, aligned: set[int] | None = None) -> list[int]:

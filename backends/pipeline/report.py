@@ -115,6 +115,5 @@ def inspect_section(spec, g: nx.DiGraph, pv: str) -> dict:
     PlanError when the pipeline cannot be planned."""
     P, V = parse_pv(pv)
     model = spec.model
-    head = float(model.vocab * model.width) if model is not None else 0.0
-    costs = model_costs(model) if model is not None else None
+    costs, head = model_costs(model) if model is not None else (None, 0.0)
     return to_json(make_plan(g, P, V, costs=costs, head_cost=head))

@@ -98,7 +98,7 @@ class PipelinedStep:
         if model_spec is None and getattr(model, "restopo_spec", None) is not None:
             model_spec = model.restopo_spec.model
         if model_spec is not None:
-            costs, head = model_costs(model_spec), float(model_spec.vocab * model_spec.width)
+            costs, head = model_costs(model_spec)
         self.plan = make_plan(g, config.stages, config.virtual, costs=costs,
                               head_cost=head or 0.0)
         fsdp = shard is not None and self.groups.replicas > 1

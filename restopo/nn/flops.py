@@ -109,4 +109,9 @@ def flops_per_token(g: IR, model) -> Flops:
     d = model.width
     subs = sum(sublayer_flops(k, d, model.context, model.mlp, float(model.mlp_ratio))
                for k in g.kinds)
-    return Flops(subs, 2 * d * model.vocab, aggregation_flops(g, d))
+    return Flops(subs, head_flops(model), aggregation_flops(g, d))
+
+
+def head_flops(model) -> float:
+    """The LM head's matrix, per token."""
+    return 2 * model.width * model.vocab
