@@ -169,3 +169,28 @@ def test_the_bit_for_bit_promise_is_the_one_that_holds(tmp_path, monkeypatch, to
         assert "without autograd" in claim, claim  # the doc says when it holds
     finally:
         sys.modules.pop("bitwise_model", None)
+
+
+def test_a_token_id_outside_the_vocabulary_is_refused_as_restopo_refuses_it(tmp_path,
+                                                                              monkeypatch):
+    """model.py looked an id past the vocabulary up in nn.Embedding ('IndexError: index
+    out of range in self', on a GPU a device assert); it names the id and the vocabulary in
+    restopo's words, with autograd and without."""
+    import importlib
+    from restopo.commands.standalone import module_source
+    ref = restopo.compile(MODEL + "residual block_attnres(blocks: 2)\n")
+    (tmp_path / "vocab_model.py").write_text(module_source(ref, "vocab_model", "t.restopo"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        model = importlib.import_module("vocab_model").build()
+        for bad in (61, -1):
+            idx = torch.tensor([[1, bad, 2]])
+            for grad in (True, False):
+                with torch.set_grad_enabled(grad):
+                    with pytest.raises(ValueError) as want:
+                        ref(idx)
+                    with pytest.raises(ValueError) as got:
+                        model(idx)
+                assert str(got.value) == str(want.value) and str(bad) in str(got.value)
+    finally:
+        sys.modules.pop("vocab_model", None)

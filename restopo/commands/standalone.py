@@ -121,13 +121,24 @@ def build():
     return RestopoModel()
 '''
 
-SUBLAYER_CODE = (norm.RMSNorm, sublayers.check_batched, sublayers.Rotary, sublayers.apply_rotary,
-                 sublayers.KVCache, sublayers.Attention, sublayers.swiglu_hidden,
-                 sublayers.mlp_hidden, sublayers.MLP, sublayers.Head)
+SUBLAYER_CODE = (norm.RMSNorm, sublayers.check_batched, sublayers.token_ids_in,
+                 sublayers.check_token_ids, sublayers.TokenEmbedding, sublayers.Rotary,
+                 sublayers.apply_rotary, sublayers.KVCache, sublayers.Attention,
+                 sublayers.swiglu_hidden, sublayers.mlp_hidden, sublayers.MLP, sublayers.Head)
+
+# check_token_ids calls token_ids_in through restopo's custom op; the written file calls the
+# function itself (it imports only torch, and the op registered again beside restopo fails)
+TOKEN_IDS_OP = "torch.ops.restopo.token_ids_in("
 
 
 def _source(obj) -> str:
     return inspect.getsource(obj).rstrip() + "\n"
+
+
+def _sublayer_code() -> str:
+    code = "\n\n".join(_source(c) for c in SUBLAYER_CODE)
+    assert code.count(TOKEN_IDS_OP) == 1, f"check_token_ids should call {TOKEN_IDS_OP}...)"
+    return code.replace(TOKEN_IDS_OP, "token_ids_in(")
 
 
 def _kernels() -> str:
@@ -235,7 +246,7 @@ def _init(model, spec) -> str:
     lines = ["", "", "class RestopoModel(nn.Module):",
              "    def __init__(self):", "        super().__init__()"]
     emb = model.embed
-    lines.append(f"{ind}self.embed = nn.Embedding({emb.num_embeddings!r}, "
+    lines.append(f"{ind}self.embed = TokenEmbedding({emb.num_embeddings!r}, "
                  f"{emb.embedding_dim!r})")
     ctx = model.context
     lines.append(f"{ind}self.context = Rotary({ctx.cos.shape[1]!r}, {ctx.context!r})")
@@ -312,7 +323,7 @@ def module_source(model, name: str, source: str, command: str = "compile") -> st
     forward = "\n".join(("    " + line) if line.strip() else ""
                         for line in code.strip("\n").splitlines())
     parts = [head, _kernels(), OPS, "\n# ---- sublayers (restopo.nn.sublayers)\n\n",
-             "\n\n".join(_source(c) for c in SUBLAYER_CODE),
+             _sublayer_code(),
              "\n\n# ---- aggregation modules (restopo.nn.aggregate)\n\n",
              _aggregation_code(model), _init(model, spec), "\n" + forward.rstrip() + "\n",
              FOOTER]

@@ -922,6 +922,36 @@ def check_batched(idx: torch.Tensor) -> None:
                          f"{tuple(idx.shape)} (one sequence: ids[None])")
 
 
+def token_ids_in(idx: torch.Tensor, vocab: int) -> None:
+    """Token ids outside the vocabulary are named (a ValueError), not an IndexError inside
+    the embedding, or a CUDA device assert that spoils the process. Reads the ids back: on
+    CUDA a wait for the GPU."""
+    if idx.numel() == 0:
+        return
+    low, high = torch.stack(torch.aminmax(idx)).tolist()  # one read back, not two
+    if low < 0 or high >= vocab:
+        raise ValueError(f"token id {low if low < 0 else high}, outside the model's "
+                         f"vocabulary 0..{vocab - 1}")
+
+
+def check_token_ids(idx: torch.Tensor, vocab: int) -> None:
+    """token_ids_in, in a model's forward, eager or compiled, where reading the ids costs
+    nothing: on the CPU, or where autograd does not record (inference, evaluation). A CUDA
+    training step's forward would wait for the GPU at its start; training data are checked
+    once, when the corpus opens (restopo.train.data)."""
+    if idx.device.type == "cpu" or not torch.is_grad_enabled():
+        token_ids_in(idx, vocab)
+
+
+class TokenEmbedding(nn.Embedding):
+    """nn.Embedding (the same parameter and state_dict) that refuses token ids outside
+    its vocabulary in words (check_token_ids)."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        check_token_ids(idx, self.num_embeddings)
+        return super().forward(idx)
+
+
 class Rotary(nn.Module):
     """The Parts `context`: rotary cos/sin for the sequence length of `idx`.
 
@@ -1278,7 +1308,7 @@ class Attend(nn.Module):
 class RestopoModel(nn.Module):
     def __init__(self):
         super().__init__()
-        self.embed = nn.Embedding(256, 64)
+        self.embed = TokenEmbedding(256, 64)
         self.context = Rotary(16, 128)
         self.sublayers = nn.ModuleList([
             Attention(64, 4),
