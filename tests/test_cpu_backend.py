@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import infinite_logits
 from restopo import ops
 from restopo import topology as T
 from restopo.api import build_model
@@ -651,6 +652,15 @@ def test_float32_kernels_keep_a_nan():
         out = Phase1.apply(torch.randn(2, 16), 1e-6, True, 1, *src)
     for o in out:
         assert o[7].isnan().all() and not o[torch.arange(40) != 7].isnan().any()
+
+
+@needs_kernels
+@pytest.mark.parametrize("sign", [-1, 1])
+def test_infinite_logits_give_the_eager_results_in_every_op(sign):
+    """The float exp gave e^-87 below -87 (and e^88 above 88): a logit at -inf got a weight,
+    and its source (at 1e37) a share of the output (0.33 off) and of the query's gradient
+    (1e37 off), where eager's is 0; now 0 (and inf). At +inf eager's NaN, as before."""
+    infinite_logits.assert_as_eager("cpu", sign)
 
 
 @needs_kernels

@@ -25,8 +25,9 @@
  * with this, at M = 2048, d = 64, forward 1.27 -> 1.09 ms and backward 1.9 -> 1.7 ms).
  * x = k ln2 + r with |r| <= ln2/2 (ln2 in two parts, so k ln2 is exact to float), e^r by
  * its Taylor series to r^7 (truncation under 1e-8 relative there, below float's rounding),
- * times 2^k put in the exponent bits. Below -87 it gives e^-87 (1.6e-38, the smallest
- * normal floats: a softmax weight of nothing, where expf would go subnormal); NaN stays. */
+ * times 2^k put in the exponent bits. Below -87 it gives 0 (where expf would go subnormal:
+ * a softmax weight of nothing; e^-87 there gave a logit at -inf a weight, and its source,
+ * at 1e37, a share, where eager's is 0), above 88 inf (a sigmoid of -inf is 0); NaN stays. */
 static inline float NAME(exp_vec)(float x) {
     float y = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
     float k = rintf(y * 1.44269504088896341f);
@@ -42,7 +43,7 @@ static inline float NAME(exp_vec)(float x) {
     int bits = ((int)k + 127) << 23;
     float scale;
     memcpy(&scale, &bits, sizeof scale);
-    return x != x ? x : p * scale;
+    return x != x ? x : (x < -87.0f ? 0.0f : (x > 88.0f ? INFINITY : p * scale));
 }
 #define EXP_VEC(x) NAME(exp_vec)(x)
 #else

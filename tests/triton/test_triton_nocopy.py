@@ -9,9 +9,9 @@ import torch.nn.functional as F
 
 import restopo.backends.triton as T
 from restopo import ops
-from restopo.backends.eager import depth as E
 from restopo.backends.triton import runtime
 from restopo.nn.norm import NORM_EPS
+import infinite_logits
 from triton_testing import assert_rel, grads, leaf, ref_phase1
 
 TOL = 1e-5
@@ -228,27 +228,8 @@ def test_infinite_logits_give_the_eager_results_in_every_op(sign):
     eager, as the first source or a later one and as phase 2's partial (the kernels gave NaN:
     their key-norm scale without the norm was z * 0 + 1, and the online softmax's first step
     e^(-inf - -inf)); one at +inf gives eager's NaN. Values and every gradient."""
-    d = 24
-    w = query(d)[0].detach().abs() + 2  # 1e37 * sum(w) overflows fp32, 1e37 * sum(dh) not
-    big = torch.full((2, 3, d), sign * 1e37)
-    assert (E.logits(big[None], w, None, 1e-6, key_norm=False) == sign * float("inf")).all()
-    vs = [v.detach() for v in separate(2, (2, 3), d, seed=11)]
-    got_ins, want_ins = twins([big, *vs, big, w, torch.stack([w.flip(0), w])])
-    got, want = [], []
     with T.tiles(rows=4, chunk=16):
-        for backend, (*v, q, qs), out in (("triton", got_ins, got), ("eager", want_ins, want)):
-            out.append(ops.depth_attention(v, q, key_norm=False, backend=backend))
-            o1, m1, s1 = ops.phase1(v[:3], qs, key_norm=False, backend=backend)
-            out.append(ops.phase2(o1[1], m1[1], s1[1], v[3], qs[1], key_norm=False,
-                                  backend=backend))
-        cots = [torch.randn(o.shape, generator=_gen(3)) for o in want]
-        pairs = list(zip(got, want)) + list(zip(grads(got, got_ins, cots),
-                                                grads(want, want_ins, cots)))
-    assert sign > 0 or all(b.isfinite().all() for _, b in pairs)  # what eager gives
-    for k, (a, b) in enumerate(pairs):
-        scale = b.nan_to_num(0).abs().max().item()
-        torch.testing.assert_close(a.double(), b.double(), rtol=4 * TOL,
-                                   atol=4 * TOL * scale, equal_nan=True, msg=f"pair {k}")
+        infinite_logits.assert_as_eager("triton", sign)
 
 
 # ---- what autograd keeps for backward ------------------------------------------------------
