@@ -190,25 +190,30 @@ def test_inspect_pipeline_cli(capsys):
     assert "at most 32 chunks" in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize("mlp", ["swiglu(4x)", "gelu(3x)"])
-def test_chunk_costs_are_the_flops_inspect_reports(mlp, tmp_path, capsys):
+@pytest.mark.parametrize("mlp,topology", [("swiglu(4x)", "block_attnres(blocks: 2)"),
+                                          ("gelu(3x)", "full_attnres"),
+                                          ("swiglu(2x)", "mhc(streams: 2)")])
+def test_chunk_costs_are_the_flops_inspect_reports(mlp, topology, tmp_path, capsys):
     """The plan weighed an MLP as 3 ratio d^2 (multiply-adds), where the SwiGLU the model
-    builds has 2/3 of ratio d hidden units (the cuts then moved toward the MLPs' side). Its
-    chunk costs now add up to inspect's FLOPs of the sublayers and the head, and an MLP's is
-    twice the matrix entries of the one the model builds."""
+    builds has 2/3 of ratio d hidden units, and left the topology's own work out (with Full
+    AttnRes, more the later the chunk). Its chunk costs now add up to inspect's forward
+    FLOPs, and an MLP's is twice the matrix entries of the one the model builds."""
     from restopo.api import compile as compile_spec
+    from restopo.backends.pipeline.plan import model_costs
     from restopo.cli import main
     from restopo.nn.sublayers import MLP
     spec = tmp_path / "m.restopo"
-    spec.write_text(f"model m {{ vocab: 50; width: 40; depth: 2; heads: 2; context: 16; "
-                    f"mlp: {mlp} }}\nresidual block_attnres(blocks: 2)\n")
-    assert main(["inspect", str(spec), "--pipeline", "2x2", "--format", "json"]) == 0
+    spec.write_text(f"model m {{ vocab: 50; width: 40; depth: 3; heads: 2; context: 16; "
+                    f"mlp: {mlp} }}\nresidual {topology}\n")
+    assert main(["inspect", str(spec), "--pipeline", "3x2", "--format", "json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    chunks, flops = report["pipeline"]["chunk_table"], report["flops_per_token"]
-    assert [c["sublayers"] for c in chunks] == [[1, 1], [2, 2], [3, 3], [4, 4]]
-    assert sum(c["cost"] for c in chunks) == pytest.approx(flops["sublayers"] + flops["head"])
-    mlps = [m for m in compile_spec(str(spec)).modules() if isinstance(m, MLP)]
-    assert len(mlps) == 2 and chunks[1]["cost"] == 2 * sum(
+    chunks = report["pipeline"]["chunk_table"]
+    assert [c["sublayers"] for c in chunks] == [[i, i] for i in range(1, 7)]
+    assert sum(c["cost"] for c in chunks) == pytest.approx(report["flops_per_token"]["forward"])
+    model = compile_spec(str(spec))
+    mlps = [m for m in model.modules() if isinstance(m, MLP)]
+    costs = model_costs(model.restopo_spec.model, model.restopo_ir)["costs"]
+    assert len(mlps) == 3 and costs["mlp"] == 2 * sum(
         p.numel() for p in mlps[0].parameters() if p.dim() == 2)
 
 

@@ -46,7 +46,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from restopo.ir import IR, BlockSum, Embedding, Streams, Sublayer, stream_fed
-from restopo.nn.flops import head_flops, sublayer_flops
+from restopo.nn.flops import head_flops, point_flops, running_sum_flops, sublayer_flops
 
 TRANSIENT = ("partial", "stream", "streams")
 
@@ -210,10 +210,27 @@ def sublayer_costs(kinds, width: int | None = None, context: int | None = None,
     return {k: sublayer_flops(k, width, context or 0, mlp, mlp_ratio) for k in set(kinds)}
 
 
-def model_costs(model) -> tuple[dict[str, float], float]:
-    """(sublayer costs, the head's) from a spec's ModelSpec, in the same FLOPs."""
-    return (sublayer_costs(model.kinds, model.width, model.context, model.mlp,
-                           float(model.mlp_ratio)), head_flops(model))
+def model_costs(model, g: IR) -> dict:
+    """make_plan's costs for a spec's ModelSpec, in the forward FLOPs per token `restopo
+    inspect` reports: each sublayer's, the head's (with the head aggregation), and the
+    topology's own work by the sublayer whose chunk does it (`topology_costs`)."""
+    head = head_flops(model) + point_flops(g, g.aggregation(g.n_sublayers + 1), model.width)
+    return dict(costs=sublayer_costs(model.kinds, model.width, model.context, model.mlp,
+                                     float(model.mlp_ratio)),
+                head_cost=head, extra=topology_costs(g, model.width))
+
+
+def topology_costs(g: IR, d: int) -> dict[int, float]:
+    """Sublayer i -> the topology's arithmetic per token that its chunk does: the aggregation
+    point before it (after it, for a stream update: make_plan's owners) and the add of its
+    output into its block's running sum. With Full AttnRes a late chunk's points read many
+    more sources than an early one's (at d = 64, L = 32, a tenth of the forward)."""
+    out = dict(running_sum_flops(g, d))
+    for a in g.aggregations():
+        if a.index <= g.n_sublayers:
+            i = max(a.index - 1, 1) if stream_fed(g, a) else a.index
+            out[i] = out.get(i, 0) + point_flops(g, a, d)
+    return out
 
 
 def balance(weights: list[float], n_chunks: int, aligned: set[int] | None = None) -> list[int]:
@@ -253,12 +270,13 @@ def balance(weights: list[float], n_chunks: int, aligned: set[int] | None = None
 
 
 def make_plan(g: IR, stages: int, virtual: int = 1, *, costs: dict | None = None,
-              head_cost: float = 0.0, cuts: list[int] | None = None,
-              dtype_bytes: int = 4) -> Plan:
+              head_cost: float = 0.0, extra: dict[int, float] | None = None,
+              cuts: list[int] | None = None, dtype_bytes: int = 4) -> Plan:
     """Plan a pipeline of `stages` ranks x `virtual` chunks per rank over the IR `g`.
 
     `costs` weighs each sublayer kind (default: `sublayer_costs` from the IR's width, or 1
-    each); `head_cost` is added to the last chunk. `cuts` fixes the chunk boundaries by hand
+    each); `extra` adds to sublayer i's weight (the topology's work, see model_costs);
+    `head_cost` is added to the last chunk. `cuts` fixes the chunk boundaries by hand
     (sublayer indices s: a chunk ends after sublayer s), overriding the balancing.
     """
     if stages < 1 or virtual < 1:
@@ -269,7 +287,8 @@ def make_plan(g: IR, stages: int, virtual: int = 1, *, costs: dict | None = None
         raise PlanError(f"{stages}x{virtual} pipeline needs {C} chunks but the model has only "
                         f"{L} sublayers; use fewer stages or virtual stages (at most {L} chunks)")
     costs = costs or sublayer_costs(kinds, g.width)
-    weights = [float(costs[k]) for k in kinds]
+    extra = extra or {}
+    weights = [float(costs[k] + extra.get(i, 0)) for i, k in enumerate(kinds, 1)]
     blocks = g.blocks
     block_ends = {b[-1] for b in blocks}
     if cuts is None:

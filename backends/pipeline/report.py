@@ -115,5 +115,4 @@ def inspect_section(spec, g: nx.DiGraph, pv: str) -> dict:
     PlanError when the pipeline cannot be planned."""
     P, V = parse_pv(pv)
     model = spec.model
-    costs, head = model_costs(model) if model is not None else (None, 0.0)
-    return to_json(make_plan(g, P, V, costs=costs, head_cost=head))
+    return to_json(make_plan(g, P, V, **(model_costs(model, g) if model is not None else {})))

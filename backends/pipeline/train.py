@@ -94,13 +94,10 @@ class PipelinedStep:
                             f"into {micro} microbatches; set parallel microbatches (or "
                             f"train.batch) so that it divides")
         g = model.restopo_ir
-        costs = head = None
         if model_spec is None and getattr(model, "restopo_spec", None) is not None:
             model_spec = model.restopo_spec.model
-        if model_spec is not None:
-            costs, head = model_costs(model_spec)
-        self.plan = make_plan(g, config.stages, config.virtual, costs=costs,
-                              head_cost=head or 0.0)
+        self.plan = make_plan(g, config.stages, config.virtual,
+                              **(model_costs(model_spec, g) if model_spec is not None else {}))
         fsdp = shard is not None and self.groups.replicas > 1
         data = "fsdp" if fsdp else "ddp"
         self.layout = (f"pipeline {config.stages}x{config.virtual}"

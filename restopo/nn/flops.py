@@ -47,21 +47,30 @@ def sublayer_flops(kind: str, d: int, context: int, mlp: str = "swiglu",
 def aggregation_flops(g: IR, d: int) -> float:
     """The topology's own arithmetic per token: every aggregation point, and the running
     block and partial sums it reads."""
-    total = 0.0
-    for a in g.aggregations():
-        n = len(a.sources)
-        if a.multi_stream:
-            total += stream_flops(a, d)
-        elif a.method == "attend":
-            total += n * attend_flops_per_source(a.key_norm, d) + (
-                2 * d * d if a.query == "input_dependent" else 0)
-        elif a.method == "scalars":
-            total += 2 * n * d
-        elif a.method == "sum":  # fed by the running value: one add; else summed as written
-            total += (d if a.index > 1 else 0) if stream_fed(g, a) else (n - 1) * d
-        elif a.method in STREAM_METHODS and a.index > 1:
-            total += {"rezero": 2 * d, "layerscale": 2 * d, "highway": 2 * d * d + 5 * d}[a.method]
-    # Running sums are built once per block, up to the longest one any point reads.
+    return float(sum(point_flops(g, a, d) for a in g.aggregations())
+                 + sum(running_sum_flops(g, d).values()))
+
+
+def point_flops(g: IR, a: Aggregation, d: int) -> float:
+    """One aggregation point's arithmetic per token (the running sums it reads aside)."""
+    n = len(a.sources)
+    if a.multi_stream:
+        return stream_flops(a, d)
+    if a.method == "attend":
+        return n * attend_flops_per_source(a.key_norm, d) + (
+            2 * d * d if a.query == "input_dependent" else 0)
+    if a.method == "scalars":
+        return 2 * n * d
+    if a.method == "sum":  # fed by the running value: one add; else summed as written
+        return (d if a.index > 1 else 0) if stream_fed(g, a) else (n - 1) * d
+    if a.method in STREAM_METHODS and a.index > 1:
+        return {"rezero": 2 * d, "layerscale": 2 * d, "highway": 2 * d * d + 5 * d}[a.method]
+    return 0
+
+
+def running_sum_flops(g: IR, d: int) -> dict[int, float]:
+    """Sublayer i -> the add that puts its output into its block's running sum (d), for
+    the members up to the longest sum any point reads: built once per block."""
     longest: dict[int, int] = {}
     for a in g.aggregations():
         for s in a.sources:
@@ -69,7 +78,7 @@ def aggregation_flops(g: IR, d: int) -> float:
             if isinstance(v, (BlockSum, Partial)):
                 n = v.index if isinstance(v, BlockSum) else v.block
                 longest[n] = max(longest.get(n, 0), len(v.members))
-    return total + sum(k - 1 for k in longest.values()) * d
+    return {i: d for n, k in longest.items() for i in g.blocks[n - 1][1:k]}
 
 
 def attend_flops_per_source(key_norm: str, d: int) -> float:
