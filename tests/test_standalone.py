@@ -194,3 +194,24 @@ def test_a_token_id_outside_the_vocabulary_is_refused_as_restopo_refuses_it(tmp_
                 assert str(got.value) == str(want.value) and str(bad) in str(got.value)
     finally:
         sys.modules.pop("vocab_model", None)
+
+
+def test_the_vocabulary_check_leaves_a_compiled_forward_in_one_graph(tmp_path, monkeypatch):
+    """The written file's id check reads the ids; traced by torch.compile that read broke the
+    graph (restopo's own check is an opaque op). A compiled forward leaves it out, and is one
+    graph with the model's logits."""
+    import importlib
+    from restopo.commands.standalone import module_source
+    ref = restopo.compile(MODEL + "residual block_attnres(blocks: 2)\n", backend="eager")
+    (tmp_path / "graph_model.py").write_text(module_source(ref, "graph_model", "t.restopo"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        model = importlib.import_module("graph_model").build()
+        model.load_state_dict(ref.state_dict())
+        idx = torch.tensor([[1, 5, 2]])
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="eager", fullgraph=True)
+        torch.testing.assert_close(compiled(idx), ref(idx))
+    finally:
+        sys.modules.pop("graph_model", None)
+        torch._dynamo.reset()

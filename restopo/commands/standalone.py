@@ -126,9 +126,19 @@ SUBLAYER_CODE = (norm.RMSNorm, sublayers.check_batched, sublayers.token_ids_in,
                  sublayers.apply_rotary, sublayers.KVCache, sublayers.Attention,
                  sublayers.swiglu_hidden, sublayers.mlp_hidden, sublayers.MLP, sublayers.Head)
 
-# check_token_ids calls token_ids_in through restopo's custom op; the written file calls the
-# function itself (it imports only torch, and the op registered again beside restopo fails)
+# check_token_ids calls token_ids_in through restopo's custom op; the written file calls a
+# function of its own instead (it imports only torch, and the op registered again beside
+# restopo fails), one that torch.compile leaves out: traced, its read of the ids would break
+# the graph, which restopo's opaque op does not
 TOKEN_IDS_OP = "torch.ops.restopo.token_ids_in("
+TOKEN_IDS_CALL = "token_ids_in_eager("
+TOKEN_IDS_EAGER = '''
+
+def token_ids_in_eager(idx: torch.Tensor, vocab: int) -> None:
+    """token_ids_in outside torch.compile: a compiled forward leaves the check out."""
+    if not torch.compiler.is_compiling():
+        token_ids_in(idx, vocab)
+'''
 
 
 def _source(obj) -> str:
@@ -138,7 +148,7 @@ def _source(obj) -> str:
 def _sublayer_code() -> str:
     code = "\n\n".join(_source(c) for c in SUBLAYER_CODE)
     assert code.count(TOKEN_IDS_OP) == 1, f"check_token_ids should call {TOKEN_IDS_OP}...)"
-    return code.replace(TOKEN_IDS_OP, "token_ids_in(")
+    return code.replace(TOKEN_IDS_OP, TOKEN_IDS_CALL) + TOKEN_IDS_EAGER
 
 
 def _kernels() -> str:

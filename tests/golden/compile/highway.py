@@ -939,7 +939,7 @@ def check_token_ids(idx: torch.Tensor, vocab: int) -> None:
     training step's forward would wait for the GPU at its start; training data are checked
     once, when the corpus opens (restopo.train.data)."""
     if idx.device.type == "cpu" or not torch.is_grad_enabled():
-        token_ids_in(idx, vocab)
+        token_ids_in_eager(idx, vocab)
 
 
 class TokenEmbedding(nn.Embedding):
@@ -1114,6 +1114,12 @@ class Head(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(h))
+
+
+def token_ids_in_eager(idx: torch.Tensor, vocab: int) -> None:
+    """token_ids_in outside torch.compile: a compiled forward leaves the check out."""
+    if not torch.compiler.is_compiling():
+        token_ids_in(idx, vocab)
 
 
 # ---- aggregation modules (restopo.nn.aggregate)
