@@ -733,8 +733,9 @@ def test_the_epsilon_of_a_norm_function_is_warned_of():
     m = FunctionalNormGPT(GPTConfig(n_layer=2))
     eps = torch.finfo(torch.float32).eps
     with pytest.warns(RewireWarning, match=rf"epsilon up to {eps:g}: full_attnres.*its code "
-                                           r"calls torch\.nn\.functional\.rms_norm with it: "
-                                           r"pass eps=1e-24 there"):
+                                           r"calls torch\.nn\.functional\.rms_norm with "
+                                           r"eps=None \(the default: the dtype's machine "
+                                           rf"epsilon, {eps:g}\): pass eps=1e-24 there"):
         rewire(m, "residual full_attnres\n")
     m.eps = 1e-24
     for block in m.transformer.h:
@@ -772,6 +773,36 @@ def test_every_norm_epsilon_a_call_takes_by_default_is_warned_of(case, monkeypat
     eps = torch.finfo(torch.float32).eps
     with pytest.warns(RewireWarning, match=rf"epsilon up to {eps:g}: full_attnres"):
         rewire(m, "residual full_attnres\n")
+
+
+@pytest.mark.parametrize("case", ["torch_rmsnorm", "module_without_eps"])
+def test_a_norms_default_epsilon_is_warned_of_as_a_default(case, monkeypatch):
+    """torch's nn.RMSNorm(d) keeps eps=None (the dtype's machine epsilon): it was not warned
+    of, and norm_eps= refused it as an epsilon 'in their code', though it sets the attribute.
+    A norm module calling F.rms_norm without eps was said to write its epsilon in its code.
+    Each is now said as the default it is, and the warning names what sets it."""
+    import warnings
+
+    import models.nanogpt
+    from restopo.fx.rewire import RewireWarning
+    norm = (lambda d, bias=None: nn.RMSNorm(d)) if case == "torch_rmsnorm" else NoEpsRMSNorm
+    monkeypatch.setattr(models.nanogpt, "LayerNorm", norm)
+    torch.manual_seed(0)
+    m = GPT(GPTConfig(n_layer=2))
+    eps = torch.finfo(torch.float32).eps
+    said = (r"RMSNorm has eps=None \(the default: the dtype's machine epsilon, "
+            rf"{eps:g}\): rewire\(\.\.\., norm_eps=1e-24\) sets it" if case == "torch_rmsnorm"
+            else r"NoEpsRMSNorm\.forward calls torch\.nn\.functional\.rms_norm with eps=None "
+                 rf"\(the default: the dtype's machine epsilon, {eps:g}\): pass eps=1e-24 there")
+    with pytest.warns(RewireWarning, match=rf"epsilon up to {eps:g}: full_attnres.*{said}"):
+        rewire(m, "residual full_attnres\n")
+    if case == "torch_rmsnorm":
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RewireWarning)
+            r = rewire(m, "residual full_attnres\n", norm_eps=1e-24)
+        assert {x.eps for x in m.modules() if isinstance(x, nn.RMSNorm)} == {1e-24}
+        idx = tokens()
+        torch.testing.assert_close(r(idx), m(idx), rtol=1e-6, atol=1e-6)  # the mean start
 
 
 def test_a_compiled_model_or_block_is_refused_saying_to_rewire_first():

@@ -12,7 +12,6 @@ from torch import fx, nn
 from .extract import front_and_back, sublayer_module
 from .recover import StreamCut, recover
 from .structure import FrontAndBack, RewireError, Structure, pattern
-from .tracer import float_dtype
 
 
 def recover_structure(model: nn.Module) -> Structure:
@@ -32,7 +31,7 @@ def recover_structure(model: nn.Module) -> Structure:
                      graph_modules=patterns.graph_modules, names=cut.names(), ends=patterns,
                      signature=signature, family="fx", vocab=cut.vocab(),
                      context_names=cut.context_names(),
-                     function_norms=cut.function_norms(float_dtype(model)),
+                     function_norms=cut.function_norms(),
                      checkpointed=tuple(dict.fromkeys(patterns.checkpointed)))
 
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from .structure import SUPPORTED, RewireError
-from .tracer import NORM_FUNCTIONS, called_norm_eps, classify, trace
+from .tracer import NORM_FUNCTIONS, classify, norm_calls, trace
 
 ADDS = (operator.add, operator.iadd, torch.add)
 
@@ -260,12 +260,10 @@ class StreamCut:
         raise RewireError(f"{type(self.model).__name__}: cannot read the width from the first "
                           f"sublayer's norm; give it a 1-d weight or normalized_shape")
 
-    def function_norms(self, dtype: torch.dtype) -> tuple[tuple[str, float], ...]:
+    def function_norms(self) -> tuple[tuple[str, float | None], ...]:
         """(function, epsilon) of each norm the sublayers and the head call as a function
-        (F.rms_norm), in a model of `dtype` (called_norm_eps)."""
-        return tuple((f"{n.target.__module__}.{n.target.__name__}", called_norm_eps(n, dtype))
-                     for n in self.G.ordered(set().union(*self.regions, self.back_nodes))
-                     if n.op == "call_function" and n.target in NORM_FUNCTIONS)
+        (F.rms_norm); None for the dtype's machine epsilon (tracer.norm_calls)."""
+        return tuple(norm_calls(self.G.ordered(set().union(*self.regions, self.back_nodes))))
 
     def context_names(self) -> tuple[str, ...]:
         """Readable names for the context values: the buffer, input or module each one is

@@ -32,7 +32,7 @@ from .lower import lower
 from ..nn.parts import Parts
 from ..nn.sublayers import check_batched, check_token_ids
 from .structure import SUPPORTED, FrontAndBack, RewireError, Structure, bind, pattern
-from .tracer import NORM_FUNCTIONS, called_norm_eps, classify, compiled, float_dtype
+from .tracer import classify, compiled, eps_value, eps_words, float_dtype, norm_calls
 
 __all__ = ["rewire", "recover", "Rewired", "RewireError"]
 
@@ -130,25 +130,29 @@ def _norms(model: nn.Module):
 
 
 def _norm_eps_attrs(model: nn.Module):
-    """(name, module, attribute) of each norm module whose epsilon is a float attribute;
-    norms that hard-code theirs have none."""
+    """(name, module, attribute) of each norm module keeping its epsilon in an attribute: a
+    number, or None for the dtype's machine epsilon (nn.RMSNorm's default); norms that
+    hard-code theirs have none."""
     for name, m in _norms(model):
         for attr in EPS_ATTRS:
-            if isinstance(getattr(m, attr, None), float):
+            eps = getattr(m, attr, ...)
+            if eps is None or isinstance(eps, (int, float)) and not isinstance(eps, bool):
                 yield name, m, attr
 
 
 def norm_eps(model: nn.Module) -> dict[str, float]:
     """{module name: epsilon} of the model's norm modules that keep it in an attribute."""
-    return {name: getattr(m, attr) for name, m, attr in _norm_eps_attrs(model)}
+    dtype = float_dtype(model)
+    return {name: eps_value(getattr(m, attr), dtype) for name, m, attr in _norm_eps_attrs(model)}
 
 
-def coded_norm_eps(model: nn.Module) -> dict[str, float]:
-    """{module name: epsilon} of the norm modules that write theirs in their code (nanoGPT's
-    `F.layer_norm(x, ..., 1e-5)`), read from a trace of their forward; a norm that does not
-    trace, or computes its own, is left out."""
+def _coded_norm_calls(model: nn.Module) -> dict[str, list[tuple[str, float | None]]]:
+    """{module name: its norm calls (tracer.norm_calls)} of the norm modules that write their
+    epsilon in their code (nanoGPT's `F.layer_norm(x, ..., 1e-5)`) or leave it to the
+    function's default, read from a trace of their forward; a norm that does not trace, or
+    computes its own, is left out."""
     kept = {name for name, _, _ in _norm_eps_attrs(model)}
-    out, dtype = {}, float_dtype(model)
+    out = {}
     for name, m in _norms(model):
         if name in kept or type(m).forward in _TORCH_NORM_FORWARDS:
             continue
@@ -156,12 +160,18 @@ def coded_norm_eps(model: nn.Module) -> dict[str, float]:
             graph = torch.fx.symbolic_trace(m).graph
         except Exception:  # noqa: BLE001 - any code fx cannot trace: nothing to read
             continue
-        for node in graph.nodes:
-            if node.op == "call_function" and node.target in NORM_FUNCTIONS:
-                eps = called_norm_eps(node, dtype)
-                if isinstance(eps, float):  # the largest, where it calls two
-                    out[name] = max(eps, out.get(name, eps))
+        calls = list(norm_calls(graph.nodes))
+        if calls:
+            out[name] = calls
     return out
+
+
+def coded_norm_eps(model: nn.Module) -> dict[str, float]:
+    """{module name: epsilon} of the norm modules whose code gives their epsilon (the
+    largest, where one calls two norms), as _coded_norm_calls finds them."""
+    dtype = float_dtype(model)
+    return {name: max(eps_value(eps, dtype) for _, eps in calls)
+            for name, calls in _coded_norm_calls(model).items()}
 
 
 _TORCH_NORM_FORWARDS = {nn.LayerNorm.forward, nn.GroupNorm.forward,
@@ -198,26 +208,39 @@ def _warn_of_norm_eps(model: nn.Module, topology: Topology, structure: Structure
     import warnings
     if topology.sublayer_rule.method == "sum" or topology.sublayer_rule.multi_stream:
         return
-    large = {k: v for k, v in norm_eps(model).items() if v > MEAN_START_EPS}
-    coded = {k: v for k, v in coded_norm_eps(model).items() if v > MEAN_START_EPS}
-    called = {}  # the largest of each function's calls: one with 1e-24 hides no other
-    for fn, eps in structure.function_norms:
-        if isinstance(eps, float) and eps > max(MEAN_START_EPS, called.get(fn, 0.0)):
-            called[fn] = eps
-    if large or coded or called:
-        eps = max({**large, **coded, **called}.values())
-        where = type(model.get_submodule(next(iter(coded)))).__name__ if coded else ""
+    large = _large_norm_eps(model, structure)
+    if large:
         warnings.warn(
-            f"the model's norms use epsilon up to {eps:g}: {topology.name}'s aggregations "
-            "start as the mean of their sources, whose scale can fall near it at step 0, so "
-            "the rewired model does not start as the original (README: 'Starting as the "
-            "standard model'); " + (
-                f"{where}.forward writes its epsilon in its code: make it 1e-24 there (or "
-                "an attribute rewire's norm_eps= can set) so that it does" if coded else
-                f"its code calls {next(iter(called))} with it: pass eps=1e-24 there so that "
-                "it does" if called else
-                "rewire(..., norm_eps=1e-24) sets the norms' epsilon so that it does"),
+            f"the model's norms use epsilon up to {max(large.values()):g}: {topology.name}'s "
+            "aggregations start as the mean of their sources, whose scale can fall near it at "
+            "step 0, so the rewired model does not start as the original (README: 'Starting as "
+            "the standard model') unless it is made 1e-24: " + "; ".join(large),
             RewireWarning, stacklevel=3)
+
+
+def _large_norm_eps(model: nn.Module, structure: Structure) -> dict[str, float]:
+    """{where a norm's epsilon is set and how to make it 1e-24: the largest such epsilon},
+    for every norm whose epsilon is above MEAN_START_EPS, whichever way it is given: a
+    module's attribute, a module's call of a norm function, a norm function the model's own
+    code calls; a default (F.rms_norm's eps=None) as much as a number written there."""
+    dtype, out = float_dtype(model), {}
+
+    def add(eps: float | None, where: str) -> None:
+        value = eps_value(eps, dtype)
+        if value > MEAN_START_EPS:
+            out[where] = max(value, out.get(where, value))
+    for _, m, attr in _norm_eps_attrs(model):
+        eps = getattr(m, attr)
+        add(eps, f"{type(m).__name__} has {eps_words(eps, dtype, attr)}: "
+                 "rewire(..., norm_eps=1e-24) sets it")
+    for name, calls in _coded_norm_calls(model).items():
+        for fn, eps in calls:
+            add(eps, f"{type(model.get_submodule(name)).__name__}.forward calls {fn} with "
+                     f"{eps_words(eps, dtype)}: pass eps=1e-24 there (or keep it in an "
+                     "attribute eps, which rewire's norm_eps= sets)")
+    for fn, eps in structure.function_norms:
+        add(eps, f"its code calls {fn} with {eps_words(eps, dtype)}: pass eps=1e-24 there")
+    return out
 
 
 def _warn_of_other_sizes(spec, structure) -> None:

@@ -79,8 +79,9 @@ class Structure:
     # the modules the original recomputes in backward (torch.utils.checkpoint): the rewired
     # model then recomputes its sublayers (Hugging Face's follow the model's own switch)
     checkpointed: tuple[str, ...] = ()
-    # (function, epsilon) of the norms called as functions (F.rms_norm), defaults filled in
-    function_norms: tuple[tuple[str, float], ...] = ()
+    # (function, epsilon) of the norms called as functions (F.rms_norm), defaults filled in;
+    # None for the dtype's machine epsilon
+    function_norms: tuple[tuple[str, float | None], ...] = ()
     # GraphModules cut from a trace: they hold the model's buffers by reference, and a
     # buffer is replaced (not updated in place) when the model moves; see `resync`
     graph_modules: list = field(default_factory=list)

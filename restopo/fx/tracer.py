@@ -10,7 +10,7 @@ import inspect
 import operator
 import re
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.utils.checkpoint
@@ -33,12 +33,28 @@ NORM_FUNCTIONS = {F.layer_norm: (4, "eps", 1e-5), torch.layer_norm: (4, "eps", 1
                      if hasattr(F, "rms_norm") else {})}
 
 
-def called_norm_eps(node: fx.Node, dtype: torch.dtype):
-    """The epsilon a traced call of a NORM_FUNCTIONS norm uses: the one passed, else the
-    function's default (rms_norm's: `dtype`'s machine epsilon), as the call runs."""
-    at, kw, default = NORM_FUNCTIONS[node.target]
-    eps = node.args[at] if len(node.args) > at else node.kwargs.get(kw, default)
+def norm_calls(nodes: Iterable[fx.Node]) -> Iterator[tuple[str, float | None]]:
+    """(function, epsilon) of each traced call of a NORM_FUNCTIONS norm among `nodes` whose
+    epsilon is a constant: the one passed, else the function's default; None for the input
+    dtype's machine epsilon (rms_norm's eps=None)."""
+    for n in nodes:
+        if n.op == "call_function" and n.target in NORM_FUNCTIONS:
+            at, kw, default = NORM_FUNCTIONS[n.target]
+            eps = n.args[at] if len(n.args) > at else n.kwargs.get(kw, default)
+            if eps is None or isinstance(eps, (int, float)) and not isinstance(eps, bool):
+                yield (f"{n.target.__module__}.{n.target.__name__}",
+                       None if eps is None else float(eps))
+
+
+def eps_value(eps: float | None, dtype: torch.dtype) -> float:
+    """An epsilon as a norm in `dtype` runs with it: None is the dtype's machine epsilon."""
     return torch.finfo(dtype).eps if eps is None else eps
+
+
+def eps_words(eps: float | None, dtype: torch.dtype, name: str = "eps") -> str:
+    """An epsilon as messages say it: `eps=1e-05`, or what eps=None stands for."""
+    return (f"{name}=None (the default: the dtype's machine epsilon, {torch.finfo(dtype).eps:g})"
+            if eps is None else f"{name}={eps:g}")
 
 
 def float_dtype(model: nn.Module) -> torch.dtype:
