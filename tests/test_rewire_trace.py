@@ -482,26 +482,30 @@ def forward_calls(monkeypatch, cls) -> list:
     return calls
 
 
-def test_a_model_that_checkpoints_its_blocks_is_rewired_recomputing(monkeypatch):
+@pytest.mark.parametrize("on_at_rewire", [True, False])
+def test_a_model_that_checkpoints_its_blocks_is_rewired_recomputing(monkeypatch, on_at_rewire):
     """The trace calls checkpointed blocks plainly: the rewired model kept every activation
-    for backward where the original recomputed them. Its sublayers now recompute."""
+    for backward where the original recomputed them. Then it recomputed as the model did at
+    rewire, for good: its switch turned after rewiring was not followed, as a Hugging Face
+    model's is. Its sublayers now recompute while the model checkpoints them."""
     from models.nanogpt import MLP
     torch.manual_seed(0)
     m = CheckpointedGPT(GPTConfig()).double()
+    m.checkpointing = on_at_rewire
     r = rewire(m, "residual full_attnres\n")
-    m.checkpointing = False
-    plain = rewire(m, "residual full_attnres\n")
-    randomise(r), randomise(plain)
+    randomise(r)
     calls = forward_calls(monkeypatch, MLP)
-    r(tokens()).sum().backward()
-    assert len(calls) == 2 * 2  # two MLPs, each run in forward and again in backward
-    got = [p.grad.clone() for p in m.parameters()]
-    m.zero_grad()
-    calls.clear()
-    plain(tokens()).sum().backward()
-    assert len(calls) == 2
-    for a, p in zip(got, m.parameters()):
-        torch.testing.assert_close(a, p.grad, rtol=0, atol=1e-12)
+
+    def grads(on):
+        m.checkpointing = on
+        calls.clear()
+        m.zero_grad()
+        r(tokens()).sum().backward()
+        assert len(calls) == 2 * (1 + on)  # two MLPs, each run again in backward or not
+        return [p.grad.clone() for p in m.parameters()]
+    got = [grads(on) for on in (not on_at_rewire, on_at_rewire, not on_at_rewire)]
+    for a, b in zip(*got[:2]):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
 
 
 class TrainCheckpointedGPT(CheckpointedGPT):
@@ -526,6 +530,10 @@ def test_checkpointing_in_training_only_is_seen_when_rewired_in_eval_mode(monkey
     calls = forward_calls(monkeypatch, MLP)
     r(tokens()).sum().backward()
     assert len(calls) == 2 * 2
+    calls.clear()
+    r.eval()  # nor recomputed where the model does not checkpoint
+    r(tokens()).sum().backward()
+    assert len(calls) == 2
 
 
 class MaskedAttention(nn.Module):

@@ -1,13 +1,14 @@
 """The Structure of a model torch.fx can trace: `recover_structure`, with the model traced
-once per call pattern (`structure.pattern`) and train/eval mode, each on first use (the
-default call in both modes at once)."""
+once per call pattern (`structure.pattern`), train/eval mode and setting of its checkpointing
+switches, each on first use."""
 from __future__ import annotations
 
-import contextlib
 import inspect
+import re
 
 import torch
 from torch import fx, nn
+from torch.utils.checkpoint import checkpoint
 
 from .extract import front_and_back, sublayer_module
 from .recover import StreamCut, recover
@@ -16,57 +17,69 @@ from .structure import FrontAndBack, RewireError, Structure, pattern
 
 def recover_structure(model: nn.Module) -> Structure:
     """The Structure of an fx-traceable PreNorm transformer; the call pattern with every
-    optional argument at its default is traced first, in both modes, the others when first
-    called."""
+    optional argument at its default is traced first, the others when first called."""
     signature = inspect.signature(model.forward)
     default = pattern(signature, *_defaults_call(signature))
     cut = recover(model, default)
     patterns = TracesByPattern(model, default, cut)
-    # a forward may checkpoint only in training (`if self.training: checkpoint(...)`): the
-    # other mode is traced too, to see it; one it cannot trace fails when first used, as before
-    with contextlib.suppress(RewireError), _in_mode(model, not model.training):
-        patterns(default)
     return Structure(kinds=cut.kinds, width=cut.width(),
                      sublayers=[ModeSublayer(patterns, k) for k in range(len(cut.adds))],
                      graph_modules=patterns.graph_modules, names=cut.names(), ends=patterns,
                      signature=signature, family="fx", vocab=cut.vocab(),
                      context_names=cut.context_names(),
-                     function_norms=cut.function_norms(),
-                     checkpointed=tuple(dict.fromkeys(patterns.checkpointed)))
+                     function_norms=cut.function_norms())
 
 
-@contextlib.contextmanager
-def _in_mode(model: nn.Module, training: bool):
-    """`model` in train or eval mode for a while; every module's own mode restored after."""
-    modes = [(m, m.training) for m in model.modules()]
-    model.train(training)
-    try:
-        yield
-    finally:
-        for m, t in modes:
-            m.training = t
+# a bool attribute a forward may choose torch.utils.checkpoint by: gradient_checkpointing,
+# grad_checkpointing (timm), use_checkpoint, activation_checkpointing, checkpointing
+SWITCH = re.compile(r"checkpoint", re.I)
+
+
+def checkpoint_switches(model: nn.Module) -> tuple[tuple[nn.Module, str], ...]:
+    """(module, attribute) of each bool attribute named for checkpointing, on the module or
+    its class, found once: the trace bakes in the branch a forward takes on it, so the
+    rewired model reads them to follow the switch when it is turned after rewiring."""
+    out = []
+    for m in model.modules():
+        mro = type(m).__mro__
+        spaces = [vars(m), *map(vars, mro[:mro.index(nn.Module)])]
+        names = {n for space in spaces for n, v in space.items() if isinstance(v, bool)}
+        out += [(m, n) for n in sorted(names) if SWITCH.search(n)]
+    return tuple(out)
 
 
 class TracesByPattern:
-    """Traces the model once per call pattern and train/eval mode, on first use.
+    """Traces the model once per call pattern and state (train/eval mode, checkpointing
+    switches), on first use.
 
     A forward may read `self.training` outside its leaf modules (functional dropout), so
     each mode has its own trace; within a mode every call pattern must cut into the same
-    sublayers. A plain object (not closures), so that copy.deepcopy of a rewired model
-    copies the traced pieces along with the model they call.
+    sublayers. Whether the original recomputes a sublayer in backward (torch.utils.checkpoint
+    around its block, often chosen by `self.training` or a switch) is read from the trace of
+    the current state, so the rewired sublayer recomputes exactly then. A plain object (not
+    closures), so that copy.deepcopy of a rewired model copies the traced pieces along with
+    the model they call.
     """
 
     def __init__(self, model: nn.Module, default: tuple, cut: StreamCut):
         self.model, self.default = model, default
+        self.switches = checkpoint_switches(model)
         self.cache: dict[tuple, FrontAndBack] = {}
         self.layouts: dict[bool, tuple] = {}
         self.sublayers: dict[bool, list[fx.GraphModule]] = {}
         self.graph_modules: list[fx.GraphModule] = []
-        self.checkpointed: list[str] = []  # what any trace calls under a checkpoint
-        self._add(default, model.training, cut)
+        # the modules each sublayer calls, and per state those a trace calls under a checkpoint
+        self.modules = [{n.target for n in r if n.op == "call_module"} for r in cut.regions]
+        self.checkpointed: dict[tuple, set[str]] = {}
+        self._add(default, self.state(), cut)
 
-    def _add(self, key: tuple, training: bool, cut: StreamCut) -> None:
-        self.checkpointed += cut.checkpointed
+    def state(self) -> tuple:
+        """What a trace is specialised on besides the call: the mode and the switches."""
+        return (self.model.training, *(getattr(m, n) for m, n in self.switches))
+
+    def _add(self, key: tuple, state: tuple, cut: StreamCut) -> None:
+        training = state[0]
+        self.checkpointed.setdefault(state, set()).update(cut.checkpointed)
         layout = ([cut.signature_of_region(k) for k in range(len(cut.adds))],
                   len(cut.context))
         if training not in self.layouts:
@@ -80,7 +93,7 @@ class TracesByPattern:
             self.graph_modules.extend(self.sublayers[training])
         elif layout != self.layouts[training]:
             raise RewireError(self._differs(key, cut, layout[0], self.layouts[training][0]))
-        self.cache[(key, training)], modules = front_and_back(cut)
+        self.cache[(key, state)], modules = front_and_back(cut)
         self.graph_modules.extend(modules)
 
     def _differs(self, key: tuple, cut: StreamCut, regions: list, traced: list) -> str:
@@ -102,10 +115,18 @@ class TracesByPattern:
                 f"arguments in every call (a tensor where it passes None)")
 
     def __call__(self, key: tuple) -> FrontAndBack:
-        training = self.model.training
-        if (key, training) not in self.cache:
-            self._add(key, training, recover(self.model, key))
-        return self.cache[(key, training)]
+        state = self.state()
+        if (key, state) not in self.cache:
+            self._add(key, state, recover(self.model, key))
+        return self.cache[(key, state)]
+
+    def recomputes(self, k: int) -> bool:
+        """Does the original, as it is now, call sublayer k's modules under a checkpoint?"""
+        state = self.state()
+        if state not in self.checkpointed:
+            self(self.default)
+        return any(m == c or m.startswith(f"{c}.")
+                   for c in self.checkpointed[state] for m in self.modules[k])
 
     def sublayer(self, k: int) -> fx.GraphModule:
         training = self.model.training
@@ -115,13 +136,17 @@ class TracesByPattern:
 
 
 class ModeSublayer:
-    """Sublayer k of the trace for the model's current train/eval mode."""
+    """Sublayer k of the trace for the model's current train/eval mode, recomputed in
+    backward while the original checkpoints it."""
 
     def __init__(self, patterns: TracesByPattern, k: int):
         self.patterns, self.k = patterns, k
 
     def __call__(self, h, *context):
-        return self.patterns.sublayer(self.k)(h, *context)
+        f = self.patterns.sublayer(self.k)
+        if torch.is_grad_enabled() and self.patterns.recomputes(self.k):
+            return checkpoint(f, h, *context, use_reentrant=False)
+        return f(h, *context)
 
 
 def _defaults_call(signature: inspect.Signature) -> tuple[tuple, dict]:

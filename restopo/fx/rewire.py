@@ -70,9 +70,10 @@ def rewire(model: nn.Module, spec_or_path, backend: str = "auto", *,
     standard model only when the epsilon is negligible against the mean's scale (README:
     "Starting as the standard model"); with a larger one (Llama's 1e-6, GPT-2's 1e-5) this
     warns, and norm_eps=1e-24 (restopo's own) makes the step-0 model the original one.
-    A model that checkpoints its blocks (torch.utils.checkpoint) is rewired recomputing each
-    sublayer in backward; a Hugging Face model's sublayers recompute while its gradient
-    checkpointing is on.
+    A model that checkpoints its blocks (torch.utils.checkpoint) has each of their sublayers
+    recomputed in backward whenever it would checkpoint them, its mode or a switch named for
+    checkpointing (gradient_checkpointing, use_checkpoint) turned before or after rewiring; a
+    Hugging Face model's sublayers recompute while its gradient checkpointing is on.
     """
     residual, spec = _residual(spec_or_path)  # a bad spec is reported before any tracing
     if isinstance(model, Rewired) or hasattr(model, "restopo_ir"):
@@ -109,11 +110,6 @@ def rewire(model: nn.Module, spec_or_path, backend: str = "auto", *,
     if p is not None:
         body.aggregations.to(device=p.device, dtype=p.dtype if p.is_floating_point() else None)
     rewired = Rewired(model, structure, body, topology)
-    if structure.checkpointed:
-        # the original recomputes its blocks in backward, but the rewired stream calls their
-        # sublayers itself: it recomputes those, as train.recompute 'sublayer' does
-        from .recompute import apply
-        apply(rewired, "sublayer")
     if spec is not None:  # as restopo.compile does, so checkpoints can store the spec
         rewired.spec_text, rewired.restopo_spec = spec.text, spec
     return rewired

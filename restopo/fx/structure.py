@@ -76,9 +76,6 @@ class Structure:
     family: str = "fx"
     vocab: int | None = None   # token ids for the self-check are drawn below it
     context_names: tuple[str, ...] | None = None  # how the lowered code names the context
-    # the modules the original recomputes in backward (torch.utils.checkpoint): the rewired
-    # model then recomputes its sublayers (Hugging Face's follow the model's own switch)
-    checkpointed: tuple[str, ...] = ()
     # (function, epsilon) of the norms called as functions (F.rms_norm), defaults filled in;
     # None for the dtype's machine epsilon
     function_norms: tuple[tuple[str, float | None], ...] = ()
