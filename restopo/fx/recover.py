@@ -119,11 +119,13 @@ class StreamCut:
         self.adds, self.streams, self.branches = zip(*adds)
         for k in range(1, len(adds)):
             if self.streams[k] is not self.adds[k - 1]:
-                self._check_parallel(k)
+                self._check_parallel(self.streams[k], self.adds[k - 1])
                 raise RewireError(
                     f"{name}: the residual adds do not form one stream: "
                     f"`{self.adds[k].name}` adds into `{self.streams[k].name}`, not into the "
                     f"previous residual sum `{self.adds[k - 1].name}`. {SUPPORTED}")
+        for user in self.adds[-1].users:  # the last block's, which no residual add follows
+            self._check_parallel(user, self.adds[-1])
         self.v0 = self.streams[0]
         added = set(self.adds)
         self.regions = []
@@ -164,13 +166,16 @@ class StreamCut:
                     f"`{add.name}` goes through the norm `{self.G.where(users[0])}` before the "
                     f"next sublayer (x = norm(x + f(x))). {SUPPORTED}")
 
-    def _check_parallel(self, k: int) -> None:
-        """The stream went through an add that is not a residual add: is its other operand a
-        branch of an earlier stream value (attention and MLP side by side, as in GPT-J)?"""
-        x, prev = self.streams[k], self.adds[k - 1]
+    def _check_parallel(self, x: fx.Node, prev: fx.Node) -> None:
+        """The stream went on from the residual sum `prev` through `x`, an add that is not a
+        residual add: is its other operand a sublayer of an earlier stream value, one that
+        `prev` did not need (attention and MLP side by side, as in GPT-J)?"""
+        G = self.G
         if x.op == "call_function" and x.target in ADDS and prev in x.args:
             other = next(a for a in x.args if a is not prev)
-            if isinstance(other, fx.Node) and any(s in self.G.anc[other] for s in self.streams):
+            if isinstance(other, fx.Node) and any(
+                    G.kind(n) in ("attn", "mlp") and n not in G.anc[prev]
+                    and any(s in G.anc[n] for s in self.streams) for n in G.anc[other] | {other}):
                 raise RewireError(
                     f"{type(self.model).__name__} has parallel sublayers: `{x.name}` adds "
                     f"`{self.G.where(other)}`, computed from the stream before `{prev.name}`, "

@@ -1,0 +1,294 @@
+"""restopo.rewire on the model shapes researchers write, each built here (no downloads): it
+rewires, and its standard topology gives the original model's output (float32), or it is
+refused saying why and what to do."""
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from restopo.fx.rewire import RewireError, rewire
+
+from models import attnres_loop as loop
+from models.nanogpt import GPT, GPTConfig
+from models.rewired import randomise
+
+V, D, HEADS, CONTEXT = 64, 32, 4, 16
+
+
+def tokens(T=10, seed=1):
+    return torch.randint(0, V, (2, T), generator=torch.Generator().manual_seed(seed))
+
+
+def same(got, want):
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------ GPT-2 with Conv1D
+
+class Conv1D(nn.Module):
+    """Hugging Face GPT-2's Conv1D: a linear layer with its weight stored [in, out]."""
+
+    def __init__(self, nf, nx):
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.02)
+        self.bias = nn.Parameter(torch.zeros(nf))
+
+    def forward(self, x):
+        size_out = x.size()[:-1] + (self.nf,)
+        x = torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight)
+        return x.view(size_out)
+
+
+class GPT2Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c_attn, self.c_proj = Conv1D(3 * D, D), Conv1D(D, D)
+        self.attn_dropout, self.resid_dropout = nn.Dropout(0.1), nn.Dropout(0.1)
+        # GPT-2's causal mask, a buffer sliced to the sequence
+        self.register_buffer("bias", torch.tril(torch.ones(CONTEXT, CONTEXT, dtype=torch.bool))
+                             .view(1, 1, CONTEXT, CONTEXT), persistent=False)
+
+    def _split(self, x):
+        return x.view(x.size()[:-1] + (HEADS, D // HEADS)).permute(0, 2, 1, 3)
+
+    def forward(self, x):
+        q, k, v = map(self._split, self.c_attn(x).split(D, dim=2))
+        w = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(v.size(-1))
+        T = q.size(-2)
+        w = torch.where(self.bias[:, :, :T, :T], w, torch.finfo(w.dtype).min)
+        w = self.attn_dropout(F.softmax(w, dim=-1))
+        y = torch.matmul(w, v).permute(0, 2, 1, 3).contiguous()
+        return self.resid_dropout(self.c_proj(y.view(y.size()[:-2] + (D,))))
+
+
+class GPT2MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c_fc, self.c_proj = Conv1D(4 * D, D), Conv1D(D, 4 * D)
+        self.dropout = nn.Dropout(0.1)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))
+
+
+class GPT2Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln_1, self.attn = nn.LayerNorm(D), GPT2Attention()
+        self.ln_2, self.mlp = nn.LayerNorm(D), GPT2MLP()
+
+    def forward(self, hidden_states):
+        residual = hidden_states
+        hidden_states = self.attn(self.ln_1(hidden_states))
+        hidden_states = hidden_states + residual
+        residual = hidden_states
+        return residual + self.mlp(self.ln_2(hidden_states))
+
+
+class GPT2(nn.Module):
+    """GPT-2 as Hugging Face writes it, Conv1D and all; its LM head tied to wte."""
+
+    def __init__(self, layers=2):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(V, D), nn.Embedding(CONTEXT, D)
+        self.drop = nn.Dropout(0.1)
+        self.h = nn.ModuleList(GPT2Block() for _ in range(layers))
+        self.ln_f = nn.LayerNorm(D)
+        self.lm_head = nn.Linear(D, V, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, input_ids, labels=None):
+        position_ids = torch.arange(input_ids.size(-1), device=input_ids.device)[None]
+        h = self.drop(self.wte(input_ids) + self.wpe(position_ids))
+        for block in self.h:
+            h = block(h)
+        logits = self.lm_head(self.ln_f(h))
+        if labels is None:
+            return logits
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, V), labels[:, 1:].reshape(-1))
+        return loss, logits
+
+
+# ------------------------------------------------------------------ Llama
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.eps, self.weight = eps, nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) \
+            * self.weight
+
+
+def apply_rotary(x, freqs_cis):
+    """Meta's rotary: pairs of features as complex numbers, turned by freqs_cis [T, hd/2]."""
+    xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    out = torch.view_as_real(xc * freqs_cis[None, :, None, :]).flatten(3)
+    return out.type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(D, D, bias=False) for _ in range(4))
+
+    def forward(self, x, freqs_cis, mask):
+        B, T, _ = x.shape
+        q, k, v = (w(x).view(B, T, HEADS, D // HEADS) for w in (self.wq, self.wk, self.wv))
+        q, k = apply_rotary(q, freqs_cis), apply_rotary(k, freqs_cis)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.wo(y.transpose(1, 2).reshape(B, T, D))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU."""
+
+    def __init__(self, hidden=64):
+        super().__init__()
+        self.w1, self.w3 = nn.Linear(D, hidden, bias=False), nn.Linear(D, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, D, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attention_norm, self.attention = RMSNorm(D), Attention()
+        self.ffn_norm, self.feed_forward = RMSNorm(D), FeedForward()
+
+    def forward(self, x, freqs_cis, mask):
+        h = x + self.attention(self.attention_norm(x), freqs_cis, mask)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Llama(nn.Module):
+    """Meta's Llama layout: a complex rotary table and a mask made in forward, both passed to
+    every layer as arguments."""
+
+    def __init__(self, layers=2):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(V, D)
+        self.layers = nn.ModuleList(LlamaBlock() for _ in range(layers))
+        self.norm, self.output = RMSNorm(D), nn.Linear(D, V, bias=False)
+        hd = D // HEADS
+        freqs = 1.0 / (10000 ** (torch.arange(0, hd, 2).float() / hd))
+        angles = torch.outer(torch.arange(CONTEXT).float(), freqs)
+        self.register_buffer("freqs_cis", torch.polar(torch.ones_like(angles), angles),
+                             persistent=False)
+
+    def forward(self, tokens):
+        T = tokens.shape[1]
+        h = self.tok_embeddings(tokens)
+        freqs_cis = self.freqs_cis[:T]
+        mask = torch.full((T, T), float("-inf"), device=tokens.device).triu(1)
+        for layer in self.layers:
+            h = layer(h, freqs_cis, mask)
+        return self.output(self.norm(h)).float()
+
+
+# ------------------------------------------------------------------ parallel blocks
+
+class ParallelBlock(nn.Module):
+    """GPT-J: x + attn(ln(x)) + mlp(ln(x)), one norm; GPT-NeoX: attn(ln_1(x)) +
+    mlp(ln_2(x)) + x, two."""
+
+    def __init__(self, neox):
+        super().__init__()
+        self.neox = neox
+        self.ln_1, self.ln_2 = nn.LayerNorm(D), nn.LayerNorm(D)
+        self.attn = Attention()
+        self.mlp = FeedForward()
+
+    def forward(self, x, freqs_cis, mask):
+        if self.neox:
+            return self.attn(self.ln_1(x), freqs_cis, mask) + self.mlp(self.ln_2(x)) + x
+        return x + self.attn(self.ln_1(x), freqs_cis, mask) + self.mlp(self.ln_1(x))
+
+
+class ParallelLM(Llama):
+    def __init__(self, layers=2, neox=False):
+        super().__init__(layers)
+        self.layers = nn.ModuleList(ParallelBlock(neox) for _ in range(layers))
+
+
+# ------------------------------------------------------------------ tests
+
+@pytest.mark.parametrize("make", [
+    lambda: GPT(GPTConfig(n_layer=2, bias=False)),   # nanoGPT, LayerNorm without a bias
+    lambda: GPT(GPTConfig(n_layer=2, dropout=0.2)),  # nanoGPT with dropout
+    GPT2, Llama,
+], ids=["nanogpt_no_bias", "nanogpt_dropout", "gpt2_conv1d", "llama"])
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+def test_the_standard_topology_gives_the_original_models_output(make, training):
+    """Rewired with the standard residual, each model gives its own output, in eval mode
+    and, its dropout drawn in the same order from the same seed, in training."""
+    torch.manual_seed(0)
+    m = make().train(training)
+    r = rewire(m, "residual standard\n")
+    idx = tokens()
+    args = (idx, idx) if isinstance(m, (GPT, GPT2)) else (idx,)
+    torch.manual_seed(5)
+    want = m(*args)
+    torch.manual_seed(5)
+    got = r(*args)
+    for a, b in zip(*((x,) if torch.is_tensor(x) else x for x in (got, want))):
+        same(a, b)
+    assert m.training == training
+
+
+def test_a_tied_lm_head_stays_tied_and_trains_as_one_weight():
+    torch.manual_seed(0)
+    m = GPT2()
+    r = rewire(m, "residual block_attnres(blocks: 2)\n")
+    assert r.model.lm_head.weight is r.model.wte.weight
+    names = [n for n, p in r.named_parameters() if p is m.wte.weight]
+    assert len(names) == 1  # one Parameter, once in parameters(): an optimizer steps it once
+    idx = tokens()
+    r(idx, idx)[0].backward()
+    assert m.wte.weight.grad is not None and m.wte.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("neox", [False, True], ids=["gptj", "neox"])
+@pytest.mark.parametrize("layers", [1, 2])
+def test_a_parallel_block_is_refused_as_one(neox, layers):
+    with pytest.raises(RewireError, match=r"parallel"):
+        rewire(ParallelLM(layers, neox), "residual full_attnres\n")
+
+
+def pieces(m, idx):
+    """v_0, the sublayers and the head of a GPT2 or Llama here, taken by hand."""
+    T = idx.shape[1]
+    if isinstance(m, GPT2):
+        v0 = m.drop(m.wte(idx) + m.wpe(torch.arange(T))[None])
+        subs = [f for b in m.h for f in (lambda h, b=b: b.attn(b.ln_1(h)),
+                                         lambda h, b=b: b.mlp(b.ln_2(h)))]
+        return v0, subs, lambda h: m.lm_head(m.ln_f(h))
+    freqs, mask = m.freqs_cis[:T], torch.full((T, T), float("-inf")).triu(1)
+    subs = [f for b in m.layers for f in (
+        lambda h, b=b: b.attention(b.attention_norm(h), freqs, mask),
+        lambda h, b=b: b.feed_forward(b.ffn_norm(h)))]
+    return m.tok_embeddings(idx), subs, lambda h: m.output(m.norm(h)).float()
+
+
+@pytest.mark.parametrize("make", [GPT2, Llama], ids=["gpt2_conv1d", "llama"])
+def test_block_attnres_equals_the_naive_loop(make):
+    """Block AttnRes with random queries over the model's own pieces, as attnres.md writes
+    it (tests/models/attnres_loop.py), in float64."""
+    torch.manual_seed(0)
+    m = make(layers=2).double().eval()
+    r = rewire(m, "residual block_attnres(blocks: 2)\n")
+    queries, gains = randomise(r)
+    idx = tokens()
+    v0, subs, head = pieces(m, idx)
+    with torch.no_grad():
+        want = loop.run(v0, subs, head, loop.layer_blocks(2, 2), loop.attend, queries, gains)
+        got = r(idx)
+    same(got[0] if isinstance(got, tuple) else got, want)
