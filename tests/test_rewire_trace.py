@@ -482,22 +482,37 @@ def forward_calls(monkeypatch, cls) -> list:
     return calls
 
 
+class ConfigCheckpointedGPT(GPT):
+    """The switch on its config, as nanoGPT forks keep it."""
+
+    def forward(self, idx, targets=None):
+        from torch.utils.checkpoint import checkpoint
+        x = self.transformer.wte(idx) + self.transformer.wpe(torch.arange(idx.size(1)))
+        for block in self.transformer.h:
+            x = (checkpoint(block, x, use_reentrant=False) if self.config.checkpointing
+                 else block(x))
+        return self.lm_head(self.transformer.ln_f(x))
+
+
+@pytest.mark.parametrize("switch", ["module", "config"])
 @pytest.mark.parametrize("on_at_rewire", [True, False])
-def test_a_model_that_checkpoints_its_blocks_is_rewired_recomputing(monkeypatch, on_at_rewire):
+def test_a_model_that_checkpoints_its_blocks_is_rewired_recomputing(monkeypatch, on_at_rewire,
+                                                                     switch):
     """The trace calls checkpointed blocks plainly: the rewired model kept every activation
     for backward where the original recomputed them. Then it recomputed as the model did at
     rewire, for good: its switch turned after rewiring was not followed, as a Hugging Face
     model's is. Its sublayers now recompute while the model checkpoints them."""
     from models.nanogpt import MLP
     torch.manual_seed(0)
-    m = CheckpointedGPT(GPTConfig()).double()
-    m.checkpointing = on_at_rewire
+    m = (CheckpointedGPT if switch == "module" else ConfigCheckpointedGPT)(GPTConfig()).double()
+    holder = m if switch == "module" else m.config
+    holder.checkpointing = on_at_rewire
     r = rewire(m, "residual full_attnres\n")
     randomise(r)
     calls = forward_calls(monkeypatch, MLP)
 
     def grads(on):
-        m.checkpointing = on
+        holder.checkpointing = on
         calls.clear()
         m.zero_grad()
         r(tokens()).sum().backward()

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import inspect
 import re
+from dataclasses import is_dataclass
+from types import SimpleNamespace
 
 import torch
 from torch import fx, nn
@@ -35,16 +37,22 @@ def recover_structure(model: nn.Module) -> Structure:
 SWITCH = re.compile(r"checkpoint", re.I)
 
 
-def checkpoint_switches(model: nn.Module) -> tuple[tuple[nn.Module, str], ...]:
-    """(module, attribute) of each bool attribute named for checkpointing, on the module or
-    its class, found once: the trace bakes in the branch a forward takes on it, so the
-    rewired model reads them to follow the switch when it is turned after rewiring."""
-    out = []
+def checkpoint_switches(model: nn.Module) -> tuple[tuple[object, str], ...]:
+    """(holder, attribute) of each bool attribute named for checkpointing, on a module or its
+    class, or on a config a module holds (nanoGPT forks' `self.config.gradient_checkpointing`),
+    found once: the trace bakes in the branch a forward takes on it, so the rewired model
+    reads them to follow the switch when it is turned after rewiring."""
+    out, seen = [], set()
     for m in model.modules():
         mro = type(m).__mro__
-        spaces = [vars(m), *map(vars, mro[:mro.index(nn.Module)])]
-        names = {n for space in spaces for n, v in space.items() if isinstance(v, bool)}
-        out += [(m, n) for n in sorted(names) if SWITCH.search(n)]
+        holders = [(m, [vars(m), *map(vars, mro[:mro.index(nn.Module)])])]
+        holders += [(c, [vars(c)]) for c in vars(m).values() if isinstance(c, SimpleNamespace)
+                    or is_dataclass(c) and not isinstance(c, type)]
+        for holder, spaces in holders:
+            if id(holder) not in seen:
+                seen.add(id(holder))
+                names = {n for space in spaces for n, v in space.items() if isinstance(v, bool)}
+                out += [(holder, n) for n in sorted(names) if SWITCH.search(n)]
     return tuple(out)
 
 
