@@ -194,6 +194,37 @@ class Llama(nn.Module):
         return self.output(self.norm(h)).float()
 
 
+class RotaryEmbedding(nn.Module):
+    """Hugging Face's way: the table made in forward, on the device of the hidden state."""
+
+    def __init__(self):
+        super().__init__()
+        hd = D // HEADS
+        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, hd, 2).float() / hd)),
+                             persistent=False)
+
+    def forward(self, x, position_ids):
+        angles = torch.outer(position_ids.float(), self.inv_freq)
+        return torch.polar(torch.ones_like(angles), angles).to(x.device)
+
+
+class RotaryModuleLlama(Llama):
+    """Its rotary table made from the embedding output, as rotary_emb(h, position_ids)."""
+
+    def __init__(self, layers=2):
+        super().__init__(layers)
+        self.rotary_emb = RotaryEmbedding()
+
+    def forward(self, tokens):
+        T = tokens.shape[1]
+        h = self.tok_embeddings(tokens)
+        freqs_cis = self.rotary_emb(h, torch.arange(T, device=h.device))
+        mask = torch.full((T, T), float("-inf"), dtype=h.dtype, device=h.device).triu(1)
+        for layer in self.layers:
+            h = layer(h, freqs_cis, mask)
+        return self.output(self.norm(h)).float()
+
+
 # ------------------------------------------------------------------ parallel blocks
 
 class ParallelBlock(nn.Module):
@@ -224,12 +255,14 @@ class ParallelLM(Llama):
 @pytest.mark.parametrize("make", [
     lambda: GPT(GPTConfig(n_layer=2, bias=False)),   # nanoGPT, LayerNorm without a bias
     lambda: GPT(GPTConfig(n_layer=2, dropout=0.2)),  # nanoGPT with dropout
-    GPT2, Llama,
-], ids=["nanogpt_no_bias", "nanogpt_dropout", "gpt2_conv1d", "llama"])
+    GPT2, Llama, RotaryModuleLlama,
+], ids=["nanogpt_no_bias", "nanogpt_dropout", "gpt2_conv1d", "llama", "llama_rotary_module"])
 @pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
 def test_the_standard_topology_gives_the_original_models_output(make, training):
     """Rewired with the standard residual, each model gives its own output, in eval mode
-    and, its dropout drawn in the same order from the same seed, in training."""
+    and, its dropout drawn in the same order from the same seed, in training. A rotary table
+    made from the embedding output's device (rotary_emb(h, ...)) was taken for part of the
+    first attention, and the second's read of it refused as a read from inside that one."""
     torch.manual_seed(0)
     m = make().train(training)
     r = rewire(m, "residual standard\n")

@@ -41,6 +41,15 @@ class _Graph:
                 s.add(a)
                 s |= self.anc[a]
             self.anc[n] = s
+        # the same, stopping at reads of a tensor's shape, dtype or device: what a value
+        # needs of another's contents
+        self.value_anc: dict[fx.Node, set[fx.Node]] = {}
+        for n in self.nodes:
+            s = set()
+            for a in n.all_input_nodes:
+                if not (_metadata(n) and a is n.args[0]):
+                    s |= {a} | self.value_anc[a]
+            self.value_anc[n] = s
         self.output = next(n for n in self.nodes if n.op == "output")
 
     def kind(self, n: fx.Node) -> str | None:
@@ -130,7 +139,10 @@ class StreamCut:
         added = set(self.adds)
         self.regions = []
         for x, y in zip(self.streams, self.branches):
-            region = {n for n in G.anc[y] if x in G.anc[n]} | {y}
+            # what the front makes from the embedding's shape, dtype or device (a rotary
+            # table: rotary_emb(h, position_ids)) is the front's, for every sublayer to read
+            anc = G.value_anc if x is self.streams[0] else G.anc
+            region = {n for n in G.anc[y] if x in anc[n]} | {y}
             self.regions.append(region)
         inside = set().union(*self.regions) | added
         last = self.adds[-1]
