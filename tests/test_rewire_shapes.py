@@ -325,3 +325,33 @@ def test_block_attnres_equals_the_naive_loop(make):
         want = loop.run(v0, subs, head, loop.layer_blocks(2, 2), loop.attend, queries, gains)
         got = r(idx)
     same(got[0] if isinstance(got, tuple) else got, want)
+
+
+class OffsetLlama(Llama):
+    """Its forward takes the position of the first token, as Meta's takes start_pos."""
+
+    def forward(self, tokens, start_pos):
+        T = tokens.shape[1]
+        h = self.tok_embeddings(tokens)
+        freqs_cis = self.freqs_cis[start_pos:start_pos + T]
+        mask = torch.full((T, T), float("-inf")).triu(1)
+        for layer in self.layers:
+            h = layer(h, freqs_cis, mask)
+        return self.output(self.norm(h))
+
+
+class DefaultOffsetLlama(OffsetLlama):
+    def forward(self, tokens, start_pos=0):
+        return super().forward(tokens, start_pos)
+
+
+def test_a_forward_that_requires_a_second_argument_is_told_to_give_it_a_default():
+    """rewire calls the model with token ids alone: it failed with a bare TypeError 'missing
+    a required argument: start_pos'."""
+    torch.manual_seed(0)
+    with pytest.raises(RewireError, match=r"OffsetLlama\.forward requires start_pos besides "
+                                          r"the token ids: .*so give it a default$"):
+        rewire(OffsetLlama(), "residual standard\n")
+    m = DefaultOffsetLlama()
+    idx = tokens()
+    same(rewire(m, "residual standard\n")(idx), m(idx))

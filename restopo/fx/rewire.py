@@ -417,6 +417,15 @@ class Rewired(nn.Module):
 
 def _probe_call(structure: Structure, model: nn.Module) -> tuple[tuple, dict]:
     """A small call with the default pattern: token ids [2, 4] as the first argument."""
+    params = list(structure.signature.parameters.values())[1:]
+    required = [p.name for p in params if p.default is p.empty
+                and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if required:  # else a bare TypeError from the first call
+        raise RewireError(
+            f"{type(model).__name__}.forward requires {', '.join(required)} besides the token "
+            f"ids: rewire calls it with token ids alone (to check what it recovered, and as the "
+            f"call every other must cut into the same sublayers), so give "
+            f"{'it' if len(required) == 1 else 'them'} a default")
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     vocab = structure.vocab or 2
     idx = torch.randint(0, vocab, (2, 4), device=device,
