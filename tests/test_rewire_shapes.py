@@ -355,3 +355,20 @@ def test_a_forward_that_requires_a_second_argument_is_told_to_give_it_a_default(
     m = DefaultOffsetLlama()
     idx = tokens()
     same(rewire(m, "residual standard\n")(idx), m(idx))
+
+
+class TensorOffsetLlama(OffsetLlama):
+    def forward(self, tokens, start_pos=torch.tensor(0)):
+        return super().forward(tokens, start_pos)
+
+
+def test_a_tensor_default_argument_is_rewired():
+    """A tensor as an argument's default failed in the traced front's code ("NameError: name
+    '_tensor_constant0' is not defined"); a tensor, unlike a number, is not fixed in the
+    trace, so every start_pos runs through one set of sublayers."""
+    torch.manual_seed(0)
+    m = TensorOffsetLlama()
+    r = rewire(m, "residual standard\n")
+    idx = tokens()
+    same(r(idx), m(idx))
+    same(r(idx[:, :3], torch.tensor(5)), m(idx[:, :3], torch.tensor(5)))

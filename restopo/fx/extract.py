@@ -45,7 +45,7 @@ def _extract(root: nn.Module, nodes: list[fx.Node], inputs: list[fx.Node],
              names: list[str] | None, outputs, class_name: str,
              keep_placeholders: bool = False) -> fx.GraphModule:
     """A GraphModule running `nodes` on `inputs` (new placeholders, or copies of the original
-    ones with their names and defaults) and returning `outputs` (nodes, nested in tuples)."""
+    ones with their names) and returning `outputs` (nodes, nested in tuples)."""
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     if keep_placeholders:
@@ -53,6 +53,9 @@ def _extract(root: nn.Module, nodes: list[fx.Node], inputs: list[fx.Node],
         for n in inputs:
             if n.op == "placeholder":
                 env[n] = g.node_copy(n)
+                # every call passes every argument (structure.bind fills in the defaults), so
+                # a default is never read, and a tensor one would not compile
+                env[n].args = ()
             else:
                 env[n] = g.placeholder("v0")
     else:
