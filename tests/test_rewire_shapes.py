@@ -327,16 +327,27 @@ def test_block_attnres_equals_the_naive_loop(make):
     same(got[0] if isinstance(got, tuple) else got, want)
 
 
+class OffsetBlock(LlamaBlock):
+    def forward(self, x, freqs_cis, mask, start_pos):
+        freqs_cis = freqs_cis[start_pos:start_pos + x.size(1)]
+        h = x + self.attention(self.attention_norm(x), freqs_cis, mask)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
 class OffsetLlama(Llama):
-    """Its forward takes the position of the first token, as Meta's takes start_pos."""
+    """Its forward takes the position of the first token, and its blocks too, as Meta's take
+    start_pos."""
+
+    def __init__(self, layers=2):
+        super().__init__(layers)
+        self.layers = nn.ModuleList(OffsetBlock() for _ in range(layers))
 
     def forward(self, tokens, start_pos):
         T = tokens.shape[1]
         h = self.tok_embeddings(tokens)
-        freqs_cis = self.freqs_cis[start_pos:start_pos + T]
         mask = torch.full((T, T), float("-inf")).triu(1)
         for layer in self.layers:
-            h = layer(h, freqs_cis, mask)
+            h = layer(h, self.freqs_cis, mask, start_pos)
         return self.output(self.norm(h))
 
 

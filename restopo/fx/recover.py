@@ -63,7 +63,7 @@ class _Graph:
 
     def residual_adds(self) -> list[tuple[fx.Node, fx.Node, fx.Node]]:
         """(add, stream x, branch y) for every add whose one operand is an ancestor of the
-        other, in graph order."""
+        other's value, in graph order."""
         out = []
         for n in self.nodes:
             binary = (n.op == "call_function" and n.target in ADDS or
@@ -73,9 +73,10 @@ class _Graph:
             a, b = n.args
             if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)):
                 continue
-            if a in self.anc[b]:
+            # by value: `start + x.size(1)` reads x's shape, not x, and adds no sublayer
+            if a in self.value_anc[b]:
                 out.append((n, a, b))
-            elif b in self.anc[a]:
+            elif b in self.value_anc[a]:
                 out.append((n, b, a))
         return out
 

@@ -21,6 +21,7 @@ them again, so every weight has one name and one owner.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import Any, Callable
 
 import torch
@@ -84,6 +85,8 @@ def rewire(model: nn.Module, spec_or_path, backend: str = "auto", *,
                else "") + "compile the spec with the residual you want (restopo.compile)")
     if norm_eps is not None:
         set_norm_eps(model, norm_eps)
+    if isinstance(model, nn.Module):  # recover names anything else
+        _check_defaults(model)
     structure = recover(model)
     if verify:
         _verify(model, structure)
@@ -415,17 +418,22 @@ class Rewired(nn.Module):
 
 # ------------------------------------------------------------------ self-check
 
-def _probe_call(structure: Structure, model: nn.Module) -> tuple[tuple, dict]:
-    """A small call with the default pattern: token ids [2, 4] as the first argument."""
-    params = list(structure.signature.parameters.values())[1:]
+def _check_defaults(model: nn.Module) -> None:
+    """Refuse a forward that requires more than the token ids, before tracing it: rewire
+    calls it with token ids alone (a bare TypeError from that call otherwise)."""
+    params = list(inspect.signature(model.forward).parameters.values())[1:]
     required = [p.name for p in params if p.default is p.empty
                 and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-    if required:  # else a bare TypeError from the first call
+    if required:
         raise RewireError(
             f"{type(model).__name__}.forward requires {', '.join(required)} besides the token "
             f"ids: rewire calls it with token ids alone (to check what it recovered, and as the "
             f"call every other must cut into the same sublayers), so give "
             f"{'it' if len(required) == 1 else 'them'} a default")
+
+
+def _probe_call(structure: Structure, model: nn.Module) -> tuple[tuple, dict]:
+    """A small call with the default pattern: token ids [2, 4] as the first argument."""
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     vocab = structure.vocab or 2
     idx = torch.randint(0, vocab, (2, 4), device=device,
