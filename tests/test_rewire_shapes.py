@@ -365,7 +365,14 @@ def test_a_forward_that_requires_a_second_argument_is_told_to_give_it_a_default(
         rewire(OffsetLlama(), "residual standard\n")
     m = DefaultOffsetLlama()
     idx = tokens()
-    same(rewire(m, "residual standard\n")(idx), m(idx))
+    r = rewire(m, "residual standard\n")
+    same(r(idx), m(idx))
+    # the number is a constant of the trace: another is refused saying what rewires it (the
+    # hint was 'a tensor where it passes None'); test_a_tensor_default_argument_is_rewired
+    with pytest.raises(RewireError, match=r"called with start_pos=5 \(the default call has "
+                       r"start_pos=0\).*same arguments in every call \(start_pos a tensor, its "
+                       r"default too, not a Python number\)$"):
+        r(idx[:, :3], 5)
 
 
 class TensorOffsetLlama(OffsetLlama):

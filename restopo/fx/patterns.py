@@ -116,11 +116,17 @@ class TracesByPattern:
         what = (f"the sublayer `{cut.names()[k]}` runs other code" if k is not None else
                 "its sublayers read other values")
         name = type(self.model).__name__
+        values = [v for n in names for v in (given.get(n, ...), default.get(n, ...))]
+        # a number is a constant of the trace (Meta's Llama's start_pos); a tensor is not
+        numbers = [n for n in names if type(given.get(n, default.get(n))) in (int, float)]
+        hints = (["a tensor where it passes None"] if None in values else []) + (
+            [f"{', '.join(numbers)} a tensor, its default too, not a Python number"]
+            if numbers else [])
         return (f"{name}: called with {changed}" + (f" (the default call has {before})"
                                                      if before else "")
                 + f", {what} than in the default call, and a rewired stream has one set of "
                 f"sublayers for every call: make {name}.forward give its blocks the same "
-                f"arguments in every call (a tensor where it passes None)")
+                f"arguments in every call" + (f" ({'; '.join(hints)})" if hints else ""))
 
     def __call__(self, key: tuple) -> FrontAndBack:
         state = self.state()
