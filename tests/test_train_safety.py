@@ -523,6 +523,31 @@ def test_a_second_ctrl_c_stops_at_once_and_the_handler_is_put_back():
         signal.signal(signal.SIGINT, outside)
 
 
+def test_a_workers_stop_line_says_a_second_ctrl_c_stops_now(monkeypatch):
+    """Rank 0's line under torchrun (whose SIGTERM is the launcher's Ctrl-C passed on) is the
+    one-process Ctrl-C line: it lacked "Ctrl-C again to stop now", which holds there too."""
+    from restopo.train.interrupt import deferred_interrupt
+
+    said = {}
+    main = threading.main_thread().ident
+    for torchrun in (False, True):
+        if torchrun:
+            monkeypatch.setenv("RANK", "0")
+            monkeypatch.setenv("WORLD_SIZE", "2")
+        lines = said.setdefault(torchrun, [])
+        # the handler put back after the first: a no-op, so no late SIGTERM ends pytest
+        outside = signal.signal(signal.SIGTERM, lambda *a: None)
+        try:
+            with deferred_interrupt(lines.append):
+                signal.pthread_kill(main, signal.SIGTERM)
+                time.sleep(0.1)
+        finally:
+            signal.signal(signal.SIGTERM, outside)
+    assert said[False] == ["stopping after this step (SIGTERM), with a checkpoint of it "
+                           "(Ctrl-C again to stop now)"]
+    assert said[True] == [said[False][0].replace(" (SIGTERM)", "")]
+
+
 # -- #5, #6: data, paths and flags --------------------------------------------------------
 def test_data_folders_are_bounded_and_data_paths_checked(spec, tmp_path, capsys, monkeypatch):
     folder = tmp_path / "texts"

@@ -36,10 +36,10 @@ def deferred_interrupt(say: Callable[[str], None]) -> Iterator[Stop]:
     def first(signum, frame):
         stop.asked = True
         put_back()  # the second signal stops at once
-        if under_torchrun():  # the launcher's stop, passed on once by torchrun as SIGTERM
-            say("stopping after this step, with a checkpoint of it")
-            return
-        by = "" if signum == signal.SIGINT else f" ({signal.Signals(signum).name})"
+        # under torchrun the signal is the one torchrun passes on (the launcher's Ctrl-C
+        # arrives as SIGTERM), and a second Ctrl-C of the launcher stops the workers at once
+        by = ("" if signum == signal.SIGINT or under_torchrun() else
+              f" ({signal.Signals(signum).name})")
         say(f"stopping after this step{by}, with a checkpoint of it (Ctrl-C again to stop "
             "now)")
 
