@@ -336,6 +336,34 @@ def test_a_second_ctrl_c_of_nproc_ends_the_workers_at_once(spec, tmp_path):
             f"stop ended the workers at once)\n") in err, err
 
 
+@pytest.mark.slow
+def test_two_ctrl_c_of_a_raw_torchrun_stop_its_workers_at_once(spec, tmp_path):
+    """A terminal's Ctrl-C reaches a raw torchrun (its workers run in sessions of their own),
+    which passes the first on as SIGINT and the second as SIGTERM: rank 0 says the stop
+    once, as the one-process line says it, and the run ends well within torchrun's 30 s,
+    its newest checkpoint whole."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node", "2", "-m", "restopo", "train", str(spec), "--out", str(out),
+           "--no-progress", "--steps", "100000", "--set", "train.save_every=2"]
+    run = subprocess.Popen(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), text=True,
+                           stderr=subprocess.PIPE, start_new_session=True)
+    while max([r["step"] for r in read_metrics(out / "metrics.jsonl")] or [0]) < 3 \
+            and run.poll() is None:
+        time.sleep(0.2)
+    os.killpg(run.pid, signal.SIGINT)  # the terminal's foreground process group
+    time.sleep(0.3)
+    os.killpg(run.pid, signal.SIGINT)
+    second = time.time()
+    _, err = run.communicate(timeout=120)
+    assert time.time() - second < 15, err
+    assert err.count("restopo train: stopping after this step, with a checkpoint of it "
+                     "(Ctrl-C again to stop now)") == 1, err
+    assert err.count("restopo: interrupted") <= 1, err
+    saved = ck.latest_checkpoint(out / "ckpt")
+    assert saved is not None and ck.verify_checkpoint(saved) is None, err
+
+
 def test_a_stop_of_nproc_says_the_steps_it_lost(tmp_path):
     """Steps trained after the last checkpoint (torchrun killed the workers before they
     saved the one they stopped at) are said to be lost, not only where --resume goes."""
@@ -546,6 +574,45 @@ def test_a_workers_stop_line_says_a_second_ctrl_c_stops_now(monkeypatch):
     assert said[False] == ["stopping after this step (SIGTERM), with a checkpoint of it "
                            "(Ctrl-C again to stop now)"]
     assert said[True] == [said[False][0].replace(" (SIGTERM)", "")]
+
+
+# a stop handled by a process busy in one long C call (hashlib's, as a collective waiting
+# for a slower rank or a large save would be): both signals come before Python can run the
+# handler of the first
+_DURING_A_C_CALL = """
+import hashlib, os, signal, sys, threading, time
+from restopo.train.interrupt import deferred_interrupt
+signal.signal(signal.SIGINT, signal.default_int_handler)
+inside = threading.Event()
+def send():
+    inside.wait()
+    for name in sys.argv[1:]:  # apart as keys are pressed: the kernel merges a SIGINT sent
+        os.kill(os.getpid(), getattr(signal, name))  # before the one pending is delivered
+        time.sleep(0.05)
+threading.Thread(target=send).start()
+try:
+    with deferred_interrupt(print):
+        inside.set()
+        hashlib.pbkdf2_hmac("sha256", b"x", b"y", 5_000_000)
+        print("went on")
+except KeyboardInterrupt:
+    print("stopped at once")
+"""
+
+
+@pytest.mark.parametrize("signals", [("SIGINT", "SIGINT"), ("SIGINT", "SIGTERM")])
+def test_a_second_stop_that_comes_before_the_first_is_handled_stops_at_once(signals):
+    """Two Ctrl-C while the main thread was in one C call ran the handler once, and a raw
+    torchrun's second Ctrl-C (SIGTERM after its SIGINT) was dropped with 'Signal 15 ignored
+    due to race condition': the run went on to the end of its step and saved, and torchrun
+    waited its 30 s for it. A second stop now ends it at once, as the signal would."""
+    got = subprocess.run([sys.executable, "-c", _DURING_A_C_CALL, *signals],
+                         capture_output=True, text=True, timeout=120)
+    assert "went on" not in got.stdout and "race condition" not in got.stderr, got
+    if signals[-1] == "SIGTERM":
+        assert got.returncode == -signal.SIGTERM, got
+    else:
+        assert got.stdout.strip() == "stopped at once", got
 
 
 # -- #5, #6: data, paths and flags --------------------------------------------------------
