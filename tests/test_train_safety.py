@@ -395,6 +395,36 @@ def test_resume_names_what_differs_not_a_flag_given_again(spec, tmp_path, capsys
     assert "does not give it" not in capsys.readouterr().err
 
 
+def test_resume_reads_a_set_train_data_as_the_place_its_run_read(spec, tmp_path, capsys,
+                                                                  monkeypatch):
+    """A run's --set train.data=a.txt, relative to the folder it was started in, resumed
+    from another folder: the refusal told the user to give --set train.data=a.txt (another
+    file there) and each resume's --steps in turn; the same file given by its absolute path
+    was 'other settings', and its changed content went unsaid. Data is now compared, and
+    named, where the run read it."""
+    first, other = tmp_path / "first", tmp_path / "other"
+    first.mkdir()
+    other.mkdir()
+    data = first / "a.txt"
+    data.write_text(CORPUS.read_text())
+    out = tmp_path / "run"
+    monkeypatch.chdir(first)
+    assert train(spec, "--out", out, "--steps", 2, "--set", "train.data=a.txt") == 0
+    assert train("--out", out, "--resume", "--steps", 4) == 0  # records train.steps again
+    monkeypatch.chdir(other)
+    capsys.readouterr()
+    assert train(spec, "--out", out, "--resume", "--steps", 6, "--set",
+                 "model.width=16") == 1
+    err = capsys.readouterr().err
+    assert f"(--set train.data={data} --set train.steps=4)" in err, err
+    data.write_text(CORPUS.read_text()[::-1])  # as many tokens, other content
+    assert train(spec, "--out", out, "--resume", "--steps", 6, "--set",
+                 f"train.data={data}") == 0
+    err = capsys.readouterr().err
+    assert "other settings" not in err, err
+    assert "has changed since" in err and "as many tokens, other content" in err, err
+
+
 @pytest.mark.parametrize("then, now", [
     ("residual.blocks=2", "residual.block_size=2"),  # one setting, two ways of saying it
     ("model. width=32", "model.width=32"),  # one key, spelt with a blank

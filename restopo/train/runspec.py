@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from ..spec.datapath import data_base
+from ..spec.datapath import data_base, data_place
 from ..spec.overrides import override_values, same_setting
 from .checkpoint import CheckpointError, read_meta
 
@@ -66,7 +66,7 @@ def data_note(spec, corpus, meta: dict, step_dir) -> str | None:
     `meta`) was saved: the run then goes on with other batches than it would have. (Another
     train.data is said by resume_notes.)"""
     then = meta.get("data")
-    if not isinstance(then, dict) or then.get("source") != spec.train.data:
+    if not isinstance(then, dict) or data_place(spec_from_meta(meta)) != data_place(spec):
         return None
     now = corpus.fingerprint
     if then.get("tokens") == now["tokens"] and then.get("sha256") == now["sha256"]:
@@ -113,6 +113,16 @@ def model_from_meta(step_dir, backend: str = "eager"):
     return spec, build_model(spec, backend), meta
 
 
+def stored_sets(meta: dict, then_spec, keep=lambda key: True) -> str:
+    """The --set values the run of `meta` (its spec: `then_spec`) was trained with, of the
+    keys `keep` accepts, as flags to give again: each key once, with its last value (a
+    resume records its own after the run's), and train.data as the place the run read it
+    (relative, it names another file from another folder)."""
+    given = override_values(meta.get("overrides", ()))
+    return " ".join(f"--set {k}={data_place(then_spec) if k == 'train.data' else v}"
+                    for k, v in given.items() if keep(k))
+
+
 def _weights_shape(model) -> object:
     """What decides a model's parameter shapes (context only sizes rotary tables)."""
     return dataclasses.replace(model, context=0, name=None)
@@ -155,14 +165,13 @@ def resume_notes(spec, meta: dict, step_dir, *, spec_file: bool = True) -> list[
                   f"here" for f in dataclasses.fields(then) if f.compare
                   and f.name not in ("context", "name")
                   and getattr(then, f.name) != getattr(spec.model, f.name)]
-        stored = " ".join(f"--set {o}" for o in meta.get("overrides", ()))
+        stored = stored_sets(meta, then_spec)
         raise CheckpointError(
             f"{step_dir}'s weights do not fit this run's model ({'; '.join(differ)}); resume "
             "with the spec and --set values it was trained with"
             + (f" ({stored})" if stored else "") + f", or {instead}")
     if then_spec.topology != spec.topology:
-        stored = " ".join(f"--set {k}={v}" for k, v in override_values(
-            meta.get("overrides", ())).items() if k.split(".")[0] == "residual")
+        stored = stored_sets(meta, then_spec, lambda k: k.split(".")[0] == "residual")
         raise CheckpointError(
             f"{step_dir} was trained as {residual_text(then_spec)}; this run's residual is "
             f"{residual_text(spec)}: its weights would go on under another topology, and "
@@ -172,11 +181,10 @@ def resume_notes(spec, meta: dict, step_dir, *, spec_file: bool = True) -> list[
     # an override of the run that this one does not give at all (by key: a key given
     # again with another value, e.g. --steps, is a change this run asks for)
     given = override_values(spec.overrides or ())
-    missing = [f"{k}={v}" for k, v in override_values(meta.get("overrides", ())).items()
-               if not any(same_setting(k, g) for g in given)]
+    missing = stored_sets(meta, then_spec, lambda k: not any(same_setting(k, g)
+                                                              for g in given))
     if missing:
-        flags = " ".join(f"--set {o}" for o in missing)
-        notes.append(f"{step_dir} was trained with {flags}; this run does not give it, so "
+        notes.append(f"{step_dir} was trained with {missing}; this run does not give it, so "
                      f"the spec's own value applies")
     old = meta.get("config")
     if old and spec.train is not None:
@@ -185,8 +193,8 @@ def resume_notes(spec, meta: dict, step_dir, *, spec_file: bool = True) -> list[
         step = int(meta.get("step", 0))
         changed = [f"{k} {getattr(old, k)!r} there, {getattr(new, k)!r} here"
                    for k in TRAINED_BY if getattr(old, k) != getattr(new, k)]
-        if then_spec.train.data != spec.train.data:
-            changed.append(f"data {then_spec.train.data!r} there, {spec.train.data!r} here")
+        if data_place(then_spec) != data_place(spec):  # one file, written two ways, is one
+            changed.append(f"data {data_place(then_spec)!r} there, {data_place(spec)!r} here")
         if changed:
             notes.append(f"this run trains on with other settings than {step_dir} was "
                          f"trained with ({'; '.join(changed)}): the steps from {step + 1} "
