@@ -251,6 +251,31 @@ def test_a_run_stopped_by_ctrl_c_is_recorded_as_interrupted_not_failed(tmp_path,
     assert "resumes it" in info["error"]
 
 
+def test_a_run_and_a_sweep_do_not_share_a_folder(tmp_path, capsys):
+    """`restopo train --out` a sweep's folder trained there, and compare then read that run
+    as one more arm beside the sweep's (so did a sweep into a run's folder): both are now
+    refused, naming the folder, before anything is written."""
+    spec = _specs(tmp_path)[0]
+    swept = tmp_path / "sweep"
+    job = make_grid([spec], [0])[0]
+    (swept / job.name).mkdir(parents=True)
+    (swept / job.name / "run.json").write_text(json.dumps({"arm": job.arm, "seed": 0}))
+    assert main(["train", spec, "--out", str(swept), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert f"error: --out {swept} is a sweep's folder (1 run of restopo sweep, such as " \
+           f"{job.name})" in err and f"({swept / 'NAME'})" in err, err
+    assert sorted(p.name for p in swept.iterdir()) == [".restopo.lock", job.name]
+    trained = tmp_path / "trained"
+    assert main(["train", spec, "--out", str(trained), "--no-progress",
+                 "--steps", "1"]) == 0
+    capsys.readouterr()
+    kept = sorted(p.name for p in trained.iterdir())
+    assert main(["sweep", spec, "--out", str(trained), "--dry-run"]) == 1
+    err = capsys.readouterr().err
+    assert f"error: --out {trained} holds a run of restopo train" in err, err
+    assert sorted(p.name for p in trained.iterdir()) == kept
+
+
 def test_a_second_sweep_of_a_folder_is_refused_and_a_live_run_left_alone(tmp_path, capsys,
                                                                          monkeypatch):
     """Running a sweep again while its first is still running (another terminal, a

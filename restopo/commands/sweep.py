@@ -154,6 +154,13 @@ def run(args) -> int:
     except ValueError as e:
         print(f"restopo sweep: error: {e}", file=sys.stderr)
         return 2
+    from ..experiments.runs import holds_a_run
+    if holds_a_run(out):  # its runs would be compared with that one, as one more arm
+        print(f"restopo sweep: error: --out {out} holds a run of restopo train (metrics.jsonl "
+              f"or ckpt/), which restopo compare would take for one of the sweep's arms; "
+              f"give the sweep another --out, or move that run's files into a folder of "
+              f"their own", file=sys.stderr)
+        return 1
     changed = [why for j in jobs if (why := runner.changed(out, j))]
     if changed:
         print("restopo sweep: error: " + "\n  ".join(

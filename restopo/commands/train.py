@@ -289,8 +289,16 @@ def _fresh_start(out: Path, overwrite: bool) -> bool:
     replace files it did not write. True when an old run is there to replace (--overwrite):
     `_replace_old_run` deletes it once every check has passed, never before (a refused
     command with --overwrite deleted the run it was refused for)."""
+    from ..experiments.runs import sweep_runs
     from ..train.checkpoint import latest_checkpoint
+    from ..words import counted
 
+    held = sweep_runs(out)
+    if held:  # restopo compare would read the new run as one more arm, named for the folder
+        raise _Stop(f"--out {out} is a sweep's folder ({counted(len(held), 'run')} of restopo "
+                    f"sweep, such as {held[0].name}), and restopo compare would take a run "
+                    f"there for one of its arms; choose another --out, or a folder inside "
+                    f"it ({out / 'NAME'}) to compare the run with the sweep's")
     old = latest_checkpoint(out / "ckpt", resume=False)  # weights alone are a run's too
     found = [name for name in RUN_FILES if (out / name).exists()]
     if old is None and not found:

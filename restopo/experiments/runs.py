@@ -186,6 +186,20 @@ def read_run(path: str | Path) -> Run:
     return run
 
 
+def sweep_runs(folder: Path) -> list[Path]:
+    """The runs a sweep keeps in `folder` (its --out): the folders inside with its run.json."""
+    return sorted((p.parent for p in Path(folder).glob(f"*/{RUN_FILE}")), key=_natural)
+
+
+def holds_a_run(folder: Path) -> bool:
+    """Whether `folder` is a run folder itself (restopo train --out), whatever it holds."""
+    try:
+        read_run(folder)
+    except RunError:
+        return False
+    return True
+
+
 def find_runs(paths) -> list[Run]:
     """Runs from folders given on the command line: a run folder, or a folder of runs (a
     sweep's --out), or both. Folders that are not runs inside a sweep folder are skipped."""
