@@ -1279,6 +1279,25 @@ def test_a_run_stopped_from_outside_the_sweep_is_said_and_the_sweep_fails(tmp_pa
            "sweep again to resume it" in err
 
 
+def test_a_sweep_starts_no_more_runs_once_one_is_stopped_from_outside(tmp_path, capsys,
+                                                                       monkeypatch):
+    """A stop the sweep did not get itself (sent to a run, or to the process group of a
+    sweep started in the background, which ignores Ctrl-C) ended that run, and the sweep
+    went on to start the others. It now starts no more, and says which it left."""
+    spec = _specs(tmp_path)[0]
+    out = tmp_path / "sweep"
+    job = make_grid([spec], [0])[0]
+    monkeypatch.setattr(type(job), "command", lambda self, out, resume, threads=1: [
+        sys.executable, "-c", f"import sys; open(sys.argv[1], 'w'); "
+        f"sys.exit(130 if {self.seed} == 0 else 0)", str(tmp_path / f"started{self.seed}")])
+    assert main(["sweep", spec, "--out", str(out), "--seeds", "3"]) == 1
+    err = capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.glob("started*")) == ["started0"], err
+    assert f"{job.name} was stopped before its end, not by this sweep" in err, err
+    assert "2 runs not started after that stop (such as std-s1); run the sweep again to " \
+           "train them" in err, err
+
+
 def test_a_run_folder_that_holds_runs_too_is_read_whole(tmp_path):
     """`restopo train --out SWEEP` trains in a sweep's folder: compare SWEEP then read it as
     that one run and left the sweep's runs out without a word. Both are read."""

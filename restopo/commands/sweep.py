@@ -223,10 +223,16 @@ def _execute(args, jobs, out: Path, slurm: dict) -> int:
     for r in stopped:
         print(f"restopo sweep: {r['name']} was stopped before its end, not by this sweep; "
               f"run the sweep again to resume it", file=sys.stderr)
+    unstarted = [r for r in results if r["status"] == runner.NOT_STARTED]
+    if unstarted:
+        print(f"restopo sweep: {counted(len(unstarted), 'run')} not started after that stop "
+              f"(such as {unstarted[0]['name']}); run the sweep again to train them",
+              file=sys.stderr)
     from .compare import run as compare_run
     compare_args = argparse.Namespace(runs=[str(out)], baseline=args.baseline, out=str(out),
                                       scaling=False, title=f"restopo sweep {out.name}")
-    code = compare_run(compare_args) if len(results) > len(failed) else 1
+    ran = len(results) - len(failed) - len(unstarted)
+    code = compare_run(compare_args) if ran else 1
     return 1 if failed or stopped else code
 
 

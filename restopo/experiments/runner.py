@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
@@ -209,10 +210,11 @@ def run_local(jobs: list[Job], out: Path, workers: int, report) -> list[dict]:
     todo = [(job, state(out, job)) for job in jobs]
     results = _skipped(todo, out, report)
     pending = [(j, s) for j, s in todo if s in ("new", "resume")]
+    halted = threading.Event()  # a run was stopped from outside: start no more
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool, _stop_signals():
         futures = {}
         for job, s in pending:
-            futures[pool.submit(_started, job, out, s == "resume", report)] = job
+            futures[pool.submit(_started, job, out, s == "resume", report, halted)] = job
         try:
             for f in as_completed(futures):
                 results.append(f.result())
@@ -235,12 +237,22 @@ def _stop_signals():
     return signals_handled(("SIGTERM", "SIGHUP"), stop)
 
 
-def _started(job: Job, out: Path, resume: bool, report) -> dict:
+NOT_STARTED = "not started"
+
+
+def _started(job: Job, out: Path, resume: bool, report, halted: threading.Event) -> dict:
     """Run `job`, reporting its start and its end from the thread that runs it: reported by
     the main thread, a run's end came after the next run's start ('starting b' before 'a:
-    done' with --jobs 1, two runs at once to read)."""
+    done' with --jobs 1, two runs at once to read). Once a run has been stopped by a signal
+    the sweep did not get (`halted`: one sent to the run, or to a process group whose
+    Ctrl-C the sweep ignores, as a sweep started in the background by a script does), a
+    stop meant for the sweep, the runs not yet started are not: NOT_STARTED."""
+    if halted.is_set():
+        return {"name": job.name, "status": NOT_STARTED}
     report({"event": "start", "job": job, "resume": resume})
     result = run_job(job, out, resume)
+    if result["status"] == "interrupted":
+        halted.set()
     report({"event": "end", "job": job, **result})
     return result
 
