@@ -643,6 +643,21 @@ def test_tiny_sweep_kill_rerun_and_compare(tmp_path):
     assert resumed[1].final_val == find_runs([clean])[0].final_val
 
 
+def test_curves_of_runs_not_yet_evaluated_say_so_without_a_warning(tmp_path, monkeypatch):
+    """A sweep whose runs were all stopped before their first evaluation drew an empty
+    legend, and matplotlib's UserWarning about it reached the user with its source line."""
+    import warnings
+    drawn = []
+    monkeypatch.setattr(report, "_save", lambda fig, path: drawn.append(fig) or path)
+    run = _synthetic_run("std", "std", 0, 20, 2.0)
+    run.records = [{"step": 3, "loss": 4.0}]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        report.plot_curves(report.group([run]), tmp_path / "c.png", tokens=False)
+    assert [t.get_text() for t in drawn[0].axes[0].texts] == ["no run has a validation "
+                                                               "loss yet"]
+
+
 def test_curves_of_runs_evaluated_once_are_drawn(tmp_path, monkeypatch):
     """A sweep of 20-step runs evaluates each once, at its end: val_loss_by_step.png was an
     empty frame with a legend (a line through one point draws nothing). Each evaluation is

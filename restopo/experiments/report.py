@@ -630,7 +630,11 @@ def plot_curves(arms: list[Arm], path: Path, *, tokens: bool) -> Path:
     ax.set_title("validation loss: mean over seeds, band from lowest to highest seed",
                  fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    if ax.lines:
+        ax.legend(fontsize=7)
+    else:  # a legend of nothing is a matplotlib warning the user saw, with its source line
+        ax.text(0.5, 0.5, "no run has a validation loss yet", ha="center",
+                transform=ax.transAxes)
     _tail_ylim(ax, arms)
     return _save(fig, path)
 
