@@ -190,6 +190,34 @@ def started_run(spec, out, steps: str, setting: str, *more: str):
     return child, cmd, env
 
 
+def test_a_stop_while_overwrite_deletes_the_old_run_leaves_no_half_of_it(spec, tmp_path,
+                                                                          capsys, monkeypatch):
+    """Ctrl-C while --overwrite deleted the old run's checkpoints (seconds, for large ones)
+    left some of them half deleted, for the next run to take for damaged ones (and --resume
+    to go on from an older one). They are set aside in one step, then deleted; the next run
+    removes what a stop left of them."""
+    import shutil
+    out = tmp_path / "run"
+    assert train(spec, "--out", out, "--steps", 8) == 0
+    rmtree = shutil.rmtree
+
+    def stopped(path, *args, **kwargs):  # deletes one file, then the Ctrl-C comes
+        newest = sorted(Path(path).rglob("*.safetensors"))[-1]
+        newest.unlink()
+        monkeypatch.setattr(shutil, "rmtree", rmtree)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(shutil, "rmtree", stopped)
+    assert train(spec, "--out", out, "--overwrite") == 130
+    assert shutil.rmtree is rmtree  # it came to the delete
+    left = {p.name: ck.verify_checkpoint(p) for p in (out / "ckpt").glob("step_*")}
+    assert set(left.values()) <= {None}, left  # each whole, or none there
+    capsys.readouterr()
+    assert train(spec, "--out", out, "--overwrite", "--steps", 2) == 0
+    assert "removed .old-ckpt-" in capsys.readouterr().err
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == [".restopo.lock"]
+
+
 @pytest.mark.slow
 def test_two_runs_into_one_folder(spec, tmp_path):
     """The second run is refused while the first trains (the first, of 200 steps, could end

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -267,14 +268,11 @@ def _out_folder(args) -> Path:
 def _tidy(out: Path) -> None:
     """Sweep what killed runs left behind (temporary files and folders, half-pruned or
     incomplete checkpoints); only while holding the run's lock."""
-    from ..train.checkpoint import LEFTOVER_PREFIXES, clean_leftovers
+    from ..train.checkpoint import clean_leftovers, remove_leftovers
 
-    done = clean_leftovers(out / "ckpt")
-    if out.is_dir():
-        for p in out.iterdir():  # the atomic writer's temporary files (metrics, plot)
-            if p.name.startswith(LEFTOVER_PREFIXES) and p.is_file():
-                p.unlink(missing_ok=True)
-                done.append(f"removed {p.name}")
+    # the atomic writer's temporary files (metrics, plot), the checkpoints --overwrite set
+    # aside to delete
+    done = clean_leftovers(out / "ckpt") + remove_leftovers(out)
     if done:
         _note(f"tidied {out} after an interrupted run: " + "; ".join(done))
 
@@ -321,7 +319,13 @@ def _replace_old_run(args, out: Path) -> None:
     import shutil
 
     if getattr(args, "replace_old_run", False) and _is_writer():
-        shutil.rmtree(out / "ckpt", ignore_errors=True)
+        # set aside in one step, then deleted: a stop during a long delete left the old
+        # run's checkpoints half gone, for the next run to take for damaged ones (_tidy
+        # removes a folder set aside)
+        aside = out / f".old-ckpt-{os.getpid()}"
+        with contextlib.suppress(FileNotFoundError):
+            os.replace(out / "ckpt", aside)
+        shutil.rmtree(aside, ignore_errors=True)
         args.replace_old_run = False
 
 

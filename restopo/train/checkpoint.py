@@ -373,20 +373,28 @@ def clean_leftovers(root: str | os.PathLike) -> list[str]:
     (temporary and half-pruned folders, temporary files), and move step folders missing a
     file into damaged/. Call it only while holding the run's lock. Returns what it did."""
     root = Path(root)
-    done = []
+    done = remove_leftovers(root)
     if not root.is_dir():
         return done
     for p in sorted(root.iterdir()):
+        if _incomplete_step(p):
+            why = verify_checkpoint(p) or "files missing"  # before the move: its own files
+            done.append(f"moved {p.name} to {quarantine(p).relative_to(root)} "
+                        f"(incomplete: {why})")
+    return done
+
+
+def remove_leftovers(folder: Path) -> list[str]:
+    """Remove the temporary files and folders (LEFTOVER_PREFIXES) that interrupted writes
+    left in `folder`; what was removed."""
+    done = []
+    for p in sorted(folder.iterdir()) if folder.is_dir() else ():
         if p.name.startswith(LEFTOVER_PREFIXES):
             if p.is_dir() and not p.is_symlink():
                 shutil.rmtree(p, ignore_errors=True)
             else:
                 p.unlink(missing_ok=True)
             done.append(f"removed {p.name}")
-        elif _incomplete_step(p):
-            why = verify_checkpoint(p) or "files missing"  # before the move: its own files
-            done.append(f"moved {p.name} to {quarantine(p).relative_to(root)} "
-                        f"(incomplete: {why})")
     return done
 
 
