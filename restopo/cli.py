@@ -244,8 +244,11 @@ def main(argv=None) -> int:
         print(file_error(e), file=sys.stderr)
         return 1
     except KeyboardInterrupt as e:  # a stop that saved first says where it left off
+        from .worker import speaks_for_all
+
         detail = str(e)
-        print("restopo: interrupted" + (f"; {detail}" if detail else ""), file=sys.stderr)
+        if speaks_for_all():  # a raw torchrun passes its Ctrl-C on to every worker
+            print("restopo: interrupted" + (f"; {detail}" if detail else ""), file=sys.stderr)
         return 130
 
 

@@ -14,6 +14,12 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def speaks_for_all() -> bool:
+    """Whether this process says what every process of its run meets (a mistake, a stop):
+    rank 0 under torchrun, else the one process."""
+    return not under_torchrun() or os.environ["RANK"] == "0"
+
+
 def leave(code: int) -> None:
     """End a process: under torchrun, at once, skipping the interpreter's teardown; else
     return and let the caller exit as usual.

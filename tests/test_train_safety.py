@@ -634,6 +634,22 @@ def test_a_workers_stop_line_says_a_second_ctrl_c_stops_now(monkeypatch):
     assert said[True] == [said[False][0].replace(" (SIGTERM)", "")]
 
 
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_a_stop_under_torchrun_is_said_by_rank_0_alone(monkeypatch, capsys, rank):
+    """A raw torchrun passes its Ctrl-C on to every worker: stopped before training (loading
+    data, building the model), each said 'restopo: interrupted', as a mistake is said once."""
+    from restopo.commands import check
+
+    def stopped(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(check, "run", stopped)
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["check", "any.restopo"]) == 130
+    assert capsys.readouterr().err == ("restopo: interrupted\n" if rank == "0" else "")
+
+
 # a stop handled by a process busy in one long C call (hashlib's, as a collective waiting
 # for a slower rank or a large save would be): both signals come before Python can run the
 # handler of the first

@@ -234,9 +234,9 @@ def run(args) -> int:
 
 def _is_writer() -> bool:
     """Rank 0 (or a single process) writes the run folder; the other ranks only read it."""
-    from ..train.dist import under_torchrun
+    from ..worker import speaks_for_all
 
-    return not under_torchrun() or os.environ["RANK"] == "0"
+    return speaks_for_all()
 
 
 # Set for the workers of `restopo train --nproc`: the launcher has said the notes of the
