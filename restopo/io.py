@@ -234,9 +234,7 @@ def replace_folder(tmp: str | os.PathLike, path: str | os.PathLike, *,
     if os.path.exists(path):
         if keep_existing:
             return False
-        old = os.path.join(folder, f".old-{os.path.basename(path)}-{os.getpid()}")
-        os.replace(path, old)
-        shutil.rmtree(old, ignore_errors=True)
+        remove_folder(path)
     try:
         os.replace(tmp, path)
     except OSError:
@@ -246,6 +244,20 @@ def replace_folder(tmp: str | os.PathLike, path: str | os.PathLike, *,
         raise
     fsync_dir(folder)
     return True
+
+
+def remove_folder(path: str | os.PathLike) -> None:
+    """Remove the folder `path` (nothing if it is not there): renamed aside in one step,
+    then deleted, so a stop during a long delete leaves no half of it at `path`, only a
+    hidden `.old-NAME-PID` beside it (restopo.train.checkpoint's leftovers)."""
+    path = os.fspath(path)
+    old = os.path.join(os.path.dirname(os.path.abspath(path)),
+                       f".old-{os.path.basename(path)}-{os.getpid()}")
+    try:
+        os.replace(path, old)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _mkdtemp_beside(path: str, folder: str) -> str:

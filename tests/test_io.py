@@ -148,6 +148,7 @@ def test_nothing_else_renames_a_written_file_into_place():
             for function, _ in _renames(path):
                 found.add((path.relative_to(ROOT).as_posix(), function))
     assert found == {("restopo/io.py", "atomic_path"), ("restopo/io.py", "replace_folder"),
+                     ("restopo/io.py", "remove_folder"),
                      ("restopo/train/checkpoint.py", "_prune"),
                      ("restopo/train/checkpoint.py", "quarantine")}, sorted(found)
 

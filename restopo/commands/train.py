@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import signal
 import sys
@@ -316,16 +315,13 @@ def _replace_old_run(args, out: Path) -> None:
     """Delete the old run --overwrite replaces (its checkpoints; its metrics and plot are
     rewritten by the new run), now that the new one has passed every check and is about
     to start."""
-    import shutil
+    from ..io import remove_folder
 
     if getattr(args, "replace_old_run", False) and _is_writer():
         # set aside in one step, then deleted: a stop during a long delete left the old
         # run's checkpoints half gone, for the next run to take for damaged ones (_tidy
         # removes a folder set aside)
-        aside = out / f".old-ckpt-{os.getpid()}"
-        with contextlib.suppress(FileNotFoundError):
-            os.replace(out / "ckpt", aside)
-        shutil.rmtree(aside, ignore_errors=True)
+        remove_folder(out / "ckpt")
         args.replace_old_run = False
 
 
