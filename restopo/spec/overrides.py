@@ -271,7 +271,9 @@ def apply_overrides(views: dict[str, View], overrides, c: Checker) -> None:
 
 
 def _bare_path(text: str) -> bool:
-    """An unquoted file path (not `builtin:NAME`, not already quoted)."""
+    """An unquoted file path (not `builtin:NAME`, not already quoted). What starts with
+    `builtin:` is never a path (datapath.data_path), so it is read as a value, whose
+    mistakes (`builtin:stdlib builtin:stdlib`) check then says."""
     t = text.strip()
     return (bool(t) and not t.startswith('"') and t not in BUILTIN_DATA
-            and not re.fullmatch(r"[A-Za-z_]\w*:\w*", t))
+            and not re.fullmatch(r"[A-Za-z_]\w*:\w*", t) and not re.match(r"builtin\s*:", t))

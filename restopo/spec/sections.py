@@ -7,7 +7,7 @@ a one-line section given on the command line exactly like one written in the fil
 from __future__ import annotations
 
 from .fields import Checker, View, dym_suffix
-from .nodes import SECTIONS, Call, Entry, ListValue, Name, SpecFile, describe
+from .nodes import SECTIONS, Call, Entry, ListValue, Name, Qualified, SpecFile, describe
 from .wiring import NAMED_OPTIONS
 
 PARALLEL_KINDS = ("pipeline",)
@@ -41,7 +41,7 @@ def views_of(file: SpecFile, c: Checker) -> dict[str, View]:
                 bare = bare[1:]
             for e in bare:
                 c.error(e.pos, f"expected 'key: value' in {kind}, got '{describe(e.value)}'",
-                        _bare_hint(kind))
+                        _bare_hint(kind, e.value))
             if kind == "residual" and s.label is not None and s.label.text in NAMED_OPTIONS:
                 view.head = s.label
         else:
@@ -77,7 +77,10 @@ def _cut_nested(e: Entry, kind: str, c: Checker) -> Entry | None:
     return Entry(e.key, kept[0] if len(kept) == 1 else ListValue(kept, e.value.pos), e.pos)
 
 
-def _bare_hint(kind: str) -> str:
+def _bare_hint(kind: str, value) -> str:
+    if isinstance(value, Qualified):  # `builtin:stdlib` alone: the data, without its key
+        data = f"data: {describe(value)}"
+        return f"write '{data}'" if kind == "train" else f"it is train data: train {{ {data} }}"
     return {"model": "e.g. 'width: 64'", "train": "e.g. 'steps: 300'",
             "residual": "custom wiring is written 'before sublayer: attend(embedding, blocks, "
                         "partial)'; a named topology is 'residual block_attnres(blocks: 8)'",
