@@ -882,3 +882,22 @@ def test_a_set_with_a_line_break_is_shown_on_one_line():
         "    --set train.steps=x  ", "    " + " " * 18 + "^"]
     assert parse_spec(M + "residual standard\n", overrides=("train.steps=3\r\n",)
                       ).train.steps == 3
+
+
+@pytest.mark.parametrize("text,conflict", [
+    (M + 'residual block_attnres(blocks: x; block_size: "2")\n',
+     "give either 'blocks' or 'block_size', not both"),
+    (M.replace(" }", '; mlp: gelu(x); mlp_ratio: "3" }') + S,
+     "the MLP ratio is given twice (mlp: ...(ratio) and mlp_ratio:)")],
+    ids=["blocks", "mlp_ratio"])
+def test_two_keys_of_one_setting_have_each_value_checked_too(text, conflict):
+    """blocks and block_size given together (or an MLP ratio in mlp: and mlp_ratio:) were
+    said only to conflict: once one was removed, the other's mistake came next. Each
+    value's mistake is said as well, in source order."""
+    with pytest.raises(SpecErrors) as info:
+        parse_spec(text, "spec.restopo")
+    said = [e.message for e in info.value.errors]
+    assert conflict in said and len(said) == 3, said
+    assert said[0].endswith("must be a number, got 'x'")
+    assert said[2].endswith("""must be a number, got '"2"'""" if "block" in text
+                            else """must be a number, got '"3"'""")

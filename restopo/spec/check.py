@@ -79,12 +79,13 @@ def check_model(view: View, c: Checker) -> ModelSpec | None:
     mlp, ratio = "swiglu", 4.0
     if "mlp" in f:
         mlp, ratio = _mlp(f["mlp"], c)
-    if "mlp_ratio" in f:
+    if "mlp_ratio" in f:  # read even when given twice: a mistake in it is one more to fix
+        given = c.real(f["mlp_ratio"], "mlp_ratio", 0, above=True, ratio=True)
         if "mlp" in f and isinstance(f["mlp"].value, Call):
             c.error(f["mlp_ratio"].key.pos, "the MLP ratio is given twice (mlp: ...(ratio) and "
                     "mlp_ratio:)", "keep one of them")
         else:
-            ratio = c.real(f["mlp_ratio"], "mlp_ratio", 0, above=True, ratio=True)
+            ratio = given
     layer = ("attn", "mlp")
     if "layer" in f:
         layer = _layer(f["layer"], c)

@@ -180,7 +180,12 @@ def _gate_fits(fl: Field, method: str, c: Checker) -> bool:
 
 def _blocks(view: View, c: Checker):
     f = view.fields
-    blocks = block_size = None
+    # each value is read even when both are given: a mistake in either is one more to fix
+    blocks = c.integer(f["blocks"], "blocks", 1, why="the number of blocks") \
+        if "blocks" in f else None
+    block_size = c.integer(f["block_size"], "block_size", 1,
+                           why="block_size counts sublayers (2 per transformer layer)") \
+        if "block_size" in f else None
     if "blocks" in f and "block_size" in f:
         second = max(f["blocks"], f["block_size"],
                      key=lambda x: (from_command_line(x.key.pos.source), x.key.pos.source,
@@ -188,11 +193,6 @@ def _blocks(view: View, c: Checker):
         c.error(second.key.pos, "give either 'blocks' or 'block_size', not both",
                 "blocks: N cuts the model into N blocks; block_size: S makes blocks of S sublayers")
         return None, None
-    if "blocks" in f:
-        blocks = c.integer(f["blocks"], "blocks", 1, why="the number of blocks")
-    if "block_size" in f:
-        block_size = c.integer(f["block_size"], "block_size", 1,
-                               why="block_size counts sublayers (2 per transformer layer)")
     return blocks, block_size
 
 
