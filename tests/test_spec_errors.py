@@ -289,11 +289,11 @@ GOLDEN = [
     ('residual_key_in_model', M.replace(" }", "; blocks: 2 }") + "residual standard\n", (),
      'spec.restopo', 1, 65,
      "unknown key 'blocks' in model",
-     "'blocks' is an option of the residual topology, e.g. residual block_attnres(blocks: 8)"),
+     "'blocks' is an option of the residual topology, e.g. residual block_attnres(blocks: 2)"),
     ('train_key_in_a_topology', M + "residual block_attnres(blocks: 2, lr: 1e-3)\n", (),
      'spec.restopo', 2, 35,
      "unknown option 'lr' for block_attnres",
-     "'lr' belongs in the train section: train { lr: 3e-3 }"),
+     "'lr' belongs in the train section: train { lr: 1e-3 }"),
     ('rule_in_model',
      M.replace(" }", "; before head: sum() }") + "residual standard\n",
      (), 'spec.restopo', 1, 65,
@@ -534,7 +534,7 @@ GOLDEN = [
     ('override_bad_value', M + "residual standard\n", ("train.lr=abc",),
      '<--set 1>', 1, 16,
      "'lr' must be a number, got 'abc'",
-     'e.g. lr: 3e-3'),
+     'e.g. --set train.lr=3e-3'),
     ('override_syntax', M + "residual standard\n", ("residual=block_attnres(blocks: 2",),
      '<--set 1>', 1, 29,
      "this '(' is never closed",
@@ -856,15 +856,23 @@ S = "residual standard\n"
      "write attend(embedding, sublayers, gate: sigmoid)"),
     (M + "residual custom { before sublayer: mhc(embedding, streams: 2, sinkhorn: 5) }", (),
      "write mhc(streams: 2, sinkhorn: 5)"),
+    (M.replace(" }", "; mlp: gelu(fast) }") + S, (), "e.g. gelu(4x)"),
+    (M + "residual full_attnres(window: x)", (), "e.g. window: 8"),
+    (M + S, ("train.steps=many",), "e.g. --set train.steps=300"),
+    (M + S + "train { schedule: 3 }", (), "e.g. schedule: cosine"),
+    (M + S, ("train.schedule=3",), "e.g. --set train.schedule=cosine"),
 ], ids=["quoted_ratio", "quoted_option", "quoted_ratio_set", "unit_word", "unit_word_set",
         "ratio_outside_parentheses_set", "quoted_choice", "quoted_choice_set",
-        "sources_without_commas", "stream_rule_sources"])
+        "sources_without_commas", "stream_rule_sources", "ratio_not_a_number",
+        "option_not_a_number", "not_a_number_set", "choice_not_a_word", "choice_not_a_word_set"])
 def test_a_hint_that_rewrites_a_value_keeps_the_other_words(text, overrides, hint):
     """A hint that corrects one value wrote the rest from the key's example: gelu("4x") was
     told to write swiglu(4x), window: "8" window(8), `50 steps` steps: 300, and a stream
     rule or sources without commas lost their options, and a quoted word of a choice got
     the key's first choice (gate: "sigmoid": e.g. gate: softmax); each now rewrites what
-    was typed."""
+    was typed. A value that cannot be rewritten (gelu(fast)) gets its example in the
+    words typed (e.g. gelu(4x), not swiglu(4x); window: 8 in full_attnres, not a rule's
+    window(8); a --set as a --set)."""
     with pytest.raises(SpecError) as info:
         parse_spec(text + "\n", "spec.restopo", overrides)
     err = info.value.errors[0] if isinstance(info.value, SpecErrors) else info.value

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 from ..words import alts
 from .errors import SpecError, did_you_mean
-from .nodes import Call, Key, ListValue, Name, Number, Pos, String, Value, describe
+from .nodes import (Call, Key, ListValue, Name, Number, Pos, String, Value, describe,
+                    from_command_line)
 from .objects import SourceText
 
 RULE_TARGETS = ("sublayer", "head")
@@ -35,16 +36,13 @@ EXAMPLES = {"vocab": "vocab: 256", "width": "width: 64", "depth": "depth: 4",
 _GROUPED = re.compile(r"-?[0-9]+(_[0-9]+)*(\.[0-9]+)?([eE][+-]?[0-9]+)?")
 
 
-def example(name: str, why: str | None = None) -> str:
-    """The hint of a value refused for `name`: the key's own reason, else how it is written
-    (a refused value never comes without one)."""
-    return why or f"e.g. {EXAMPLES.get(name, name + ': 1')}"
+_EXAMPLE_NUMBER = r"[0-9][0-9.]*(e-?[0-9]+)?x?"  # the number in an EXAMPLES form
 
 
 def _written(name: str, number: str) -> str:
     """How `name` is written with this number: window(8), swiglu(4x), width: 64."""
     form = EXAMPLES.get(name)
-    return (re.sub(r"[0-9][0-9.]*(e-?[0-9]+)?x?", number, form, count=1) if form
+    return (re.sub(_EXAMPLE_NUMBER, number, form, count=1) if form
             else f"{name}: {number}")
 
 
@@ -80,6 +78,22 @@ class Checker:
     def error(self, pos: Pos, message: str, hint: str | None = None) -> None:
         self.errors.append(self.src.error(pos, message, hint))
 
+    def example(self, f: Field, name: str, why: str | None = None,
+                value: str | None = None) -> str:
+        """The hint of a value refused for `name` (never without one): the key's own reason,
+        else an example `value` (EXAMPLES' number by default) written in the person's own
+        words: gelu(fast) gets e.g. gelu(4x), not another kind's swiglu(4x), and
+        full_attnres(window: x) window: 8, not a rule's window(8)."""
+        if why:
+            return why
+        if value is None:
+            value = re.search(_EXAMPLE_NUMBER, EXAMPLES.get(name, "1")).group()
+        # a flag (--steps, one value of --vary K=a,b or --seed-list 0,-1) gets the key's own
+        # form: an example in its place could make a list never meant
+        flag = from_command_line(f.pos.source) and not f.pos.source.startswith("<--set ")
+        written = None if flag else self.src.rewrite(f.pos, f.value.pos, value)
+        return f"e.g. {written or _written(name, value)}"
+
     # -- value readers: return None after recording an error ---------------------------
     def single(self, f: Field, name: str) -> Value | None:
         if isinstance(f.value, ListValue):
@@ -103,7 +117,7 @@ class Checker:
             alone = self.src.rewrite(f.pos, f.value.pos, items[0].text)
             self.error(items[1].pos, f"'{name}' takes a number alone, got '{said}'",
                        (f"write the number alone: {alone}" if alone else
-                        f"write the number alone, {example(name)}") + (
+                        f"write the number alone, {self.example(f, name)}") + (
                            "; it counts sublayers, 2 per transformer layer" if sublayers
                            else ""))
             return None
@@ -116,7 +130,7 @@ class Checker:
             plain = quoted and (self.src.rewrite(f.pos, v.pos, v.value.strip())
                                 or _written(name, v.value.strip()))
             self.error(v.pos, f"'{name}' must be a number, got '{describe(v)}'",
-                       f"write it without the quotes: {plain}" if quoted else example(name))
+                       f"write it without the quotes: {plain}" if quoted else self.example(f, name))
             return None
         digits = v.text[:len(v.text) - len(v.unit)] if v.unit else v.text
         if "_" in digits and not _GROUPED.fullmatch(digits):
@@ -134,7 +148,7 @@ class Checker:
             shown = v.text if len(v.text) <= 24 else v.text[:20] + "..."
             if hi is not None:
                 self.error(v.pos, f"'{name}' must be at most {describe_number(hi)}, got {shown}",
-                           example(name, why))
+                           self.example(f, name, why))
             else:
                 self.error(v.pos, f"'{name}' is too large: {shown}",
                            f"values are at most {MAX_INT:,}")
@@ -152,7 +166,7 @@ class Checker:
             return None
         if n != int(n):
             self.error(f.value.pos, f"'{name}' must be a whole number, got {f.value.text}",
-                       example(name))
+                       self.example(f, name))
             return None
         n = int(n)
         return self.in_range(f, name, n, lo, hi, why)
@@ -166,22 +180,22 @@ class Checker:
         x = float(x)
         if lo is not None and (x <= lo if above else x < lo):
             self.error(f.value.pos, f"'{name}' must be {'greater than' if above else 'at least'} "
-                       f"{describe_number(lo)}, got {f.value.text}", example(name, why))
+                       f"{describe_number(lo)}, got {f.value.text}", self.example(f, name, why))
             return None
         if hi is not None and x > hi:
             self.error(f.value.pos, f"'{name}' must be at most {describe_number(hi)}, "
-                       f"got {f.value.text}", example(name, why))
+                       f"got {f.value.text}", self.example(f, name, why))
             return None
         return x
 
     def in_range(self, f: Field, name: str, n, lo, hi, why) -> int | None:
         if lo is not None and n < lo:
             self.error(f.value.pos, f"'{name}' must be at least {lo}, got {f.value.text}",
-                       example(name, why))
+                       self.example(f, name, why))
             return None
         if hi is not None and n > hi:
             self.error(f.value.pos, f"'{name}' must be at most {hi}, got {f.value.text}",
-                       example(name, why))
+                       self.example(f, name, why))
             return None
         return n
 
@@ -202,7 +216,7 @@ class Checker:
             plain = word in choices and self.src.rewrite(f.pos, v.pos, word)
             self.error(v.pos, f"'{name}' must be one of {alts(choices)}, got '{describe(v)}'",
                        f"write it without the quotes: {plain}" if plain
-                       else f"e.g. {name}: {next(iter(choices))}")
+                       else self.example(f, name, value=next(iter(choices))))
             return None
         if v.text not in choices:
             self.error(v.pos, f"unknown {name} '{v.text}'", did_you_mean(v.text, choices))
@@ -253,22 +267,24 @@ class Checker:
                 self.error(f.key.pos, f"unexpected '{k}:' in {where}",
                            did_you_mean("_".join(words), allowed) or SEP_HINT)
             else:
-                hint = self.elsewhere(k, view.kind.text) or did_you_mean(k, allowed)
+                hint = self.elsewhere(f, view.kind.text) or did_you_mean(k, allowed)
                 if hint and hint.startswith("did you mean"):
                     suggested.add(hint.split("'")[1])
                 self.error(f.key.pos, f"unknown key '{k}' in {where}", hint)
         return suggested
 
-    def elsewhere(self, key: str, here: str) -> str | None:
-        """The hint for a key of another section than `here` (None for any other key)."""
+    def elsewhere(self, f: Field, here: str) -> str | None:
+        """The hint for a key of another section than `here`, with the value given (None
+        for any other key)."""
+        key = f.key.text
         home = self.homes.get(key)
         if home is None or home == here:
             return None
+        entry = f"{key}: {self.src.written(f.value.pos) or describe(f.value)}"
         if home == "residual":
             return f"'{key}' is an option of the residual topology, e.g. residual " \
-                   f"block_attnres({EXAMPLES[key]})"
-        return f"'{key}' belongs in the {home} section: {home} {{ " \
-               f"{EXAMPLES.get(key, key + ': ...')} }}"
+                   f"block_attnres({entry})"
+        return f"'{key}' belongs in the {home} section: {home} {{ {entry} }}"
 
 
 def divisors(n: int) -> list[int]:

@@ -35,6 +35,13 @@ class SourceText:
     def error(self, pos: Pos, message: str, hint: str | None = None) -> SpecError:
         return SpecError(pos.source, pos.line, pos.column, message, hint, self.line(pos))
 
+    def written(self, pos: Pos) -> str | None:
+        """The text at `pos` as typed; None when it spans lines or the text is unknown."""
+        line = self.line(pos)
+        if line is None or pos.end_line != pos.line or pos.end_column is None:
+            return None
+        return line[pos.column - 1:pos.end_column - 1]
+
     def rewrite(self, span: Pos, part: Pos, new: str) -> str | None:
         """What a person wrote at `span` with `part` of it replaced by `new`, for a hint that
         corrects one value and keeps the other words (`gelu("4x")` -> `gelu(4x)`). On the

@@ -76,7 +76,7 @@ def _named(view: View, c: Checker) -> ResidualSpec | None:
                     f"'{k}' is an option of {owners}; {name.text} takes {alts(allowed)}")
         else:
             c.error(f.key.pos, f"unknown option '{k}' for {name.text}",
-                    c.elsewhere(k, "residual") or did_you_mean(k, allowed))
+                    c.elsewhere(f, "residual") or did_you_mean(k, allowed))
     if name.text in T.MULTI_STREAM_METHODS:
         # a misspelled 'streams' (or one given without its key, view.bad) was just
         # reported: not as missing too
