@@ -412,6 +412,28 @@ def test_check_reports_a_data_path_that_is_not_there_where_train_looks(tmp_path,
                           f"'{tmp_path.resolve() / 'corpus.txt'}' does not exist"), err
 
 
+@pytest.mark.parametrize("name, data", [("corpus.txt.gz", b"\x1f\x8b\x08\x00" + b"\0" * 64),
+                                        ("empty.txt", b""), ("odd.bin", b"abc")],
+                         ids=["binary", "empty", "odd_bin"])
+def test_check_refuses_a_data_file_train_refuses_on_its_first_bytes(tmp_path, capsys, name,
+                                                                  data):
+    """check passed a spec whose train.data was a binary file (a .gz given as text), an
+    empty file or a .bin of an odd number of bytes, each refused only when train read it;
+    check now says what train says, at the data line."""
+    from restopo.train.data import DataError, open_corpus
+    (tmp_path / name).write_bytes(data)
+    spec = tmp_path / "t.restopo"
+    spec.write_text(Path(TINY).read_text().replace("builtin:stdlib", f'"{name}"'))
+    with pytest.raises(DataError) as refused:
+        open_corpus(name, base_dir=tmp_path)
+    assert main(["check", str(spec)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"{spec}:14:9: error: {refused.value}\n"), err
+    assert "Traceback" not in err
+    (tmp_path / name).write_bytes(b"plain text\n" * 10)  # even, so a .bin of it reads too
+    assert main(["check", str(spec)]) == 0
+
+
 @pytest.mark.parametrize("example", sorted(p.name for p in EXAMPLES.glob("*.restopo")))
 @pytest.mark.parametrize("overrides", [(), ("model.tie_embeddings=false", "model.mlp=gelu(3x)")])
 def test_inspect_counts_the_compiled_models_parameters(example, overrides, capsys):

@@ -725,15 +725,16 @@ def test_timing_note_says_when_step_times_compare_arms():
 def test_a_failing_run_is_reported_and_the_rest_complete(tmp_path):
     specs = _specs(tmp_path)
     bad = tmp_path / "bad.restopo"
-    # there, so the sweep's own check passes it, but empty: its run fails when it reads it
-    (tmp_path / "empty-data.txt").write_text("")
-    bad.write_text(TINY.format(residual="standard", data=tmp_path / "empty-data.txt"))
+    # text, so the sweep's own check passes it, but shorter than the context: its run
+    # fails when it reads it all
+    (tmp_path / "short-data.txt").write_text("too short\n")
+    bad.write_text(TINY.format(residual="standard", data=tmp_path / "short-data.txt"))
     out = tmp_path / "sweep"
     done = _sweep(specs[0], str(bad), "--seeds", "1", "--out", str(out), "--jobs", "2")
     assert done.returncode == 1
-    assert "bad-s0 failed" in done.stderr and "empty-data.txt" in done.stderr
+    assert "bad-s0 failed" in done.stderr and "short-data.txt" in done.stderr
     info = json.loads((out / "bad-s0" / "run.json").read_text())
-    assert info["status"] == "failed" and "empty-data.txt' is empty" in info["error"]
+    assert info["status"] == "failed" and "fewer than context + 1" in info["error"]
     assert json.loads((out / "std-s0" / "run.json").read_text())["status"] == "done"
     assert (out / "results.md").exists()
 

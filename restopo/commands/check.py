@@ -23,8 +23,9 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "check", help="check specs and report every mistake",
         description="Parse and check .restopo specs (syntax, names, ranges, block counts, "
-                    "that the topology builds for the model, and that a train.data path "
-                    "names something there, read as train reads it).",
+                    "that the topology builds for the model, and that train.data names data "
+                    "train can read, looked for where train looks: a path that is there "
+                    "and, for one file, neither empty nor binary).",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("files", nargs="+", metavar="FILE",
                    help=".restopo spec files (- reads one from standard input)")
@@ -73,7 +74,7 @@ def run(args) -> int:
                 spec = parse_spec(read_spec_stdin(name), name, tuple(args.overrides))
             else:
                 spec = load_spec(path, overrides=tuple(args.overrides))
-            check_data_path(spec)  # where train would read it: a path with nothing there
+            check_data_path(spec)  # where train reads it: nothing there, a binary file
             line = f"{name}: ok ({describe(spec)})"
         except SpecError as e:
             text = e.render()

@@ -76,13 +76,56 @@ def data_mode(path: Path) -> int:
     return mode
 
 
+def data_kind(path: Path, mode: int) -> str:
+    """How training reads the file or folder at `path` (its st_mode `mode`): "ids" (uint16
+    token ids: a .bin, any case, or a folder holding train.bin) or "bytes" (text)."""
+    if stat.S_ISDIR(mode):
+        return "ids" if (path / "train.bin").is_file() else "bytes"
+    # .BIN too: token ids read as text would train
+    return "ids" if path.suffix.lower() == ".bin" else "bytes"
+
+
+BINARY_SNIFF = 8000  # git's rule: a file with a NUL byte in its first 8000 bytes is binary
+
+
+def looks_binary(data: bytes) -> bool:
+    """Whether a file of text is binary rather than text (UTF-16 text counts as binary:
+    its NULs would train as characters)."""
+    return b"\0" in data[:BINARY_SNIFF]
+
+
+def check_data_file(path: Path, kind: str) -> None:
+    """DataPathError for one data file that training refuses on its size and first bytes
+    alone: an empty file, a .bin of an odd number of bytes, a binary file given as text.
+    A cheap look (a stat and BINARY_SNIFF bytes), so that `restopo check` says it too."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(BINARY_SNIFF) if kind == "bytes" else b""
+    except OSError as e:
+        raise DataPathError(f"cannot read data file {str(path)!r}: {e.strerror or e}") from None
+    if size == 0:
+        raise DataPathError(f"data file {str(path)!r} is empty")
+    if kind == "ids" and size % 2:
+        raise DataPathError(f"{str(path)!r} has an odd number of bytes; a .bin must hold "
+                            f"uint16 token ids (nanoGPT's format)")
+    if kind == "bytes" and looks_binary(head):  # as a text folder's binary files are skipped
+        raise DataPathError(f"data file {str(path)!r} is binary, not text (a NUL byte in its "
+                            f"first {BINARY_SNIFF:,} bytes: compressed, an array, UTF-16?); "
+                            f"give text (UTF-8 or any 8-bit encoding), or token ids as a .bin "
+                            f"of uint16")
+
+
 def check_data_path(spec) -> None:
-    """A SpecError at train.data when it names a path that training would refuse (only
-    whether it is there: its content is read when training)."""
+    """A SpecError at train.data when it names a path that training would refuse: nothing
+    there, or one file that check_data_file refuses (a folder's files are read when
+    training)."""
     path = data_path(spec.train.data, data_base(spec))
     if path is not None:
         try:
-            data_mode(path)
+            mode = data_mode(path)
+            if stat.S_ISREG(mode):
+                check_data_file(path, data_kind(path, mode))
         except DataPathError as e:
             raise spec.error("train", "data", str(e)) from None
 

@@ -31,7 +31,8 @@ import numpy as np
 import torch
 
 from ..io import atomic_folder, cache_folder, cache_root
-from ..spec.datapath import DataPathError, DataPathMissing, data_base, data_mode, data_path
+from ..spec.datapath import (BINARY_SNIFF, DataPathError, DataPathMissing, check_data_file,
+                             data_base, data_kind, data_mode, data_path, looks_binary)
 from ..spec.datapath import shown as _shown
 from ..words import counted
 
@@ -131,7 +132,7 @@ def open_corpus(source: str, *, base_dir: str | os.PathLike | None = None,
         mode = data_mode(path)
     except DataPathError as e:
         raise DataError(str(e), missing=isinstance(e, DataPathMissing)) from None
-    if _kind(path, mode) == "ids":
+    if data_kind(path, mode) == "ids":
         return _bin_folder(path) if stat.S_ISDIR(mode) else _bin_file(path)
     return _text_folder(path) if stat.S_ISDIR(mode) else _text_file(path)
 
@@ -147,7 +148,7 @@ def source_kind(source: str, base_dir: str | os.PathLike | None = None) -> str |
         return None
     path = data_path(source, base_dir)
     try:
-        return _kind(path, data_mode(path))
+        return data_kind(path, data_mode(path))
     except DataPathError:
         return None
 
@@ -163,13 +164,6 @@ def reads_bytes(vocab: int, kind: str | None) -> bool:
     """Whether a model's tokens are bytes: trained on text (a vocab above 256 too, its ids
     past 255 unused), else, with its data not known (trained_on: None), a vocab of 256."""
     return kind == "bytes" if kind is not None else vocab == 256
-
-
-def _kind(path: Path, mode: int) -> str:
-    if stat.S_ISDIR(mode):
-        return "ids" if (path / "train.bin").is_file() else "bytes"
-    # .BIN too: token ids read as text would train
-    return "ids" if path.suffix.lower() == ".bin" else "bytes"
 
 
 # --- builtin:stdlib ----------------------------------------------------------------------
@@ -245,17 +239,20 @@ def _read_bytes(path: Path) -> bytes:
         raise DataError(f"cannot read data file {str(path)!r}: {e.strerror or e}") from None
 
 
-def _text_file(path: Path) -> Corpus:
+def _checked(path: Path, kind: str) -> None:
+    """check_data_file's refusal (what `restopo check` says too) as a DataError."""
     try:
-        tokens = np.memmap(path, dtype=np.uint8, mode="r") if path.stat().st_size else None
+        check_data_file(path, kind)
+    except DataPathError as e:
+        raise DataError(str(e)) from None
+
+
+def _text_file(path: Path) -> Corpus:
+    _checked(path, "bytes")
+    try:
+        tokens = np.memmap(path, dtype=np.uint8, mode="r")
     except OSError as e:
         raise DataError(f"cannot read data file {str(path)!r}: {e.strerror or e}") from None
-    if tokens is None:
-        raise DataError(f"data file {str(path)!r} is empty")
-    if looks_binary(tokens[:BINARY_SNIFF].tobytes()):  # as a folder's binary files are skipped
-        raise DataError(f"data file {str(path)!r} is binary, not text (a NUL byte in its first "
-                        f"{BINARY_SNIFF:,} bytes: compressed, an array, UTF-16?); give text "
-                        f"(UTF-8 or any 8-bit encoding), or token ids as a .bin of uint16")
     train, val = tail_split(tokens)
     return Corpus(train, val, BYTE_VOCAB, f"text file {path}", tokens)
 
@@ -355,15 +352,6 @@ def _text_folder(path: Path) -> Corpus:
                   BYTE_VOCAB, desc)
 
 
-BINARY_SNIFF = 8000  # git's rule: a file with a NUL byte in its first 8000 bytes is binary
-
-
-def looks_binary(data: bytes) -> bool:
-    """Whether a file of a text folder is binary rather than text (UTF-16 text counts as
-    binary: its NULs would train as characters)."""
-    return b"\0" in data[:BINARY_SNIFF]
-
-
 def tail_split(tokens: np.ndarray, fraction: float = VAL_FRACTION):
     """(train, val): the last `fraction` of the tokens is validation."""
     cut = len(tokens) - max(1, int(len(tokens) * fraction))
@@ -373,15 +361,7 @@ def tail_split(tokens: np.ndarray, fraction: float = VAL_FRACTION):
 # --- pre-tokenized uint16 ---------------------------------------------------------------
 
 def _memmap_u16(path: Path) -> np.ndarray:
-    try:
-        size = path.stat().st_size
-    except OSError as e:
-        raise DataError(f"cannot read data file {str(path)!r}: {e.strerror or e}") from None
-    if size == 0:
-        raise DataError(f"data file {str(path)!r} is empty")
-    if size % 2:
-        raise DataError(f"{str(path)!r} has an odd number of bytes; a .bin must hold uint16 "
-                        f"token ids (nanoGPT's format)")
+    _checked(path, "ids")
     try:
         return np.memmap(path, dtype=np.uint16, mode="r")
     except OSError as e:
