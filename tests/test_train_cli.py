@@ -202,8 +202,30 @@ def test_resuming_on_data_that_changed_since_the_checkpoint_says_so(spec, tmp_pa
     before, now = len(text.encode()), len(corpus.read_bytes())
     how = (f"{before:,} tokens then, {now:,} now" if change == "append" else
            "as many tokens, other content")
-    assert (f"note: train.data (text file {corpus}) has changed since "
+    assert (f"note: train.data, text file {corpus}, has changed since "
             f"{out / 'ckpt' / 'step_000005'} was saved ({how}" in err)
+
+
+def test_a_changed_data_folder_is_said_without_brackets_in_brackets(tmp_path):
+    """The note named a folder's data as 'train.data (text folder F (2 files)) has
+    changed', brackets in brackets; the corpus's own description is now set off by commas."""
+    from restopo.spec import parse_spec
+    from restopo.train.data import open_corpus
+    from restopo.train.runspec import data_note
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    for name in ("a.txt", "b.txt"):
+        (folder / name).write_text(f"{name} holds some text\n" * 50)
+    spec = parse_spec(SPEC.replace("builtin:stdlib", f'"{folder}"'))
+    corpus = open_corpus(spec.train.data)
+    then = {"source": spec.train.data, "tokens": [1, 1], "sha256": "0"}
+    note = data_note(spec, corpus, {"data": then, "step": 3}, "ckpt/step_000003")
+    assert note.startswith(f"train.data, {corpus.description}, has changed since "), note
+    depth = deepest = 0
+    for ch in note:
+        depth += (ch == "(") - (ch == ")")
+        deepest = max(deepest, depth)
+    assert deepest == 1 and depth == 0, note
 
 
 def test_a_checkpoint_without_optimizer_state_evaluates_and_exports_but_does_not_resume(

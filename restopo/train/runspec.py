@@ -76,7 +76,8 @@ def data_note(spec, corpus, meta: dict, step_dir) -> str | None:
            if isinstance(tokens, list) and tokens != now["tokens"] else
            "as many tokens, other content")
     step = int(meta.get("step", 0))
-    return (f"train.data ({corpus.description}) has changed since {step_dir} was saved "
+    # the description may hold brackets of its own (a folder's: its files), so no more here
+    return (f"train.data, {corpus.description}, has changed since {step_dir} was saved "
             f"({how}): the steps from {step + 1} on draw their batches from it as it is now, "
             f"and the validation losses before and after do not compare")
 
