@@ -633,7 +633,7 @@ def test_eval_of_a_split_too_short_to_score_says_which_and_what_to_do(tmp_path, 
     assert main(["eval", str(tmp_path / "m.pt"), "--no-progress"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("restopo eval: error: the val split of token ids ")
-    assert "too short to score (1 token(s)" in err and "--split all" in err
+    assert "too short to score (1 token;" in err and "--split all" in err
     assert main(["eval", str(tmp_path / "m.pt"), "--no-progress", "--split", "all"]) == 0
     assert f"(all split, {len(ids) - 1} tokens)" in capsys.readouterr().out
 

@@ -290,8 +290,21 @@ def test_batch_must_split_over_accumulation(tmp_path):
                   256, "t")
     from restopo.train.data import DataError
 
-    with pytest.raises(DataError, match="must split evenly"):
+    with pytest.raises(DataError, match="must split evenly over 1 data replica x 4 "
+                                        "accumulation steps$"):
         train(tiny_model(), data, cfg(batch=6, accum=4), tmp_path, progress=False)
+
+
+def test_a_layout_whose_batch_does_not_split_says_it_in_words():
+    """The layout said 'over 2 process(es) x 4 accumulation step(s)' (and the loop, above,
+    'data replica(s)'); each count now comes with its noun in the number it has."""
+    from restopo.spec import parse_spec
+    from restopo.train.layout import Layout, LayoutError, check_layout
+    spec = parse_spec("model { vocab: 256; width: 32; depth: 2; heads: 4; context: 16 }\n"
+                      "residual standard\ntrain { batch: 4; accum: 4 }\n")
+    with pytest.raises(LayoutError, match="must split evenly over 2 processes x 4 "
+                                          "accumulation steps;"):
+        check_layout(spec, Layout(2))
 
 
 def test_tensorboard_gets_the_same_scalars_when_installed(tmp_path, corpus, monkeypatch):

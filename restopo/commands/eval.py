@@ -6,6 +6,7 @@ import json
 import sys
 
 from ..cli import at_least, device_arg
+from ..words import counted
 
 EXAMPLES = """\
 examples:
@@ -113,8 +114,9 @@ def run(args) -> int:
                          f"the model's vocab {spec.model.vocab}")
         parts = corpus.parts(split)
         if not scored_tokens(parts):  # score's own error would not say which split, or what to do
+            tokens = counted(sum(map(len, parts)), "token")
             return _fail(f"the {split} split of {corpus.description} is too short to score "
-                         f"({sum(map(len, parts))} token(s); it takes 2 or more in a row); "
+                         f"({tokens}; it takes 2 or more in a row); "
                          + ("give more data" if split == "all" else
                             "score all of it with --split all, or give more data"))
         result = score(model, parts, spec.model.context, args.batch_size,

@@ -114,8 +114,9 @@ def check_layout(spec, layout: Layout, flag: str | None = "--nproc") -> None:
                 f"of {replicas * micro} (e.g. {_multiple(batch, replicas * micro)})")
     elif rows % accum:
         raise LayoutError(
-            f"train.batch ({batch}) must split evenly over {world} process(es) x {accum} "
-            f"accumulation step(s); use a multiple of {world * accum} "
+            f"train.batch ({batch}) must split evenly over "
+            f"{counted(world, 'process', 'processes')} x "
+            f"{counted(accum, 'accumulation step')}; use a multiple of {world * accum} "
             f"(e.g. {_multiple(batch, world * accum)})")
 
 

@@ -29,6 +29,7 @@ import torch
 
 from ..io import full_disk_said, write_atomic
 from ..spec.objects import TrainSpec
+from ..words import counted
 from .checkpoint import (CheckpointError, is_sharded, load_checkpoint, load_into,
                          save_checkpoint, save_sharded, step_dir_name, tie_aliases)
 from .data import BatchSampler, Corpus, DataError, fixed_batches
@@ -266,8 +267,9 @@ def train(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, out: str | o
     data_rank, data_world = stepper.data_rank, stepper.data_world
     per_rank = cfg.batch // data_world if cfg.batch % data_world == 0 else None
     if per_rank is None or per_rank % stepper.accum:  # its data replicas, not processes
-        raise DataError(f"train.batch ({cfg.batch}) must split evenly over {data_world} "
-                        f"data replica(s) x {stepper.accum} accumulation step(s)",
+        raise DataError(f"train.batch ({cfg.batch}) must split evenly over "
+                        f"{counted(data_world, 'data replica')} x "
+                        f"{counted(stepper.accum, 'accumulation step')}",
                         ("train", "batch"))
     if ctx.is_main:
         out.mkdir(parents=True, exist_ok=True)
