@@ -111,10 +111,12 @@ def _from_checkpoint(p: Path, backend: str, device, say=None) -> nn.Module:
 
 def _of_a_checkpoint(p: Path) -> bool:
     """Whether file `p` is ckpt/latest or one of a checkpoint folder's own files (a model.pt
-    exported beside some other meta.json is not)."""
-    from .train.checkpoint import MANIFEST, checkpoint_files
-    return p.name == "latest" or ((p.parent / "meta.json").is_file() and p.name in
-                                  (checkpoint_files(p.parent) or ()) + (MANIFEST,))
+    exported beside some other meta.json is not, nor a file of one's own named latest)."""
+    from .train.checkpoint import MANIFEST, STEP_DIR, checkpoint_files
+    if p.name == "latest":  # the pointer beside the step folders
+        return any(STEP_DIR.match(q.name) and q.is_dir() for q in p.parent.iterdir())
+    return (p.parent / "meta.json").is_file() and p.name in (
+        checkpoint_files(p.parent) or ()) + (MANIFEST,)
 
 
 def _from_pt(p: Path, backend: str, device) -> nn.Module:
@@ -137,23 +139,24 @@ def _from_pt(p: Path, backend: str, device) -> nn.Module:
 
 def _from_safetensors(p: Path, backend: str, device) -> nn.Module:
     from safetensors import safe_open
-    try:
-        with safe_open(str(p), framework="pt") as f:
-            metadata = f.metadata() or {}
-    except Exception as e:
-        raise _unreadable(p, "safetensors file", _safetensors_header(p), e) from None
-    if SPEC_KEY not in metadata:
-        if (p.parent / "meta.json").is_file():  # a checkpoint's own weights file
-            return _from_checkpoint(p.parent, backend, device)
-        raise LoadError(f"{p}: the file carries no restopo spec (metadata {SPEC_KEY!r}); "
-                        f"export one with restopo export CKPT -o model.safetensors")
-    overrides = json.loads(metadata.get(OVERRIDES_KEY, "[]"))
-    model = _compile(metadata[SPEC_KEY], overrides, p, backend,
-                     metadata.get(DATA_BASE_KEY)).to(device)
-    from safetensors.torch import load_file
     # safetensors names devices its own way ("cpu:0", which torch takes, it refuses)
     where = "cpu" if torch.device(device).type == "cpu" else str(device)
-    _load_strict(model, load_file(str(p), device=where), p, metadata.get(DIGEST_KEY))
+    try:  # opened once: its header gives the spec, then the tensors
+        f = safe_open(str(p), framework="pt", device=where)
+    except Exception as e:
+        raise _unreadable(p, "safetensors file", _safetensors_header(p), e) from None
+    with f:
+        metadata = f.metadata() or {}
+        if SPEC_KEY not in metadata:
+            if (p.parent / "meta.json").is_file():  # a checkpoint's own weights file
+                return _from_checkpoint(p.parent, backend, device)
+            raise LoadError(f"{p}: the file carries no restopo spec (metadata {SPEC_KEY!r}); "
+                            f"export one with restopo export CKPT -o model.safetensors")
+        overrides = json.loads(metadata.get(OVERRIDES_KEY, "[]"))
+        model = _compile(metadata[SPEC_KEY], overrides, p, backend,
+                         metadata.get(DATA_BASE_KEY)).to(device)
+        state = {name: f.get_tensor(name) for name in f.keys()}
+    _load_strict(model, state, p, metadata.get(DIGEST_KEY))
     return model
 
 

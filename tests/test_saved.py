@@ -655,6 +655,36 @@ def test_a_file_of_a_checkpoint_points_at_its_folder(run, capsys, name):
     assert len(capsys.readouterr().err.splitlines()) == 1
 
 
+def test_a_file_of_ones_own_named_latest_is_not_called_a_checkpoints(tmp_path):
+    """Any file named latest was 'a file of the checkpoint folder F, not a model; give the
+    folder itself', in a folder that holds no checkpoint; only ckpt/latest is now."""
+    (tmp_path / "latest").write_text("my notes\n")
+    with pytest.raises(LoadError) as info:
+        load(tmp_path / "latest")
+    assert "checkpoint" not in str(info.value)
+    assert str(info.value).startswith(f"{tmp_path / 'latest'}: not a model restopo saved")
+
+
+def test_an_export_is_opened_once(run, tmp_path, monkeypatch):
+    """load read a .safetensors export's header twice: once for its spec, then again with
+    the tensors (safetensors.torch.load_file opens the file anew)."""
+    import safetensors
+    import safetensors.torch
+    folder, model = run
+    export(load(folder / "run"), tmp_path / "m.safetensors")
+    opened = []
+
+    def counting(path, *args, **kwargs):
+        opened.append(path)
+        return real(path, *args, **kwargs)
+
+    real = safetensors.safe_open
+    monkeypatch.setattr(safetensors, "safe_open", counting)
+    monkeypatch.setattr(safetensors.torch, "safe_open", counting)
+    assert same(load(tmp_path / "m.safetensors"), model)
+    assert opened == [str(tmp_path / "m.safetensors")]
+
+
 def test_generate_reads_text_for_a_model_trained_on_text_whatever_its_vocab(tmp_path, capsys):
     """generate took a vocab of 256 for 'reads bytes': a model trained on text with vocab 300
     refused --prompt and printed ids, and one trained on token ids of vocab 256 read
