@@ -504,6 +504,16 @@ GOLDEN = [
      'spec.restopo', 2, 37,
      "'streams' must be at most 16, got 99999999999999999999",
      'the number of residual streams, each of width d (the papers use 1 to 8)'),
+    # and one far below zero its lower bound (it was "'warmup' is too large: -99999999999")
+    ('warmup_past_any_bound_below', M + "residual standard\ntrain { warmup: -99999999999 }\n",
+     (),
+     'spec.restopo', 3, 17,
+     "'warmup' must be at least 0, got -99999999999",
+     'e.g. warmup: 30'),
+    ('lr_past_any_bound_below', M + "residual standard\ntrain { lr: -1e400 }\n", (),
+     'spec.restopo', 3, 13,
+     "'lr' must be greater than 0, got -1e400",
+     'e.g. lr: 3e-3'),
     # an error relating two values points at the one the command line changed
     ('override_width_against_files_heads', M + "residual standard\n", ("model.width=6",),
      '<--set 1>', 1, 19,

@@ -104,9 +104,11 @@ class Checker:
             return None
         return f.value
 
-    def number(self, f: Field, name: str, *, ratio: bool = False, hi=None, why=None):
-        """The value of a number field; `hi` and `why`: the key's own bound, which a value
-        past what any key takes is told of too (not a bound that is not this key's)."""
+    def number(self, f: Field, name: str, *, ratio: bool = False, lo=None, above=False,
+               hi=None, why=None):
+        """The value of a number field; `lo` (`above`: exclusive), `hi` and `why`: the key's
+        own bounds, which a value past what any key takes is told of too (not a bound that
+        is not this key's, nor the upper one for a value far below zero)."""
         items = f.value.items if isinstance(f.value, ListValue) else ()
         if items and isinstance(items[0], Number) and all(isinstance(v, Name)
                                                           for v in items[1:]):
@@ -146,12 +148,15 @@ class Checker:
         if (isinstance(value, int) and abs(value) > MAX_INT) or (
                 isinstance(value, float) and not abs(value) <= MAX_INT):
             shown = v.text if len(v.text) <= 24 else v.text[:20] + "..."
-            if hi is not None:
-                self.error(v.pos, f"'{name}' must be at most {describe_number(hi)}, got {shown}",
-                           self.example(f, name, why))
+            below = value < 0
+            bound = lo if below else hi
+            if bound is not None:
+                said = ("greater than" if above else "at least") if below else "at most"
+                self.error(v.pos, f"'{name}' must be {said} {describe_number(bound)}, got "
+                           f"{shown}", self.example(f, name, why))
             else:
-                self.error(v.pos, f"'{name}' is too large: {shown}",
-                           f"values are at most {MAX_INT:,}")
+                self.error(v.pos, f"'{name}' is too {'small' if below else 'large'}: {shown}",
+                           f"values are at {'least -' if below else 'most '}{MAX_INT:,}")
             return None
         if v.unit == "x" and not ratio:
             self.error(v.pos, f"'{name}' is not a ratio; write {digits} without 'x'",
@@ -161,7 +166,7 @@ class Checker:
 
     def integer(self, f: Field, name: str, lo: int | None = None, hi: int | None = None,
                 why: str | None = None) -> int | None:
-        n = self.number(f, name, hi=hi, why=why)
+        n = self.number(f, name, lo=lo, hi=hi, why=why)
         if n is None:
             return None
         if n != int(n):
@@ -174,7 +179,7 @@ class Checker:
     def real(self, f: Field, name: str, lo: float | None = None, *, above: bool = False,
              hi: float | None = None, why: str | None = None,
              ratio: bool = False) -> float | None:
-        x = self.number(f, name, ratio=ratio, hi=hi, why=why)
+        x = self.number(f, name, ratio=ratio, lo=lo, above=above, hi=hi, why=why)
         if x is None:
             return None
         x = float(x)
