@@ -622,6 +622,17 @@ GOLDEN = [
      'spec.restopo', 2, 9,
      "unexpected character U+200B ZERO WIDTH SPACE",
      "remove it: an invisible character, often pasted in with the text"),
+    ('syntax_line_separator',  # was: expected a name, a number, a "quoted string" or '{'
+     M + "residual\u2028standard\n", (),
+     'spec.restopo', 2, 9,
+     "unexpected character U+2028 LINE SEPARATOR",
+     "write a plain space or a new line instead; outside strings and comments a spec is "
+     "ASCII"),
+    ('syntax_quoted_key',  # was: expected a name, a number, ..., '}' or ';'
+     M + 'residual standard\ntrain { "steps": 3 }\n', (),
+     'spec.restopo', 3, 16,
+     "unexpected ':'",
+     "keys are written without quotes: 'steps:'"),
     ('syntax_call_with_brackets',  # was the hint for lists: names separated by spaces
      M + "residual custom {\n  before sublayer: attend[embedding, sublayers]\n}\n", (),
      'spec.restopo', 3, 26,

@@ -300,6 +300,9 @@ def _foreign(char: str, hint: str | None, word: str) -> tuple[str, str | None]:
     if plain.isascii() and plain.isprintable():
         what = "a plain space" if plain.isspace() else f"'{plain}'"
         hint = f"write {what} instead; outside strings and comments a spec is ASCII"
+    elif char.isspace():  # a line separator (U+2028), a vertical tab
+        hint = "write a plain space or a new line instead; outside strings and comments a " \
+               "spec is ASCII"
     elif unicodedata.category(char) in ("Cf", "Cc"):
         hint = "remove it: an invisible character, often pasted in with the text"
     elif char.isalpha():
@@ -405,7 +408,10 @@ def syntax_error(e: UnexpectedInput, text: str, path: str, what: str = "spec") -
         message = f"unexpected {_describe_token(tok)}"
         hint = f"expected {expected_words(expected)}"
         before = text[:tok.start_pos].split()
-        if tok.type == "COLON" and "LBRACE" in expected and before and before[-1] not in (
+        quoted = re.search(r'"([A-Za-z_]\w*(?:[ \t]+[A-Za-z_]\w*)?)"[ \t]*$', text[:tok.start_pos])
+        if tok.type == "COLON" and quoted:  # `"steps": 3`, as JSON writes a key
+            hint = f"keys are written without quotes: '{quoted.group(1)}:'"
+        elif tok.type == "COLON" and "LBRACE" in expected and before and before[-1] not in (
                 "model", "residual", "parallel", "train"):
             hint = (f"'{before[-1]}: ...' must be inside a section's braces, e.g. "
                     f"'model {{ {before[-1]}: ... }}'")
