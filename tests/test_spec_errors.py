@@ -504,6 +504,11 @@ GOLDEN = [
      'spec.restopo', 2, 37,
      "'streams' must be at most 16, got 99999999999999999999",
      'the number of residual streams, each of width d (the papers use 1 to 8)'),
+    ('number_in_hex',  # was: unknown unit 'x40' in '0x40'
+     M.replace("width: 64", "width: 0x40") + "residual standard\n", (),
+     'spec.restopo', 1, 28,
+     "'width' is written in base 16, got 0x40",
+     "numbers are decimal: write width: 64"),
     # and one far below zero its lower bound (it was "'warmup' is too large: -99999999999")
     ('warmup_past_any_bound_below', M + "residual standard\ntrain { warmup: -99999999999 }\n",
      (),

@@ -39,6 +39,17 @@ _GROUPED = re.compile(r"-?[0-9]+(_[0-9]+)*(\.[0-9]+)?([eE][+-]?[0-9]+)?")
 _EXAMPLE_NUMBER = r"[0-9][0-9.]*(e-?[0-9]+)?x?"  # the number in an EXAMPLES form
 
 
+def _in_base(text: str) -> tuple[int, int] | None:
+    """(value, base) of a number written as Python writes one in base 16, 8 or 2 (0x40,
+    0o17, 0b101); None for any other text."""
+    if not re.fullmatch(r"-?0[xXoObB][0-9A-Fa-f_]+", text):
+        return None
+    try:
+        return int(text, 0), {"x": 16, "o": 8, "b": 2}[text.lstrip("-")[1].lower()]
+    except ValueError:  # 0b102: not a number in its base either
+        return None
+
+
 def _written(name: str, number: str) -> str:
     """How `name` is written with this number: window(8), swiglu(4x), width: 64."""
     form = EXAMPLES.get(name)
@@ -139,6 +150,13 @@ class Checker:
             plain = digits.replace("_", "")
             self.error(v.pos, f"misplaced '_' in '{v.text}'",
                        f"'_' may only separate digits, as in 32_768; write {plain}{v.unit}")
+            return None
+        based = _in_base(v.text)  # `0x40` lexes as 0 with a unit 'x40'
+        if based is not None:
+            self.error(v.pos, f"'{name}' is written in base {based[1]}, got {v.text}",
+                       "numbers are decimal: write "
+                       + (self.src.rewrite(f.pos, v.pos, str(based[0]))
+                          or _written(name, str(based[0]))))
             return None
         if v.unit != "x" and v.unit not in UNITS:
             self.error(v.pos, f"unknown unit '{v.unit}' in '{v.text}'",
