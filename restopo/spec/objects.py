@@ -56,7 +56,9 @@ class SourceText:
             start, end = span.column - 1, span.end_column - 1
         if not start <= part.column - 1 <= part.end_column - 1 <= end:
             return None
-        return (line[start:part.column - 1] + new + line[part.end_column - 1:end]).strip()
+        # a tab shown in a hint lands anywhere: the source line is shown with tabs as blanks
+        return (line[start:part.column - 1] + new + line[part.end_column - 1:end]
+                ).strip().replace("\t", " ")
 
 
 def _where(positions, key: str) -> Pos | None:
