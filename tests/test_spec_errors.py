@@ -627,6 +627,16 @@ GOLDEN = [
      'spec.restopo', 2, 9,
      "unexpected character U+200B ZERO WIDTH SPACE",
      "remove it: an invisible character, often pasted in with the text"),
+    ('label_of_two_words',  # was: the model section needs braces, and unknown section 'gpt'
+     M.replace("model {", "model tiny gpt {") + "residual standard\n", (),
+     'spec.restopo', 1, 12,
+     "a section's label is one name, got 'tiny gpt'",
+     "join the words: 'model tiny_gpt { ... }'"),
+    ('train_named_with_two_words',
+     M + "residual standard\ntrain quick run { steps: 3 }\n", (),
+     'spec.restopo', 3, 7,
+     "the train section takes no name, got 'quick run'",
+     "write 'train { ... }'"),
     ('syntax_line_separator',  # was: expected a name, a number, a "quoted string" or '{'
      M + "residual\u2028standard\n", (),
      'spec.restopo', 2, 9,

@@ -7,7 +7,8 @@ a one-line section given on the command line exactly like one written in the fil
 from __future__ import annotations
 
 from .fields import Checker, View, dym_suffix
-from .nodes import SECTIONS, Call, Entry, ListValue, Name, Qualified, SpecFile, describe
+from .nodes import (SECTIONS, Call, Entry, ListValue, Name, Qualified, Section, SpecFile,
+                    describe)
 from .wiring import NAMED_OPTIONS
 
 PARALLEL_KINDS = ("pipeline",)
@@ -17,7 +18,7 @@ BUILTIN_DATA = ("stdlib",)  # the corpora `data: builtin:NAME` names
 def views_of(file: SpecFile, c: Checker) -> dict[str, View]:
     """Each section's entries by key (unknown and duplicate sections and keys reported)."""
     views: dict[str, View] = {}
-    for s in file.sections:
+    for s in _one_label(file.sections, c):
         kind = s.kind.text
         if kind not in SECTIONS:
             c.error(s.kind.pos, f"unknown section '{kind}'",
@@ -55,6 +56,31 @@ def views_of(file: SpecFile, c: Checker) -> dict[str, View]:
                 line_head(view, s.line, c)
         views[kind] = view
     return views
+
+
+def _one_label(sections, c: Checker):
+    """The sections, one labelled with two words (`model tiny gpt { ... }`) taken as one,
+    said once: the grammar reads it as `model tiny` and a section named `gpt`, which
+    would be said as a model without braces and an unknown section."""
+    i = 0
+    while i < len(sections):
+        s, t = sections[i], sections[i + 1] if i + 1 < len(sections) else None
+        i += 1
+        if not (s.kind.text in SECTIONS and isinstance(s.line, Name) and t is not None
+                and t.body is not None and t.label is None and t.kind.text not in SECTIONS
+                and t.kind.pos.line == s.line.pos.line):
+            yield s
+            continue
+        i += 1
+        kind, words = s.kind.text, f"{s.line.text} {t.kind.text}"
+        if kind in ("parallel", "train"):
+            c.error(s.line.pos, f"the {kind} section takes no name, got '{words}'",
+                    f"write '{kind} {{ ... }}'")
+        else:
+            c.error(t.kind.pos, f"a section's label is one name, got '{words}'",
+                    f"join the words: '{kind} {words.replace(' ', '_')} {{ ... }}'")
+        label = s.line if kind in ("model", "residual") else None
+        yield Section(s.kind, label, t.body, None, s.pos)
 
 
 def _cut_nested(e: Entry, kind: str, c: Checker) -> Entry | None:
