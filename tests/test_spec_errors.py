@@ -894,6 +894,9 @@ S = "residual standard\n"
      "write mhc(streams: 2, sinkhorn: 5)"),
     (M.replace(" }", "; mlp: gelu(fast) }") + S, (), "e.g. gelu(4x)"),
     (M + 'residual block_attnres(blocks:\t"2")', (), "write it without the quotes: blocks: 2"),
+    (M.replace(" }", "; mlp: 3x }") + S, (), "a ratio goes with its kind: mlp: swiglu(3x), or "
+                                             "mlp_ratio: 3x"),
+    (M.replace(" }", '; mlp: "gelu" }') + S, (), "write it without the quotes: mlp: gelu"),
     (M + "residual full_attnres(window: x)", (), "e.g. window: 8"),
     (M + S, ("train.steps=many",), "e.g. --set train.steps=300"),
     (M + S + "train { schedule: 3 }", (), "e.g. schedule: cosine"),
@@ -901,6 +904,7 @@ S = "residual standard\n"
 ], ids=["quoted_ratio", "quoted_option", "quoted_ratio_set", "unit_word", "unit_word_set",
         "ratio_outside_parentheses_set", "quoted_choice", "quoted_choice_set",
         "sources_without_commas", "stream_rule_sources", "ratio_not_a_number", "tab",
+        "ratio_without_kind", "quoted_kind",
         "option_not_a_number", "not_a_number_set", "choice_not_a_word", "choice_not_a_word_set"])
 def test_a_hint_that_rewrites_a_value_keeps_the_other_words(text, overrides, hint):
     """A hint that corrects one value wrote the rest from the key's example: gelu("4x") was

@@ -119,8 +119,16 @@ def _mlp(fl: Field, c: Checker):
         return None, None
     name = v.name if isinstance(v, Call) else v
     if not isinstance(name, Name):
-        c.error(v.pos, f"expected an MLP kind ({alts(MLP_KINDS)}), got '{describe(v)}'",
-                "e.g. mlp: swiglu(4x)")
+        hint = c.example(fl, "mlp", value="swiglu(4x)")
+        if isinstance(v, String) and v.value.strip() in MLP_KINDS:
+            hint = ("write it without the quotes: "
+                    + (c.src.rewrite(fl.pos, v.pos, v.value.strip()) or "mlp: " + v.value))
+        elif isinstance(v, Number):  # `mlp: 3x`: a ratio without its kind
+            called = f"swiglu({v.text})"
+            hint = (f"a ratio goes with its kind: "
+                    f"{c.src.rewrite(fl.pos, v.pos, called) or 'mlp: ' + called}, or "
+                    f"mlp_ratio: {v.text}")
+        c.error(v.pos, f"expected an MLP kind ({alts(MLP_KINDS)}), got '{describe(v)}'", hint)
         return None, None
     if name.text not in MLP_KINDS:
         c.error(name.pos, f"unknown MLP kind '{name.text}'", did_you_mean(name.text, MLP_KINDS))
