@@ -44,7 +44,12 @@ GOLDEN = [
     ('syntax_colon_after_section', M + "residual: standard\n", (),
      'spec.restopo', 2, 9,
      "unexpected ':'",
-     "a section has no ':' after its name: write 'residual standard', 'residual block_attnres(blocks: 8)' or 'model tiny { ... }'"),
+     "a section has no ':' after its name: write 'residual standard'"),
+    ('syntax_colon_after_section_rewritten',  # was the same three examples as above
+     M + 'residual standard\ntrain: { data: "a#b.txt"; steps: 3 }  # quick\n', (),
+     'spec.restopo', 3, 6,
+     "unexpected ':'",
+     "a section has no ':' after its name: write 'train { data: \"a#b.txt\"; steps: 3 }'"),
     ('syntax_missing_value', M + "residual standard\ntrain { steps: }\n", (),
      'spec.restopo', 3, 16,
      "unexpected '}'",

@@ -416,8 +416,11 @@ def syntax_error(e: UnexpectedInput, text: str, path: str, what: str = "spec") -
             hint = (f"'{before[-1]}: ...' must be inside a section's braces, e.g. "
                     f"'model {{ {before[-1]}: ... }}'")
         elif tok.type == "COLON" and "LBRACE" in expected:
-            hint = ("a section has no ':' after its name: write 'residual standard', "
-                    "'residual block_attnres(blocks: 8)' or 'model tiny { ... }'")
+            row = text.splitlines()[tok.line - 1]  # the line without that ':', as meant
+            rest = re.match(r'(?:"[^"\n]*"|[^"#])*', row[tok.column:]).group().strip()
+            code = f"{row[:tok.column - 1].strip()} {rest}".strip()
+            code = code if len(code) <= 60 else code[:56] + " ..."
+            hint = f"a section has no ':' after its name: write '{code}'"
         elif tok.type == "SEMICOLON" and opened is None and path.startswith("<--set"):
             hint = ONE_SETTING
         elif tok.type == "COMMA" and opened is None and path.startswith("<--set"):
