@@ -424,6 +424,11 @@ GOLDEN = [
      'spec.restopo', 3, 15,
      "bad data '42'",
      'data is written builtin:NAME or as a quoted path, e.g. data: "corpus.txt"'),
+    ('data_path_with_nul',  # was a ValueError traceback from check and train (os.stat)
+     M + 'residual standard\ntrain { data: "a\x00b.txt" }\n', (),
+     'spec.restopo', 3, 15,
+     "the data path holds a NUL character (U+0000)",
+     "remove it: no file's path holds one"),
     ('unknown_builtin_data', M + "residual standard\ntrain { data: builtin:stdlb }\n", (),
      'spec.restopo', 3, 23,
      "unknown builtin corpus 'stdlb'",

@@ -302,6 +302,10 @@ def _data(fl: Field, c: Checker) -> str | None:
         if not v.value.strip():
             c.error(v.pos, "the data path is empty", form)
             return None
+        if "\0" in v.value:  # the system refuses such a path (Python: a ValueError)
+            c.error(v.pos, "the data path holds a NUL character (U+0000)",
+                    "remove it: no file's path holds one")
+            return None
         return v.value
     if isinstance(v, Qualified):
         if v.prefix.text != "builtin":
