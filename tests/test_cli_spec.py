@@ -434,6 +434,22 @@ def test_check_refuses_a_data_file_train_refuses_on_its_first_bytes(tmp_path, ca
     assert main(["check", str(spec)]) == 0
 
 
+def test_a_data_path_in_an_unknown_home_folder_is_said_not_a_traceback(tmp_path, capsys):
+    """data: "~nosuchuser/x.txt" ended check and train in a RuntimeError traceback (pathlib
+    cannot expand the ~ of a user this machine does not know); both now say so."""
+    from restopo.train.data import DataError, open_corpus
+    source = "~restopo_no_such_user_q7/x.txt"
+    spec = tmp_path / "t.restopo"
+    spec.write_text(Path(TINY).read_text().replace("builtin:stdlib", f'"{source}"'))
+    with pytest.raises(DataError) as refused:
+        open_corpus(source, base_dir=tmp_path)
+    assert refused.value.missing and "a home folder this machine does not know" in str(
+        refused.value)
+    assert main(["check", str(spec)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"{spec}:14:9: error: {refused.value}\n"), err
+
+
 @pytest.mark.parametrize("example", sorted(p.name for p in EXAMPLES.glob("*.restopo")))
 @pytest.mark.parametrize("overrides", [(), ("model.tie_embeddings=false", "model.mlp=gelu(3x)")])
 def test_inspect_counts_the_compiled_models_parameters(example, overrides, capsys):

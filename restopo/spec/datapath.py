@@ -42,11 +42,17 @@ def _override_number(source) -> float:
 
 def data_path(source: str, base_dir: str | os.PathLike | None) -> Path | None:
     """The file or folder a `data:` value names, a relative one read from `base_dir`; None
-    for a builtin corpus (builtin:NAME) or an empty value, which are not paths."""
+    for a builtin corpus (builtin:NAME) or an empty value, which are not paths;
+    DataPathMissing for a `~user` this machine has no home folder for."""
     source = source.strip()
     if not source or source.startswith("builtin:"):
         return None
-    path = Path(source).expanduser()
+    try:
+        path = Path(source).expanduser()
+    except RuntimeError:  # what pathlib raises for an unknown ~user (or no home at all)
+        raise DataPathMissing(f"data path {source!r} starts with "
+                              f"'{source.split('/', 1)[0]}', a home folder this machine does "
+                              f"not know; give the path in full") from None
     if not path.is_absolute() and base_dir is not None:
         path = Path(base_dir) / path
     return path
@@ -55,7 +61,10 @@ def data_path(source: str, base_dir: str | os.PathLike | None) -> Path | None:
 def data_place(spec) -> str:
     """Where `spec`'s train.data is, as one string: the absolute path its run reads (one file
     given as a relative path and as an absolute one is one place), or a builtin as written."""
-    path = data_path(spec.train.data, data_base(spec))
+    try:
+        path = data_path(spec.train.data, data_base(spec))
+    except DataPathError:
+        path = None  # no place on this machine: as written
     return spec.train.data.strip() if path is None else str(path.resolve())
 
 
@@ -120,14 +129,13 @@ def check_data_path(spec) -> None:
     """A SpecError at train.data when it names a path that training would refuse: nothing
     there, or one file that check_data_file refuses (a folder's files are read when
     training)."""
-    path = data_path(spec.train.data, data_base(spec))
-    if path is not None:
-        try:
-            mode = data_mode(path)
-            if stat.S_ISREG(mode):
-                check_data_file(path, data_kind(path, mode))
-        except DataPathError as e:
-            raise spec.error("train", "data", str(e)) from None
+    try:
+        path = data_path(spec.train.data, data_base(spec))
+        mode = data_mode(path) if path is not None else None
+        if mode is not None and stat.S_ISREG(mode):
+            check_data_file(path, data_kind(path, mode))
+    except DataPathError as e:
+        raise spec.error("train", "data", str(e)) from None
 
 
 def shown(path: Path) -> str:

@@ -127,8 +127,8 @@ def open_corpus(source: str, *, base_dir: str | os.PathLike | None = None,
     if source.startswith("builtin:"):
         raise DataError(f"unknown builtin corpus {source!r}; the builtin corpus is "
                         f"{BUILTIN_STDLIB}")
-    path = data_path(source, base_dir)
     try:
+        path = data_path(source, base_dir)
         mode = data_mode(path)
     except DataPathError as e:
         raise DataError(str(e), missing=isinstance(e, DataPathMissing)) from None
@@ -146,8 +146,8 @@ def source_kind(source: str, base_dir: str | os.PathLike | None = None) -> str |
         return "bytes"
     if not source or source.startswith("builtin:"):
         return None
-    path = data_path(source, base_dir)
     try:
+        path = data_path(source, base_dir)
         return data_kind(path, data_mode(path))
     except DataPathError:
         return None
