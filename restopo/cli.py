@@ -178,18 +178,19 @@ def file_error(e: OSError | UnicodeDecodeError) -> str:
                 if e.start < len(data) else
                 f"restopo: error: {where}: not UTF-8 text (byte {e.start}); is this a "
                 f".restopo file?")
-    name = e.filename if e.filename is not None else ""
+    name = e.filename
     if name == "-" and isinstance(e, FileNotFoundError):  # `... | restopo inspect -`
         return ("restopo: error: '-' (standard input) is read only by restopo check, for a "
                 "spec piped in; give a file's path here")
-    name = name if str(name).isprintable() else repr(name)  # keep it one line
+    if name is not None:  # one line, and an empty path seen as one: ''
+        name = name if str(name).isprintable() and str(name) else repr(name)
     what = e.strerror or str(e)
     if e.errno is not None and e.strerror == os.strerror(e.errno):  # the system's words
         what = {FileNotFoundError: "no such file", IsADirectoryError: "is a directory, not a "
                 "file", PermissionError: "permission denied"}.get(type(e), what)
     if e.filename2 is not None:
         what += f" ({e.filename2})"
-    return f"restopo: error: {name}: {what}" if name else f"restopo: error: {what}"
+    return f"restopo: error: {name}: {what}" if name is not None else f"restopo: error: {what}"
 
 
 @contextlib.contextmanager

@@ -111,6 +111,7 @@ def test_check_reads_a_spec_piped_in_as_dash():
     (["check", "does-not-exist.restopo"], 1, "err", "does-not-exist.restopo: no such file"),
     (["check", str(EXAMPLES)], 1, "err", "is a directory"),
     (["inspect", "does-not-exist.restopo"], 1, "err", "no such file"),
+    (["check", ""], 1, "err", "restopo: error: '': no such file"),  # was: no name at all
     (["inspect", "-"], 1, "err", "'-' (standard input) is read only by restopo check"),
     (["check"], 2, "err", "usage:"),
     (["inspect", TINY, "--format", "yaml"], 2, "err", "invalid choice"),
