@@ -647,6 +647,16 @@ GOLDEN = [
      'spec.restopo', 3, 7,
      "the train section takes no name, got 'quick run'",
      "write 'train { ... }'"),
+    ('syntax_number_without_a_leading_digit',  # was: paths are quoted
+     M + "residual standard\ntrain { lr: .003 }\n", (),
+     'spec.restopo', 3, 13,
+     "unexpected character '.'",
+     "write the number as 0.003"),
+    ('set_number_with_a_plus',  # was: expected a name, a number or a "quoted string"
+     M + "residual standard\n", ("train.lr=+3e-3",),
+     '<--set 1>', 1, 16,
+     "unexpected character '+'",
+     "write the number as 3e-3"),
     ('syntax_line_separator',  # was: expected a name, a number, a "quoted string" or '{'
      M + "residual\u2028standard\n", (),
      'spec.restopo', 2, 9,

@@ -338,6 +338,25 @@ def _never_closed(text: str, path: str, opened, hint: str, upto: int | None = No
     return SpecError(path, line, col, f"this '{c}' is never closed", hint, _line(text, line))
 
 
+def _number_hint(text: str, pos: int) -> str | None:
+    """The hint for a number the grammar does not take, whose '.', '+' or '-' is at offset
+    `pos`, written as it takes one: a point with no digit before it (.003, -.5) or after it
+    (3., 1.e-3), a leading '+' (+3e-3)."""
+    start = pos - len(re.search(r"[0-9]*$", text[:pos]).group())
+    if 0 < start and text[start - 1] in "+-":
+        start -= 1
+    if 0 < start and (text[start - 1].isalnum() or text[start - 1] in "._"):
+        return None  # inside a longer word (3.5.1, v.2): not a number
+    m = re.match(r"([+-]?)([0-9]*)(\.?)([0-9]*)([eE][+-]?[0-9]+)?(?![\w.])", text[start:])
+    if text[pos] not in ".+-" or not m or not (m.group(2) or m.group(4)) or not (
+            m.group(3) or m.group(1) == "+"):
+        return None
+    sign, whole, _, frac, exp = m.groups()
+    plain = ("-" if sign == "-" else "") + (whole or "0") + (f".{frac}" if frac else "") + (
+        exp or "")
+    return f"write the number as {plain}"
+
+
 # a --set value that runs on into another setting ('64; model.depth=2', '64 model.depth=2')
 ONE_SETTING = ("--set gives one value, with nothing after it; give each setting its own "
                "--set, e.g. --set model.width=64 --set model.depth=2")
@@ -372,6 +391,8 @@ def syntax_error(e: UnexpectedInput, text: str, path: str, what: str = "spec") -
             hint = f"names are letters, digits and '_': write '{word.replace('-', '_')}'"
         elif text.startswith(("//", "/*"), e.pos_in_stream):
             hint = "comments start with '#' and run to the end of the line"
+        elif number := _number_hint(text, e.pos_in_stream):  # `.003`, `3.`, `+3e-3`
+            hint = number
         elif char in "./\\~":
             hint = 'paths are quoted, e.g. data: "data/corpus.txt"'
         elif char == "'":
