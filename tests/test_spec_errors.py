@@ -657,6 +657,11 @@ GOLDEN = [
      '<--set 1>', 1, 16,
      "unexpected character '+'",
      "write the number as 3e-3"),
+    ('key_in_capitals',  # was: expected one of: vocab, width, ... (difflib is case-sensitive)
+     M.replace("width", "WIDTH") + "residual standard\n", (),
+     'spec.restopo', 1, 21,
+     "unknown key 'WIDTH' in model",
+     "did you mean 'width'?"),
     ('syntax_line_separator',  # was: expected a name, a number, a "quoted string" or '{'
      M + "residual\u2028standard\n", (),
      'spec.restopo', 2, 9,

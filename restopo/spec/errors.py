@@ -107,9 +107,11 @@ def raise_all(errors: Sequence[SpecError]) -> None:
 def did_you_mean(word: str, choices: Iterable[str]) -> str | None:
     """A hint naming the closest choice, or listing them all when none is close."""
     choices = list(choices)
-    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    # by lower case, so that a word in capitals (WIDTH, TRUE) finds its choice too
+    lower = {c.lower(): c for c in reversed(choices)}
+    close = difflib.get_close_matches(word.lower(), lower, n=1, cutoff=0.6)
     if close:
-        return f"did you mean '{close[0]}'?"
+        return f"did you mean '{lower[close[0]]}'?"
     if choices:
         return "expected one of: " + ", ".join(choices)
     return None
