@@ -657,6 +657,11 @@ GOLDEN = [
      '<--set 1>', 1, 16,
      "unexpected character '+'",
      "write the number as 3e-3"),
+    ('topology_as_a_section',  # was: sections are model, residual, parallel and train
+     M + "residual standard rezero\ntrain { steps: 3 }\n", (),
+     'spec.restopo', 2, 19,
+     "unknown section 'rezero'",
+     "'rezero' is a topology: write 'residual rezero' (a spec has one residual section)"),
     ('key_in_capitals',  # was: expected one of: vocab, width, ... (difflib is case-sensitive)
      M.replace("width", "WIDTH") + "residual standard\n", (),
      'spec.restopo', 1, 21,

@@ -21,8 +21,11 @@ def views_of(file: SpecFile, c: Checker) -> dict[str, View]:
     for s in _one_label(file.sections, c):
         kind = s.kind.text
         if kind not in SECTIONS:
-            c.error(s.kind.pos, f"unknown section '{kind}'",
-                    "sections are model, residual, parallel and train" + dym_suffix(kind, SECTIONS))
+            hint = "sections are model, residual, parallel and train" + dym_suffix(kind, SECTIONS)
+            if kind in NAMED_OPTIONS:  # `residual standard rezero`: a second topology
+                hint = f"'{kind}' is a topology: write 'residual {kind}' (a spec has one " \
+                       "residual section)"
+            c.error(s.kind.pos, f"unknown section '{kind}'", hint)
             continue
         if kind in views:
             first = views[kind].kind.pos
