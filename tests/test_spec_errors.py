@@ -980,3 +980,17 @@ def test_two_keys_of_one_setting_have_each_value_checked_too(text, conflict):
     assert said[0].endswith("must be a number, got 'x'")
     assert said[2].endswith("""must be a number, got '"2"'""" if "block" in text
                             else """must be a number, got '"3"'""")
+
+
+@pytest.mark.parametrize("newline", ["\r", "\r\n"])
+def test_spec_text_with_other_line_breaks_is_read_as_a_file_is(newline):
+    """Text given to parse_spec (or restopo.compile) with lone CR line breaks put every error
+    on line 1 at a column past the line shown, with a hint cut from the wrong line ('e.g.
+    300'), and a leading byte-order mark was an unexpected character; such text is now
+    read as a spec file is (line breaks as '\\n', the mark dropped)."""
+    text = M + "residual standard\ntrain { steps: x }\n"
+    with pytest.raises(SpecError) as expected:
+        parse_spec(text, "spec.restopo")
+    with pytest.raises(SpecError) as got:
+        parse_spec("\ufeff" + text.replace("\n", newline), "spec.restopo")
+    assert str(got.value) == str(expected.value)

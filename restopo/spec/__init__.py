@@ -73,7 +73,9 @@ from .objects import ModelSpec, ParallelSpec, ResidualSpec, Spec, TrainSpec
 def parse_spec(text: str, path: str = "<string>", overrides=()) -> Spec:
     """Parse and check spec text; raises SpecError (SpecErrors for several mistakes)."""
     from .check import check
+    from .files import as_read
     from .parse import parse_text
+    text = as_read(text)
     return check(parse_text(text, path), text, override_texts(overrides))
 
 

@@ -73,11 +73,18 @@ def _text(data: bytes, path: str) -> str:
                                   f"may hold (a spec is a few dozen lines); is it a spec?",
                             errno.EFBIG)
     try:
-        text = data.decode("utf-8-sig")  # -sig: tolerate a byte-order mark
+        text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         e.restopo_path = path  # so the CLI can name the file
         raise
-    return text.replace("\r\n", "\n").replace("\r", "\n")  # as open() in text mode reads
+    return as_read(text)
+
+
+def as_read(text: str) -> str:
+    """Spec text as a spec file is read: a leading byte-order mark dropped and line breaks
+    as '\n' (a CR LF or a lone CR, as open() in text mode reads them), so that the lines
+    positions count are the lines an error shows. parse_spec reads text given to it so."""
+    return text.removeprefix("\ufeff").replace("\r\n", "\n").replace("\r", "\n")
 
 
 def _read_capped(fd: int, cap: int) -> bytes:
