@@ -413,25 +413,31 @@ def test_check_reports_a_data_path_that_is_not_there_where_train_looks(tmp_path,
                           f"'{tmp_path.resolve() / 'corpus.txt'}' does not exist"), err
 
 
-@pytest.mark.parametrize("name, data", [("corpus.txt.gz", b"\x1f\x8b\x08\x00" + b"\0" * 64),
-                                        ("empty.txt", b""), ("odd.bin", b"abc")],
-                         ids=["binary", "empty", "odd_bin"])
-def test_check_refuses_a_data_file_train_refuses_on_its_first_bytes(tmp_path, capsys, name,
-                                                                  data):
+@pytest.mark.parametrize("files, source", [
+    ({"corpus.txt.gz": b"\x1f\x8b\x08\x00" + b"\0" * 64}, "corpus.txt.gz"),
+    ({"empty.txt": b""}, "empty.txt"), ({"odd.bin": b"abc"}, "odd.bin"),
+    ({"ids/train.bin": b"abc", "ids/val.bin": b"ab"}, "ids"), ({"ids/train.bin": b"ab"}, "ids")],
+    ids=["binary", "empty", "odd_bin", "odd_train_bin", "no_val_bin"])
+def test_check_refuses_a_data_file_train_refuses_on_its_first_bytes(tmp_path, capsys, files,
+                                                                  source):
     """check passed a spec whose train.data was a binary file (a .gz given as text), an
-    empty file or a .bin of an odd number of bytes, each refused only when train read it;
-    check now says what train says, at the data line."""
+    empty file or a .bin of an odd number of bytes (alone or a folder's train.bin), or a
+    folder of train.bin without val.bin, each refused only when train read it; check now
+    says what train says, at the data line."""
     from restopo.train.data import DataError, open_corpus
-    (tmp_path / name).write_bytes(data)
+    for name, data in files.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_bytes(data)
     spec = tmp_path / "t.restopo"
-    spec.write_text(Path(TINY).read_text().replace("builtin:stdlib", f'"{name}"'))
+    spec.write_text(Path(TINY).read_text().replace("builtin:stdlib", f'"{source}"'))
     with pytest.raises(DataError) as refused:
-        open_corpus(name, base_dir=tmp_path)
+        open_corpus(source, base_dir=tmp_path)
     assert main(["check", str(spec)]) == 1
     err = capsys.readouterr().err
     assert err.startswith(f"{spec}:14:9: error: {refused.value}\n"), err
     assert "Traceback" not in err
-    (tmp_path / name).write_bytes(b"plain text\n" * 10)  # even, so a .bin of it reads too
+    for name in {**files, **({"ids/val.bin": b""} if source == "ids" else {})}:
+        (tmp_path / name).write_bytes(b"plain text\n" * 10)  # even, so a .bin of it reads
     assert main(["check", str(spec)]) == 0
 
 

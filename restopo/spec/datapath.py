@@ -125,15 +125,29 @@ def check_data_file(path: Path, kind: str) -> None:
                             f"of uint16")
 
 
+def data_files(path: Path, mode: int) -> tuple[Path, ...]:
+    """The files training reads at a data path of st_mode `mode`: the file itself, or a
+    token-id folder's train.bin and val.bin (DataPathError without val.bin); none named for
+    a text folder, whose files are found as training reads them."""
+    if not stat.S_ISDIR(mode):
+        return (path,)
+    if data_kind(path, mode) == "bytes":
+        return ()
+    if not (path / "val.bin").is_file():
+        raise DataPathError(f"{str(path)!r} has train.bin but no val.bin; add val.bin or "
+                            f"point data: at train.bin to split it")
+    return path / "train.bin", path / "val.bin"
+
+
 def check_data_path(spec) -> None:
     """A SpecError at train.data when it names a path that training would refuse: nothing
-    there, or one file that check_data_file refuses (a folder's files are read when
-    training)."""
+    there, or a file of data_files that check_data_file refuses (a text folder's files are
+    read when training)."""
     try:
         path = data_path(spec.train.data, data_base(spec))
         mode = data_mode(path) if path is not None else None
-        if mode is not None and stat.S_ISREG(mode):
-            check_data_file(path, data_kind(path, mode))
+        for file in data_files(path, mode) if mode is not None else ():
+            check_data_file(file, data_kind(path, mode))
     except DataPathError as e:
         raise spec.error("train", "data", str(e)) from None
 

@@ -32,7 +32,8 @@ import torch
 
 from ..io import atomic_folder, cache_folder, cache_root
 from ..spec.datapath import (BINARY_SNIFF, DataPathError, DataPathMissing, check_data_file,
-                             data_base, data_kind, data_mode, data_path, looks_binary)
+                             data_base, data_files, data_kind, data_mode, data_path,
+                             looks_binary)
 from ..spec.datapath import shown as _shown
 from ..words import counted
 
@@ -130,10 +131,11 @@ def open_corpus(source: str, *, base_dir: str | os.PathLike | None = None,
     try:
         path = data_path(source, base_dir)
         mode = data_mode(path)
+        files = data_files(path, mode)
     except DataPathError as e:
         raise DataError(str(e), missing=isinstance(e, DataPathMissing)) from None
     if data_kind(path, mode) == "ids":
-        return _bin_folder(path) if stat.S_ISDIR(mode) else _bin_file(path)
+        return _bin_folder(path, *files) if stat.S_ISDIR(mode) else _bin_file(path)
     return _text_folder(path) if stat.S_ISDIR(mode) else _text_file(path)
 
 
@@ -376,12 +378,8 @@ def _max_id(*arrays: np.ndarray) -> int:
     return top
 
 
-def _bin_folder(path: Path) -> Corpus:
-    train = _memmap_u16(path / "train.bin")
-    if not (path / "val.bin").is_file():
-        raise DataError(f"{str(path)!r} has train.bin but no val.bin; add val.bin or point "
-                        f"data: at train.bin to split it")
-    val = _memmap_u16(path / "val.bin")
+def _bin_folder(path: Path, train_file: Path, val_file: Path) -> Corpus:
+    train, val = _memmap_u16(train_file), _memmap_u16(val_file)
     return Corpus(train, val, _max_id(train, val) + 1, f"token ids {path}")
 
 
