@@ -662,6 +662,21 @@ GOLDEN = [
      'spec.restopo', 2, 19,
      "unknown section 'rezero'",
      "'rezero' is a topology: write 'residual rezero' (a spec has one residual section)"),
+    ('pipeline_schedule_in_train',  # was: unknown schedule '1f1b', expected cosine, constant
+     M + "residual standard\ntrain { schedule: 1f1b }\n", (),
+     'spec.restopo', 3, 19,
+     "'1f1b' is a pipeline schedule, not a learning-rate schedule",
+     "it goes in the parallel section: parallel { schedule: 1f1b }"),
+    ('training_data_in_parallel',  # was: 'data' must be one of ddp or fsdp, got '"a.txt"'
+     M + 'residual standard\nparallel { data: "a.txt" }\n', (),
+     'spec.restopo', 3, 18,
+     "'\"a.txt\"' is training data, not a data-parallel engine",
+     "it goes in the train section: train { data: \"a.txt\" }"),
+    ('data_engine_in_train',  # was: bad data 'fsdp'
+     M + "residual standard\ntrain { data: fsdp }\n", (),
+     'spec.restopo', 3, 15,
+     "'fsdp' is a data-parallel engine, not training data",
+     "it goes in the parallel section: parallel { data: fsdp }"),
     ('key_in_capitals',  # was: expected one of: vocab, width, ... (difflib is case-sensitive)
      M.replace("width", "WIDTH") + "residual standard\n", (),
      'spec.restopo', 1, 21,

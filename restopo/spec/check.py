@@ -176,7 +176,10 @@ def check_parallel(view: View, c: Checker) -> ParallelSpec | None:
         return None
     stages = c.integer(f["stages"], "stages", 1, why="the number of pipeline ranks") \
         if "stages" in f else 1
-    data = c.choice(f["data"], "data", DATA_ENGINES) if "data" in f else "ddp"
+    data = "ddp"
+    if "data" in f:
+        data = None if _misplaced(f["data"], "data", "parallel", c) else \
+            c.choice(f["data"], "data", DATA_ENGINES)
     virtual = c.integer(f["virtual"], "virtual", 1,
                         why="model chunks per rank") if "virtual" in f else 1
     if stages == 1 and virtual and virtual > 1 and "stages" in f:
@@ -187,7 +190,8 @@ def check_parallel(view: View, c: Checker) -> ParallelSpec | None:
                 "or more, or leave virtual out")
     schedule = None
     if "schedule" in f:
-        schedule = c.choice(f["schedule"], "schedule", SCHEDULES)
+        schedule = None if _misplaced(f["schedule"], "schedule", "parallel", c) else \
+            c.choice(f["schedule"], "schedule", SCHEDULES)
         # gpipe over virtual stages runs looped (the runtime's ScheduleLoopedBFS, tested
         # against one process); 1f1b over them would be interleaved_1f1b: say that instead
         if schedule == "1f1b" and virtual and virtual > 1:
@@ -246,11 +250,12 @@ def check_train(view: View, c: Checker) -> TrainSpec | None:
         mode = c.choice(f["compile"], "compile", (*COMPILE_ALIASES, *COMPILE))
         got["compile"] = COMPILE_ALIASES.get(mode, mode)
     if "schedule" in f:
-        got["schedule"] = c.choice(f["schedule"], "schedule", LR_SCHEDULES)
+        got["schedule"] = None if _misplaced(f["schedule"], "schedule", "train", c) else \
+            c.choice(f["schedule"], "schedule", LR_SCHEDULES)
     if "recompute" in f:
         got["recompute"] = c.choice(f["recompute"], "recompute", RECOMPUTE)
     if "data" in f:
-        got["data"] = _data(f["data"], c)
+        got["data"] = None if _misplaced(f["data"], "data", "train", c) else _data(f["data"], c)
     steps = got.get("steps", TrainSpec.steps)
     # A warmup longer than the run is a mistake when both are written together; when steps
     # alone is shortened on the command line (a quick `--steps 10` run) the schedule simply
@@ -286,6 +291,32 @@ def _check_combinations(train: TrainSpec, parallel: ParallelSpec | None, c: Chec
     why = recompute_conflict(train.recompute, pipeline=pipeline)
     if why is not None:
         c.error(blame(train.where("recompute"), where), *why)
+
+
+# keys of both train and parallel: what each section's value is, and whether `v` is one
+_SHARED = {("schedule", "train"): ("a learning-rate schedule",
+                                   lambda v: _word(v) in LR_SCHEDULES),
+           ("schedule", "parallel"): ("a pipeline schedule", lambda v: _word(v) in SCHEDULES),
+           ("data", "train"): ("training data", lambda v: isinstance(v, (String, Qualified))),
+           ("data", "parallel"): ("a data-parallel engine",
+                                  lambda v: _word(v) in DATA_ENGINES)}
+
+
+def _word(v) -> str | None:
+    return v.text if isinstance(v, (Name, Number)) else None
+
+
+def _misplaced(fl: Field, key: str, section: str, c: Checker) -> bool:
+    """True after saying that the value of a key of both train and parallel is the other
+    section's kind of value (train { schedule: 1f1b }, parallel { data: "corpus.txt" })."""
+    home = "parallel" if section == "train" else "train"
+    what, belongs = _SHARED[key, home]
+    if not belongs(fl.value):
+        return False
+    said = describe(fl.value)
+    c.error(fl.value.pos, f"'{said}' is {what}, not {_SHARED[key, section][0]}",
+            f"it goes in the {home} section: {home} {{ {key}: {said} }}")
+    return True
 
 
 def _from_set(fl: Field) -> bool:
