@@ -338,6 +338,13 @@ def _never_closed(text: str, path: str, opened, hint: str, upto: int | None = No
     return SpecError(path, line, col, f"this '{c}' is never closed", hint, _line(text, line))
 
 
+def _enclosed(text: str, pos: int, closers: str) -> str | None:
+    """What stands between the opener at offset `pos` and the first of `closers` after it
+    on its line; None when none is there."""
+    found = re.match(f"[^{re.escape(closers)}\n]*(?=[{re.escape(closers)}])", text[pos + 1:])
+    return found.group() if found else None
+
+
 def _number_hint(text: str, pos: int) -> str | None:
     """The hint for a number the grammar does not take, whose '.', '+' or '-' is at offset
     `pos`, written as it takes one: a point with no digit before it (.003, -.5) or after it
@@ -371,8 +378,8 @@ def _second_setting(text: str, pos: int) -> bool:
 def syntax_error(e: UnexpectedInput, text: str, path: str, what: str = "spec") -> SpecError:
     """Map Lark's UnexpectedToken/UnexpectedCharacters/UnexpectedEOF to a SpecError in words."""
     if isinstance(e, UnexpectedCharacters):
-        line, col = e.line, e.column
-        char = text[e.pos_in_stream] if e.pos_in_stream < len(text) else ""
+        line, col, pos = e.line, e.column, e.pos_in_stream
+        char = text[pos] if pos < len(text) else ""
         expected = _in_context(set(e.allowed or ()), text, e.pos_in_stream)
         message = f"unexpected character {char!r}"
         hint = f"expected {expected_words(expected)}" if expected else None
@@ -382,10 +389,18 @@ def syntax_error(e: UnexpectedInput, text: str, path: str, what: str = "spec") -
             hint = "write 'key: value' (with a colon) or, on the command line, --set section.key=value" \
                 if what == "spec" else hint
             message = "unexpected '='"
-        elif char == "[" and text[:e.pos_in_stream].rstrip(" \t")[-1:].isidentifier():
-            hint = "a call's arguments go in parentheses, e.g. attend(embedding, sublayers)"
+        elif char == "[" and (call := re.search(r"[A-Za-z_]\w*[ \t]*$", text[:pos])):
+            inside = _enclosed(text, pos, "]")
+            hint = "a call's arguments go in parentheses" + (
+                f": write {call.group().strip()}({inside})" if inside is not None
+                else ", e.g. attend(embedding, sublayers)")
         elif char in "[]":
-            hint = "lists are written as names separated by spaces, e.g. 'layer: attn mlp'"
+            inside = _enclosed(text, pos, "]") if char == "[" else None
+            key = re.search(r"[A-Za-z_]\w*:[ \t]*$", text[:pos])
+            items = " ".join(inside.replace(",", " ").split()) if inside else None
+            hint = "lists are written as names separated by spaces" + (
+                f": write '{key.group() if key else ''}{items}'" if items
+                else ", e.g. 'layer: attn mlp'")
         elif char == "-" and text[e.pos_in_stream - 1:e.pos_in_stream].isidentifier():
             word = _word_at(text, e.pos_in_stream, "-")
             hint = f"names are letters, digits and '_': write '{word.replace('-', '_')}'"
@@ -394,11 +409,17 @@ def syntax_error(e: UnexpectedInput, text: str, path: str, what: str = "spec") -
         elif number := _number_hint(text, e.pos_in_stream):  # `.003`, `3.`, `+3e-3`
             hint = number
         elif char in "./\\~":
-            hint = 'paths are quoted, e.g. data: "data/corpus.txt"'
+            word = re.search(r'[^\s;{}()"#,]*$', text[:pos]).group() + re.match(
+                r'[^\s;{}()"#,]*', text[pos:]).group()
+            hint = f'paths are quoted: write "{word}"'
         elif char == "'":
-            hint = 'strings use double quotes, e.g. data: "corpus.txt"'
+            inside = _enclosed(text, pos, "'")
+            hint = "strings use double quotes" + (f': write "{inside}"' if inside is not None
+                                                  else ', e.g. data: "corpus.txt"')
         elif char in "\u201c\u201d\u2018\u2019":  # a word processor's quotes
-            hint = 'strings use plain double quotes ("), e.g. data: "corpus.txt"'
+            inside = _enclosed(text, pos, "\u201c\u201d\u2018\u2019")
+            hint = 'strings use plain double quotes (")' + (
+                f': write "{inside}"' if inside is not None else ', e.g. data: "corpus.txt"')
         elif char == '"' and '"' not in text[e.pos_in_stream + 1:].split("\n", 1)[0]:
             # a string ends on its line: "expected a quoted string" named what was written
             message = "this '\"' is never closed"
