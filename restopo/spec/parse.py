@@ -380,10 +380,10 @@ def syntax_error(e: UnexpectedInput, text: str, path: str, what: str = "spec") -
     if isinstance(e, UnexpectedCharacters):
         line, col, pos = e.line, e.column, e.pos_in_stream
         char = text[pos] if pos < len(text) else ""
-        expected = _in_context(set(e.allowed or ()), text, e.pos_in_stream)
+        expected = _in_context(set(e.allowed or ()), text, pos)
         message = f"unexpected character {char!r}"
         hint = f"expected {expected_words(expected)}" if expected else None
-        if path.startswith("<--set") and _second_setting(text, e.pos_in_stream):
+        if path.startswith("<--set") and _second_setting(text, pos):
             hint = ONE_SETTING
         elif char == "=":
             hint = "write 'key: value' (with a colon) or, on the command line, --set section.key=value" \
@@ -401,12 +401,12 @@ def syntax_error(e: UnexpectedInput, text: str, path: str, what: str = "spec") -
             hint = "lists are written as names separated by spaces" + (
                 f": write '{key.group() if key else ''}{items}'" if items
                 else ", e.g. 'layer: attn mlp'")
-        elif char == "-" and text[e.pos_in_stream - 1:e.pos_in_stream].isidentifier():
-            word = _word_at(text, e.pos_in_stream, "-")
+        elif char == "-" and text[pos - 1:pos].isidentifier():
+            word = _word_at(text, pos, "-")
             hint = f"names are letters, digits and '_': write '{word.replace('-', '_')}'"
-        elif text.startswith(("//", "/*"), e.pos_in_stream):
+        elif text.startswith(("//", "/*"), pos):
             hint = "comments start with '#' and run to the end of the line"
-        elif number := _number_hint(text, e.pos_in_stream):  # `.003`, `3.`, `+3e-3`
+        elif number := _number_hint(text, pos):  # `.003`, `3.`, `+3e-3`
             hint = number
         elif char in "./\\~":
             word = re.search(r'[^\s;{}()"#,]*$', text[:pos]).group() + re.match(
@@ -420,12 +420,12 @@ def syntax_error(e: UnexpectedInput, text: str, path: str, what: str = "spec") -
             inside = _enclosed(text, pos, "\u201c\u201d\u2018\u2019")
             hint = 'strings use plain double quotes (")' + (
                 f': write "{inside}"' if inside is not None else ', e.g. data: "corpus.txt"')
-        elif char == '"' and '"' not in text[e.pos_in_stream + 1:].split("\n", 1)[0]:
+        elif char == '"' and '"' not in text[pos + 1:].split("\n", 1)[0]:
             # a string ends on its line: "expected a quoted string" named what was written
             message = "this '\"' is never closed"
             hint = 'end the string with " on the same line, e.g. data: "corpus.txt"'
         elif not (char.isascii() and char.isprintable()):
-            message, hint = _foreign(char, hint, _word_at(text, e.pos_in_stream))
+            message, hint = _foreign(char, hint, _word_at(text, pos))
         return SpecError(path, line, col, message, hint, _line(text, line))
 
     if isinstance(e, UnexpectedToken) and e.token.type != "$END":
