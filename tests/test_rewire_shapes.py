@@ -390,3 +390,36 @@ def test_a_tensor_default_argument_is_rewired():
     idx = tokens()
     same(r(idx), m(idx))
     same(r(idx[:, :3], torch.tensor(5)), m(idx[:, :3], torch.tensor(5)))
+
+
+class OffsetGPT2(GPT2):
+    """GPT-2 whose positions start at a Python number (a decoding position)."""
+
+    def forward(self, input_ids, past_length=0):
+        T = input_ids.size(-1)
+        position_ids = torch.arange(past_length, past_length + T, device=input_ids.device)
+        h = self.drop(self.wte(input_ids) + self.wpe(position_ids[None]))
+        for block in self.h:
+            h = block(h)
+        return self.lm_head(self.ln_f(h))
+
+
+def test_a_number_that_takes_a_new_value_every_call_is_said_once():
+    """A number read only before the blocks (a decoding position) is a constant of each
+    trace: a loop that passed a new one every call traced every call and kept each trace,
+    silently. It rewires and gives the model's output for each value; once the traces
+    reach a few, rewire says which argument makes them and what to pass instead, once."""
+    import restopo.fx.patterns as patterns
+    import warnings
+    torch.manual_seed(0)
+    m = OffsetGPT2().eval()
+    r = rewire(m, "residual standard\n")
+    idx = tokens(T=2)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for pos in range(patterns.TRACES_SAID + 3):
+            same(r(idx, pos), m(idx, pos))
+    said = [str(w.message) for w in said if "call patterns" in str(w.message)]
+    assert len(said) == 1, said
+    assert f"traced for {patterns.TRACES_SAID} call patterns, which differ in past_length" \
+        in said[0] and "pass past_length as a tensor" in said[0], said[0]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import warnings
 from dataclasses import is_dataclass
 from types import SimpleNamespace
 
@@ -14,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .extract import front_and_back, sublayer_module
 from .recover import StreamCut, recover
-from .structure import FrontAndBack, RewireError, Structure, pattern
+from .structure import FrontAndBack, RewireError, RewireWarning, Structure, pattern
 
 
 def recover_structure(model: nn.Module) -> Structure:
@@ -54,6 +55,9 @@ def checkpoint_switches(model: nn.Module) -> tuple[tuple[object, str], ...]:
                 names = {n for space in spaces for n, v in space.items() if isinstance(v, bool)}
                 out += [(holder, n) for n in sorted(names) if SWITCH.search(n)]
     return tuple(out)
+
+
+TRACES_SAID = 8  # call patterns traced before rewire says how to need fewer
 
 
 class TracesByPattern:
@@ -132,7 +136,25 @@ class TracesByPattern:
         state = self.state()
         if (key, state) not in self.cache:
             self._add(key, state, recover(self.model, key))
+            if len(self.cache) == TRACES_SAID:
+                self._say_traces()
         return self.cache[(key, state)]
+
+    def _say_traces(self) -> None:
+        """Each new value of a number argument is a trace of its own, kept: a loop that
+        passes a new one each call (a decoding position) traces every call and keeps them
+        all. Said once, as torch.compile says its recompilations."""
+        calls = [dict(key) for key, _ in self.cache]
+        varied = [n for n in calls[0] if len({repr(c.get(n)) for c in calls}) > 1]
+        numbers = [n for n in varied
+                   if any(type(c.get(n)) in (int, float) for c in calls)]
+        name = type(self.model).__name__
+        warnings.warn(f"{name} has been traced for {len(calls)} call patterns, which differ "
+                      f"in {', '.join(varied) or 'mode or checkpointing'}: each new value of "
+                      f"a Python number or flag is traced anew and kept"
+                      + (f"; pass {', '.join(numbers)} as a tensor (its default too), which "
+                         f"one trace serves" if numbers else ""),
+                      RewireWarning, stacklevel=4)
 
     def recomputes(self, k: int) -> bool:
         """Does the original, as it is now, call sublayer k's modules under a checkpoint?"""

@@ -32,7 +32,8 @@ from ..topology import Topology
 from .lower import lower
 from ..nn.parts import Parts
 from ..nn.sublayers import check_batched, check_token_ids
-from .structure import SUPPORTED, FrontAndBack, RewireError, Structure, bind, pattern
+from .structure import (SUPPORTED, FrontAndBack, RewireError, RewireWarning, Structure, bind,
+                        pattern)
 from .tracer import classify, compiled, eps_value, eps_words, float_dtype, norm_calls
 
 __all__ = ["rewire", "recover", "Rewired", "RewireError"]
@@ -258,10 +259,6 @@ def _warn_of_other_sizes(spec, structure) -> None:
         warnings.warn(f"the spec's model section is not this model ({'; '.join(differ)}): "
                       "rewire reads only its residual section and keeps the model's own "
                       "sizes", RewireWarning, stacklevel=3)
-
-
-class RewireWarning(UserWarning):
-    """restopo.rewire's warnings (filter them with warnings.filterwarnings)."""
 
 
 def _residual(spec_or_path):

@@ -22,6 +22,10 @@ class RewireError(ValueError):
     """A model that rewire cannot take apart, with the reason and what is supported."""
 
 
+class RewireWarning(UserWarning):
+    """restopo.rewire's warnings (filter them with warnings.filterwarnings)."""
+
+
 SUPPORTED = (
     "rewire supports PreNorm transformers, whose every sublayer adds into one residual "
     "stream as x = x + f(norm(x)) with f an attention or an MLP: models torch.fx can trace "
