@@ -672,6 +672,11 @@ GOLDEN = [
      'spec.restopo', 2, 19,
      "unknown section 'rezero'",
      "'rezero' is a topology: write 'residual rezero' (a spec has one residual section)"),
+    ('topology_as_a_section_at_the_end',  # was: unexpected end of file, expected a name...
+     M + "residual standard rezero  # rezero\n", (),
+     'spec.restopo', 2, 19,
+     "unknown section 'rezero'",
+     "'rezero' is a topology: write 'residual rezero' (a spec has one residual section)"),
     ('pipeline_schedule_in_train',  # was: unknown schedule '1f1b', expected cosine, constant
      M + "residual standard\ntrain { schedule: 1f1b }\n", (),
      'spec.restopo', 3, 19,

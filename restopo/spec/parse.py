@@ -14,8 +14,8 @@ from lark.exceptions import UnexpectedCharacters, UnexpectedInput, UnexpectedTok
 
 from ..words import alts
 from .errors import SpecError
-from .nodes import (Arg, Call, Entry, Key, ListValue, Name, Number, Pos, Qualified, Section,
-                    SpecFile, String)
+from .nodes import (SECTIONS, Arg, Call, Entry, Key, ListValue, Name, Number, Pos, Qualified,
+                    Section, SpecFile, String)
 
 
 @lru_cache(maxsize=1)
@@ -495,7 +495,14 @@ def syntax_error(e: UnexpectedInput, text: str, path: str, what: str = "spec") -
         return _never_closed(text, path, opened, f"add '{CLOSER[opened[0]]}' to close it")
     line, col = _end_position(text)
     message = "unexpected end of file" if what == "spec" else "the value ends too soon"
-    last = re.findall(r"[^\s#]+", "\n".join(l.split("#", 1)[0] for l in text.splitlines()))
+    code = "\n".join(row.split("#", 1)[0] for row in text.splitlines())  # no comments
+    last = re.findall(r"[^\s#]+", code)
     after = f" after '{last[-1]}'" if last else ""
-    return SpecError(path, line, col, message, f"expected {expected_words(expected)}{after}",
-                     _line(text, line))
+    hint = f"expected {expected_words(expected)}{after}"
+    if what == "spec" and "LBRACE" in expected and last and last[-1].isidentifier() \
+            and last[-1] not in SECTIONS:  # the file ends on a word that starts a section
+        from .sections import unknown_section_hint
+        at = code.rindex(last[-1])
+        line, col = code.count("\n", 0, at) + 1, at - code.rfind("\n", 0, at)
+        message, hint = f"unknown section '{last[-1]}'", unknown_section_hint(last[-1])
+    return SpecError(path, line, col, message, hint, _line(text, line))

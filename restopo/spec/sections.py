@@ -15,17 +15,22 @@ PARALLEL_KINDS = ("pipeline",)
 BUILTIN_DATA = ("stdlib",)  # the corpora `data: builtin:NAME` names
 
 
+def unknown_section_hint(kind: str) -> str:
+    """What to write for a section of a kind that is none (parse.py says it too, for a word
+    that ends the file where a section would start)."""
+    if kind in NAMED_OPTIONS:  # `residual standard rezero`: a second topology
+        return f"'{kind}' is a topology: write 'residual {kind}' (a spec has one residual " \
+               "section)"
+    return "sections are model, residual, parallel and train" + dym_suffix(kind, SECTIONS)
+
+
 def views_of(file: SpecFile, c: Checker) -> dict[str, View]:
     """Each section's entries by key (unknown and duplicate sections and keys reported)."""
     views: dict[str, View] = {}
     for s in _one_label(file.sections, c):
         kind = s.kind.text
         if kind not in SECTIONS:
-            hint = "sections are model, residual, parallel and train" + dym_suffix(kind, SECTIONS)
-            if kind in NAMED_OPTIONS:  # `residual standard rezero`: a second topology
-                hint = f"'{kind}' is a topology: write 'residual {kind}' (a spec has one " \
-                       "residual section)"
-            c.error(s.kind.pos, f"unknown section '{kind}'", hint)
+            c.error(s.kind.pos, f"unknown section '{kind}'", unknown_section_hint(kind))
             continue
         if kind in views:
             first = views[kind].kind.pos
