@@ -729,3 +729,38 @@ def test_an_export_beside_a_meta_json_is_no_file_of_a_checkpoint(run, tmp_path):
     (tmp_path / "meta.json").write_text("{}")
     export(model, tmp_path / "model.pt")
     assert same(load(tmp_path / "model.pt"), model)
+
+
+@pytest.mark.parametrize("command, extra, runs", [
+    ("eval", ["--no-progress"], "restopo.train.score.score"),
+    ("generate", ["--prompt", "d", "--max-new-tokens", "2"], "restopo.decode.stream"),
+    ("diagnose", ["--batches", "1", "--batch-size", "2", "-o", "OUT"],
+     "restopo.train.diagnose.diagnose")])
+@pytest.mark.parametrize("omp", [None, "3"])
+def test_a_model_runs_on_one_thread_unless_omp_num_threads_says(run, tmp_path, monkeypatch,
+                                                                command, extra, runs, omp):
+    """eval and generate ran on torch's default threads, every core, as train and diagnose
+    do not: on two cores others shared the tiny model's forward ran 5 to 60 times slower
+    (a 20 s run took 74 s to eval). Each takes one thread, or what $OMP_NUM_THREADS says."""
+    import importlib
+    folder, _ = run
+    module, name = runs.rsplit(".", 1)
+    called, seen = getattr(importlib.import_module(module), name), []
+
+    def spy(*args, **kw):
+        seen.append(torch.get_num_threads())
+        return called(*args, **kw)
+
+    monkeypatch.setattr(f"{module}.{name}", spy)
+    if omp is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", omp)  # what torch read when it started
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        extra = [x.replace("OUT", str(tmp_path / "d")) for x in extra]
+        assert main([command, str(folder / "run"), *extra]) == 0
+        assert seen == [1 if omp is None else 3] and torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)

@@ -37,7 +37,8 @@ def register(subparsers) -> None:
     p.add_argument("--batch-size", type=int_range(1, 4096), default=8, metavar="B",
                    help="rows per batch (default 8)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", type=device_arg,
-                   help="where the model runs (default cpu)")
+                   help="where the model runs (default cpu; there with one thread, as train: "
+                        "$OMP_NUM_THREADS sets more)")
     p.set_defaults(func=run)
 
 

@@ -42,7 +42,8 @@ def register(subparsers) -> None:
     p.add_argument("--format", choices=("text", "json"), default="text",
                    help="text (one figure a line, default) or json")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", type=device_arg,
-                   help="where the model runs (default cpu)")
+                   help="where the model runs (default cpu; there with one thread, as train: "
+                        "$OMP_NUM_THREADS sets more)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
@@ -78,6 +79,12 @@ def _kind_mismatch(spec, corpus, source: str) -> str | None:
 
 
 def run(args) -> int:
+    from ..train.dist import cpu_threads
+    with cpu_threads(None):  # torch's default, every core, ran many times slower shared
+        return _score(args)
+
+
+def _score(args) -> int:
     from ..cli import load_model
     from ..saved import LoadError
     from ..train.data import DataError, open_corpus

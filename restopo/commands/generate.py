@@ -50,7 +50,8 @@ def register(subparsers) -> None:
     p.add_argument("--seed", type=int_range(-2 ** 63, 2 ** 64 - 1, "a 64-bit seed"),
                    default=None, help="make the sampling repeatable")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", type=device_arg,
-                   help="where the model runs (default cpu)")
+                   help="where the model runs (default cpu; there with one thread, as train: "
+                        "$OMP_NUM_THREADS sets more)")
     p.add_argument("--compile", action="store_true",
                    help="run the one-token steps through torch.compile: the first new token "
                         "waits for the compile (about a minute on a CPU), the rest come "
@@ -90,6 +91,12 @@ def prompt_tokens(args, vocab: int, kind: str | None = None):
 
 
 def run(args) -> int:
+    from ..train.dist import cpu_threads
+    with cpu_threads(None):  # torch's default, every core, ran many times slower shared
+        return _generate(args)
+
+
+def _generate(args) -> int:
     import torch
 
     from ..decode import stream
