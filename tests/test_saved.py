@@ -764,3 +764,21 @@ def test_a_model_runs_on_one_thread_unless_omp_num_threads_says(run, tmp_path, m
         assert seen == [1 if omp is None else 3] and torch.get_num_threads() == 3
     finally:
         torch.set_num_threads(before)
+
+
+def test_diagnose_of_a_checkpoint_s_weights_file_writes_nothing_into_the_checkpoint(
+        run, tmp_path, capsys):
+    """A checkpoint's model.safetensors loads as an export does, and diagnose put its figures
+    beside it, in step_NNNNNN/model-diagnose/: inside a folder restopo writes only when saving
+    and deletes when pruning. The file now stands for its checkpoint, as its folder would."""
+    import shutil
+    folder, _ = run
+    shutil.copytree(folder / "run", tmp_path / "run")
+    step = tmp_path / "run" / "ckpt" / "step_000002"
+    files = sorted(p.name for p in step.iterdir())
+    assert main(["diagnose", str(step / "model.safetensors"), "--batches", "1",
+                 "--batch-size", "2"]) == 0
+    assert sorted(p.name for p in step.iterdir()) == files
+    written = json.loads((tmp_path / "run" / "diagnose" / "diagnose.json").read_text())
+    assert (written["checkpoint"], written["step"]) == (str(step), 2)
+    assert f"wrote {tmp_path / 'run' / 'diagnose'}:" in capsys.readouterr().out

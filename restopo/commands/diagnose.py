@@ -57,12 +57,19 @@ def run(args) -> int:
         print(f"restopo diagnose: error: {why}", file=sys.stderr)
         return 1
     from ..saved import LoadError
+    from ..train.checkpoint import holding_checkpoint
+    checkpoint = args.checkpoint
+    held = holding_checkpoint(checkpoint)
+    if held is not None and checkpoint.endswith(".safetensors"):
+        # a checkpoint's own weights file is that checkpoint: figures in RUN/diagnose, not
+        # beside the file, inside a folder pruning deletes (a path as relative as given)
+        checkpoint = str(held) if os.path.isabs(checkpoint) else os.path.relpath(held)
     try:
         with cpu_threads(None):
             loaded = None
-            if os.path.isfile(args.checkpoint):  # an export: restopo.load reads it
-                loaded = load_model("diagnose", args.checkpoint, backend="eager")
-            result = diagnose(args.checkpoint, args.out, batches=args.batches,
+            if os.path.isfile(checkpoint):  # an export: restopo.load reads it
+                loaded = load_model("diagnose", checkpoint, backend="eager")
+            result = diagnose(checkpoint, args.out, batches=args.batches,
                               batch_size=args.batch_size, device=args.device,
                               say=noter("diagnose"), loaded=loaded)
     except (CheckpointError, DataError, LoadError, ValueError) as e:
