@@ -545,7 +545,8 @@ def test_device_cuda_without_cuda_is_a_usage_error(run, capsys, command):
 
 def test_diagnose_reads_an_export(run, tmp_path, capsys, monkeypatch):
     """The README's promise: an export is one file for diagnose too (it had said 'no
-    complete checkpoint' for any file)."""
+    complete checkpoint' for any file), its data read where its run read it (the help said
+    relative to the current folder)."""
     folder, _ = run
     out = tmp_path / "e.safetensors"
     assert main(["export", str(folder / "run"), "-o", str(out)]) == 0
@@ -554,6 +555,9 @@ def test_diagnose_reads_an_export(run, tmp_path, capsys, monkeypatch):
     figures = tmp_path / "e-diagnose"
     assert (figures / "depth_attention.png").read_bytes()[:4] == b"\x89PNG"
     assert json.loads((figures / "diagnose.json").read_text())["checkpoint"] == str(out)
+    capsys.readouterr()
+    assert main(["diagnose", "--help"]) == 0  # as its help says (it said: from this folder)
+    assert "data is read where the run read it" in " ".join(capsys.readouterr().out.split())
 
 
 @pytest.mark.parametrize("command, extra", [

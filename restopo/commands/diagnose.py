@@ -27,8 +27,8 @@ def register(subparsers) -> None:
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", metavar="CHECKPOINT",
                    help="a run folder, its ckpt/ folder, a ckpt/step_NNNNNN folder, or a "
-                        "model file restopo export wrote (its spec's data is read relative "
-                        "to the current folder)")
+                        "model file restopo export wrote (its run's data is read where the "
+                        "run read it, from any folder)")
     p.add_argument("-o", "--out", metavar="DIR",
                    help="where the PNGs go (default RUN/diagnose, or NAME-diagnose beside a "
                         "model file)")
