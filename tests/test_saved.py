@@ -786,3 +786,24 @@ def test_diagnose_of_a_checkpoint_s_weights_file_writes_nothing_into_the_checkpo
     written = json.loads((tmp_path / "run" / "diagnose" / "diagnose.json").read_text())
     assert (written["checkpoint"], written["step"]) == (str(step), 2)
     assert f"wrote {tmp_path / 'run' / 'diagnose'}:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command, extra", [
+    ("eval", ["--no-progress"]), ("diagnose", []), ("export", ["-o", "OUT/e.safetensors"]),
+    ("generate", ["--prompt", "d", "--max-new-tokens", "2"])])
+def test_a_pruned_step_names_the_steps_its_run_still_holds(run, tmp_path, capsys, command,
+                                                          extra):
+    """A step folder a run has pruned since (train.keep), as the help's
+    `restopo diagnose runs/tiny/ckpt/step_000200` is once the run goes on, was only 'no such
+    file or folder' (diagnose: 'does not exist'); each command now names the steps there."""
+    import shutil
+    folder, _ = run
+    shutil.copytree(folder / "run", tmp_path / "run")
+    ckpt = tmp_path / "run" / "ckpt"
+    shutil.rmtree(ckpt / "step_000001")
+    extra = [x.replace("OUT", str(tmp_path)) for x in extra]
+    assert main([command, str(ckpt / "step_000001"), *extra]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"restopo {command}: error: ")
+    assert err.endswith(f"; give one {ckpt} holds: step_000002 (a run keeps its newest "
+                        f"train.keep checkpoints, 3 unless set)\n"), err

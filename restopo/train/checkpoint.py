@@ -47,6 +47,7 @@ from pathlib import Path
 import torch
 
 from ..io import fsync_file, full_disk_said, new_mode, replace_folder, write_atomic
+from ..words import alts
 from .shards import INDEX, STATE, Reader, ShardError, files_in_index, is_sharded, \
     load_named, read_state_file, shard_name, write_share, write_state
 
@@ -410,6 +411,21 @@ def quarantine(step_dir: Path) -> Path:
     return dest
 
 
+def gone_step(path: Path) -> str | None:
+    """What to give instead of a step folder that is not there (None: `path` is no step
+    folder, or none is beside it): the steps its ckpt/ folder still holds, since a run
+    prunes its older checkpoints and a step seen there once may be gone."""
+    if not STEP_DIR.match(path.name):
+        return None
+    held = [p.name for p in list_checkpoints(path.parent, resume=False)]
+    if not held:
+        return None
+    from ..spec.objects import TrainSpec
+    said = alts(held) if len(held) <= 4 else f"{held[0]} to {held[-1]} ({len(held)} in all)"
+    return (f"give one {path.parent} holds: {said} (a run keeps its newest train.keep "
+            f"checkpoints, {TrainSpec.keep} unless set)")
+
+
 def step_of(path: Path) -> int:
     """The step a step_NNNNNN folder holds (-1 for any other name)."""
     m = STEP_DIR.match(path.name)
@@ -476,6 +492,9 @@ def find_resumable(root: str | os.PathLike, resume: bool = True
     return None, skipped
 
 
+GIVE_CHECKPOINT = "give a run folder (with ckpt/), its ckpt/ folder or a ckpt/step_NNNNNN folder"
+
+
 def resolve_checkpoint(path: str | os.PathLike, say=None) -> Path:
     """A step folder from a step folder, a checkpoint folder (with `latest`) or a run folder
     (with ckpt/): the newest whose model verifies (its optimizer state may be gone: see
@@ -483,7 +502,8 @@ def resolve_checkpoint(path: str | os.PathLike, say=None) -> Path:
     saying what was looked for."""
     p = Path(path)
     if not p.exists():
-        raise CheckpointError(f"checkpoint {str(p)!r} does not exist")
+        raise CheckpointError(f"checkpoint {str(p)!r} does not exist; "
+                              + (gone_step(p) or GIVE_CHECKPOINT))
     if p.is_dir() and _complete(p, resume=False):
         why = check_checkpoint(p, resume=False)
         if why is not None:
@@ -514,8 +534,7 @@ def resolve_checkpoint(path: str | os.PathLike, say=None) -> Path:
         raise CheckpointError(f"{str(p)!r} is a sweep's folder (a folder of runs), not one "
                               f"run; give one of its runs, e.g. "
                               + " or ".join(repr(str(r)) for r in runs[:2]))
-    raise CheckpointError(f"no complete checkpoint in {str(p)!r}; give a run folder (with "
-                          f"ckpt/), its ckpt/ folder or a ckpt/step_NNNNNN folder")
+    raise CheckpointError(f"no complete checkpoint in {str(p)!r}; {GIVE_CHECKPOINT}")
 
 
 def _runs_in(p: Path) -> list[Path]:
