@@ -1200,6 +1200,33 @@ def test_a_failed_run_is_said_to_have_failed_with_its_error_not_to_be_unfinished
     assert rows[1]["failed_runs"] == "bad-s0" and rows[1]["unfinished_runs"] == ""
 
 
+def test_a_paired_gap_within_the_seed_spread_is_not_said_unestablished():
+    """Pairing by seed tells apart a gap smaller than the seeds' spread: the reading said
+    blk's interval excluded zero, then, as every gap was within the spread, that 'the
+    ordering of arms is not established', and its scale note that 'a gap inside the seed
+    spread says nothing either way'. Both now say what the intervals say."""
+    base = (2.0, 2.1, 2.2)
+    arms = report.group([_synthetic_run(a, a, s, 10, base[s] + shift)
+                         for a, shifts in (("std", (0, 0, 0)), ("blk", (-0.010, -0.012, -0.011)),
+                                           ("full", (0.02, -0.02, 0.01)))
+                         for s, shift in enumerate(shifts)])
+    report.compare(arms, arms[0])
+    told = {a.name: a.diff.excludes_zero for a in arms[1:]}
+    assert told == {"blk": True, "full": False}
+    said = report.reading(arms, arms[0])
+    line = next(ln for ln in said if ln.startswith("- The baseline's seed spread"))
+    assert "not established" not in line
+    assert line.endswith("the ordering is established only where an interval above "
+                         "excludes zero (blk).")
+    # nor does the scale note say such a gap tells nothing (it said: inside the spread)
+    assert report.scale_note(arms).endswith("a gap whose 95% interval contains zero says "
+                                            "nothing either way.")
+    alike = [a for a in arms if a.name != "blk"]  # no interval excludes zero: nothing is
+    report.compare(alike, alike[0])
+    assert "the ordering of arms is not established." in "\n".join(report.reading(alike,
+                                                                                 alike[0]))
+
+
 def test_arms_without_an_interval_are_said_so_in_the_reading():
     """A sweep with --seeds 1 had '(needs 2+ seeds)' in the table and nothing in the
     reading of it: an arm with no interval was left out of the words without a trace. The

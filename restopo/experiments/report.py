@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ..io import make_folder, write_atomic
 from ..spec.datapath import data_place
-from ..words import counted
+from ..words import alts, counted
 from .grid import short_name
 from .runs import Run
 from .stats import Difference, PowerLaw, difference, fit_power_law, mean_std
@@ -402,9 +402,15 @@ def reading(arms: list[Arm], baseline: Arm | None) -> list[str]:
                 else f"The baselines' seed spreads (standard deviation of each one's final "
                      f"loss) are {lo:.4f} to {hi:.4f}; {wider} of {len(gaps)} gaps are larger "
                      f"than their own baseline's")
+        # an interval that excludes zero tells its arm apart though the gap is within the
+        # spread: pairing by seed takes out what the seeds share
+        told = [a.name for a in arms if a.diff is not None and a.diff.excludes_zero]
         lines.append(f"- {said} (the largest {max(g for g, _ in gaps):.4f})"
-                     + ("." if wider else ": at this scale the seed spread is as large as the "
-                        "gaps, and the ordering of arms is not established."))
+                     + ("." if wider else
+                        f": all within the seed spread; the ordering is established only "
+                        f"where an interval above excludes zero ({alts(told)})." if told else
+                        ": at this scale the seed spread is as large as the gaps, and the "
+                        "ordering of arms is not established."))
     lines += unlike
     lines.append(timing_note([r for a in arms for r in a.runs]))
     return lines
@@ -562,7 +568,7 @@ def scale_note(arms: list[Arm]) -> str:
         (f", {budget}, data `{data}`. The paper's ablation trained "
          "436M-parameter models on far more tokens and reports gaps of a few thousandths of "
          "a nat between its arms; a sign that agrees with it here is suggestive, not a "
-         "replication, and a gap inside the seed spread says nothing either way.")
+         "replication, and a gap whose 95% interval contains zero says nothing either way.")
 
 
 # -- compute equivalence ------------------------------------------------------------------------
