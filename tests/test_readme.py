@@ -213,3 +213,24 @@ def test_the_cli_table_synopses_are_what_the_commands_take():
                 parser.parse_args(argv)
             except SystemExit:
                 pytest.fail(f"README's `{synopsis}` is not a command line: {' '.join(argv)}")
+
+
+def test_where_a_relative_data_path_is_read_is_said_in_readme_and_train_help(
+        tmp_path, monkeypatch, capsys):
+    """Both said a relative data path is read from the spec's folder; one given with --set
+    is read from the current folder (restopo.spec.datapath.data_base), which neither said."""
+    (tmp_path / "specs").mkdir()
+    (tmp_path / "here").mkdir()
+    spec = tmp_path / "specs" / "s.restopo"
+    spec.write_text(MODEL + 'residual standard\ntrain { data: "c.txt" }\n')
+    (tmp_path / "specs" / "c.txt").write_text("text " * 100)
+    monkeypatch.chdir(tmp_path / "here")
+    assert main(["check", str(spec)]) == 0  # from the spec's folder
+    assert main(["check", str(spec), "--set", "train.data=c.txt"]) == 1  # from here: none
+    assert f"data path '{tmp_path / 'here' / 'c.txt'}' does not exist" in capsys.readouterr().err
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert ("relative to the spec's folder (one given with `--set train.data=PATH`, to the "
+            "current folder)") in readme
+    assert main(["train", "--help"]) == 0
+    assert ("a relative path read from the spec's folder, or from the current folder when "
+            "--set gives it") in " ".join(capsys.readouterr().out.split())

@@ -31,7 +31,8 @@ examples:
 
 `batch` is the global batch of one optimizer step: with --nproc N each process takes
 batch/N rows of it, so the numbers match a 1-process run. Data: `data:` in the spec's train
-section (builtin:stdlib, a text file or folder, or a nanoGPT-style uint16 .bin).
+section (builtin:stdlib, a text file or folder, or a nanoGPT-style uint16 .bin), a relative
+path read from the spec's folder, or from the current folder when --set gives it.
 Writes OUT/metrics.jsonl (loss, val_loss, lr, tokens_per_s, and mfu when the device's peak
 is known: --peak-tflops, or a known CUDA GPU's dense bf16 peak), OUT/loss.png and
 OUT/ckpt/step_NNNNNN/ (safetensors weights, and a manifest of checksums; with FSDP or a
