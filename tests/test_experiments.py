@@ -7,6 +7,7 @@ import math
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -1367,3 +1368,32 @@ def test_compare_output_keeps_its_order_in_one_pipe(tmp_path):
     assert done.returncode == 0, done.stdout
     lines = done.stdout.splitlines()
     assert lines[0].startswith("| arm |") and lines[-1].startswith("wrote "), done.stdout
+
+
+def test_slurm_parameters_submitit_refuses_are_one_line_and_its_types_are_kept(tmp_path,
+                                                                               capsys):
+    """A --slurm key or value submitit refuses came out as its traceback (NameError,
+    AssertionError), and mem_gb=1.5 or stderr_to_stdout=true, passed as text, were refused
+    for their type; without Slurm, submitit's 'Could not detect srun' said nothing to do."""
+    submitit = pytest.importorskip("submitit")
+    from restopo.commands.sweep import _parameters
+    typed = _parameters(["timeout_min=5", "mem_gb=1.5", "stderr_to_stdout=true",
+                         "slurm_partition=gpu"], "submitit")
+    assert typed == {"timeout_min": 5, "mem_gb": 1.5, "stderr_to_stdout": True,
+                     "slurm_partition": "gpu"}
+    submitit.AutoExecutor(folder=str(tmp_path / "ex"), cluster="local").update_parameters(
+        **typed)  # what submitit takes
+    specs = _specs(tmp_path)
+    for n, (flags, said) in enumerate((
+            (["--slurm", "foo=1"], "--slurm: Parameter 'foo' need to be prefixed"),
+            (["--slurm", "timeout_min=abc"], '--slurm: Parameter "timeout_min" expected type'))):
+        assert main(["sweep", *specs, "--out", str(tmp_path / f"s{n}"), "--executor",
+                     "submitit-local", *flags]) == 1
+        err = capsys.readouterr().err
+        assert f"restopo sweep: error: {said}" in err and err.count("\n") == 2, err
+    if shutil.which("srun") is None:
+        assert main(["sweep", *specs, "--out", str(tmp_path / "slurm"), "--executor",
+                     "submitit"]) == 1
+        err = capsys.readouterr().err.splitlines()[-1]
+        assert err.startswith('restopo sweep: error: --executor submitit: Could not detect')
+        assert err.endswith("or use --executor local (or submitit-local) here")

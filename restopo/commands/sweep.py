@@ -122,8 +122,19 @@ def _parameters(items, executor: str) -> dict:
         key, eq, value = item.partition("=")
         if not eq:
             raise ValueError(f"--slurm takes KEY=VALUE; got {item!r}")
-        out[key.strip()] = int(value) if value.strip().isdigit() else value.strip()
+        out[key.strip()] = _slurm_value(value.strip())
     return out
+
+
+def _slurm_value(text: str):
+    """A --slurm value typed as submitit checks it (mem_gb=1.5 is a number, stderr_to_stdout=
+    true a bool; as text they were refused): a whole or real number, true/false, or text."""
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(text.lower(), text)
 
 
 def run(args) -> int:

@@ -295,8 +295,17 @@ def run_submitit(jobs: list[Job], out: Path, report, *, cluster: str = "slurm",
     except ImportError:
         raise RuntimeError("--executor submitit needs submitit: pip install 'restopo[sweep]'") \
             from None
-    executor = submitit.AutoExecutor(folder=str(out / ".submitit"), cluster=cluster)
-    executor.update_parameters(**(parameters or {}))
+    try:
+        executor = submitit.AutoExecutor(folder=str(out / ".submitit"), cluster=cluster)
+    except RuntimeError as e:  # no Slurm here: 'Could not detect "srun", ...'
+        raise RuntimeError(f"--executor submitit: {e} It submits Slurm jobs: run the sweep "
+                           f"on a machine of the cluster, or use --executor local (or "
+                           f"submitit-local) here") from None
+    try:
+        executor.update_parameters(**(parameters or {}))
+    except (AssertionError, NameError, TypeError, ValueError) as e:  # submitit's own checks
+        said = "; ".join(line.strip().rstrip(".") for line in str(e).splitlines())
+        raise RuntimeError(f"--slurm: {said}") from None
     todo = [(job, state(out, job)) for job in jobs]
     results = _skipped(todo, out, report)
     submitted = []
