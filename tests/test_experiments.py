@@ -677,14 +677,17 @@ def test_curves_of_runs_evaluated_once_are_drawn(tmp_path, monkeypatch):
 def test_a_scaling_fit_that_cannot_be_made_writes_nothing(tmp_path):
     """compare --scaling with the baseline at one size failed after writing results.csv
     and the plots beside the previous results.md (in a sweep's folder, a report half new,
-    half old). It is refused, as --scaling's, before anything is written."""
+    half old). It is refused, as --scaling's, before anything is written, saying how to
+    give the sizes (it did not)."""
     arms = report.group([_synthetic_run(a, a, s, 20, 2.0 + s) for a in ("std", "blk")
                          for s in (0, 1)])
     report.compare(arms, arms[0])
     (tmp_path / "results.md").write_text("the sweep's report")
     with pytest.raises(ValueError, match="--scaling: a compute-equivalence fit needs the "
-                                         "baseline at three or more sizes"):
+                                         "baseline at three or more sizes") as e:
         report.write_report(arms, arms[0], tmp_path, ["restopo", "compare"], scaling=True)
+    assert str(e.value).endswith(": train it at more (restopo sweep SPEC --vary "
+                                 "model.width=32,48,96 --out DIR) and compare that folder too")
     assert [p.name for p in tmp_path.iterdir()] == ["results.md"]
 
 

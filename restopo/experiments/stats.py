@@ -86,7 +86,9 @@ def fit_power_law(compute, loss) -> PowerLaw:
     pts = [(math.log(c), math.log(l)) for c, l in zip(compute, loss)]
     if len({x for x, _ in pts}) < 3:
         raise ValueError("a compute-equivalence fit needs the baseline at three or more sizes "
-                         f"(compute values); got {len({x for x, _ in pts})}")
+                         f"(compute values); got {len({x for x, _ in pts})}: train it at more "
+                         f"(restopo sweep SPEC --vary model.width=32,48,96 --out DIR) and "
+                         f"compare that folder too")
     n = len(pts)
     mx, my = sum(x for x, _ in pts) / n, sum(y for _, y in pts) / n
     sxx = sum((x - mx) ** 2 for x, _ in pts)
