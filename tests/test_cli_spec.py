@@ -272,8 +272,12 @@ def test_graph_writes_pictures(tmp_path, engine, suffix, magic):
 
 
 def test_graph_bad_suffix_is_usage_error(tmp_path, capsys):
-    assert main(["graph", TINY, "-o", str(tmp_path / "g.pdf")]) == 2
-    assert "must end in" in capsys.readouterr().err
+    """Said as compile's and export's are, with the formats as a sentence says them (it was
+    'cannot write ...: the output must end in .dot, .gv, .png, .svg')."""
+    out = str(tmp_path / "g.pdf")
+    assert main(["graph", TINY, "-o", out]) == 2
+    assert capsys.readouterr().err == (f"restopo graph: error: -o must end in .dot, .gv, .png "
+                                       f"or .svg; got {out!r}\n")
     assert list(tmp_path.iterdir()) == []
 
 

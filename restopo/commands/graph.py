@@ -14,6 +14,7 @@ import subprocess
 
 from ..cli import SetOverride, output_error
 from ..io import write_atomic
+from ..words import alts
 
 EXAMPLES = """\
 examples:
@@ -52,8 +53,8 @@ def run(args) -> int:
     from ..spec import load_spec
     suffix = os.path.splitext(args.output)[1].lower()
     if suffix not in FORMATS:
-        print(f"restopo graph: error: cannot write {args.output!r}: the output must end in "
-              f"{', '.join(FORMATS)}", file=sys.stderr)
+        print(f"restopo graph: error: -o must end in {alts(FORMATS)}; got {args.output!r}",
+              file=sys.stderr)
         return 2
     if suffix in (".dot", ".gv") and args.engine != "auto":
         print(f"restopo graph: error: --engine {args.engine} draws .png and .svg; "
