@@ -552,6 +552,11 @@ GOLDEN = [
      '<--set 1>', 1, 7,
      "unknown section 'modle' in --set modle.width=64",
      "did you mean 'model'?"),
+    # a key without its section: the section it belongs to is said (it listed the sections)
+    ('override_key_without_its_section', M + "residual standard\n", ("width=64",),
+     '<--set 1>', 1, 7,
+     "unknown section 'width' in --set width=64",
+     "did you mean --set model.width=64?"),
     ('override_no_equals', M + "residual standard\n", ("model.width",),
      '<--set 1>', 1, 7,
      "an override is written section.key=value, got 'model.width'",

@@ -212,7 +212,9 @@ def apply_overrides(views: dict[str, View], overrides, c: Checker) -> None:
             continue
         sec_col = len(section) - len(section.lstrip())
         if sec not in SECTIONS:
+            home = c.homes.get(sec) if not dot else None  # --set width=64: model's key
             c.error(at(sec_col), f"unknown section '{sec}' in --set {text}",
+                    f"did you mean --set {home}.{text.strip()}?" if home else
                     did_you_mean(sec, SECTIONS))
             continue
         value_text = text[eq + 1:]
