@@ -365,6 +365,11 @@ def test_eval_matches_a_hand_loop(run, capsys):
     assert main(["eval", str(folder / "run"), "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "(val split" in out and "bits per byte" in out and "perplexity" in out
+    # the count with its thousands marked, as every other count restopo prints (it was not)
+    assert main(["eval", str(folder / "run"), "--data", str(folder / "corpus.txt"),
+                 "--no-progress"]) == 0
+    assert len(data) > 1001 and f"(all split, {len(data) - 1:,} tokens)" in \
+        capsys.readouterr().out
 
 
 def _ids_run(folder, tmp_path, data):
