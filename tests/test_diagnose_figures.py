@@ -181,6 +181,10 @@ def test_diagnose_command_writes_figures(tmp_path, monkeypatch, capsys, residual
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and name in printed
     numbers = json.loads((out / "diagnose" / "diagnose.json").read_text())
     assert numbers["step"] == 4 and numbers["reconstruction_error"] < 1e-4
+    written = [p.name for p in (out / "diagnose").iterdir()]
+    assert main(["diagnose", "--help"]) == 0  # names each (it left hyper_connections.png out)
+    helped = capsys.readouterr().out
+    assert not [name for name in written if name not in helped], written
     if residual.startswith("mhc"):  # the H^pre/H^post/H^res heatmaps; step 0 is O(alpha) off
         png = out / "diagnose" / "hyper_connections.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "hyper_connections" in printed

@@ -14,8 +14,9 @@ examples:
 
 Writes magnitude.png (RMS of each sublayer's output v_l and input h_l across depth),
 gradients.png (gradient norm per sublayer), depth_attention.png (the weight of every source
-at every aggregation point, averaged over tokens) and diagnose.json (default folder:
-RUN/diagnose).
+at every aggregation point, averaged over tokens), for a multi-stream topology (mHC, HC)
+hyper_connections.png (its read, write and mixing weights per sublayer), and diagnose.json
+(default folder: RUN/diagnose).
 """
 
 
