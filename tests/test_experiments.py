@@ -93,6 +93,23 @@ def test_a_sweep_again_with_other_specs_keeps_the_folders_names(tmp_path, capsys
     assert capsys.readouterr().out.split()[0] == "width16-s0"
 
 
+def test_a_dry_run_lists_a_finished_run_with_a_command_that_keeps_it(tmp_path, capsys):
+    """--dry-run listed a finished run's `restopo train` with --overwrite (what a run never
+    saved starts with): pasted, as the listing means it to be, it deleted the run and
+    trained it again. A run the sweep skips is listed resuming, which leaves it as it is."""
+    std, _ = _specs(tmp_path)
+    out = tmp_path / "sw"
+    assert main(["sweep", std, "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["sweep", std, "--out", str(out), "--dry-run"]) == 0
+    name, state, *command = shlex.split(capsys.readouterr().out)
+    assert (name, state, command[0]) == ("std-s0", "done", "train")
+    assert "--resume" in command and "--overwrite" not in command
+    saved = sorted((out / name / "ckpt").iterdir())
+    assert main(command) == 0  # as pasted: nothing to train, nothing deleted
+    assert sorted((out / name / "ckpt").iterdir()) == saved
+
+
 def test_one_run_is_said_as_one(tmp_path, capsys):
     """A sweep of one run said 'restopo sweep: 1 runs in ...' (and 'note: 1 runs keep the
     names'); counts are said by one helper, the singular for one."""

@@ -192,7 +192,9 @@ def run(args) -> int:
           f"{sum(s == 'resume' for s in states.values())} to resume)", file=sys.stderr)
     if args.dry_run:
         for j in jobs:
-            command = j.command(out, resume=states[j.name] == "resume")[3:]
+            # a run the sweep skips (done, diverged) as a resume: pasted, --overwrite, for a
+            # run never saved, would delete it
+            command = j.command(out, resume=states[j.name] != "new")[3:]
             # quoted as a shell would need them: a pasted line runs as listed
             print(f"  {j.name:40s} {states[j.name]:7s} {shlex.join(command)}")
         return 0
