@@ -194,6 +194,19 @@ def test_inspect_help_names_every_key_of_its_json(capsys):
     assert keys <= said, sorted(keys - said)
 
 
+def test_inspect_help_names_every_row_of_its_table(capsys):
+    """The description named blocks, live values, added parameters and the two-phase plan,
+    not the parameters in all, the FLOPs per token or the residual I/O the table shows."""
+    assert main(["inspect", BLOCK]) == 0
+    import re
+    rows = [re.split(r"\s{2,}", line.strip())[0] for line in capsys.readouterr().out.splitlines()
+            if re.match(r"  [a-zA-Z]", line)]  # the summary, and the aggregations' header
+    assert "FLOPs per token" in rows and "residual I/O" in rows and rows[-1] == "point"
+    assert main(["inspect", "--help"]) == 0
+    said = " ".join(capsys.readouterr().out.split())
+    assert not [row for row in rows[:-1] if row not in said], rows
+
+
 def test_inspect_text_table_and_overrides(capsys):
     assert main(["inspect", TINY, "--set", "residual=full_attnres"]) == 0
     out = capsys.readouterr().out

@@ -40,8 +40,9 @@ crossing each cut).
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "inspect", help="show the aggregation points, their sources and the costs",
-        description="Show what a spec compiles to: blocks, live values per token, added "
-                    "parameters, the two-phase plan and every aggregation's sources.",
+        description="Show what a spec compiles to: blocks, live values per token, parameters "
+                    "(and the added parameters of the topology), FLOPs per token, residual "
+                    "I/O, the two-phase groups and every aggregation's sources.",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("file", metavar="FILE", help="a .restopo spec")
     p.add_argument("--format", choices=("text", "json"), default="text",
