@@ -401,3 +401,17 @@ def test_an_out_folder_that_cannot_be_made_says_which_part_is_in_the_way(spec, c
     err = capsys.readouterr().err
     assert err == f"restopo: error: {out}: cannot make this folder: {why}; choose another " \
                   "--out\n"
+
+
+def test_the_options_a_spec_or_torchrun_decides_say_their_default():
+    """--out said runs/<spec name> (the model's name, or the file's?), and --nproc, --pipeline
+    and --data said no default, though the spec's parallel section (or torchrun) gives it."""
+    from restopo.cli import build_parser
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    helps = {a.option_strings[-1]: " ".join(a.help.split())
+             for a in sub.choices["train"]._actions if a.option_strings and a.help}
+    assert "default: runs/ and the spec file's name, e.g. runs/tiny for tiny.restopo" in \
+        helps["--out"]
+    assert "default: this one process, or those torchrun started" in helps["--nproc"]
+    assert "default: the spec's parallel section's, if any" in helps["--pipeline"]
+    assert "default: the spec's, else ddp" in helps["--data"]

@@ -59,7 +59,8 @@ def register(subparsers) -> None:
                    help="the .restopo file (optional with --resume: the checkpoint has it)")
     p.add_argument("--set", dest="overrides", action=SetOverride, default=[], metavar="KEY=VALUE",
                    help="override a spec value, e.g. --set model.width=64 (repeatable)")
-    p.add_argument("--out", metavar="DIR", help="run folder (default: runs/<spec name>)")
+    p.add_argument("--out", metavar="DIR", help="run folder (default: runs/ and the spec "
+                                                "file's name, e.g. runs/tiny for tiny.restopo)")
     p.add_argument("--steps", type=int, metavar="N", help="same as --set train.steps=N")
     p.add_argument("--seed", type=int, metavar="N", help="same as --set train.seed=N")
     p.add_argument("--peak-tflops", type=float, metavar="T",
@@ -89,7 +90,8 @@ def register(subparsers) -> None:
                        help="start a new run in an OUT that holds an earlier run's "
                             "checkpoints (they are deleted)")
     p.add_argument("--nproc", type=int_range(1, MAX_NPROC, "processes on this machine"),
-                   metavar="N", help="launch N processes through torchrun (data parallel)")
+                   metavar="N", help="launch N processes through torchrun (data parallel; "
+                                     "default: this one process, or those torchrun started)")
     p.add_argument("--max-restarts", type=int_range(0, MAX_RESTARTS), default=0, metavar="R",
                    help="with --nproc: let torchrun restart a failed job R times (each "
                         "restart resumes from the latest checkpoint; default 0)")
@@ -101,12 +103,14 @@ def register(subparsers) -> None:
                         "down badly when the cores are shared)")
     p.add_argument("--pipeline", metavar="PxV",  # -- pipeline parallel (backends/pipeline) --
                    help="pipeline parallel: P stages x V virtual stages (P alone: Px1; "
-                        "needs a multiple of P processes: --nproc P, or torchrun); the "
-                        "spec's parallel section gives schedule, microbatches and cache")
+                        "needs a multiple of P processes: --nproc P, or torchrun; default: "
+                        "the spec's parallel section's, if any); that section gives schedule, "
+                        "microbatches and cache")
     p.add_argument("--data", choices=("ddp", "fsdp"), dest="data_parallel",
                    help="the data-parallel engine over the processes (same as --set "
                         "parallel.data=...): ddp replicates the model, fsdp shards "
-                        "parameters, gradients and AdamW state per sublayer (FSDP2)")
+                        "parameters, gradients and AdamW state per sublayer (FSDP2; "
+                        "default: the spec's, else ddp)")
     p.set_defaults(func=run)
 
 
