@@ -164,8 +164,11 @@ def test_resolve_passes_over_damaged_and_names_an_explicit_one(tmp_path):
     heard = []
     assert ck.resolve_checkpoint(tmp_path / "run", say=heard.append).name == "step_000001"
     assert "step_000002 is damaged (state.pt does not match" in heard[0]
-    with pytest.raises(CheckpointError, match="step_000002 is damaged"):
+    with pytest.raises(CheckpointError, match="step_000002 is damaged") as e:
         ck.resolve_checkpoint(bad)
+    # and what to give instead (it said nothing)
+    assert str(e.value).endswith(f"; give its run folder ({tmp_path / 'run'}) to use the "
+                                 f"newest one that verifies")
 
 
 @pytest.mark.parametrize("sharded", [False, True])

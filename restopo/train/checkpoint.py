@@ -507,7 +507,9 @@ def resolve_checkpoint(path: str | os.PathLike, say=None) -> Path:
     if p.is_dir() and _complete(p, resume=False):
         why = check_checkpoint(p, resume=False)
         if why is not None:
-            raise CheckpointError(f"checkpoint {p} is damaged: {why}")
+            run = next((q.parent for q in p.parents if q.name == "ckpt"), p.parent)
+            raise CheckpointError(f"checkpoint {p} is damaged: {why}; give its run folder "
+                                  f"({run}) to use the newest one that verifies")
         return _unverified_said(p, say)
     if p.is_dir() and STEP_DIR.match(p.name) and not (p / "ckpt").is_dir():
         # a step folder given, missing a file: say which
