@@ -110,6 +110,29 @@ def test_a_dry_run_lists_a_finished_run_with_a_command_that_keeps_it(tmp_path, c
     assert sorted((out / name / "ckpt").iterdir()) == saved
 
 
+def test_a_run_and_a_sweep_do_not_share_a_folder(tmp_path, capsys):
+    """`restopo train --out SWEEP` trained a run beside the sweep's runs, which compare then
+    took for another arm (named after the folder) and eval for the sweep's one run; a sweep
+    into a run's folder nested its runs inside that run. Each is refused, before any work."""
+    std, _ = _specs(tmp_path)
+    sweep = tmp_path / "sw"
+    for name in ("std-s0", "std-s1"):
+        (sweep / name / "ckpt").mkdir(parents=True)
+    before = sorted(p.name for p in sweep.iterdir())
+    for argv in (["train", std, "--out", str(sweep), "--no-progress"],
+                 ["train", "--resume", "--out", str(sweep), "--no-progress"]):
+        assert main(argv) == 1
+        assert capsys.readouterr().err == (
+            f"restopo train: error: --out {sweep} holds runs (std-s0, std-s1: a sweep's "
+            f"folder); give this run a folder of its own, e.g. --out {sweep / 'NAME'}\n")
+    assert sorted(p.name for p in sweep.iterdir()) == before
+    run = sweep / "std-s0"
+    assert main(["sweep", std, "--out", str(run), "--dry-run"]) == 1
+    assert capsys.readouterr().err == (f"restopo sweep: error: --out {run} is a run's folder "
+                                       f"(it holds ckpt/); give the sweep a folder of its own\n")
+    assert [p.name for p in run.iterdir()] == ["ckpt"]
+
+
 def test_one_run_is_said_as_one(tmp_path, capsys):
     """A sweep of one run said 'restopo sweep: 1 runs in ...' (and 'note: 1 runs keep the
     names'); counts are said by one helper, the singular for one."""

@@ -266,6 +266,12 @@ def _out_folder(args) -> Path:
                     "a run from its checkpoint)")
     if out.exists() and not out.is_dir():
         raise _Stop(f"--out {out} is a file, not a folder; choose another --out")
+    from ..train.checkpoint import runs_in
+    runs = [] if (out / "ckpt").is_dir() else runs_in(out)  # a run may hold runs of its own
+    if runs:  # a sweep's folder: compare and restopo.load would take this run for one of it
+        raise _Stop(f"--out {out} holds runs ({', '.join(r.name for r in runs[:2])}"
+                    f"{', ...' if len(runs) > 2 else ''}: a sweep's folder); give this run a "
+                    f"folder of its own, e.g. --out {out / 'NAME'}")
     return out
 
 

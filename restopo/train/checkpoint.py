@@ -531,7 +531,7 @@ def resolve_checkpoint(path: str | os.PathLike, say=None) -> Path:
         if skipped:
             raise CheckpointError(f"no intact checkpoint in {str(root)!r}: "
                                   + "; ".join(f"{b.name}: {w}" for b, w in skipped))
-    runs = _runs_in(p)
+    runs = runs_in(p)
     if runs:  # a sweep's --out where one run is wanted: name runs to give instead
         raise CheckpointError(f"{str(p)!r} is a sweep's folder (a folder of runs), not one "
                               f"run; give one of its runs, e.g. "
@@ -539,7 +539,7 @@ def resolve_checkpoint(path: str | os.PathLike, say=None) -> Path:
     raise CheckpointError(f"no complete checkpoint in {str(p)!r}; {GIVE_CHECKPOINT}")
 
 
-def _runs_in(p: Path) -> list[Path]:
+def runs_in(p: Path) -> list[Path]:
     """The run folders (with ckpt/) inside `p`, those with a complete checkpoint first."""
     if not p.is_dir():
         return []
