@@ -63,6 +63,8 @@ def test_check_reports_every_file_and_exits_1(bad, capsys):
     assert "hint: did you mean 'width'?" in cap.err
     assert "2 of 3 files have mistakes" in cap.err
     assert "Traceback" not in cap.err
+    assert main(["check", bad, TINY]) == 1  # one: 'has' (it said '1 of 2 files have')
+    assert capsys.readouterr().err.endswith("\n1 of 2 files has mistakes\n")
 
 
 def test_check_with_override_error_names_the_set(capsys):

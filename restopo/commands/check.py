@@ -95,5 +95,6 @@ def run(args) -> int:
         if not args.quiet:
             print(line)
     if bad and len(args.files) > 1:
-        print(f"{bad} of {len(args.files)} files have mistakes", file=sys.stderr)
+        print(f"{bad} of {len(args.files)} files {'has' if bad == 1 else 'have'} mistakes",
+              file=sys.stderr)
     return 1 if bad else 0
