@@ -618,6 +618,34 @@ def test_compute_equivalence_from_synthetic_runs(tmp_path):
     assert paths["scaling"].read_bytes()[:4] == b"\x89PNG"
 
 
+def test_the_scaling_section_names_families_without_the_settings_all_share(tmp_path):
+    """A sweep's --set given to every run (train.lr, train.eval_batches) named each family
+    with it, in the compute-equivalence text, table and plot legend ('standard
+    [train.eval_batches=2, train.eval_every=10]'), as if it told them apart. A setting
+    every arm shares is left out; one that differs stays."""
+    def run(arm, family, seed, loss, *overrides):
+        r = _synthetic_run(arm, family, seed, 100, loss)
+        r.meta = {**r.meta, "overrides": ["train.lr=0.001", *overrides]}
+        return r
+    flops = (1e6, 4e6, 1.6e7)
+    arms = [report.Arm(f"standard-{i}", [run(f"standard-{i}", "standard", s,
+                                             9.0 * (f * 25600) ** -0.07 + e)
+                                         for s, e in ((0, 0.002), (1, -0.002))],
+                       train_flops_per_token=f) for i, f in enumerate(flops)]
+    arms.append(report.Arm("block", [run("block", "block", 0, 2.0)], train_flops_per_token=4e6))
+    arms.append(report.Arm("block2", [run("block2", "block", 0, 2.0, "residual.blocks=2")],
+                           train_flops_per_token=4e6))
+    assert arms[0].family == "standard [train.lr=0.001]"
+    assert report.family_names(arms) == {
+        "standard [train.lr=0.001]": "standard", "block [train.lr=0.001]": "block",
+        "block [residual.blocks=2, train.lr=0.001]": "block [residual.blocks=2]"}
+    report.compare(arms, arms[0])
+    text = report.write_report(arms, arms[0], tmp_path, ["restopo"], scaling=True)["md"]
+    said = text.read_text().split("## Compute equivalence")[1]
+    assert said.startswith("\n\nstandard's final loss against training compute")
+    assert "| standard compute to match / own |" in said and "train.lr" not in said
+
+
 def test_a_scaling_fit_counts_sizes_not_arms(tmp_path):
     """`compare runs/ablation runs/scaling --scaling`, where runs/scaling holds standard at
     the ablation's width too, said the fit was 'over its 4 sizes' for 3, and called that

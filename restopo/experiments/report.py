@@ -18,7 +18,7 @@ from ..io import make_folder, write_atomic
 from ..spec.datapath import data_place
 from ..words import alts, counted
 from .grid import short_name
-from .runs import Run
+from .runs import Run, family_name
 from .stats import Difference, PowerLaw, difference, fit_power_law, mean_std
 
 
@@ -678,7 +678,17 @@ def plot_finals(arms: list[Arm], baseline: Arm | None, path: Path) -> Path:
     return _save(fig, path)
 
 
+def family_names(arms: list[Arm]) -> dict[str, str]:
+    """Each family as the report names it: less the settings every arm shares, which tell
+    no family from another (a sweep's --set train.lr=... named each one with it)."""
+    runs = [a.runs[0] for a in arms]
+    shared = set.intersection(*(set(r.family_settings) for r in runs)) if runs else set()
+    return {r.family: family_name(r.spec_name, [s for s in r.family_settings
+                                                if s not in shared]) for r in runs}
+
+
 def plot_scaling(arms: list[Arm], fit: PowerLaw, baseline_family: str, path: Path) -> Path:
+    named = family_names(arms)
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     base = scaling_series(arms, baseline_family)
@@ -686,12 +696,13 @@ def plot_scaling(arms: list[Arm], fit: PowerLaw, baseline_family: str, path: Pat
     lo, hi = min(cs) / 1.5, max(cs) * 1.5
     grid = [lo * (hi / lo) ** (k / 50) for k in range(51)]
     ax.plot(grid, [fit.loss(c) for c in grid], "k--", lw=1,
-            label=f"{baseline_family} fit: {fit.a:.3g} C^-{fit.b:.3g} (R² {fit.r2:.3f})")
-    ax.plot(cs, [mean_std(a.finals.values())[0] for a in base], "ko", label=baseline_family)
+            label=f"{named[baseline_family]} fit: {fit.a:.3g} C^-{fit.b:.3g} (R² {fit.r2:.3f})")
+    ax.plot(cs, [mean_std(a.finals.values())[0] for a in base], "ko",
+            label=named[baseline_family])
     for family in sorted({a.family for a in arms} - {baseline_family}):
         pts = [a for a in arms if a.family == family and a.compute and a.finals]
         ax.plot([a.compute for a in pts], [mean_std(a.finals.values())[0] for a in pts], "o",
-                label=family)
+                label=named[family])
     ax.set_xscale("log")
     ax.set_yscale("log")
     from matplotlib.ticker import ScalarFormatter
@@ -758,16 +769,17 @@ def write_report(arms: list[Arm], baseline: Arm | None, out: Path, command: list
            "![final validation loss per arm](final_val_loss.png)", ""]
     if scaling:
         paths["scaling"] = plot_scaling(arms, fit, baseline.family, out / "scaling.png")
+        named = family_names(arms)[baseline.family]
         md += ["## Compute equivalence", "",
-               f"{baseline.family}'s final loss against training compute, fitted over its "
+               f"{named}'s final loss against training compute, fitted over its "
                f"{len({a.compute for a in scaling_series(arms, baseline.family)})} sizes: "
                f"loss = {fit.a:.4g} · C^-{fit.b:.4g} (R² {fit.r2:.3f}). For each other arm, "
-               f"the compute the fitted {baseline.family} needs to reach its loss, as a "
+               f"the compute the fitted {named} needs to reach its loss, as a "
                "multiple of the compute it used (above 1: it matches a larger-compute "
                "baseline). A ratio is only as sure as the loss gap under it: where the "
                "gap's 95% interval contains zero, the ratio is not told apart from 1.", "",
                markdown_table(("arm", "final val loss", "compute (FLOPs)",
-                               f"{baseline.family} compute to match / own",
+                               f"{named} compute to match / own",
                                "loss gap vs baseline"),
                               [[a.name, f"{loss:.4f}", f"{c:.3g}", f"{ratio:.3f}",
                                 _gap_verdict(a, baseline)] for a, loss, c, ratio in equiv]),

@@ -137,13 +137,21 @@ class Run:
         return settings_of(self.job.get("overrides") or self.meta.get("overrides") or ())
 
     @property
+    def family_settings(self) -> list[str]:
+        """Its overrides that are not a size (SIZE_KEYS), as sorted `key=value`."""
+        return sorted(f"{k}={v}" for k, v in self.settings if k not in SIZE_KEYS)
+
+    @property
     def family(self) -> str:
         """What the run trained, without its size: the spec file's stem and every override
         that is not a size (SIZE_KEYS). Arms of one spec that differ in topology or lr are
         families of their own, compared with the baseline; those that differ in width or
         steps are one family's sizes (compare --scaling fits them)."""
-        kept = sorted(f"{k}={v}" for k, v in self.settings if k not in SIZE_KEYS)
-        return self.spec_name + (f" [{', '.join(kept)}]" if kept else "")
+        return family_name(self.spec_name, self.family_settings)
+
+
+def family_name(spec_name: str, settings) -> str:
+    return spec_name + (f" [{', '.join(settings)}]" if settings else "")
 
 
 def settings_of(overrides) -> frozenset:
