@@ -108,6 +108,14 @@ def test_a_dry_run_lists_a_finished_run_with_a_command_that_keeps_it(tmp_path, c
     saved = sorted((out / name / "ckpt").iterdir())
     assert main(command) == 0  # as pasted: nothing to train, nothing deleted
     assert sorted((out / name / "ckpt").iterdir()) == saved
+    # the help's 'restopo compare OUT' redid no comparison the sweep's --baseline made: it
+    # names the line results.md opens with, which does
+    first = (out / "results.md").read_text().split("```sh\n")[1].splitlines()[0]
+    assert first.startswith(f"restopo compare {out} ")
+    capsys.readouterr()
+    assert main(["sweep", "--help"]) == 0
+    assert "(OUT/results.md, which opens with the `restopo compare OUT --baseline ...` line " \
+           "that redoes it)" in " ".join(capsys.readouterr().out.split())
 
 
 def test_a_run_and_a_sweep_do_not_share_a_folder(tmp_path, capsys):

@@ -27,7 +27,8 @@ examples:
 Each run is `restopo train SPEC --set ... --seed S --out OUT/NAME` (one thread), named from
 what differs (spec, varied values, seed); its log is OUT/NAME/train.log and its state
 OUT/NAME/run.json. A failed run is recorded and the others go on. At the end the runs are
-compared (OUT/results.md; `restopo compare OUT` redoes it).
+compared (OUT/results.md, which opens with the `restopo compare OUT --baseline ...` line
+that redoes it).
 """
 
 
