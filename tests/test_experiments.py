@@ -121,24 +121,34 @@ def test_a_dry_run_lists_a_finished_run_with_a_command_that_keeps_it(tmp_path, c
 def test_a_run_and_a_sweep_do_not_share_a_folder(tmp_path, capsys):
     """`restopo train --out SWEEP` trained a run beside the sweep's runs, which compare then
     took for another arm (named after the folder) and eval for the sweep's one run; a sweep
-    into a run's folder nested its runs inside that run. Each is refused, before any work."""
-    std, _ = _specs(tmp_path)
-    sweep = tmp_path / "sw"
-    for name in ("std-s0", "std-s1"):
-        (sweep / name / "ckpt").mkdir(parents=True)
-    before = sorted(p.name for p in sweep.iterdir())
-    for argv in (["train", std, "--out", str(sweep), "--no-progress"],
-                 ["train", "--resume", "--out", str(sweep), "--no-progress"]):
-        assert main(argv) == 1
-        assert capsys.readouterr().err == (
-            f"restopo train: error: --out {sweep} holds runs (std-s0, std-s1: a sweep's "
-            f"folder); give this run a folder of its own, e.g. --out {sweep / 'NAME'}\n")
-    assert sorted(p.name for p in sweep.iterdir()) == before
-    run = sweep / "std-s0"
-    assert main(["sweep", std, "--out", str(run), "--dry-run"]) == 1
-    assert capsys.readouterr().err == (f"restopo sweep: error: --out {run} is a run's folder "
-                                       f"(it holds ckpt/); give the sweep a folder of its own\n")
-    assert [p.name for p in run.iterdir()] == ["ckpt"]
+    into a run's folder nested its runs inside that run. Each is refused, before any work:
+    a folder of a sweep's runs (run.json, before any checkpoint) or of runs with ckpt/."""
+    spec = _specs(tmp_path)[0]
+    job = make_grid([spec], [0])[0]
+    swept, trained_into = tmp_path / "sweep", tmp_path / "mine"
+    (swept / job.name).mkdir(parents=True)
+    (swept / job.name / "run.json").write_text(json.dumps({"arm": job.arm, "seed": 0}))
+    for name in ("std-s0", "std-s1", "std-s2"):
+        (trained_into / name / "ckpt").mkdir(parents=True)
+    for folder, held, first in ((swept, "1 run", job.name), (trained_into, "3 runs", "std-s0")):
+        before = sorted(p.name for p in folder.iterdir())
+        for argv in (["train", spec, "--out", str(folder), "--no-progress"],
+                     ["train", "--resume", "--out", str(folder), "--no-progress"]):
+            assert main(argv) == 1
+            assert capsys.readouterr().err == (
+                f"restopo train: error: --out {folder} is a folder of runs ({held}, such as "
+                f"{first}: a sweep's), which restopo compare would take this run for one of; "
+                f"give it a folder of its own, e.g. --out {folder / 'NAME'} (inside it: "
+                f"compared with them)\n")
+        assert sorted(p.name for p in folder.iterdir()) == before
+    trained = tmp_path / "trained"
+    assert main(["train", spec, "--out", str(trained), "--no-progress", "--steps", "1"]) == 0
+    capsys.readouterr()
+    kept = sorted(p.name for p in trained.iterdir())
+    assert main(["sweep", spec, "--out", str(trained), "--dry-run"]) == 1
+    err = capsys.readouterr().err
+    assert f"error: --out {trained} holds a run of restopo train" in err, err
+    assert sorted(p.name for p in trained.iterdir()) == kept
 
 
 def test_one_run_is_said_as_one(tmp_path, capsys):
@@ -298,31 +308,6 @@ def test_a_run_stopped_by_ctrl_c_is_recorded_as_interrupted_not_failed(tmp_path,
     info = json.loads((tmp_path / job.name / "run.json").read_text())
     assert result["status"] == info["status"] == "interrupted"
     assert "resumes it" in info["error"]
-
-
-def test_a_run_and_a_sweep_do_not_share_a_folder(tmp_path, capsys):
-    """`restopo train --out` a sweep's folder trained there, and compare then read that run
-    as one more arm beside the sweep's (so did a sweep into a run's folder): both are now
-    refused, naming the folder, before anything is written."""
-    spec = _specs(tmp_path)[0]
-    swept = tmp_path / "sweep"
-    job = make_grid([spec], [0])[0]
-    (swept / job.name).mkdir(parents=True)
-    (swept / job.name / "run.json").write_text(json.dumps({"arm": job.arm, "seed": 0}))
-    assert main(["train", spec, "--out", str(swept), "--no-progress"]) == 1
-    err = capsys.readouterr().err
-    assert f"error: --out {swept} is a sweep's folder (1 run of restopo sweep, such as " \
-           f"{job.name})" in err and f"({swept / 'NAME'})" in err, err
-    assert sorted(p.name for p in swept.iterdir()) == [".restopo.lock", job.name]
-    trained = tmp_path / "trained"
-    assert main(["train", spec, "--out", str(trained), "--no-progress",
-                 "--steps", "1"]) == 0
-    capsys.readouterr()
-    kept = sorted(p.name for p in trained.iterdir())
-    assert main(["sweep", spec, "--out", str(trained), "--dry-run"]) == 1
-    err = capsys.readouterr().err
-    assert f"error: --out {trained} holds a run of restopo train" in err, err
-    assert sorted(p.name for p in trained.iterdir()) == kept
 
 
 def test_a_second_sweep_of_a_folder_is_refused_and_a_live_run_left_alone(tmp_path, capsys,

@@ -211,15 +211,16 @@ def test_a_changed_data_folder_is_said_without_brackets_in_brackets(tmp_path):
     changed', brackets in brackets; the corpus's own description is now set off by commas."""
     from restopo.spec import parse_spec
     from restopo.train.data import open_corpus
-    from restopo.train.runspec import data_note
+    from restopo.train.runspec import data_note, run_meta
     folder = tmp_path / "texts"
     folder.mkdir()
     for name in ("a.txt", "b.txt"):
         (folder / name).write_text(f"{name} holds some text\n" * 50)
     spec = parse_spec(SPEC.replace("builtin:stdlib", f'"{folder}"'))
     corpus = open_corpus(spec.train.data)
-    then = {"source": spec.train.data, "tokens": [1, 1], "sha256": "0"}
-    note = data_note(spec, corpus, {"data": then, "step": 3}, "ckpt/step_000003")
+    then = {"source": spec.train.data, "tokens": [1, 1], "sha256": "0"}  # other data then
+    meta = {**run_meta(spec, str(tmp_path)), "data": then, "step": 3}
+    note = data_note(spec, corpus, meta, "ckpt/step_000003")
     assert note.startswith(f"train.data, {corpus.description}, has changed since "), note
     depth = deepest = 0
     for ch in note:

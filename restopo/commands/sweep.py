@@ -146,10 +146,6 @@ def run(args) -> int:
     from ..spec.errors import raise_all
 
     out = Path(args.out)
-    if (out / "ckpt").is_dir():  # its runs inside a run: each would take the other for it
-        print(f"restopo sweep: error: --out {out} is a run's folder (it holds ckpt/); give "
-              f"the sweep a folder of its own", file=sys.stderr)
-        return 1
     try:
         seeds = _seeds(args)
         grid = make_grid(args.specs, seeds, args.overrides, args.vary)

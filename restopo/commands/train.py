@@ -266,13 +266,26 @@ def _out_folder(args) -> Path:
                     "a run from its checkpoint)")
     if out.exists() and not out.is_dir():
         raise _Stop(f"--out {out} is a file, not a folder; choose another --out")
-    from ..train.checkpoint import runs_in
-    runs = [] if (out / "ckpt").is_dir() else runs_in(out)  # a run may hold runs of its own
-    if runs:  # a sweep's folder: compare and restopo.load would take this run for one of it
-        raise _Stop(f"--out {out} holds runs ({', '.join(r.name for r in runs[:2])}"
-                    f"{', ...' if len(runs) > 2 else ''}: a sweep's folder); give this run a "
-                    f"folder of its own, e.g. --out {out / 'NAME'}")
+    _not_a_folder_of_runs(out)
     return out
+
+
+def _not_a_folder_of_runs(out: Path) -> None:
+    """A run's --out must not be a folder of runs (a sweep's, or runs trained into its
+    subfolders): restopo compare would take the run for one more arm, named for the folder,
+    and restopo.load the folder for that one run. A run folder may hold runs of its own."""
+    from ..experiments.runs import sweep_runs
+    from ..train.checkpoint import runs_in
+    from ..words import counted
+
+    if (out / "ckpt").is_dir():
+        return
+    held = sweep_runs(out) or runs_in(out)
+    if held:
+        raise _Stop(f"--out {out} is a folder of runs ({counted(len(held), 'run')}, such as "
+                    f"{held[0].name}: a sweep's), which restopo compare would take this run "
+                    f"for one of; give it a folder of its own, e.g. --out {out / 'NAME'} "
+                    f"(inside it: compared with them)")
 
 
 def _tidy(out: Path) -> None:
@@ -297,16 +310,8 @@ def _fresh_start(out: Path, overwrite: bool) -> bool:
     replace files it did not write. True when an old run is there to replace (--overwrite):
     `_replace_old_run` deletes it once every check has passed, never before (a refused
     command with --overwrite deleted the run it was refused for)."""
-    from ..experiments.runs import sweep_runs
     from ..train.checkpoint import latest_checkpoint
-    from ..words import counted
 
-    held = sweep_runs(out)
-    if held:  # restopo compare would read the new run as one more arm, named for the folder
-        raise _Stop(f"--out {out} is a sweep's folder ({counted(len(held), 'run')} of restopo "
-                    f"sweep, such as {held[0].name}), and restopo compare would take a run "
-                    f"there for one of its arms; choose another --out, or a folder inside "
-                    f"it ({out / 'NAME'}) to compare the run with the sweep's")
     old = latest_checkpoint(out / "ckpt", resume=False)  # weights alone are a run's too
     found = [name for name in RUN_FILES if (out / name).exists()]
     if old is None and not found:
