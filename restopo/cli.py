@@ -116,11 +116,14 @@ def device_arg(text: str) -> str:
     return text
 
 
-def output_error(out: str, *inputs: str, folder: bool = False) -> str | None:
+def output_error(out: str, *inputs: str, folder: bool = False,
+                 replace: bool = True) -> str | None:
     """Why a command must not write its output to `out` (None: it may): `out` is one of
     the command's own input files (the spec, the model being exported), a write-protected
-    file (the atomic rename would replace it regardless), or lies in a checkpoint, whose
-    manifest then no longer matches and which later loads pass over as damaged. A file's
+    file (the atomic rename would replace it regardless), lies in a checkpoint, whose
+    manifest then no longer matches and which later loads pass over as damaged, or is a file
+    already there and `replace` is False (compile and export without --overwrite: what they
+    write may land where trained weights, or a module of one's own, were). A file's
     folder that cannot take it is said too, before the work rather than after it (`folder`:
     `out` is a folder the command makes, parents and all: io.output_folder's to check)."""
     from .io import beside_error
@@ -138,6 +141,9 @@ def output_error(out: str, *inputs: str, folder: bool = False) -> str | None:
     if held is not None:
         return (f"{out} is inside the checkpoint {held}, which restopo writes only when "
                 f"saving; write the output outside it")
+    if not replace and os.path.isfile(out):
+        return (f"{out} already exists; write the output to another path, or give --overwrite "
+                f"to replace it")
     e = None if folder else beside_error(out)
     return f"{out}: {e.strerror}" if e is not None else None
 

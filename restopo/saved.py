@@ -167,10 +167,11 @@ def _unreadable(p: Path, kind: str, begins_as_one: bool, e: Exception) -> LoadEr
     short or damaged since it was written), or none at all."""
     if _size(p) == 0:
         return LoadError(f"{p}: the file is empty; write it again (restopo export CKPT -o "
-                         f"{p.name})")
+                         f"{p.name} --overwrite)")
     if begins_as_one:
         return LoadError(f"{p}: begins as a {kind} but is cut short or damaged "
-                         f"({_one_line(e)}); write it again (restopo export CKPT -o {p.name})")
+                         f"({_one_line(e)}); write it again (restopo export CKPT -o {p.name} "
+                         f"--overwrite)")
     return LoadError(f"{p}: not a {kind} restopo wrote ({_one_line(e)})")
 
 

@@ -56,18 +56,28 @@ def test_a_write_protected_file_is_kept(tmp_path, capsys, monkeypatch):
     assert out.read_text() == "mine"
 
 
-def test_nothing_is_written_into_a_checkpoint(tmp_path, capsys):
+def saved_run(tmp_path, trained=False):
+    """tmp_path/run: a run of tmp_path/t.restopo with one checkpoint (`trained`: of weights
+    no compile makes, else of fresh ones); returns the checkpoint's folder."""
     (tmp_path / "corpus.txt").write_text("def f(x):\n    return x\n" * 50)
     (tmp_path / "t.restopo").write_text(
         'model t { vocab: 256; width: 16; depth: 1; heads: 2; context: 8 }\n'
         'residual standard\ntrain { data: "corpus.txt"; steps: 2; batch: 2 }\n')
     spec = restopo.load_spec(str(tmp_path / "t.restopo"))
-    model = restopo.compile(spec)
     state = {"step": 1, "data": {"generator": torch.Generator().get_state()},
              "torch_cpu": torch.get_rng_state()}
+    model = restopo.compile(spec)
+    if trained:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
     save_checkpoint(tmp_path / "run" / "ckpt", 1, model, None, state,
                     run_meta(spec, str(tmp_path)))
-    step = tmp_path / "run" / "ckpt" / "step_000001"
+    return tmp_path / "run" / "ckpt" / "step_000001"
+
+
+def test_nothing_is_written_into_a_checkpoint(tmp_path, capsys):
+    step = saved_run(tmp_path)
     weights = step / "model.safetensors"
     for argv in (["export", str(tmp_path / "run"), "-o", str(weights)],
                  ["export", str(tmp_path / "run"), "-o", str(step / "extra.pt")],
@@ -134,3 +144,26 @@ def test_an_output_folder_that_cannot_take_it_is_said_before_the_work(tmp_path, 
             f"{locked} (permission denied); write it to another path, or fix the folder's " \
             "permissions" in err
     assert worked == []
+
+
+def test_exported_weights_are_not_replaced_unasked(tmp_path, capsys):
+    """`export RUN -o tiny.pt`, then `compile SPEC -o tiny.pt` (both --help examples) put
+    fresh weights where the trained ones were, without a word; so could a second export."""
+    saved_run(tmp_path, trained=True)
+    spec, out = str(tmp_path / "t.restopo"), tmp_path / "tiny.pt"
+    assert main(["export", str(tmp_path / "run"), "-o", str(out)]) == 0
+    capsys.readouterr()
+    before = out.read_bytes()
+    for argv in (["compile", spec, "-o", str(out)],
+                 ["export", str(tmp_path / "run"), "-o", str(out)]):
+        err = error(capsys, argv)
+        assert err.count("\n") == 1 and f"{out} already exists" in err and "--overwrite" in err
+        assert out.read_bytes() == before
+    module = tmp_path / "tiny_model.py"
+    module.write_text("# my own\n")
+    assert "already exists" in error(capsys, ["compile", spec, "-o", str(module)])
+    assert module.read_text() == "# my own\n"
+    trained = torch.load(out, weights_only=True)["state_dict"]
+    assert main(["compile", spec, "-o", str(out), "--overwrite"]) == 0
+    fresh = torch.load(out, weights_only=True)["state_dict"]
+    assert not torch.equal(fresh["embed.weight"], trained["embed.weight"])

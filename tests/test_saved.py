@@ -215,7 +215,11 @@ def test_an_export_cut_short_or_empty_says_so(run, tmp_path, capsys, name, kind)
         assert main(["generate", str(short)]) == 1
         err = capsys.readouterr().err
         assert err.startswith("restopo generate: error: ") and len(err.splitlines()) == 1
-        assert f"write it again (restopo export CKPT -o short{path.suffix})" in err
+        # the advice works: an export over a file there is refused without --overwrite
+        assert f"write it again (restopo export CKPT -o short{path.suffix} --overwrite)" in err
+        assert main(["export", str(folder / "run"), "-o", str(short), "--overwrite"]) == 0
+        load(short)
+        capsys.readouterr()
 
 
 @pytest.mark.parametrize("suffix", [".safetensors", ".pt"])

@@ -133,7 +133,7 @@ def test_spec_text_cannot_break_out_of_the_module(tmp_path):
     (tmp_path / "t.restopo").write_text(text)
     (tmp_path / "odd'\"name.restopo").write_text(text)
     for spec_file in ("t.restopo", "odd'\"name.restopo"):
-        r = compile_cli(spec_file, "-o", "gen_model.py", cwd=tmp_path)
+        r = compile_cli(spec_file, "-o", "gen_model.py", "--overwrite", cwd=tmp_path)
         assert r.returncode == 0, r.stderr
         namespace = {}
         exec(compile((tmp_path / "gen_model.py").read_text(), "gen_model.py", "exec"), namespace)

@@ -37,6 +37,9 @@ def register(subparsers) -> None:
     p.add_argument("spec", metavar="FILE", help="the .restopo file")
     p.add_argument("-o", "--output", required=True, metavar="OUT",
                    help="where to write: a path ending in .py or .pt")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace OUT if it exists (else refused: it may hold trained weights "
+                        "or a module of one's own)")
     p.add_argument("--backend", choices=("auto", "eager", "triton", "cpu"), default="auto",
                    help="aggregation kernels to build the model with here, which checks that "
                         "they build (default: triton on CUDA when available, else the fused "
@@ -60,7 +63,7 @@ def run(args) -> int:
               file=sys.stderr)
         return 2
     from .standalone import module_path_error
-    why = output_error(out, args.spec) or module_path_error(out)
+    why = output_error(out, args.spec, replace=args.overwrite) or module_path_error(out)
     if why:
         return _fail(why)
     from ..spec import load_spec  # SpecError and OSError (which file, why) go to the CLI

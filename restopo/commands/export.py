@@ -27,6 +27,8 @@ def register(subparsers) -> None:
                    help="a run folder, checkpoint folder, .pt or .safetensors")
     p.add_argument("-o", "--output", required=True, metavar="OUT",
                    help="a path ending in .safetensors, .pt or .py")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace OUT if it exists (else refused: it may hold other weights)")
     p.set_defaults(func=run)
 
 
@@ -41,7 +43,7 @@ def run(args) -> int:
     from ..cli import load_model, output_error
     from ..saved import LoadError, export
     from .standalone import module_path_error, module_source
-    why = output_error(out, args.checkpoint) or module_path_error(out)
+    why = output_error(out, args.checkpoint, replace=args.overwrite) or module_path_error(out)
     if why:
         print(f"restopo export: error: {why}", file=sys.stderr)
         return 1
