@@ -32,6 +32,7 @@ from .fx.lower import lower, lowered, parts_of
 from .nn.aggregate import FIXED_FOR
 from .nn.parts import Parts
 from .nn.sublayers import MLP, Attention, KVCache, Rotary, token_ids_in
+from .words import counted
 
 
 class Step:
@@ -113,9 +114,9 @@ class Decoder:
         require_own_sublayers(parts)
         rotary = parts.context
         if length > rotary.context:
-            raise ValueError(f"prompt plus new tokens is {length} tokens, longer than the "
-                             f"model's context {rotary.context}; generate fewer tokens or "
-                             f"shorten the prompt")
+            raise ValueError(f"prompt plus new tokens is {counted(length, 'token')}, longer "
+                             f"than the model's context {rotary.context:,}; generate fewer "
+                             f"tokens or shorten the prompt")
         weight = parts.embed.weight
         self.step = Step(weight.device)
         self.batch, self.length, self.pos = batch, length, 0
@@ -164,8 +165,8 @@ class Decoder:
     def _run(self, idx: torch.Tensor) -> torch.Tensor:
         B, T = idx.shape
         if B != self.batch or self.pos + T > self.length:
-            raise ValueError(f"this decoder holds {self.batch} sequences of up to "
-                             f"{self.length} tokens; got {B} x {T} after {self.pos}")
+            raise ValueError(f"this decoder holds {counted(self.batch, 'sequence')} of up to "
+                             f"{counted(self.length, 'token')}; got {B} x {T} after {self.pos}")
         one_step = self.fixed and T == 1 and self.pos > 0
         if one_step:  # fixed shapes: the same position tensor, updated in place (a new
             self.step.one.fill_(self.pos)  # object would make torch.compile recompile)

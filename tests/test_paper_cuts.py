@@ -132,3 +132,39 @@ def test_compile_help_examples_run(tmp_path, capsys):
         r = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=300,
                            env=env)
         assert r.returncode == 0, (command, r.stderr)
+
+
+def test_counts_of_steps_and_tokens_have_thousands_separators(spec, capsys, monkeypatch):
+    """'20000 steps x 16 x 64 tokens' and 'done: 20000 steps' where the same lines said
+    '1,024 parameters'; so did the resume note and compare's scale note."""
+    import dataclasses
+
+    import restopo
+    import restopo.train.loop
+    from restopo.decode import Decoder
+    from restopo.experiments import report
+    from restopo.experiments.runs import Run
+    from restopo.train.runspec import load, resume_notes, run_meta
+
+    def trained(model, corpus, cfg, out, ctx, **kw):  # the run's own lines, not its steps
+        return {"steps": cfg.steps, "loss": 1.0, "val_loss": None, "seconds": 1.0,
+                "metrics": "m", "plot": "p", "checkpoint": None}
+
+    monkeypatch.setattr(restopo.train.loop, "train", trained)
+    assert train(spec, "--set", "model.context=1024", "--out", "r") == 1
+    assert f"fewer than context + 1 = {1025:,};" in capsys.readouterr().err
+    (spec.parent / "corpus.txt").write_text("def f(x):\n    return x + 1\n" * 1000)
+    assert train(spec, "--steps", "20000", "--set", "model.context=1024", "--out", "r") == 0
+    out, err = capsys.readouterr()
+    assert f"{20000:,} steps x 2 x {1024:,} tokens" in err and f"done: {20000:,} steps" in out
+    old = load(str(spec), ("train.steps=1500",))
+    then = {**run_meta(old, str(spec.parent)), "step": 1, "config": dataclasses.asdict(
+        restopo.train.loop.TrainConfig.from_spec(old.train, old.model.context))}
+    note = resume_notes(load(str(spec), ("train.steps=20000",)), then, "ckpt")[-1]
+    assert f"scheduled for {1500:,} steps" in note and f"over {20000:,} steps" in note
+    meta = {"step": 1500, "spec_path": "/x/a.restopo", "spec_text": SPEC,
+            "config": {"steps": 1500, "batch": 64, "context": 16}}
+    note = report.scale_note(report.group([Run(Path("/x/a-s0"), "a", 0, meta, [])]))
+    assert f"({1500:,} steps of {1024:,} tokens)" in note
+    with pytest.raises(ValueError, match=f"is {2000:,} tokens, .* context {1024:,};"):
+        Decoder(restopo.compile(SPEC.replace("context: 16", "context: 1024")), 1, 2000)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ..cli import SetOverride, device_arg, int_range, noter
 from ..spec.objects import RECOMPUTE
+from ..words import counted
 
 EXAMPLES = """\
 examples:
@@ -646,8 +647,8 @@ def _train(args, out: Path) -> int:
         if ctx.is_main:
             n_params = sum(p.numel() for p in model.parameters())
             print(f"restopo train: {spec.path} ({spec.topology.name}, {n_params:,} parameters) "
-                  f"on {corpus.description}; {cfg.steps} steps x {cfg.batch} x "
-                  f"{cfg.context} tokens, {chosen.describe()} on {ctx.device}"
+                  f"on {corpus.description}; {counted(cfg.steps, 'step')} x {cfg.batch:,} x "
+                  f"{counted(cfg.context, 'token')}, {chosen.describe()} on {ctx.device}"
                   + (f"; resuming from {step_dir}" if step_dir else ""), file=sys.stderr)
             _note_unfused(spec, args.backend, ctx.device)
         _replace_old_run(args, out)  # the layout, compile, data and model are ready
@@ -666,7 +667,7 @@ def _train(args, out: Path) -> int:
         dist.cleanup(ctx)
     if ctx.is_main:
         loss, val = summary["loss"], summary["val_loss"]
-        print(f"done: {summary['steps']} steps"
+        print(f"done: {counted(summary['steps'], 'step')}"
               + (f", loss {loss:.4f}" if loss is not None else "")
               + (f", val loss {val:.4f}" if val is not None else "")
               + f" ({summary['seconds']:.0f} s)")

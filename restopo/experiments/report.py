@@ -556,11 +556,12 @@ def scale_note(arms: list[Arm]) -> str:
     data = data_place(r.spec) if r.spec is not None and r.spec.train is not None else "?"
     if len(budgets) == 1:
         budget = (f"{r.tokens_per_step * r.planned_steps:,} training tokens per run "
-                  f"({r.planned_steps} steps of {r.tokens_per_step:,} tokens)")
+                  f"({counted(r.planned_steps, 'step')} of "
+                  f"{counted(r.tokens_per_step, 'token')})")
     else:  # one budget per arm, never the first run's for all
         budget = "training tokens per run differing by arm: " + "; ".join(
             f"{a.name} " + " or ".join(sorted({f"{x.tokens_per_step * x.planned_steps:,} "
-                                                f"({x.planned_steps} steps of "
+                                                f"({counted(x.planned_steps, 'step')} of "
                                                 f"{x.tokens_per_step:,})" for x in a.runs
                                                if x.meta}))
             for a in arms if any(x.meta for x in a.runs))

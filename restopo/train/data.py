@@ -113,7 +113,7 @@ class Corpus:
             if len(part) < context + 1:
                 raise DataError(
                     f"{self.description}: the {name} split has "
-                    f"{counted(len(part), 'token')}, fewer than context + 1 = {context + 1}; "
+                    f"{counted(len(part), 'token')}, fewer than context + 1 = {context + 1:,}; "
                     f"use more text or a smaller model.context")
 
 

@@ -13,6 +13,7 @@ import torch
 
 from ..spec.datapath import data_base, data_place
 from ..spec.overrides import override_values, same_setting
+from ..words import counted
 from .checkpoint import CheckpointError, read_meta
 
 
@@ -210,8 +211,9 @@ def resume_notes(spec, meta: dict, step_dir, *, spec_file: bool = True) -> list[
                          " there is nothing to train; give more --steps to go on")
         elif new.steps != old.steps and "constant" not in (new.schedule, old.schedule):
             notes.append(
-                f"train.steps is now {new.steps} (the run was scheduled for {old.steps}): "
-                f"the cosine schedule is re-stretched over {new.steps} steps, so the learning "
-                f"rate follows a new curve from here (at step {step + 1}, the next: "
-                f"{lr_at(step, old):.3g} before, {lr_at(step, new):.3g} now)")  # 0-based
+                f"train.steps is now {new.steps} (the run was scheduled for "
+                f"{counted(old.steps, 'step')}): the cosine schedule is re-stretched over "
+                f"{counted(new.steps, 'step')}, so the learning rate follows a new curve from "
+                f"here (at step {step + 1}, the next: {lr_at(step, old):.3g} before, "
+                f"{lr_at(step, new):.3g} now)")  # 0-based
     return notes
