@@ -1461,3 +1461,31 @@ def test_slurm_parameters_submitit_refuses_are_one_line_and_its_types_are_kept(t
         err = capsys.readouterr().err.splitlines()[-1]
         assert err.startswith('restopo sweep: error: --executor submitit: Could not detect')
         assert err.endswith("or use --executor local (or submitit-local) here")
+
+
+def test_the_scaling_plots_tick_labels_do_not_overlap(tmp_path, monkeypatch):
+    """docs/scaling.png's compute axis, about a decade and a half of FLOPs, read
+    '3x10^11 4x10^11' and '3x10^12 4x10^12' run together: matplotlib labels 2, 3, 4 and 6 x
+    10^n on such a log axis, wider than the gaps between them."""
+    figures = []
+    monkeypatch.setattr(report, "_save", lambda fig, path: figures.append(fig) or path)
+    for low, high in ((4.5e11, 3.5e12), (2e9, 6e10), (1e6, 1e12)):
+        tokens = 8 * 32 * 100
+        flops = [low * (high / low) ** (k / 3) / tokens for k in range(4)]
+        arms = [report.Arm(f"standard-{i}", [_synthetic_run(f"standard-{i}", "standard", 0,
+                                                            100, 25.4 * (f * tokens) ** -0.1)],
+                           train_flops_per_token=f) for i, f in enumerate(flops)]
+        fit, _ = report.compute_equivalence(arms, "standard")
+        report.plot_scaling(arms, fit, "standard", tmp_path / "scaling.png")
+        fig = figures.pop()
+        fig.canvas.draw()
+        ax = fig.axes[0]
+        for axis in (ax.xaxis, ax.yaxis):
+            lo, hi = sorted(axis.get_view_interval())
+            boxes = [t.label1.get_window_extent() for x, t in zip(
+                axis.get_majorticklocs().tolist() + axis.get_minorticklocs().tolist(),
+                axis.get_major_ticks() + axis.get_minor_ticks())
+                if lo <= x <= hi and t.label1.get_visible() and t.label1.get_text()]
+            assert len(boxes) >= 2, (low, high)  # still labelled
+            assert not [(a, b) for i, a in enumerate(boxes) for b in boxes[:i]
+                        if a.overlaps(b)], (low, high, axis.axis_name)

@@ -713,7 +713,40 @@ def plot_scaling(arms: list[Arm], fit: PowerLaw, baseline_family: str, path: Pat
     ax.set_ylabel("final validation loss")
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3, which="both")
+    _label_what_fits(ax)
     return _save(fig, path)
+
+
+def _label_what_fits(ax) -> None:
+    """Leave out each tick label that would overlap one kept: a log axis over a decade or
+    two is labelled at 2, 3, 4 and 6 x 10^n too, closer than such labels are wide (the
+    compute axis read '3x10^11 4x10^11' run together). Major ticks (decades) first, then
+    the minor ones in order; every axis of `ax`, measured as drawn."""
+    import numpy as np
+    from matplotlib.ticker import FuncFormatter
+
+    ax.figure.canvas.draw()  # extents scale with the dpi as the axes do: any dpi will do
+    for axis in (ax.xaxis, ax.yaxis):
+        scale = axis.get_transform()  # in view as matplotlib draws it: to a hair past the ends
+        lo, hi = sorted(scale.transform(np.asarray(axis.get_view_interval())))
+        slack = 1e-9 * (hi - lo)
+        kept, dropped = [], set()
+        for locs, ticks in ((axis.get_majorticklocs(), axis.get_major_ticks),
+                            (axis.get_minorticklocs(), axis.get_minor_ticks)):
+            for x, tick in zip(locs, ticks(len(locs))):
+                label = tick.label1
+                if not (lo - slack <= scale.transform(np.asarray([x]))[0] <= hi + slack
+                        and label.get_visible() and label.get_text()):
+                    continue
+                box = label.get_window_extent().padded(2)
+                if any(box.overlaps(k) for k in kept):
+                    dropped.add(x)
+                else:
+                    kept.append(box)
+        for get, put in ((axis.get_major_formatter, axis.set_major_formatter),
+                         (axis.get_minor_formatter, axis.set_minor_formatter)):
+            put(FuncFormatter(lambda x, pos, f=get(), dropped=dropped: "" if x in dropped
+                              else f(x, pos)))
 
 
 # -- the whole report ------------------------------------------------------------------------
