@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import importlib
 import os
+import signal
 import sys
 import warnings
 
@@ -220,7 +221,38 @@ def _warnings_as_notes(command: str):
         warnings.showwarning = shown
 
 
+@contextlib.contextmanager
+def _interrupts_seen():
+    """Within the block, Ctrl-C raises KeyboardInterrupt as Python's own handler does, and
+    is remembered (the list yielded): one that came inside a C extension's import can be
+    caught and dropped by the library importing it (torch, of numpy), and the extension's
+    next import then fails with 'ImportError: cannot load module more than once per
+    process', which main says as the stop it was."""
+    seen: list[int] = []
+
+    def handler(signum, frame):
+        seen.append(signum)
+        signal.default_int_handler(signum, frame)
+
+    mine = signal.getsignal(signal.SIGINT) is signal.default_int_handler  # else not ours
+    if mine:
+        try:
+            signal.signal(signal.SIGINT, handler)
+        except ValueError:  # main() called on another thread than the main one
+            mine = False
+    try:
+        yield seen
+    finally:
+        if mine:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def main(argv=None) -> int:
+    with _interrupts_seen() as interrupts:
+        return _main(argv, interrupts)
+
+
+def _main(argv, interrupts: list[int]) -> int:
     # a character stdout's encoding cannot hold (PYTHONIOENCODING=ascii, a Latin-1 locale)
     # is shown as '?', not a codec error that stops the command: generated text, a report's ±.
     # Line-buffered as stderr is: into one pipe or file (2>&1 | tee log) a block-buffered
@@ -250,10 +282,12 @@ def main(argv=None) -> int:
     except (OSError, UnicodeDecodeError) as e:  # a path the system refuses: one line
         print(file_error(e), file=sys.stderr)
         return 1
-    except KeyboardInterrupt as e:  # a stop that saved first says where it left off
+    except (KeyboardInterrupt, ImportError) as e:  # a stop that saved first says where
+        if isinstance(e, ImportError) and not interrupts:  # not an import Ctrl-C broke
+            raise
         from .worker import speaks_for_all
 
-        detail = str(e)
+        detail = str(e) if isinstance(e, KeyboardInterrupt) else ""
         if speaks_for_all():  # a raw torchrun passes its Ctrl-C on to every worker
             print("restopo: interrupted" + (f"; {detail}" if detail else ""), file=sys.stderr)
         return 130

@@ -168,3 +168,32 @@ def test_counts_of_steps_and_tokens_have_thousands_separators(spec, capsys, monk
     assert f"({1500:,} steps of {1024:,} tokens)" in note
     with pytest.raises(ValueError, match=f"is {2000:,} tokens, .* context {1024:,};"):
         Decoder(restopo.compile(SPEC.replace("context: 16", "context: 1024")), 1, 2000)
+
+
+def test_ctrl_c_inside_an_extensions_import_ends_as_a_stop(spec, capsys, monkeypatch):
+    """Ctrl-C in a command's first second, while torch imported numpy: torch caught and
+    dropped the KeyboardInterrupt, and numpy's next import failed with a traceback of
+    'ImportError: cannot load module more than once per process', exit 1."""
+    import signal
+
+    import restopo.commands.check as check
+
+    def importing(args):
+        try:  # torch's import of numpy, stopped in its C code and the stop dropped
+            os.kill(os.getpid(), signal.SIGINT)
+            signal.getsignal(signal.SIGINT)  # the handler runs between bytecodes
+        except KeyboardInterrupt:
+            pass
+        raise ImportError("cannot load module more than once per process")
+
+    monkeypatch.setattr(check, "run", importing)
+    assert main(["check", str(spec)]) == 130
+    assert capsys.readouterr().err == "restopo: interrupted\n"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
+
+    def broken(args):  # without a Ctrl-C, an ImportError is no stop
+        raise ImportError("cannot load module more than once per process")
+
+    monkeypatch.setattr(check, "run", broken)
+    with pytest.raises(ImportError):
+        main(["check", str(spec)])
