@@ -1034,3 +1034,26 @@ def test_spec_text_with_other_line_breaks_is_read_as_a_file_is(newline):
     with pytest.raises(SpecError) as got:
         parse_spec("\ufeff" + text.replace("\n", newline), "spec.restopo")
     assert str(got.value) == str(expected.value)
+
+
+@pytest.mark.parametrize("first,again", [
+    ("width: 64", "width: abc"), ("steps: 3", "steps: -1"),
+    ("blocks: 2", "blocks: x"), ("stages: 2", "stages: 0"),
+    ("before sublayer: attend(embedding, sublayers)",
+     "before sublayer: atend(embedding, sublayers)")])
+def test_a_key_given_twice_has_its_later_value_checked_too(first, again):
+    """`width: 64; width: abc` was said only as a duplicate key: the mistake in 'abc' came
+    once the first was removed. It is said beside the duplicate, as it is said alone."""
+    section = {"width": M.replace("width: 64", "@") + S, "steps": M + S + "train { @ }\n",
+               "blocks": M + "residual block_attnres(@)\n",
+               "stages": M + S + "parallel { pipeline(@, microbatches: 2) }\n",
+               "before": M + "residual custom { @ }\n"}[first.split(":")[0].split()[0]]
+    sep = ", " if "(@" in section else "; "
+    with pytest.raises(SpecError) as alone:
+        parse_spec(section.replace("@", again), "spec.restopo")
+    with pytest.raises(SpecErrors) as info:
+        parse_spec(section.replace("@", first + sep + again), "spec.restopo")
+    said = [(e.message, e.hint) for e in info.value.errors]
+    assert said[0][0].startswith("duplicate key") and len(said) == 2, said
+    assert said[1] == (alone.value.message, alone.value.hint)
+    assert info.value.errors[1].column == alone.value.column + len(first + sep)

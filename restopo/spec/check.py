@@ -10,6 +10,8 @@ here evaluates user text: values are matched against fixed vocabularies and numb
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from .. import topology as T
 from ..words import alts, counted
 from .errors import SpecError, did_you_mean, raise_all
@@ -373,6 +375,10 @@ def check(file: SpecFile, text: str, overrides=()) -> Spec:
                 "add a line such as 'residual block_attnres(blocks: 8)' or 'residual standard'")
     parallel = check_parallel(views["parallel"], c) if "parallel" in views else None
     train = check_train(views["train"], c) if "train" in views else TrainSpec()
+    checks = {"model": check_model, "residual": check_residual, "parallel": check_parallel,
+              "train": check_train}
+    for kind, view in views.items():
+        _check_repeated(view, checks[kind], c)
 
     if model is not None and not check_model_limits(model, c):
         model = None  # too large to resolve against
@@ -400,6 +406,24 @@ def check(file: SpecFile, text: str, overrides=()) -> Spec:
     raise_all(_reported(sorted(c.errors, key=lambda e: _order(e, file.path))))
     return Spec(residual, model, train if train is not None else TrainSpec(), parallel, text,
                 file.path, tuple(overrides), source=src, resolved=topology)
+
+
+def _check_repeated(view: View, check_section, c: Checker) -> None:
+    """The mistakes in a key's later values (`width: 64; width: abc`), said beside its being
+    given twice: else the second's showed only once the first was removed. The section is
+    checked again with each in the first's place, keeping what is said inside that value."""
+    for again in view.repeated:
+        if again.key.text not in view.fields:  # the first was refused (an unknown key)
+            continue
+        scratch = Checker(c.src)
+        scratch.homes = c.homes
+        check_section(replace(view, fields={**view.fields, again.key.text: again}), scratch)
+        c.errors += [e for e in scratch.errors if _inside(e, again.value.pos)]
+
+
+def _inside(e: SpecError, pos: Pos) -> bool:
+    end = (pos.end_line or pos.line, pos.end_column or pos.column + 1)
+    return e.path == pos.source and (pos.line, pos.column) <= (e.line, e.column) < end
 
 
 MAX_REPORTED = 50  # errors shown at once: past that, fixing the first ones comes first

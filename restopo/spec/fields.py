@@ -75,6 +75,7 @@ class View:
     braces: bool = True               # written `kind { ... }` (else the one-line form)
     pos: Pos | None = None
     bad: bool = False                 # its head already had an error (don't pile on more)
+    repeated: list[Field] = field(default_factory=list)  # a key's later values (gather)
 
 
 class Checker:
@@ -260,6 +261,7 @@ class Checker:
                 first = view.fields[k].key.pos
                 self.error(e.key.pos, f"duplicate key '{k}' in {view.kind.text} (first given "
                            f"at line {first.line})", "remove one of them")
+                view.repeated.append(Field(e.key, e.value, e.pos))
                 continue
             view.fields[k] = Field(e.key, e.value, e.pos)
 
