@@ -697,6 +697,17 @@ GOLDEN = [
      'spec.restopo', 3, 15,
      "'fsdp' is a data-parallel engine, not training data",
      "it goes in the parallel section: parallel { data: fsdp }"),
+    ('data_engine_in_train_set',  # was: data path '.../fsdp' does not exist
+     M + "residual standard\n", ("train.data=fsdp",),
+     '<--set 1>', 1, 18,
+     "'fsdp' is a data-parallel engine, not training data",
+     "it goes in the parallel section: --set parallel.data=fsdp; a data file of that name: "
+     "--set train.data=./fsdp"),
+    ('pipeline_schedule_in_train_set',  # was the file's form: parallel { schedule: 1f1b }
+     M + "residual standard\n", ("train.schedule=1f1b",),
+     '<--set 1>', 1, 22,
+     "'1f1b' is a pipeline schedule, not a learning-rate schedule",
+     "it goes in the parallel section: --set parallel.schedule=1f1b"),
     ('key_in_capitals',  # was: expected one of: vocab, width, ... (difflib is case-sensitive)
      M.replace("width", "WIDTH") + "residual standard\n", (),
      'spec.restopo', 1, 21,

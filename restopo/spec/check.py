@@ -22,8 +22,8 @@ from .nodes import (Call, Key, ListValue, Name, Number, Pos, Qualified, SpecFile
 from .combos import compile_conflict, recompute_conflict
 from .limits import (check_microbatches, check_model_limits, check_source_reads,
                      check_train_limits)
-from .objects import (COMPILE, COMPILE_ALIASES, RECOMPUTE, ModelSpec, ParallelSpec, Spec,
-                      SourceText, TrainSpec)
+from .objects import (COMPILE, COMPILE_ALIASES, DATA_ENGINES, LR_SCHEDULES, RECOMPUTE,
+                      SCHEDULES, ModelSpec, ParallelSpec, Spec, SourceText, TrainSpec)
 from .overrides import apply_overrides
 from .sections import BUILTIN_DATA, views_of
 from .wiring import check_against_model, check_residual
@@ -32,12 +32,9 @@ MODEL_REQUIRED = ("vocab", "width", "depth", "heads", "context")
 MODEL_KEYS = MODEL_REQUIRED + ("mlp", "mlp_ratio", "layer", "tie_embeddings")
 MLP_KINDS = ("swiglu", "gelu")
 PARALLEL_KEYS = ("stages", "virtual", "schedule", "microbatches", "cache", "data")
-DATA_ENGINES = ("ddp", "fsdp")  # data parallel: replicated (DDP) or sharded (FSDP2)
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 TRAIN_KEYS = ("data", "steps", "batch", "lr", "schedule", "warmup", "min_lr", "weight_decay",
               "grad_clip", "accum", "eval_every", "eval_batches", "save_every", "seed",
               "log_every", "keep", "peak_tflops", "recompute", "compile")
-LR_SCHEDULES = ("cosine", "constant")
 # The one section each key belongs to (keys of two sections, data or schedule, are left
 # out), for a key written in another section.
 _SECTION_KEYS = (("model", MODEL_KEYS), ("train", TRAIN_KEYS), ("parallel", PARALLEL_KEYS),
@@ -316,8 +313,14 @@ def _misplaced(fl: Field, key: str, section: str, c: Checker) -> bool:
     if not belongs(fl.value):
         return False
     said = describe(fl.value)
+    if _from_set(fl):  # the other section's key, as typed
+        moved = f"--set {home}.{key}={c.src.written(fl.value.pos) or said}"
+        if key == "data" and home == "parallel":  # a path needs no quotes on a command line
+            moved += f"; a data file of that name: --set train.data=./{said}"
+    else:
+        moved = f"{home} {{ {key}: {said} }}"
     c.error(fl.value.pos, f"'{said}' is {what}, not {_SHARED[key, section][0]}",
-            f"it goes in the {home} section: {home} {{ {key}: {said} }}")
+            f"it goes in the {home} section: {moved}")
     return True
 
 

@@ -127,6 +127,9 @@ RECOMPUTE = ("none", "sublayer", "block")
 # (`true` says the same), or the whole model as one graph
 COMPILE = ("off", "regional", "whole")
 COMPILE_ALIASES = {"true": "regional", "false": "off"}  # what spec files said before
+LR_SCHEDULES = ("cosine", "constant")  # train.schedule
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")  # parallel.schedule: the pipeline's
+DATA_ENGINES = ("ddp", "fsdp")  # parallel.data: replicated (DDP) or sharded (FSDP2)
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import re
 from .errors import SpecError, did_you_mean
 from .fields import Checker, Field, View
 from .nodes import Key, Name, Pos, String
-from .objects import COMPILE, COMPILE_ALIASES
+from .objects import COMPILE, COMPILE_ALIASES, DATA_ENGINES
 from .sections import BUILTIN_DATA, SECTIONS, line_head, parallel_head
 
 
@@ -275,7 +275,8 @@ def apply_overrides(views: dict[str, View], overrides, c: Checker) -> None:
 def _bare_path(text: str) -> bool:
     """An unquoted file path (not `builtin:NAME`, not already quoted). What starts with
     `builtin:` is never a path (datapath.data_path), so it is read as a value, whose
-    mistakes (`builtin:stdlib builtin:stdlib`) check then says."""
+    mistakes (`builtin:stdlib builtin:stdlib`) check then says; so is a builtin's name
+    alone or parallel.data's engine (fsdp), said as such, as in the file."""
     t = text.strip()
-    return (bool(t) and not t.startswith('"') and t not in BUILTIN_DATA
+    return (bool(t) and not t.startswith('"') and t not in BUILTIN_DATA + DATA_ENGINES
             and not re.fullmatch(r"[A-Za-z_]\w*:\w*", t) and not re.match(r"builtin\s*:", t))
