@@ -25,7 +25,7 @@ from .limits import (check_microbatches, check_model_limits, check_source_reads,
 from .objects import (COMPILE, COMPILE_ALIASES, DATA_ENGINES, LR_SCHEDULES, RECOMPUTE,
                       SCHEDULES, ModelSpec, ParallelSpec, Spec, SourceText, TrainSpec)
 from .overrides import apply_overrides
-from .sections import BUILTIN_DATA, views_of
+from .sections import BUILTIN_DATA, SHARED, views_of
 from .wiring import check_against_model, check_residual
 
 MODEL_REQUIRED = ("vocab", "width", "depth", "heads", "context")
@@ -292,24 +292,11 @@ def _check_combinations(train: TrainSpec, parallel: ParallelSpec | None, c: Chec
         c.error(blame(train.where("recompute"), where), *why)
 
 
-# keys of both train and parallel: what each section's value is, and whether `v` is one
-_SHARED = {("schedule", "train"): ("a learning-rate schedule",
-                                   lambda v: _word(v) in LR_SCHEDULES),
-           ("schedule", "parallel"): ("a pipeline schedule", lambda v: _word(v) in SCHEDULES),
-           ("data", "train"): ("training data", lambda v: isinstance(v, (String, Qualified))),
-           ("data", "parallel"): ("a data-parallel engine",
-                                  lambda v: _word(v) in DATA_ENGINES)}
-
-
-def _word(v) -> str | None:
-    return v.text if isinstance(v, (Name, Number)) else None
-
-
 def _misplaced(fl: Field, key: str, section: str, c: Checker) -> bool:
     """True after saying that the value of a key of both train and parallel is the other
     section's kind of value (train { schedule: 1f1b }, parallel { data: "corpus.txt" })."""
     home = "parallel" if section == "train" else "train"
-    what, belongs = _SHARED[key, home]
+    what, belongs = SHARED[key, home]
     if not belongs(fl.value):
         return False
     said = describe(fl.value)
@@ -319,7 +306,7 @@ def _misplaced(fl: Field, key: str, section: str, c: Checker) -> bool:
             moved += f"; a data file of that name: --set train.data=./{said}"
     else:
         moved = f"{home} {{ {key}: {said} }}"
-    c.error(fl.value.pos, f"'{said}' is {what}, not {_SHARED[key, section][0]}",
+    c.error(fl.value.pos, f"'{said}' is {what}, not {SHARED[key, section][0]}",
             f"it goes in the {home} section: {moved}")
     return True
 

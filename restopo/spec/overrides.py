@@ -14,7 +14,7 @@ from .errors import SpecError, did_you_mean
 from .fields import Checker, Field, View
 from .nodes import Key, Name, Pos, String
 from .objects import COMPILE, COMPILE_ALIASES, DATA_ENGINES
-from .sections import BUILTIN_DATA, SECTIONS, line_head, parallel_head
+from .sections import BUILTIN_DATA, SECTIONS, SHARED, line_head, parallel_head
 
 
 def override_values(overrides) -> dict[str, str]:
@@ -212,10 +212,8 @@ def apply_overrides(views: dict[str, View], overrides, c: Checker) -> None:
             continue
         sec_col = len(section) - len(section.lstrip())
         if sec not in SECTIONS:
-            home = c.homes.get(sec) if not dot else None  # --set width=64: model's key
             c.error(at(sec_col), f"unknown section '{sec}' in --set {text}",
-                    f"did you mean --set {home}.{text.strip()}?" if home else
-                    did_you_mean(sec, SECTIONS))
+                    _section_hint(sec, dot, text, c))
             continue
         value_text = text[eq + 1:]
         if not value_text.strip():
@@ -270,6 +268,29 @@ def apply_overrides(views: dict[str, View], overrides, c: Checker) -> None:
             if f"{sec}.{k.text}" in keys:
                 for other in keys - {f"{sec}.{k.text}"}:
                     view.fields.pop(other.partition(".")[2], None)
+
+
+def _section_hint(key: str, dot: str, text: str, c: Checker) -> str | None:
+    """For an override that names a key, not a section (--set width=64): the key with its
+    section; a key of both train and parallel with the one its value tells (data=fsdp,
+    schedule=cosine), else with both."""
+    value_text = text.partition("=")[2]
+    shown = text.strip() if value_text.strip() else f"{key}=..."
+    home = c.homes.get(key) if not dot else None
+    if home:
+        return f"did you mean --set {home}.{shown}?"
+    if dot or not any(k == key for k, _ in SHARED):
+        return did_you_mean(key, SECTIONS)
+    from .parse import parse_value
+    try:
+        value = parse_value(value_text, "<value>")
+        homes = [sec for sec in ("train", "parallel") if SHARED[key, sec][1](value)]
+    except SpecError:  # not a value of the language: on a command line, a path if anything
+        homes = ["train"] if key == "data" and _bare_path(value_text) else []
+    if len(homes) == 1:
+        return f"did you mean --set {homes[0]}.{shown}?"
+    return f"'{key}' is a key of two sections: " + ", ".join(
+        f"--set {sec}.{shown} for {SHARED[key, sec][0]}" for sec in ("train", "parallel"))
 
 
 def _bare_path(text: str) -> bool:

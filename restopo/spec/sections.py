@@ -7,12 +7,24 @@ a one-line section given on the command line exactly like one written in the fil
 from __future__ import annotations
 
 from .fields import Checker, View, dym_suffix
-from .nodes import (SECTIONS, Call, Entry, ListValue, Name, Qualified, Section, SpecFile,
-                    describe)
+from .nodes import (SECTIONS, Call, Entry, ListValue, Name, Number, Qualified, Section,
+                    SpecFile, String, describe)
+from .objects import DATA_ENGINES, LR_SCHEDULES, SCHEDULES
 from .wiring import NAMED_OPTIONS
 
 PARALLEL_KINDS = ("pipeline",)
 BUILTIN_DATA = ("stdlib",)  # the corpora `data: builtin:NAME` names
+
+# keys of both train and parallel: what each section's value is, and whether `v` is one
+SHARED = {("schedule", "train"): ("a learning-rate schedule",
+                                  lambda v: _word(v) in LR_SCHEDULES),
+          ("schedule", "parallel"): ("a pipeline schedule", lambda v: _word(v) in SCHEDULES),
+          ("data", "train"): ("training data", lambda v: isinstance(v, (String, Qualified))),
+          ("data", "parallel"): ("a data-parallel engine", lambda v: _word(v) in DATA_ENGINES)}
+
+
+def _word(v) -> str | None:
+    return v.text if isinstance(v, (Name, Number)) else None
 
 
 def unknown_section_hint(kind: str) -> str:
