@@ -265,7 +265,7 @@ GOLDEN = [
      M + "residual mhc(4)\n", (),
      'spec.restopo', 2, 14,
      "'mhc' takes named options, got '4'",
-     'e.g. mhc(streams: 4, sinkhorn: 20)'),
+     'write mhc(streams: 4)'),
     ('mlp_ratio_without_parentheses',  # was "'mlp' takes one value", separate the entries
      M.replace(" }", "; mlp: swiglu 4x }") + "residual standard\n", (),
      'spec.restopo', 1, 77,
@@ -973,7 +973,7 @@ def test_a_stream_count_without_its_key_is_one_error():
     with pytest.raises(SpecError) as info:
         parse_spec(M + "residual hyper_connections(4)\n", "spec.restopo")
     assert not isinstance(info.value, SpecErrors), str(info.value)
-    assert info.value.hint == "e.g. hyper_connections(streams: 4)"
+    assert info.value.hint == "write hyper_connections(streams: 4)"
 
 
 S = "residual standard\n"
@@ -1089,3 +1089,29 @@ def test_a_key_given_twice_has_its_later_value_checked_too(first, again):
     assert said[0][0].startswith("duplicate key") and len(said) == 2, said
     assert said[1] == (alone.value.message, alone.value.hint)
     assert info.value.errors[1].column == alone.value.column + len(first + sep)
+
+
+@pytest.mark.parametrize("typed,overrides,hint", [
+    ("hyper_connections(3)", (), "write hyper_connections(streams: 3)"),
+    ("mhc_lite( 2 )", (), "write mhc_lite( streams: 2 )"),
+    ("mhc(4, 20)", (), "write mhc(streams: 4, sinkhorn: 20)"),
+    ("mhc(sinkhorn: 5, 4)", (), "write mhc(sinkhorn: 5, streams: 4)"),
+    ("hyper_connections(2, true)", (), "write hyper_connections(streams: 2, dynamic: true)"),
+    ("denseformer(none)", (), "write denseformer(gate: none)"),
+    ("full_attnres(input_dependent)", (), "write full_attnres(query: input_dependent)"),
+    ("block_attnres(blocks: 2, none)", (), "write block_attnres(blocks: 2, key_norm: none)"),
+    ("block_attnres(blocks: 2, sigmoid)", (), "write block_attnres(blocks: 2, gate: sigmoid)"),
+    ("standard", ("residual=mhc(2)",), "write --set residual=mhc(streams: 2)"),
+    # a number several options take: the example stays
+    ("block_attnres(8)", (), "e.g. block_attnres(blocks: 8) or block_attnres(block_size: 4)"),
+    ("full_attnres(8)", (), "e.g. full_attnres(query: input_dependent) or full_attnres("
+                            "window: 8)")])
+def test_a_topology_option_without_its_key_is_named_in_the_words_typed(typed, overrides, hint):
+    """`hyper_connections(3)` got the example hyper_connections(streams: 4), not what was
+    typed with its key: a value that can only be one option of its topology (a word of that
+    option's choices, a number for streams) is now named in the call as written."""
+    with pytest.raises(SpecError) as info:
+        parse_spec(M + f"residual {typed}\n", "spec.restopo", overrides)
+    errs = info.value.errors if isinstance(info.value, SpecErrors) else [info.value]
+    assert {e.hint for e in errs} == {hint}, [e.hint for e in errs]
+    assert all("takes named options" in e.message for e in errs)

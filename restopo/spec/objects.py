@@ -42,23 +42,28 @@ class SourceText:
             return None
         return line[pos.column - 1:pos.end_column - 1]
 
-    def rewrite(self, span: Pos, part: Pos, new: str) -> str | None:
-        """What a person wrote at `span` with `part` of it replaced by `new`, for a hint that
-        corrects one value and keeps the other words (`gelu("4x")` -> `gelu(4x)`). On the
-        command line, the whole line as typed (`--set train.lr=3e-3`); None when either
-        spans lines or the text is unknown."""
+    def rewrite(self, span: Pos, part: Pos, new: str, *more: tuple[Pos, str]) -> str | None:
+        """What a person wrote at `span` with `part` of it replaced by `new` (and each further
+        part of `more` by its text), for a hint that corrects one value and keeps the other
+        words (`gelu("4x")` -> `gelu(4x)`). On the command line, the whole line as typed
+        (`--set train.lr=3e-3`); None when any spans lines or the text is unknown."""
         line = self.line(part)
-        if line is None or {span.line, span.end_line, part.end_line} != {part.line}:
+        changes = sorted(((part, new), *more), key=lambda change: change[0].column)
+        if line is None or {span.line, span.end_line} | {
+                p.line for p, _ in changes} | {p.end_line for p, _ in changes} != {part.line}:
             return None
         if from_command_line(span.source):  # a --set or a flag: the line as typed
             start, end = 0, len(line)
         else:
             start, end = span.column - 1, span.end_column - 1
-        if not start <= part.column - 1 <= part.end_column - 1 <= end:
-            return None
+        out, at = "", start
+        for p, text in changes:
+            if not at <= p.column - 1 <= p.end_column - 1 <= end:
+                return None
+            out += line[at:p.column - 1] + text
+            at = p.end_column - 1
         # a tab shown in a hint lands anywhere: the source line is shown with tabs as blanks
-        return (line[start:part.column - 1] + new + line[part.end_column - 1:end]
-                ).strip().replace("\t", " ")
+        return (out + line[at:end]).strip().replace("\t", " ")
 
 
 def _where(positions, key: str) -> Pos | None:

@@ -10,7 +10,7 @@ from .fields import Checker, View, dym_suffix
 from .nodes import (SECTIONS, Call, Entry, ListValue, Name, Number, Qualified, Section,
                     SpecFile, String, describe)
 from .objects import DATA_ENGINES, LR_SCHEDULES, SCHEDULES
-from .wiring import NAMED_OPTIONS
+from .wiring import NAMED_OPTIONS, option_given_bare
 
 PARALLEL_KINDS = ("pipeline",)
 BUILTIN_DATA = ("stdlib",)  # the corpora `data: builtin:NAME` names
@@ -149,11 +149,22 @@ def line_head(view: View, atom, c: Checker) -> None:
 
 
 def _call_options(view: View, call: Call, c: Checker) -> None:
+    # each value given without its key that can only be one option, named in the words typed
+    taken, named = {a.key.text for a in call.args if a.key is not None}, []
+    for a in call.args:
+        option = None if a.key is not None else option_given_bare(call.name.text, a.value, taken)
+        if option is not None:
+            taken.add(option)
+            written = c.src.written(a.value.pos) or describe(a.value)
+            named.append((a.value.pos, f"{option}: {written}"))
+    rewritten = named and c.src.rewrite(call.pos, *named[0], *named[1:])
     for a in call.args:
         if a.key is None:
             view.bad = True
+            fits = any(pos == a.value.pos for pos, _ in named)
             c.error(a.pos, f"'{call.name.text}' takes named options, got '{describe(a.value)}'",
-                    _options_example(call.name.text))
+                    f"write {rewritten}" if fits and rewritten
+                    else _options_example(call.name.text))
     c.gather(view, [Entry(a.key, a.value, a.pos) for a in call.args if a.key is not None])
 
 
