@@ -829,6 +829,22 @@ GOLDEN = [
      "'rezero' takes no options, got 'windw'",
      "the spec's residual is rezero, and --set residual.KEY sets an option of that "
      "topology; to use full_attnres: --set 'residual=full_attnres(window: 4)'"),
+    ('set_topology_without_options_given_one',  # was: --set residual.KEY sets an option...
+     M + "residual rezero\n", ("residual=standard(blocks: 2)",),
+     '<--set 1>', 1, 25,
+     "'standard' takes no options, got 'blocks'",
+     "write --set residual=standard; to use block_attnres: --set "
+     "'residual=block_attnres(blocks: 2)'"),
+    ('topology_without_options_given_a_value',  # was: write options as 'key: value'
+     M + "residual highway(2)\n", (),
+     'spec.restopo', 2, 18,
+     "'highway' takes no options, got '2'",
+     "write 'residual highway'"),
+    ('set_topology_without_options_given_a_value',
+     M + "residual standard\n", ("residual=rezero(2)",),
+     '<--set 1>', 1, 23,
+     "'rezero' takes no options, got '2'",
+     "write --set residual=rezero"),
 ]
 
 

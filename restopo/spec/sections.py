@@ -10,7 +10,7 @@ from .fields import Checker, View, dym_suffix
 from .nodes import (SECTIONS, Call, Entry, ListValue, Name, Number, Qualified, Section,
                     SpecFile, String, describe)
 from .objects import DATA_ENGINES, LR_SCHEDULES, SCHEDULES
-from .wiring import NAMED_OPTIONS, option_given_bare
+from .wiring import NAMED_OPTIONS, option_given_bare, without_options
 
 PARALLEL_KINDS = ("pipeline",)
 BUILTIN_DATA = ("stdlib",)  # the corpora `data: builtin:NAME` names
@@ -162,6 +162,10 @@ def _call_options(view: View, call: Call, c: Checker) -> None:
         if a.key is None:
             view.bad = True
             fits = any(pos == a.value.pos for pos, _ in named)
+            if NAMED_OPTIONS.get(call.name.text) == ():  # rezero(2)
+                c.error(a.pos, f"'{call.name.text}' takes no options, got "
+                        f"'{describe(a.value)}'", f"write {without_options(call.name)}")
+                continue
             c.error(a.pos, f"'{call.name.text}' takes named options, got '{describe(a.value)}'",
                     f"write {rewritten}" if fits and rewritten
                     else _options_example(call.name.text))

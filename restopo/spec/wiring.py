@@ -86,7 +86,7 @@ def _named(view: View, c: Checker) -> ResidualSpec | None:
         del view.fields[k]
         if not allowed:
             c.error(f.key.pos, f"'{name.text}' takes no options, got '{k}'",
-                    _no_options_hint(name.text, k, f))
+                    _no_options_hint(name, k, f))
             continue
         owners = _owners(k, NAMED_OPTIONS)
         if owners:
@@ -119,18 +119,29 @@ def _named(view: View, c: Checker) -> ResidualSpec | None:
                         pos=name.pos, positions=positions(view), source=c.src)
 
 
-def _no_options_hint(topology: str, key: str, f: Field) -> str:
-    """For an option given to a topology that takes none: in the file, write it bare; from
-    --set residual.KEY=V, which the spec's topology ignores, the topology that takes it."""
+def without_options(topology: Name) -> str:
+    """How a topology that takes no options is written where it was: `residual rezero` in a
+    file, `--set residual=rezero` on the command line."""
+    if from_command_line(topology.pos.source):
+        return f"--set residual={topology.text}"
+    return f"'residual {topology.text}'"
+
+
+def _no_options_hint(topology: Name, key: str, f: Field) -> str:
+    """For an option given to a topology that takes none: the topology bare, as written;
+    on the command line also the topology that takes it, and from --set residual.KEY=V,
+    that it sets an option of the spec's topology."""
     if not from_command_line(f.key.pos.source):
-        return f"write 'residual {topology}'"
+        return f"write {without_options(topology)}"
     options = {o for opts in NAMED_OPTIONS.values() for o in opts}
     meant = key if key in options else next(iter(difflib.get_close_matches(key, options, 1)),
                                             None)
     owner = next((t for t, opts in NAMED_OPTIONS.items() if meant in opts), None)
-    return (f"the spec's residual is {topology}, and --set residual.KEY sets an option of that "
-            "topology" + (f"; to use {owner}: --set 'residual={owner}({meant}: "
-                          f"{describe(f.value)})'" if owner else ""))
+    said = (f"write {without_options(topology)}" if from_command_line(topology.pos.source)
+            else f"the spec's residual is {topology.text}, and --set residual.KEY sets an "
+                 "option of that topology")
+    return said + (f"; to use {owner}: --set 'residual={owner}({meant}: {describe(f.value)})'"
+                   if owner else "")
 
 
 def _rule_options(fields: dict[str, Field], method: str, c: Checker) -> dict:
