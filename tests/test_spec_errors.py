@@ -729,6 +729,18 @@ GOLDEN = [
      "unknown section 'schedule' in --set schedule=linear",
      "'schedule' is a key of two sections: --set train.schedule=linear for a learning-rate "
      "schedule, --set parallel.schedule=linear for a pipeline schedule"),
+    ('set_path_in_parallel_data',  # was: unexpected character '.', paths are quoted
+     M + "residual standard\n", ("parallel.data=data/c.txt",),
+     '<--set 1>', 1, 21,
+     "'data/c.txt' is training data, not a data-parallel engine",
+     "it goes in the train section: --set train.data=data/c.txt"),
+    ('set_two_engines',  # not 'ddp,fsdp' as training data
+     M + "residual standard\n", ("parallel.data=ddp,fsdp",),
+     '<--set 1>', 1, 24,
+     "unexpected ','",
+     "--set gives one value, and a list's values are separated by spaces (--set "
+     "'model.layer=attn mlp'); to compare several values, use restopo sweep SPEC --vary "
+     "KEY=V1,V2"),
     ('key_in_capitals',  # was: expected one of: vocab, width, ... (difflib is case-sensitive)
      M.replace("width", "WIDTH") + "residual standard\n", (),
      'spec.restopo', 1, 21,

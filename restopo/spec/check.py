@@ -299,10 +299,10 @@ def _misplaced(fl: Field, key: str, section: str, c: Checker) -> bool:
     what, belongs = SHARED[key, home]
     if not belongs(fl.value):
         return False
-    said = describe(fl.value)
-    if _from_set(fl):  # the other section's key, as typed
-        moved = f"--set {home}.{key}={c.src.written(fl.value.pos) or said}"
-        if key == "data" and home == "parallel":  # a path needs no quotes on a command line
+    said = c.src.written(fl.value.pos) or describe(fl.value)  # as typed: a --set's path bare
+    if _from_set(fl):  # the other section's key
+        moved = f"--set {home}.{key}={said}"
+        if key == "data" and home == "parallel":  # fsdp alone is the engine; a file is ./fsdp
             moved += f"; a data file of that name: --set train.data=./{said}"
     else:
         moved = f"{home} {{ {key}: {said} }}"

@@ -220,22 +220,24 @@ def apply_overrides(views: dict[str, View], overrides, c: Checker) -> None:
             c.error(at(eq + 1), f"missing value after '=' in --set {text}",
                     f"e.g. --set {path}=...")
             continue
-        if dot and key.strip() == "data" and sec == "train" and _bare_path(value_text):
+        path = None
+        if dot and key.strip() == "data" and _bare_path(value_text):
             # a path on the command line needs no quotes: --set train.data=data/corpus.txt
             lead = len(value_text) - len(value_text.lstrip())
-            value = String(value_text.strip(), at(eq + 1 + lead, eq + 1 + len(value_text.rstrip())))
+            path = String(value_text.strip(), at(eq + 1 + lead, eq + 1 + len(value_text.rstrip())))
+        if path is not None and sec == "train":
+            value = path
         else:
             try:
                 value = parse_value(value_text, source, offset=value_base + eq + 1)
             except SpecError as e:
-                hint = e.hint
-                if sec == "residual" and not dot and "{" in value_text:
-                    hint = ("--set residual=VALUE takes a one-line topology (e.g. "
-                            "residual=full_attnres); write custom wiring in the spec file, or "
-                            "change a rule of the file's custom wiring with --set "
-                            "'residual.before_sublayer=...'")
-                c.errors.append(SpecError(e.path, e.line, e.column, e.message, hint, line))
-                continue
+                # parallel.data=data/c.txt: training data, said as such (not ddp,fsdp)
+                if path is not None and re.search(r"[/.]", path.value):
+                    value = path
+                else:
+                    c.errors.append(SpecError(e.path, e.line, e.column, e.message,
+                                              _value_hint(e, sec, dot, value_text), line))
+                    continue
         if not dot:
             if sec not in ("residual", "parallel"):
                 c.error(at(eq), f"name a key of {sec}: --set {sec}.KEY=VALUE",
@@ -268,6 +270,15 @@ def apply_overrides(views: dict[str, View], overrides, c: Checker) -> None:
             if f"{sec}.{k.text}" in keys:
                 for other in keys - {f"{sec}.{k.text}"}:
                     view.fields.pop(other.partition(".")[2], None)
+
+
+def _value_hint(e: SpecError, sec: str, dot: str, value_text: str) -> str | None:
+    """The hint of an override's value that is not one of the language."""
+    if sec == "residual" and not dot and "{" in value_text:
+        return ("--set residual=VALUE takes a one-line topology (e.g. residual=full_attnres); "
+                "write custom wiring in the spec file, or change a rule of the file's custom "
+                "wiring with --set 'residual.before_sublayer=...'")
+    return e.hint
 
 
 def _section_hint(key: str, dot: str, text: str, c: Checker) -> str | None:
