@@ -1143,3 +1143,16 @@ def test_a_topology_option_without_its_key_is_named_in_the_words_typed(typed, ov
     errs = info.value.errors if isinstance(info.value, SpecErrors) else [info.value]
     assert {e.hint for e in errs} == {hint}, [e.hint for e in errs]
     assert all("takes named options" in e.message for e in errs)
+
+
+@pytest.mark.parametrize("typed,hint", [
+    ("pipeline(2)", "write pipeline(stages: 2)"),
+    ("pipeline(stages: 2, 1f1b)", "write pipeline(stages: 2, schedule: 1f1b)"),
+    ("pipeline(2, fsdp, false)", "write pipeline(stages: 2, data: fsdp, cache: false)")])
+def test_a_pipeline_option_without_its_key_is_named_in_the_words_typed(typed, hint):
+    """As for a topology: `pipeline(1f1b)` got the example pipeline(stages: 2,
+    microbatches: 4), not the schedule typed with its key."""
+    with pytest.raises(SpecError) as info:
+        parse_spec(M + f"residual standard\nparallel {{ {typed} }}\n", "spec.restopo")
+    errs = info.value.errors if isinstance(info.value, SpecErrors) else [info.value]
+    assert {e.hint for e in errs} == {hint}, [e.hint for e in errs]

@@ -25,13 +25,12 @@ from .limits import (check_microbatches, check_model_limits, check_source_reads,
 from .objects import (COMPILE, COMPILE_ALIASES, DATA_ENGINES, LR_SCHEDULES, RECOMPUTE,
                       SCHEDULES, ModelSpec, ParallelSpec, Spec, SourceText, TrainSpec)
 from .overrides import apply_overrides
-from .sections import BUILTIN_DATA, SHARED, views_of
+from .sections import BUILTIN_DATA, PARALLEL_KEYS, SHARED, views_of
 from .wiring import check_against_model, check_residual
 
 MODEL_REQUIRED = ("vocab", "width", "depth", "heads", "context")
 MODEL_KEYS = MODEL_REQUIRED + ("mlp", "mlp_ratio", "layer", "tie_embeddings")
 MLP_KINDS = ("swiglu", "gelu")
-PARALLEL_KEYS = ("stages", "virtual", "schedule", "microbatches", "cache", "data")
 TRAIN_KEYS = ("data", "steps", "batch", "lr", "schedule", "warmup", "min_lr", "weight_decay",
               "grad_clip", "accum", "eval_every", "eval_batches", "save_every", "seed",
               "log_every", "keep", "peak_tflops", "recompute", "compile")

@@ -6,13 +6,15 @@ a one-line section given on the command line exactly like one written in the fil
 """
 from __future__ import annotations
 
+from .. import topology as T
 from .fields import Checker, View, dym_suffix
 from .nodes import (SECTIONS, Call, Entry, ListValue, Name, Number, Qualified, Section,
                     SpecFile, String, describe)
 from .objects import DATA_ENGINES, LR_SCHEDULES, SCHEDULES
-from .wiring import NAMED_OPTIONS, option_given_bare, without_options
+from .wiring import NAMED_OPTIONS, without_options
 
 PARALLEL_KINDS = ("pipeline",)
+PARALLEL_KEYS = ("stages", "virtual", "schedule", "microbatches", "cache", "data")
 BUILTIN_DATA = ("stdlib",)  # the corpora `data: builtin:NAME` names
 
 # keys of both train and parallel: what each section's value is, and whether `v` is one
@@ -170,6 +172,25 @@ def _call_options(view: View, call: Call, c: Checker) -> None:
                     f"write {rewritten}" if fits and rewritten
                     else _options_example(call.name.text))
     c.gather(view, [Entry(a.key, a.value, a.pos) for a in call.args if a.key is not None])
+
+
+def option_given_bare(call: str, value, taken) -> str | None:
+    """The one option of a one-line call (a topology, pipeline), `taken` aside, that a value
+    given without its key can be (`hyper_connections(3)`, `pipeline(1f1b)`): the option
+    whose words hold it, or for a whole number, the option of numbers the call needs
+    (streams, stages) or its only one; None when it fits none or several (`block_attnres(8)`:
+    blocks, block_size or heads)."""
+    yes_no = ("true", "false")
+    words = {"query": T.QUERY_KINDS, "key_norm": T.KEY_NORMS, "dynamic": yes_no,
+             "gate": T.gates_of("scalars" if call == "denseformer" else "attend"),
+             "schedule": SCHEDULES, "data": DATA_ENGINES, "cache": yes_no}
+    options = [o for o in (PARALLEL_KEYS if call == "pipeline" else NAMED_OPTIONS.get(call, ()))
+               if o not in taken]
+    fits = [o for o in options if _word(value) in words.get(o, ())]
+    if not fits and isinstance(value, Number) and not value.unit:
+        fits = [o for o in options if o not in words]
+        fits = [o for o in fits if o in ("streams", "stages")] or fits
+    return fits[0] if len(fits) == 1 else None
 
 
 def _options_example(name: str) -> str:

@@ -17,7 +17,7 @@ from .. import topology as T
 from .errors import SpecError, did_you_mean
 from ..words import alts
 from .fields import SEP_HINT, Checker, Field, View, divisors, positions
-from .nodes import (SECTIONS, Arg, Call, Key, ListValue, Name, Number, blame, describe,
+from .nodes import (SECTIONS, Arg, Call, Key, ListValue, Name, blame, describe,
                     from_command_line)
 from .objects import ModelSpec, ResidualSpec
 from .resolve import (ATTEND_OPTIONS, METHOD_OPTIONS, SCALARS_OPTIONS, STREAM_OPTIONS,
@@ -31,24 +31,6 @@ NAMED_OPTIONS = {
     **STREAM_OPTIONS,
 }
 CUSTOM_KEYS = ("blocks", "block_size", "before sublayer", "before head")
-
-
-def option_given_bare(topology: str, value, taken) -> str | None:
-    """The one option of `topology`, `taken` aside, that a value given without its key can
-    be (`hyper_connections(3)`, `denseformer(softmax)`): the option whose words hold it, or
-    for a whole number, the option of numbers the topology needs (streams) or its only one;
-    None when the value fits none or several (`block_attnres(8)`: blocks, block_size, heads)."""
-    words = {"query": T.QUERY_KINDS, "key_norm": T.KEY_NORMS, "dynamic": ("true", "false"),
-             "gate": T.gates_of("scalars" if topology == "denseformer" else "attend")}
-    options = [o for o in NAMED_OPTIONS.get(topology, ()) if o not in taken]
-    if isinstance(value, Name):
-        fits = [o for o in options if value.text in words.get(o, ())]
-    elif isinstance(value, Number) and not value.unit:
-        fits = [o for o in options if o not in words]
-        fits = ["streams"] if "streams" in fits else fits
-    else:
-        fits = []
-    return fits[0] if len(fits) == 1 else None
 
 
 def check_residual(view: View, c: Checker) -> ResidualSpec | None:
