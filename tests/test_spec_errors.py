@@ -741,6 +741,16 @@ GOLDEN = [
      "--set gives one value, and a list's values are separated by spaces (--set "
      "'model.layer=attn mlp'); to compare several values, use restopo sweep SPEC --vary "
      "KEY=V1,V2"),
+    ('data_engine_as_parallelism',  # was: unknown parallelism 'fsdp', restopo plans pipelines
+     M + "residual standard\nparallel fsdp\n", (),
+     'spec.restopo', 3, 10,
+     "'fsdp' is a value of parallel.data, given without its key",
+     "write parallel { data: fsdp }"),
+    ('set_pipeline_schedule_as_parallelism',  # was: unknown parallelism 'gpipe'
+     M + "residual standard\n", ("parallel=gpipe",),
+     '<--set 1>', 1, 16,
+     "'gpipe' is a value of parallel.schedule, given without its key",
+     "write --set parallel.schedule=gpipe"),
     ('key_in_capitals',  # was: expected one of: vocab, width, ... (difflib is case-sensitive)
      M.replace("width", "WIDTH") + "residual standard\n", (),
      'spec.restopo', 1, 21,

@@ -9,7 +9,7 @@ from __future__ import annotations
 from .. import topology as T
 from .fields import Checker, View, dym_suffix
 from .nodes import (SECTIONS, Call, Entry, ListValue, Name, Number, Qualified, Section,
-                    SpecFile, String, describe)
+                    SpecFile, String, describe, from_command_line)
 from .objects import DATA_ENGINES, LR_SCHEDULES, SCHEDULES
 from .wiring import NAMED_OPTIONS, without_options
 
@@ -204,6 +204,14 @@ def _options_example(name: str) -> str:
 
 
 def parallel_head(view: View, value, c: Checker) -> None:
+    option = option_given_bare("pipeline", value, ())
+    if option is not None:  # `parallel fsdp`: the value of one of its keys, without the key
+        said = describe(value)
+        c.error(value.pos, f"'{said}' is a value of parallel.{option}, given without its key",
+                f"write --set parallel.{option}={said}" if from_command_line(value.pos.source)
+                else f"write parallel {{ {option}: {said} }}")
+        view.bad = True
+        return
     if not isinstance(value, (Call, Name)):
         c.error(value.pos, f"expected pipeline(...), got '{describe(value)}'",
                 "e.g. parallel { pipeline(stages: 2, microbatches: 4) }")
