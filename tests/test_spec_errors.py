@@ -751,6 +751,16 @@ GOLDEN = [
      '<--set 1>', 1, 16,
      "'gpipe' is a value of parallel.schedule, given without its key",
      "write --set parallel.schedule=gpipe"),
+    ('set_with_a_colon',  # was: e.g. --set model.width=64 or --set residual=full_attnres
+     M + "residual standard\n", ("train.steps: 20",),
+     '<--set 1>', 1, 7,
+     "an override is written section.key=value, got 'train.steps: 20'",
+     "write --set train.steps=20"),
+    ('set_section_and_key_apart',  # was: did you mean 'train'?
+     M + "residual standard\n", ("train steps=20",),
+     '<--set 1>', 1, 7,
+     "unknown section 'train steps' in --set train steps=20",
+     "write --set train.steps=20"),
     ('key_in_capitals',  # was: expected one of: vocab, width, ... (difflib is case-sensitive)
      M.replace("width", "WIDTH") + "residual standard\n", (),
      'spec.restopo', 1, 21,

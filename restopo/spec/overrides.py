@@ -207,8 +207,11 @@ def apply_overrides(views: dict[str, View], overrides, c: Checker) -> None:
         section, dot, key = path.partition(".")
         sec = section.strip()
         if eq < 0 or not sec:
+            key_text, colon, value_text = text.partition(":")  # model.width: 64, as in a file
             c.error(at(0), f"an override is written section.key=value, got '{text}'",
-                    "e.g. --set model.width=64 or --set residual=full_attnres")
+                    f"write --set {key_text.strip()}={value_text.strip()}"
+                    if eq < 0 and colon and key_text.strip() and value_text.strip()
+                    else "e.g. --set model.width=64 or --set residual=full_attnres")
             continue
         sec_col = len(section) - len(section.lstrip())
         if sec not in SECTIONS:
@@ -284,12 +287,15 @@ def _value_hint(e: SpecError, sec: str, dot: str, value_text: str) -> str | None
 def _section_hint(key: str, dot: str, text: str, c: Checker) -> str | None:
     """For an override that names a key, not a section (--set width=64): the key with its
     section; a key of both train and parallel with the one its value tells (data=fsdp,
-    schedule=cosine), else with both."""
+    schedule=cosine), else with both; a section and key apart (model width=64), joined."""
     value_text = text.partition("=")[2]
     shown = text.strip() if value_text.strip() else f"{key}=..."
     home = c.homes.get(key) if not dot else None
     if home:
         return f"did you mean --set {home}.{shown}?"
+    joined = re.fullmatch(r"(\w+?)[\s/:_-]+(\w[\w\s]*)", key)
+    if not dot and joined and joined[1] in SECTIONS:  # model width=64, model/width=64
+        return f"write --set {joined[1]}.{joined[2].strip()}={shown.partition('=')[2]}"
     if dot or not any(k == key for k, _ in SHARED):
         return did_you_mean(key, SECTIONS)
     from .parse import parse_value
