@@ -1176,3 +1176,19 @@ def test_a_pipeline_option_without_its_key_is_named_in_the_words_typed(typed, hi
         parse_spec(M + f"residual standard\nparallel {{ {typed} }}\n", "spec.restopo")
     errs = info.value.errors if isinstance(info.value, SpecErrors) else [info.value]
     assert {e.hint for e in errs} == {hint}, [e.hint for e in errs]
+
+
+@pytest.mark.parametrize("rule,hint", [
+    ("mhc(3)", "write mhc(streams: 3)"),
+    ("mhc(embedding, 3, 20)", "write mhc(streams: 3, sinkhorn: 20)"),
+    ("hyper_connections(embedding, sublayerz)", "write hyper_connections(streams: 4)")])
+def test_a_stream_rule_given_values_without_keys_is_one_error(rule, hint):
+    """`before sublayer: mhc(3)` was said twice at the 3 (expected a source; mhc reads the
+    streams, not sources) and told to write mhc(streams: 4); a stream rule's values are not
+    read as sources, and one that can only be an option is named with its key."""
+    text = M + f"residual custom {{\n  before sublayer: {rule}\n}}\n"
+    with pytest.raises(SpecError) as info:
+        parse_spec(text, "spec.restopo")
+    assert not isinstance(info.value, SpecErrors), str(info.value)
+    assert info.value.message.endswith("reads the n residual streams, not sources")
+    assert info.value.hint == hint

@@ -6,12 +6,11 @@ a one-line section given on the command line exactly like one written in the fil
 """
 from __future__ import annotations
 
-from .. import topology as T
 from .fields import Checker, View, dym_suffix
 from .nodes import (SECTIONS, Call, Entry, ListValue, Name, Number, Qualified, Section,
                     SpecFile, String, describe, from_command_line)
 from .objects import DATA_ENGINES, LR_SCHEDULES, SCHEDULES
-from .wiring import NAMED_OPTIONS, without_options
+from .wiring import NAMED_OPTIONS, option_given_bare, without_options
 
 PARALLEL_KINDS = ("pipeline",)
 PARALLEL_KEYS = ("stages", "virtual", "schedule", "microbatches", "cache", "data")
@@ -153,9 +152,11 @@ def line_head(view: View, atom, c: Checker) -> None:
 def _call_options(view: View, call: Call, c: Checker) -> None:
     # each value given without its key that can only be one option, named in the words typed
     taken, named = {a.key.text for a in call.args if a.key is not None}, []
+    name = call.name.text
+    options = PARALLEL_KEYS if name == "pipeline" else NAMED_OPTIONS.get(name, ())
     for a in call.args:
-        option = None if a.key is not None else option_given_bare(call.name.text, a.value, taken)
-        if option is not None:
+        option = a.key is None and option_given_bare(name, options, a.value, taken)
+        if option:
             taken.add(option)
             written = c.src.written(a.value.pos) or describe(a.value)
             named.append((a.value.pos, f"{option}: {written}"))
@@ -164,33 +165,13 @@ def _call_options(view: View, call: Call, c: Checker) -> None:
         if a.key is None:
             view.bad = True
             fits = any(pos == a.value.pos for pos, _ in named)
-            if NAMED_OPTIONS.get(call.name.text) == ():  # rezero(2)
-                c.error(a.pos, f"'{call.name.text}' takes no options, got "
-                        f"'{describe(a.value)}'", f"write {without_options(call.name)}")
+            if NAMED_OPTIONS.get(name) == ():  # rezero(2)
+                c.error(a.pos, f"'{name}' takes no options, got '{describe(a.value)}'",
+                        f"write {without_options(call.name)}")
                 continue
-            c.error(a.pos, f"'{call.name.text}' takes named options, got '{describe(a.value)}'",
-                    f"write {rewritten}" if fits and rewritten
-                    else _options_example(call.name.text))
+            c.error(a.pos, f"'{name}' takes named options, got '{describe(a.value)}'",
+                    f"write {rewritten}" if fits and rewritten else _options_example(name))
     c.gather(view, [Entry(a.key, a.value, a.pos) for a in call.args if a.key is not None])
-
-
-def option_given_bare(call: str, value, taken) -> str | None:
-    """The one option of a one-line call (a topology, pipeline), `taken` aside, that a value
-    given without its key can be (`hyper_connections(3)`, `pipeline(1f1b)`): the option
-    whose words hold it, or for a whole number, the option of numbers the call needs
-    (streams, stages) or its only one; None when it fits none or several (`block_attnres(8)`:
-    blocks, block_size or heads)."""
-    yes_no = ("true", "false")
-    words = {"query": T.QUERY_KINDS, "key_norm": T.KEY_NORMS, "dynamic": yes_no,
-             "gate": T.gates_of("scalars" if call == "denseformer" else "attend"),
-             "schedule": SCHEDULES, "data": DATA_ENGINES, "cache": yes_no}
-    options = [o for o in (PARALLEL_KEYS if call == "pipeline" else NAMED_OPTIONS.get(call, ()))
-               if o not in taken]
-    fits = [o for o in options if _word(value) in words.get(o, ())]
-    if not fits and isinstance(value, Number) and not value.unit:
-        fits = [o for o in options if o not in words]
-        fits = [o for o in fits if o in ("streams", "stages")] or fits
-    return fits[0] if len(fits) == 1 else None
 
 
 def _options_example(name: str) -> str:
@@ -204,7 +185,7 @@ def _options_example(name: str) -> str:
 
 
 def parallel_head(view: View, value, c: Checker) -> None:
-    option = option_given_bare("pipeline", value, ())
+    option = option_given_bare("pipeline", PARALLEL_KEYS, value, ())
     if option is not None:  # `parallel fsdp`: the value of one of its keys, without the key
         said = describe(value)
         c.error(value.pos, f"'{said}' is a value of parallel.{option}, given without its key",

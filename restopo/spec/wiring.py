@@ -17,9 +17,9 @@ from .. import topology as T
 from .errors import SpecError, did_you_mean
 from ..words import alts
 from .fields import SEP_HINT, Checker, Field, View, divisors, positions
-from .nodes import (SECTIONS, Arg, Call, Key, ListValue, Name, blame, describe,
+from .nodes import (SECTIONS, Arg, Call, Key, ListValue, Name, Number, blame, describe,
                     from_command_line)
-from .objects import ModelSpec, ResidualSpec
+from .objects import DATA_ENGINES, SCHEDULES, ModelSpec, ResidualSpec
 from .resolve import (ATTEND_OPTIONS, METHOD_OPTIONS, SCALARS_OPTIONS, STREAM_OPTIONS,
                       resolve_residual)
 
@@ -99,6 +99,25 @@ def _named(view: View, c: Checker) -> ResidualSpec | None:
         opts["window"] = window
     return ResidualSpec(name.text, "named", tuple(opts.items()), blocks, block_size,
                         pos=name.pos, positions=positions(view), source=c.src)
+
+
+def option_given_bare(call: str, options, value, taken) -> str | None:
+    """The one of a call's `options` (a topology's, pipeline's), `taken` aside, that a value
+    given without its key can be (`hyper_connections(3)`, `pipeline(1f1b)`): the option
+    whose words hold it, or for a whole number, the option of numbers the call needs
+    (streams, stages) or its only one; None when it fits none or several (`block_attnres(8)`:
+    blocks, block_size or heads)."""
+    yes_no = ("true", "false")
+    words = {"query": T.QUERY_KINDS, "key_norm": T.KEY_NORMS, "dynamic": yes_no,
+             "gate": T.gates_of("scalars" if call == "denseformer" else "attend"),
+             "schedule": SCHEDULES, "data": DATA_ENGINES, "cache": yes_no}
+    options = [o for o in options if o not in taken]
+    word = value.text if isinstance(value, (Name, Number)) else None  # 1f1b lexes as a number
+    fits = [o for o in options if word in words.get(o, ())]
+    if not fits and isinstance(value, Number) and not value.unit:
+        fits = [o for o in options if o not in words]
+        fits = [o for o in fits if o in ("streams", "stages")] or fits
+    return fits[0] if len(fits) == 1 else None
 
 
 def without_options(topology: Name) -> str:
@@ -322,7 +341,8 @@ def _rule(fl: Field, target: str, c: Checker) -> T.Rule | None:
     before = len(c.errors)
     sources, seen, bad = [], {}, set()
     for a in args:
-        if a.key is None:
+        # a multi-stream method reads the streams: its values without a key are said below
+        if a.key is None and method not in T.MULTI_STREAM_METHODS:
             s = _source(a, target, c, v)
             if s is None:
                 bad.add(id(a))  # said: not again as a source a stream method cannot read
@@ -372,9 +392,14 @@ def _rule(fl: Field, target: str, c: Checker) -> T.Rule | None:
     if method in T.MULTI_STREAM_METHODS:
         if any(a.key is None for a in args):
             first = next(a for a in args if a.key is None)
-            options = ", ".join(f"{k}: {describe(fa.value)}" for k, fa in named.items())
+            given = {k: describe(fa.value) for k, fa in named.items()}
+            for a in args:  # mhc(4): a value that can only be one option, with its key
+                option = a.key is None and option_given_bare(method, takes, a.value, given)
+                if option:
+                    given[option] = describe(a.value)
+            options = ", ".join(f"{k}: {x}" for k, x in given.items()) or "streams: 4"
             c.error(first.pos, f"{method} reads the n residual streams, not sources",
-                    f"write {method}({options or 'streams: 4'})")
+                    f"write {method}({options})")
             return None
         got = _stream_options({k: v for k, v in named.items() if k in takes}, method, v.pos, c,
                               quiet=len(c.errors) > before)
