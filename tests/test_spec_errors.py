@@ -761,6 +761,18 @@ GOLDEN = [
      '<--set 1>', 1, 7,
      "unknown section 'train steps' in --set train steps=20",
      "write --set train.steps=20"),
+    ('rule_in_a_named_topology',  # was: unknown option 'before sublayer' for block_attnres
+     M + "residual block_attnres {\n  before sublayer: attend(embedding, blocks, partial)\n"
+     "  blocks: 2\n}\n", (),
+     'spec.restopo', 3, 3,
+     "'before sublayer:' is a rule of custom wiring, and block_attnres is a named topology",
+     "label custom wiring with a name of its own: residual my_wiring { before sublayer: ... }"),
+    ('set_rule_of_a_named_topology',
+     M + "residual block_attnres(blocks: 2)\n", ("residual.before_head=attend(embedding, blocks)",),
+     '<--set 1>', 1, 16,
+     "'before head:' is a rule of custom wiring, and block_attnres is a named topology",
+     "the spec's residual is block_attnres; custom wiring is written in the spec file: "
+     "residual my_wiring { before head: ... }"),
     ('key_in_capitals',  # was: expected one of: vocab, width, ... (difflib is case-sensitive)
      M.replace("width", "WIDTH") + "residual standard\n", (),
      'spec.restopo', 1, 21,

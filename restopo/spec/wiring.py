@@ -66,6 +66,13 @@ def _named(view: View, c: Checker) -> ResidualSpec | None:
         if k in allowed:
             continue
         del view.fields[k]
+        if k in ("before sublayer", "before head"):  # residual block_attnres { before ...: }
+            wiring = f"residual my_wiring {{ {k}: ... }}"
+            c.error(f.key.pos, f"'{k}:' is a rule of custom wiring, and {name.text} is a named "
+                    "topology", f"the spec's residual is {name.text}; custom wiring is written "
+                    f"in the spec file: {wiring}" if from_command_line(f.key.pos.source)
+                    else f"label custom wiring with a name of its own: {wiring}")
+            continue
         if not allowed:
             c.error(f.key.pos, f"'{name.text}' takes no options, got '{k}'",
                     _no_options_hint(name, k, f))
