@@ -773,6 +773,11 @@ GOLDEN = [
      "'before head:' is a rule of custom wiring, and block_attnres is a named topology",
      "the spec's residual is block_attnres; custom wiring is written in the spec file: "
      "residual my_wiring { before head: ... }"),
+    ('set_stray_close',  # was: check the opening '(' above, on a one-line --set
+     M + "residual standard\n", ("residual=mhc(streams: 2))",),
+     '<--set 1>', 1, 31,
+     "unexpected ')': nothing is open here",
+     "remove it, or check the opening '(' before it"),
     ('key_in_capitals',  # was: expected one of: vocab, width, ... (difflib is case-sensitive)
      M.replace("width", "WIDTH") + "residual standard\n", (),
      'spec.restopo', 1, 21,

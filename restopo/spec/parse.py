@@ -479,7 +479,10 @@ def syntax_error(e: UnexpectedInput, text: str, path: str, what: str = "spec") -
                     f"{hint}")
         elif tok.type in ("RBRACE", "RPAR") and _unclosed(text, tok.start_pos) is None:
             message = f"unexpected '{tok}': nothing is open here"
-            hint = f"remove it, or check the opening '{'{' if tok.type == 'RBRACE' else '('}' above"
+            opener = "{" if tok.type == "RBRACE" else "("
+            # a --set is one line: nothing is above it
+            hint = f"remove it, or check the opening '{opener}' " + (
+                "before it" if what == "value" else "above")
         elif braceless := re.search(r"(?:^|[;\n])\s*(model|parallel|train)(?:\s+\w+)?\s+"
                                     r"(\w+)\s*:\s*$", text[:tok.start_pos]):
             kind, key = braceless.groups()  # `train steps: 3`: a key without the braces
