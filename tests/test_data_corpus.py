@@ -224,3 +224,16 @@ def test_fixed_validation_batches_repeat():
     assert not torch.equal(v1[0][0], BatchSampler(tokens, 8, 4, seed=0).next()[0])
     halves = [fixed_batches(tokens, 8, 4, 3, rank=r, world=2) for r in range(2)]
     assert torch.equal(torch.cat([halves[0][1][0], halves[1][1][0]]), v1[1][0])
+
+
+@pytest.mark.parametrize("source, quoted", [
+    ("'corpus.txt'", True), ("'data/corpus.txt'", True), ('"corpus.txt"', True),
+    ("it's.txt", False), ("other.txt", False)])
+def test_a_missing_path_in_quotes_is_told_they_are_part_of_it(tmp_path, source, quoted):
+    """--set "train.data='c.txt'" (the shell keeps inner quotes) was told only that
+    .../'c.txt' does not exist, with the kinds of data to give; quotes at an end of the
+    path are now said to be part of its name."""
+    (tmp_path / "corpus.txt").write_text("x" * 1000)  # there, without the quotes
+    with pytest.raises(DataError, match="does not exist") as info:
+        open_corpus(source, base_dir=tmp_path)
+    assert ("its quotes are part of the name" in str(info.value)) == quoted

@@ -74,9 +74,12 @@ def data_mode(path: Path) -> int:
     try:
         mode = path.stat().st_mode
     except FileNotFoundError:
-        raise DataPathMissing(f"data path {str(path)!r} does not exist; give a text file, a "
-                            f"folder of text files, a .bin of uint16 token ids or "
-                            f"builtin:stdlib") from None
+        # --set "train.data='c.txt'": the inner quotes reach the path (a shell keeps them)
+        quoted = re.search(r"(^|/)['\"]|['\"]$", str(path))
+        raise DataPathMissing(f"data path {str(path)!r} does not exist; " + (
+            "its quotes are part of the name: give the path without them" if quoted else
+            "give a text file, a folder of text files, a .bin of uint16 token ids or "
+            "builtin:stdlib")) from None
     except OSError as e:  # a name too long, a link loop, no permission
         raise DataPathError(f"cannot use data path {shown(path)}: {e.strerror or e}") from None
     if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
