@@ -778,6 +778,11 @@ GOLDEN = [
      '<--set 1>', 1, 31,
      "unexpected ')': nothing is open here",
      "remove it, or check the opening '(' before it"),
+    ('duplicate_key_after_pipeline',  # was said at the first, pipeline's stages (column 21)
+     M + "residual standard\nparallel { pipeline(stages: 2, microbatches: 2); stages: 4 }\n", (),
+     'spec.restopo', 3, 50,
+     "duplicate key 'stages' in parallel (first given at line 3)",
+     "remove one of them"),
     ('key_in_capitals',  # was: expected one of: vocab, width, ... (difflib is case-sensitive)
      M.replace("width", "WIDTH") + "residual standard\n", (),
      'spec.restopo', 1, 21,

@@ -56,11 +56,14 @@ def views_of(file: SpecFile, c: Checker) -> dict[str, View]:
         view = View(s.kind, s.label, pos=s.pos, braces=s.body is not None)
         if s.body is not None:
             body = [e for e in (_cut_nested(e, kind, c) for e in s.body) if e is not None]
-            c.gather(view, body)
             bare = [e for e in body if e.key is None]
-            if kind == "parallel" and bare:
-                parallel_head(view, bare[0].value, c)
-                bare = bare[1:]
+            head = bare[0] if kind == "parallel" and bare else None  # pipeline(...)
+            for e in body:  # in source order: a key given twice is said where it is again
+                if e is head:
+                    parallel_head(view, e.value, c)
+                else:
+                    c.gather(view, [e])
+            bare = [e for e in bare if e is not head]
             for e in bare:
                 c.error(e.pos, f"expected 'key: value' in {kind}, got '{describe(e.value)}'",
                         _bare_hint(kind, e.value))
