@@ -1214,3 +1214,20 @@ def test_a_stream_rule_given_values_without_keys_is_one_error(rule, hint):
     assert not isinstance(info.value, SpecErrors), str(info.value)
     assert info.value.message.endswith("reads the n residual streams, not sources")
     assert info.value.hint == hint
+
+
+@pytest.mark.parametrize("vary,hint", [
+    ("width=32,64", "did you mean --vary model.width=32,64?"),
+    ("data=ddp,fsdp", "did you mean --vary parallel.data=ddp,fsdp?"),
+    ("model width=32,64", "write --vary model.width=32,64")])
+def test_a_vary_without_its_section_is_said_as_typed(vary, hint):
+    """--vary width=32,64 was said as 'unknown section in --set width=64', a --set never
+    typed, with the hint --set model.width=64 for one of its values; it is said as the
+    --vary typed, and the hint corrects its key."""
+    from restopo.spec.overrides import FlagOverride
+    with pytest.raises(SpecError) as info:
+        parse_spec(M + S, "spec.restopo", FlagOverride.vary(vary))
+    errs = info.value.errors if isinstance(info.value, SpecErrors) else [info.value]
+    key = vary.partition("=")[0]
+    assert {(e.message, e.hint) for e in errs} == {
+        (f"unknown section '{key}' in --vary {vary}", hint)}

@@ -215,12 +215,12 @@ def apply_overrides(views: dict[str, View], overrides, c: Checker) -> None:
             continue
         sec_col = len(section) - len(section.lstrip())
         if sec not in SECTIONS:
-            c.error(at(sec_col), f"unknown section '{sec}' in --set {text}",
-                    _section_hint(sec, dot, text, c))
+            c.error(at(sec_col), f"unknown section '{sec}' in {line}",
+                    _section_hint(sec, dot, text, at(sec_col, len(section.rstrip())), c))
             continue
         value_text = text[eq + 1:]
         if not value_text.strip():
-            c.error(at(eq + 1), f"missing value after '=' in --set {text}",
+            c.error(at(eq + 1), f"missing value after '=' in {line}",
                     f"e.g. --set {path}=...")
             continue
         path = None
@@ -255,7 +255,7 @@ def apply_overrides(views: dict[str, View], overrides, c: Checker) -> None:
             else (key.strip(),)
         if not words or not words[0]:
             example = {"model": "width", "residual": "blocks"}.get(sec, "steps")
-            c.error(at(len(section) + 1), f"missing key after '{sec}.' in --set {text}",
+            c.error(at(len(section) + 1), f"missing key after '{sec}.' in {line}",
                     f"e.g. --set {sec}.{example}=...")
             continue
         key_col = len(section) + 1 + (len(key) - len(key.lstrip()))
@@ -284,18 +284,23 @@ def _value_hint(e: SpecError, sec: str, dot: str, value_text: str) -> str | None
     return e.hint
 
 
-def _section_hint(key: str, dot: str, text: str, c: Checker) -> str | None:
-    """For an override that names a key, not a section (--set width=64): the key with its
-    section; a key of both train and parallel with the one its value tells (data=fsdp,
-    schedule=cosine), else with both; a section and key apart (model width=64), joined."""
+def _section_hint(key: str, dot: str, text: str, where: Pos, c: Checker) -> str | None:
+    """For an override that names a key, not a section (--set width=64), at `where`: the key
+    with its section; a key of both train and parallel with the one its value tells
+    (data=fsdp, schedule=cosine), else with both; a section and key apart (model width=64),
+    joined. Each as typed, --set or --vary."""
     value_text = text.partition("=")[2]
-    shown = text.strip() if value_text.strip() else f"{key}=..."
+
+    def keyed(new: str) -> str:
+        said = c.src.rewrite(where, where, new) or f"--set {new}={value_text.strip()}"
+        return said + ("" if value_text.strip() else "...")
+
     home = c.homes.get(key) if not dot else None
     if home:
-        return f"did you mean --set {home}.{shown}?"
+        return f"did you mean {keyed(f'{home}.{key}')}?"
     joined = re.fullmatch(r"(\w+?)[\s/:_-]+(\w[\w\s]*)", key)
     if not dot and joined and joined[1] in SECTIONS:  # model width=64, model/width=64
-        return f"write --set {joined[1]}.{joined[2].strip()}={shown.partition('=')[2]}"
+        return f"write {keyed(f'{joined[1]}.{joined[2].strip()}')}"
     if dot or not any(k == key for k, _ in SHARED):
         return did_you_mean(key, SECTIONS)
     from .parse import parse_value
@@ -305,9 +310,9 @@ def _section_hint(key: str, dot: str, text: str, c: Checker) -> str | None:
     except SpecError:  # not a value of the language: on a command line, a path if anything
         homes = ["train"] if key == "data" and _bare_path(value_text) else []
     if len(homes) == 1:
-        return f"did you mean --set {homes[0]}.{shown}?"
+        return f"did you mean {keyed(f'{homes[0]}.{key}')}?"
     return f"'{key}' is a key of two sections: " + ", ".join(
-        f"--set {sec}.{shown} for {SHARED[key, sec][0]}" for sec in ("train", "parallel"))
+        f"{keyed(f'{sec}.{key}')} for {SHARED[key, sec][0]}" for sec in ("train", "parallel"))
 
 
 def _bare_path(text: str) -> bool:
