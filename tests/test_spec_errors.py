@@ -783,6 +783,11 @@ GOLDEN = [
      'spec.restopo', 3, 50,
      "duplicate key 'stages' in parallel (first given at line 3)",
      "remove one of them"),
+    ('misspelt_residual_section',  # was first: the spec has no residual section
+     M + "Residual block_attnres(blocks: 2)\n", (),
+     'spec.restopo', 2, 1,
+     "unknown section 'Residual'",
+     "sections are model, residual, parallel and train; did you mean 'residual'?"),
     ('key_in_capitals',  # was: expected one of: vocab, width, ... (difflib is case-sensitive)
      M.replace("width", "WIDTH") + "residual standard\n", (),
      'spec.restopo', 1, 21,

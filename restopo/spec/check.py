@@ -14,11 +14,11 @@ from dataclasses import replace
 
 from .. import topology as T
 from ..words import alts, counted
-from .errors import SpecError, did_you_mean, raise_all
+from .errors import SpecError, closest, did_you_mean, raise_all
 from .fields import (EXAMPLES, MAX_DEPTH, Checker, Field, View, divisors, dym_suffix,
                      positions)
-from .nodes import (Call, Key, ListValue, Name, Number, Pos, Qualified, SpecFile, String, blame,
-                    describe, from_command_line)
+from .nodes import (SECTIONS, Call, Key, ListValue, Name, Number, Pos, Qualified, SpecFile,
+                    String, blame, describe, from_command_line)
 from .combos import compile_conflict, recompute_conflict
 from .limits import (check_microbatches, check_model_limits, check_source_reads,
                      check_train_limits)
@@ -358,7 +358,10 @@ def check(file: SpecFile, text: str, overrides=()) -> Spec:
     residual = None
     if "residual" in views:
         residual = check_residual(views["residual"], c)
-    elif "residual" not in c.nested:  # (else said where it is)
+    # (else said where it is: inside another section, or misspelt as an unknown one)
+    elif "residual" not in c.nested and not any(
+            s.kind.text not in SECTIONS and closest(s.kind.text, SECTIONS) == "residual"
+            for s in file.sections):
         where = file.sections[0].pos if file.sections else Pos(file.path, 1, 1)
         c.error(where, "the spec has no residual section" if file.sections else "the spec is empty",
                 "add a line such as 'residual block_attnres(blocks: 8)' or 'residual standard'")

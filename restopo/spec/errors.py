@@ -104,14 +104,20 @@ def raise_all(errors: Sequence[SpecError]) -> None:
         raise SpecErrors(errors)
 
 
+def closest(word: str, choices: Iterable[str]) -> str | None:
+    """The choice close to `word`, if any."""
+    # by lower case, so that a word in capitals (WIDTH, TRUE) finds its choice too
+    lower = {c.lower(): c for c in reversed(list(choices))}
+    close = difflib.get_close_matches(word.lower(), lower, n=1, cutoff=0.6)
+    return lower[close[0]] if close else None
+
+
 def did_you_mean(word: str, choices: Iterable[str]) -> str | None:
     """A hint naming the closest choice, or listing them all when none is close."""
     choices = list(choices)
-    # by lower case, so that a word in capitals (WIDTH, TRUE) finds its choice too
-    lower = {c.lower(): c for c in reversed(choices)}
-    close = difflib.get_close_matches(word.lower(), lower, n=1, cutoff=0.6)
-    if close:
-        return f"did you mean '{lower[close[0]]}'?"
+    near = closest(word, choices)
+    if near is not None:
+        return f"did you mean '{near}'?"
     if choices:
         return "expected one of: " + ", ".join(choices)
     return None
