@@ -187,7 +187,7 @@ def test_ctrl_c_inside_an_extensions_import_ends_as_a_stop(spec, capsys, monkeyp
         raise ImportError("cannot load module more than once per process")
 
     monkeypatch.setattr(check, "run", importing)
-    assert main(["check", str(spec)]) == 130
+    assert main(["check", str(spec)]) == 130  # (SIGINT as interactive: conftest)
     assert capsys.readouterr().err == "restopo: interrupted\n"
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
 

@@ -589,24 +589,18 @@ def test_resume_with_other_training_settings_names_them(spec, tmp_path, capsys):
 
 def test_a_second_ctrl_c_stops_at_once_and_the_handler_is_put_back():
     from restopo.train.interrupt import deferred_interrupt
-    # the handler an interactive run has: a process started in the background without job
-    # control (`pytest &` in a script, as CI may be) inherits SIGINT ignored, and a second
-    # Ctrl-C then goes back to being ignored, as deferred_interrupt promises
-    outside = signal.signal(signal.SIGINT, signal.default_int_handler)
+    # (with the handler an interactive run has, whatever launched pytest: conftest)
     said = []
     main = threading.main_thread().ident  # where Python runs its handlers
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            with deferred_interrupt(said.append) as stop:
-                signal.pthread_kill(main, signal.SIGINT)
-                time.sleep(0.1)  # the handler runs between bytecodes
-                assert stop.asked and "stopping after this step" in said[0]
-                signal.pthread_kill(main, signal.SIGINT)  # the second: at once
-                time.sleep(1)
-                raise AssertionError("the second Ctrl-C did not stop")
-        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    finally:
-        signal.signal(signal.SIGINT, outside)
+    with pytest.raises(KeyboardInterrupt):
+        with deferred_interrupt(said.append) as stop:
+            signal.pthread_kill(main, signal.SIGINT)
+            time.sleep(0.1)  # the handler runs between bytecodes
+            assert stop.asked and "stopping after this step" in said[0]
+            signal.pthread_kill(main, signal.SIGINT)  # the second: at once
+            time.sleep(1)
+            raise AssertionError("the second Ctrl-C did not stop")
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def test_a_workers_stop_line_says_a_second_ctrl_c_stops_now(monkeypatch):
