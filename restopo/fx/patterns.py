@@ -83,6 +83,7 @@ class TracesByPattern:
         # the modules each sublayer calls, and per state those a trace calls under a checkpoint
         self.modules = [{n.target for n in r if n.op == "call_module"} for r in cut.regions]
         self.checkpointed: dict[tuple, set[str]] = {}
+        self.recomputed: dict[tuple, tuple[bool, ...]] = {}  # per state, from checkpointed
         self._add(default, self.state(), cut)
 
     def state(self) -> tuple:
@@ -92,6 +93,7 @@ class TracesByPattern:
     def _add(self, key: tuple, state: tuple, cut: StreamCut) -> None:
         training = state[0]
         self.checkpointed.setdefault(state, set()).update(cut.checkpointed)
+        self.recomputed.pop(state, None)  # made again from what this trace adds
         layout = ([cut.signature_of_region(k) for k in range(len(cut.adds))],
                   len(cut.context))
         if training not in self.layouts:
@@ -161,8 +163,11 @@ class TracesByPattern:
         state = self.state()
         if state not in self.checkpointed:
             self(self.default)
-        return any(m == c or m.startswith(f"{c}.")
-                   for c in self.checkpointed[state] for m in self.modules[k])
+        if state not in self.recomputed:  # once per state, not per sublayer and forward
+            self.recomputed[state] = tuple(
+                any(m == c or m.startswith(f"{c}.") for c in self.checkpointed[state]
+                    for m in modules) for modules in self.modules)
+        return self.recomputed[state][k]
 
     def sublayer(self, k: int) -> fx.GraphModule:
         training = self.model.training
