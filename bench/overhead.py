@@ -18,7 +18,13 @@ measures
         no allocator peak counter; this is the memory that grows with depth and batch, i.e.
         the part of the peak a residual topology changes (weights and optimizer state are
         the same for all three up to the few aggregation parameters).
-and prints each as a ratio to the standard residual.
+and prints each as a ratio to the standard residual. On the CPU it then prints FLOP rates:
+each topology's training FLOPs a step (from the IR) over its median step, the rate at which
+its extra work over standard ran, and the rate that extra work would need for issue 11's goal
+ratio, beside this thread's own rates for a matmul and an in-cache multiply-add at the
+model's shapes: a goal whose extra work must outrun the multiply-add needs kernels that are
+not a sequence of passes over the sources (or a wider model, where that work is a smaller
+share), not a faster pass.
 
     python bench/overhead.py                 # width 512, depth 12, context 256, batch 4
     python bench/overhead.py --quick         # a CI-size smoke run
@@ -52,6 +58,12 @@ import torch
 
 from restopo import topology as T
 from restopo.api import build_model
+from restopo.ir.build import build_ir
+from restopo.nn.flops import TRAIN_PER_FORWARD, flops_per_token
+from restopo.sizes import mlp_hidden
+
+# Issue 11's goals, ratio to standard (regional compilation shares the compiled ones)
+GOALS = {"eager": {"full": 1.30, "block": 1.10}, "compile": {"full": 1.10, "block": 1.03}}
 
 
 def parse_args(argv=None):
@@ -253,6 +265,73 @@ def spread(ratios: list[float]) -> str:
             f"({min(ratios):.3f}-{max(ratios):.3f})")
 
 
+def train_flops(args, topo) -> float:
+    """Training FLOPs a step: restopo.nn.flops's count, with the key norm's mean square
+    counted once a source rather than once a read (each source's RMS computed once for all
+    its readers, what a fused implementation needs): the least work a topology adds."""
+    cfg = SimpleNamespace(vocab=args.vocab, width=args.width, context=args.context,
+                          mlp="swiglu", mlp_ratio=4)
+    g = build_ir(T.sublayer_kinds(args.depth), topo, args.width)
+    normed = [a for a in g.aggregations() if a.method == "attend" and a.key_norm == "rms"]
+    again = sum(len(a.sources) for a in normed) - len({s for a in normed for s in a.sources})
+    forward = flops_per_token(g, cfg).forward - 2 * args.width * again
+    return TRAIN_PER_FORWARD * forward * args.batch * args.context
+
+
+def machine_rates(args) -> dict[str, float]:
+    """GFLOP/s of this process's threads at the model's own shapes: the MLP's first matmul (the kind of
+    work the standard model is made of) and an in-cache multiply-add over one [tokens, d]
+    source (the kind an aggregation is made of, acc += a v; and a dot product v @ q)."""
+    n, d = args.batch * args.context, args.width
+    x, w = torch.randn(n, d), torch.randn(d, mlp_hidden(d, "swiglu", 4))
+    v, acc, q = torch.randn(n, d), torch.zeros(n, d), torch.randn(d)
+    work = {f"matmul [{n}, {d}] @ {list(w.shape)}": (lambda: x @ w, 2 * n * d * w.shape[1]),
+            f"acc += a v, [{n}, {d}]": (lambda: acc.add_(v, alpha=0.5), 2 * n * d),
+            f"v @ q, [{n}, {d}]": (lambda: v @ q, 2 * n * d)}
+    rates = {}
+    for name, (fn, flops) in work.items():
+        fn()
+        best = float("inf")
+        for _ in range(5):  # the fastest of 5 timings of enough calls for ~20 ms
+            calls, t0 = 0, args.now()
+            while (t := args.now() - t0) < 0.02 or calls < 3:
+                fn()
+                calls += 1
+            best = min(best, t / calls)
+        rates[name] = flops / best / 1e9
+    return rates
+
+
+def print_rates(args, results: dict) -> None:
+    """Each topology's FLOP rate, and what its extra work over standard runs at against
+    what it would need to run at for its goal ratio: a goal that needs the aggregations to
+    outpace the machine's in-cache multiply-add, or the standard model's own rate, is out
+    of reach of any faster code for that work."""
+    flops = {name: train_flops(args, topo) for name, (topo, _) in topologies(args).items()}
+    print(f"\nFLOP rates: training FLOPs a step from the IR ({TRAIN_PER_FORWARD} x forward, "
+          "the key norm counted once a source), at the median step")
+    threads = torch.get_num_threads()
+    print(f"  {'this thread' if threads == 1 else f'{threads} threads'}: " + "; ".join(f"{k} {r:.1f} GFLOP/s"
+                                         for k, r in machine_rates(args).items()))
+    # rows indented: a reader (or a test) taking rows that start with a mode takes the table
+    print(f"  {'mode':12} {'topology':12} {'GFLOP':>7} {'GFLOP/s':>8} {'extra GFLOP':>12} "
+          f"{'extra ms':>9} {'extra GFLOP/s':>14} {'goal':>5} {'needs GFLOP/s':>14}")
+    for mode, res in results.items():
+        std = res["standard"]["median"]
+        goals = GOALS["eager" if mode == "eager" else "compile"]
+        for name, r in res.items():
+            extra, ms = flops[name] - flops["standard"], r["median"] - std
+            goal = next((v for k, v in goals.items() if name.startswith(k)), None)
+            cols = [f"{extra / 1e9:12.4g}", f"{1e3 * ms:9.1f}",
+                    f"{extra / ms / 1e9:14.1f}" if ms > 0 else f"{'-':>14}",
+                    f"{goal:5.2f}" if goal else f"{'-':>5}",
+                    f"{extra / ((goal - 1) * std) / 1e9:14.1f}" if goal else f"{'-':>14}"]
+            if name == "standard":
+                cols = [f"{'-':>12}", f"{'-':>9}", f"{'-':>14}", f"{'-':>5}", f"{'-':>14}"]
+            print(f"  {mode:12} {name:12} {flops[name] / 1e9:7.4g} "
+                  f"{flops[name] / r['median'] / 1e9:8.1f} " + " ".join(cols))
+
+
 def setting(args) -> str:
     return (f"width {args.width}, depth {args.depth} ({2 * args.depth} sublayers), context "
             f"{args.context}, batch {args.batch}, heads {args.heads}, vocab {args.vocab}, "
@@ -338,6 +417,8 @@ def main(argv=None) -> int:
                   f"{1e3 * r['median']:10.1f} {r['median'] / base['median']:6.3f} "
                   f"{r['saved'] / 2**20:10.1f} {r['saved'] / base['saved']:6.3f}   "
                   f"{spread(r['ratios'])}")
+    if args.device.startswith("cpu"):
+        print_rates(args, results)
     return 0
 
 

@@ -85,3 +85,39 @@ def test_aggregation_bench_runs_the_backend_it_names(backend):
     model = bench.build(args, bench.topologies(args)["block2"])
     kernels = [m.runs_kernels(cpu, torch.float32) for m in model.phases]
     assert kernels and all(k == (backend == "auto") for k in kernels)
+
+
+def test_overhead_bench_counts_the_key_norm_once_a_source():
+    """The rates' FLOPs: Full AttnRes at depth 4 reads 45 sources (8 points reading 1..8,
+    the head 9) of 9 distinct ones: 4d a read (logit and weighted sum), 2d a source for its
+    RMS, counted by hand here against the standard model's own aggregation count."""
+    from restopo import topology as T
+    from restopo.ir.build import build_ir
+    from restopo.nn.flops import aggregation_flops
+
+    bench = load_bench("overhead")
+    args = bench.parse_args(["--quick"])
+    kinds = T.sublayer_kinds(args.depth)
+    d, tokens = args.width, args.batch * args.context
+    extra = (bench.train_flops(args, T.full_attnres(kinds))
+             - bench.train_flops(args, T.standard(kinds))) / (3 * tokens)
+    assert extra == 45 * 4 * d + 9 * 2 * d - aggregation_flops(build_ir(kinds, T.standard(kinds),
+                                                                        d), d)
+
+
+def test_overhead_bench_prints_the_rate_each_goal_needs(capsys):
+    """After the table, each topology's FLOP rate, its extra work's rate and, for Full and
+    Block AttnRes, the rate that extra work would need for the mode's goal ratio."""
+    bench = load_bench("overhead")
+    assert bench.main(["--quick", "--no-compile", "--streams", "0", "--iters", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "2 threads: matmul" in out  # --quick runs on 2 threads
+    rows = {line.split()[1]: line.split() for line in out.splitlines()
+            if line.startswith("  eager ")}
+    assert list(rows) == ["standard", "full", "block2"]
+    assert rows["standard"][4:] == ["-"] * 5
+    for name, goal in (("full", "1.30"), ("block2", "1.10")):
+        r = rows[name]
+        assert float(r[4]) > 0 and r[7] == goal
+        std_s = float(rows["standard"][2]) / float(rows["standard"][3])  # GFLOP / GFLOP/s
+        assert float(r[8]) == pytest.approx(float(r[4]) / ((float(goal) - 1) * std_s), rel=0.05)
