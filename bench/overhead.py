@@ -328,7 +328,7 @@ def print_rates(args, results: dict) -> None:
                     f"{extra / ((goal - 1) * std) / 1e9:14.1f}" if goal else f"{'-':>14}"]
             if name == "standard":
                 cols = [f"{'-':>12}", f"{'-':>9}", f"{'-':>14}", f"{'-':>5}", f"{'-':>14}"]
-            print(f"  {mode:12} {name:12} {flops[name] / 1e9:7.4g} "
+            print(f"  {mode:12} {name:12} {flops[name] / 1e9:7.3f} "
                   f"{flops[name] / r['median'] / 1e9:8.1f} " + " ".join(cols))
 
 
