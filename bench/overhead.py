@@ -323,9 +323,9 @@ def print_rates(args, results: dict) -> None:
             extra, ms = flops[name] - flops["standard"], r["median"] - std
             goal = next((v for k, v in goals.items() if name.startswith(k)), None)
             cols = [f"{extra / 1e9:12.4g}", f"{1e3 * ms:9.1f}",
-                    f"{extra / ms / 1e9:14.1f}" if ms > 0 else f"{'-':>14}",
+                    f"{extra / ms / 1e9:14.3g}" if ms > 0 else f"{'-':>14}",
                     f"{goal:5.2f}" if goal else f"{'-':>5}",
-                    f"{extra / ((goal - 1) * std) / 1e9:14.1f}" if goal else f"{'-':>14}"]
+                    f"{extra / ((goal - 1) * std) / 1e9:14.3g}" if goal else f"{'-':>14}"]
             if name == "standard":
                 cols = [f"{'-':>12}", f"{'-':>9}", f"{'-':>14}", f"{'-':>5}", f"{'-':>14}"]
             print(f"  {mode:12} {name:12} {flops[name] / 1e9:7.3f} "
