@@ -567,6 +567,29 @@ def test_a_diverged_run_is_said_to_have_diverged_not_to_be_unfinished():
     assert rows[1]["diverged_runs"] == "blk-s1" and rows[1]["unfinished_runs"] == ""
 
 
+def test_each_run_is_counted_once_by_how_it_ended():
+    """An arm's finished, unfinished, failed and diverged runs split its runs: each run in
+    one, reaching the last step outranking run.json's status, diverging outranking it too."""
+    runs, want = [], {}
+    for done in (True, False):
+        for nan in (True, False):
+            for status in ("done", "partial", "failed", "running"):
+                r = _synthetic_run("a", "a", len(runs), 10, 2.0)
+                r.meta = {**r.meta, "step": 10 if done else 5}
+                r.status = status
+                if nan:
+                    r.records = r.records + [{"step": 11, "diverged": "nan"}]
+                runs.append(r)
+                want[r.name] = ("finished" if done else "diverged" if nan
+                                else "failed" if status == "failed" else "unfinished")
+    arm = report.group(runs)[0]
+    got = {}
+    for how in ("finished", "unfinished", "failed", "diverged"):
+        for r in getattr(arm, how):
+            got.setdefault(r.name, []).append(how)
+    assert got == {name: [how] for name, how in want.items()}
+
+
 def test_a_baseline_named_by_a_spec_of_several_sizes_says_so():
     """`--baseline standard` over a width sweep of standard.restopo said 'names no arm (or
     several)': which of the two, and what to name instead, was left to guess."""

@@ -18,7 +18,7 @@ from ..io import make_folder, write_atomic
 from ..spec.datapath import data_place
 from ..words import alts, counted
 from .grid import short_name
-from .runs import Run, family_name
+from .runs import EARLY_ENDINGS, Run, family_name
 from .stats import Difference, PowerLaw, difference, fit_power_law, mean_std
 
 
@@ -35,27 +35,29 @@ class Arm:
     against: Arm | None = None              # its baseline (compare): itself if it is one
     extra: dict = field(default_factory=dict)
 
+    def ended(self, how: str) -> list[Run]:
+        """The runs whose Run.ending is `how`."""
+        return [r for r in self.runs if r.ending == how]
+
     @property
     def finished(self) -> list[Run]:
         """The runs that reached their last step: the only ones whose losses are final."""
-        return [r for r in self.runs if r.finished]
+        return self.ended("finished")
 
     @property
     def unfinished(self) -> list[Run]:
         """The runs that stopped early and can go on (not those that diverged or failed)."""
-        return [r for r in self.runs if not r.finished and r.diverged is None
-                and r.status != "failed"]
+        return self.ended("unfinished")
 
     @property
     def failed(self) -> list[Run]:
         """The runs that stopped at an error (a sweep's run.json says so): run as they
         are, they fail again."""
-        return [r for r in self.runs if not r.finished and r.diverged is None
-                and r.status == "failed"]
+        return self.ended("failed")
 
     @property
     def diverged(self) -> list[Run]:
-        return [r for r in self.runs if not r.finished and r.diverged is not None]
+        return self.ended("diverged")
 
     def by_seed(self, value) -> dict:
         """value(run) per seed, over the finished runs (an unfinished run's last loss is
@@ -313,10 +315,9 @@ def rows(arms: list[Arm], baseline: Arm | None) -> list[list[str]]:
     out, named = [], bool(pairs(arms, baseline))
     for a in arms:
         sps = a.seconds_per_step
-        seeds = str(len(a.finals)) + "".join(f" (+{len(left)} {what})" for what, left in
-                                             (("unfinished", a.unfinished),
-                                              ("failed", a.failed),
-                                              ("diverged", a.diverged)) if left)
+        early = {how: a.ended(how) for how in EARLY_ENDINGS}
+        seeds = str(len(a.finals)) + "".join(f" (+{len(left)} {how})"
+                                             for how, left in early.items() if left)
         out.append([a.name, seeds, _pm(a.finals), _pm(a.bests), _diff(a, baseline, named),
                     "-" if sps is None else f"{sps:.3f}",
                     "-" if a.parameters is None else f"{a.parameters:,}",
@@ -338,8 +339,7 @@ def csv_text(arms: list[Arm], baseline: Arm | None) -> str:
     w.writerow(["arm", "seeds", "final_val_mean", "final_val_std", "best_val_mean",
                 "best_val_std", "diff_mean", "diff_low", "diff_high", "paired",
                 "seconds_per_step", "parameters", "live_values_per_token",
-                "train_flops_per_token", "unfinished_runs", "failed_runs", "diverged_runs",
-                "baseline"])
+                "train_flops_per_token", *(f"{how}_runs" for how in EARLY_ENDINGS), "baseline"])
     for a in arms:
         fm, fs = mean_std(a.finals.values()) if a.finals else (None, None)
         bm, bs = mean_std(a.bests.values()) if a.bests else (None, None)
@@ -348,9 +348,8 @@ def csv_text(arms: list[Arm], baseline: Arm | None) -> str:
                     d.mean if d else "", d.low if d else "", d.high if d else "",
                     d.paired if d else "", a.seconds_per_step or "", a.parameters or "",
                     a.live_values or "", a.train_flops_per_token or "",
-                    " ".join(r.name for r in a.unfinished),
-                    " ".join(r.name for r in a.failed),
-                    " ".join(r.name for r in a.diverged), against.name if against else ""])
+                    *(" ".join(r.name for r in a.ended(how)) for how in EARLY_ENDINGS),
+                    against.name if against else ""])
     return buf.getvalue()
 
 

@@ -17,6 +17,9 @@ from ..train.checkpoint import newest_meta
 from ..train.plots import read_metrics
 
 RUN_FILE = "run.json"
+# How a run can have stopped short of its last step (Run.ending, else 'finished'): such runs
+# are left out of the final losses, and said apart, in this order.
+EARLY_ENDINGS = ("unfinished", "failed", "diverged")
 _SEED = re.compile(r"^(?P<arm>.+)-s(?P<seed>\d+)$")
 
 
@@ -76,6 +79,17 @@ class Run:
         infinite (as its metrics record), else None. Such a run is not unfinished: resuming
         it from its last checkpoint diverges again."""
         return diverged_step(self.records)
+
+    @property
+    def ending(self) -> str:
+        """How the run stopped: finished, else one of EARLY_ENDINGS: diverged (resumed, it
+        diverges again), failed at an error (run again as it is, it fails again), else
+        unfinished (it can go on)."""
+        if self.finished:
+            return "finished"
+        if self.diverged is not None:
+            return "diverged"
+        return "failed" if self.status == "failed" else "unfinished"
 
     @property
     def progress(self) -> str:
