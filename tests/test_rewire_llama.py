@@ -277,6 +277,26 @@ def test_deepcopy_copies_the_pieces_with_the_model():
     torch.testing.assert_close(c(idx).logits, before, rtol=0, atol=0)
 
 
+def test_a_deepcopys_sublayers_follow_the_copys_checkpointing_not_the_originals(monkeypatch):
+    """Each sublayer reads whether to recompute from the model it was rewired from: a copy's
+    must read the copy's switches and mode, not the original's."""
+    import copy
+    m = llama().train()
+    ac = "activation" if hasattr(m, "activation_checkpointing_enable") else "gradient"
+    c = copy.deepcopy(rewire(m, "residual standard\n"))
+    getattr(m, f"{ac}_checkpointing_enable")()  # the original's alone
+    calls, forward = [], type(m.model.layers[0].mlp).forward
+    monkeypatch.setattr(type(m.model.layers[0].mlp), "forward",
+                        lambda self, x: calls.append(1) or forward(self, x))
+    idx = tokens()
+    c(idx, labels=idx).loss.backward()
+    assert len(calls) == 2  # two MLPs, not run again in backward
+    getattr(c.model, f"{ac}_checkpointing_enable")()
+    calls.clear()
+    c(idx, labels=idx).loss.backward()
+    assert len(calls) == 4
+
+
 def test_a_norm_epsilon_that_is_not_negligible_is_warned_of_and_can_be_set():
     """Llama's norms use epsilon 1e-6: rewired to Full AttnRes, whose zero queries start as
     the mean of the sources, the step-0 model was silently not the original (2.5e-2 on the

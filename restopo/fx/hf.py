@@ -30,9 +30,8 @@ import inspect
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
-from .structure import SUPPORTED, FrontAndBack, RewireError, Structure
+from .structure import SUPPORTED, FrontAndBack, Recomputing, RewireError, Structure
 
 # Llama-family class name -> how its layers choose an attention mask
 LLAMA_FAMILY = {
@@ -80,27 +79,27 @@ def _cache_arg(fn) -> str:
 def _structure(model, subs, names, ends, context_names, layers) -> Structure:
     kinds = tuple(["attn", "mlp"] * (len(subs) // 2))
     cfg = model.config
-    subs = [Checkpointing(model, f, _switch(model, layers[i // 2])) for i, f in enumerate(subs)]
-    return Structure(kinds=kinds, width=cfg.hidden_size, sublayers=subs, names=tuple(names),
-                     ends=ends, signature=ends.signature, family=type(model).__name__,
-                     vocab=cfg.vocab_size, context_names=context_names)
+    switched = Switched(model, subs, [_switch(model, layers[i // 2]) for i in range(len(subs))])
+    return Structure(kinds=kinds, width=cfg.hidden_size,
+                     sublayers=[Recomputing(switched, k) for k in range(len(subs))],
+                     names=tuple(names), ends=ends, signature=ends.signature,
+                     family=type(model).__name__, vocab=cfg.vocab_size,
+                     context_names=context_names)
 
 
-class Checkpointing(nn.Module):
-    """A sublayer recomputed in backward while its decoder layer's gradient checkpointing is
-    on, as that layer is (rewire calls the sublayers past that layer)."""
+class Switched:
+    """The sublayers, each recomputed while its decoder layer's gradient checkpointing is on
+    in training, as that layer is (the source of Recomputing)."""
 
-    def __init__(self, model: nn.Module, sublayer: nn.Module, switch: nn.Module | None):
-        super().__init__()
-        # referenced, not registered: the model owns them
-        self.__dict__["model"], self.__dict__["switch"] = model, switch
-        self.sublayer = sublayer
+    def __init__(self, model: nn.Module, sublayers: list[nn.Module], switches: list):
+        self.model, self.sublayers, self.switches = model, sublayers, switches
 
-    def forward(self, h, *context):
-        if (self.switch is not None and self.switch.gradient_checkpointing
-                and self.model.training and torch.is_grad_enabled()):
-            return checkpoint(self.sublayer, h, *context, use_reentrant=False)
-        return self.sublayer(h, *context)
+    def sublayer(self, k: int) -> nn.Module:
+        return self.sublayers[k]
+
+    def recomputes(self, k: int) -> bool:
+        switch = self.switches[k]
+        return switch is not None and switch.gradient_checkpointing and self.model.training
 
 
 def _switches(model: nn.Module) -> tuple[nn.Module, ...]:

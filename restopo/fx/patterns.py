@@ -11,11 +11,11 @@ from types import SimpleNamespace
 
 import torch
 from torch import fx, nn
-from torch.utils.checkpoint import checkpoint
 
 from .extract import front_and_back, sublayer_module
 from .recover import StreamCut, recover
-from .structure import FrontAndBack, RewireError, RewireWarning, Structure, pattern
+from .structure import (FrontAndBack, Recomputing, RewireError, RewireWarning, Structure,
+                        pattern)
 
 
 def recover_structure(model: nn.Module) -> Structure:
@@ -26,7 +26,7 @@ def recover_structure(model: nn.Module) -> Structure:
     cut = recover(model, default)
     patterns = TracesByPattern(model, default, cut)
     return Structure(kinds=cut.kinds, width=cut.width(),
-                     sublayers=[ModeSublayer(patterns, k) for k in range(len(cut.adds))],
+                     sublayers=[Recomputing(patterns, k) for k in range(len(cut.adds))],
                      graph_modules=patterns.graph_modules, names=cut.names(), ends=patterns,
                      signature=signature, family="fx", vocab=cut.vocab(),
                      context_names=cut.context_names(),
@@ -174,20 +174,6 @@ class TracesByPattern:
         if training not in self.sublayers:
             self(self.default)
         return self.sublayers[training][k]
-
-
-class ModeSublayer:
-    """Sublayer k of the trace for the model's current train/eval mode, recomputed in
-    backward while the original checkpoints it."""
-
-    def __init__(self, patterns: TracesByPattern, k: int):
-        self.patterns, self.k = patterns, k
-
-    def __call__(self, h, *context):
-        f = self.patterns.sublayer(self.k)
-        if torch.is_grad_enabled() and self.patterns.recomputes(self.k):
-            return checkpoint(f, h, *context, use_reentrant=False)
-        return f(h, *context)
 
 
 def _defaults_call(signature: inspect.Signature) -> tuple[tuple, dict]:

@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 class RewireError(ValueError):
@@ -73,7 +74,7 @@ class Structure:
 
     kinds: tuple[str, ...]
     width: int
-    sublayers: list[nn.Module]
+    sublayers: list[Callable]
     names: tuple[str, ...]
     ends: Callable[[tuple[str, ...]], FrontAndBack]
     signature: inspect.Signature
@@ -98,6 +99,23 @@ class Structure:
                 if current is not buf and isinstance(current, torch.Tensor):
                     owner, _, leaf = name.rpartition(".")
                     gm.get_submodule(owner)._buffers[leaf] = current
+
+
+class Recomputing:
+    """Sublayer k of `source` (source.sublayer(k), for the model's current state), recomputed
+    in backward while grad is on and source.recomputes(k) (while the original model, as it is
+    now, would recompute it: rewire calls the sublayers past the blocks that checkpoint
+    them). A plain object calling its source's methods, not closures, so that copy.deepcopy
+    of a rewired model copies its source along with the model."""
+
+    def __init__(self, source, k: int):
+        self.source, self.k = source, k
+
+    def __call__(self, h, *context):
+        f = self.source.sublayer(self.k)
+        if torch.is_grad_enabled() and self.source.recomputes(self.k):
+            return checkpoint(f, h, *context, use_reentrant=False)
+        return f(h, *context)
 
 
 def bind(signature: inspect.Signature, args: tuple, kwargs: dict) -> tuple:
