@@ -246,6 +246,19 @@ def test_a_loss_diverged_between_log_lines_saves_no_checkpoint_of_it(tmp_path, c
     assert records(tmp_path)[-1] == {**records(tmp_path)[-1], "step": 3, "diverged": "nan"}
 
 
+def test_the_loss_is_read_once_at_a_step_that_logs_and_saves(tmp_path, corpus, monkeypatch):
+    """A step that both logged a line and saved read the device's loss flags twice (a wait
+    for the device each, and under torchrun an exchange): once per such step is enough."""
+    import restopo.train.loop as loop
+    reads, read = [], loop.read_diverged
+    monkeypatch.setattr(loop, "read_diverged", lambda *a: reads.append(1) or read(*a))
+    c = cfg(steps=6, log_every=2, save_every=3, eval_every=0)
+    logs = {d for d in range(1, c.steps + 1) if d % c.log_every == 0 or d in (1, c.steps)}
+    saves = {d for d in range(1, c.steps + 1) if d % c.save_every == 0 or d == c.steps}
+    train(tiny_model(), corpus, c, tmp_path, progress=False)
+    assert logs & saves and len(reads) == len(logs | saves)
+
+
 def test_weights_gone_nan_at_a_step_whose_loss_was_finite_are_not_saved(tmp_path, corpus):
     """Gradients that overflowed at step 4 (its loss finite) made NaN weights (clipping an
     infinite norm), which step 4's checkpoint saved over step 2's (train.keep 1): the loss

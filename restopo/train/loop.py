@@ -204,6 +204,16 @@ def first_diverged(seen: tuple[torch.Tensor, torch.Tensor], loss: torch.Tensor,
     return at.masked_fill(first, step), torch.where(first, loss, value)
 
 
+def read_diverged(seen: tuple[torch.Tensor, torch.Tensor],
+                  ctx: DistContext) -> tuple[int, float]:
+    """first_diverged's (step, loss) read from the device ((0, 0.0): none), the same on
+    every rank: the first step any of them diverged at."""
+    at, value = torch.stack(seen).tolist()
+    if ctx.distributed:
+        at, value = min(exchange(ctx, [at, value]), key=lambda seen: seen[0] or math.inf)
+    return int(at), value
+
+
 @torch.no_grad()
 def largest_weight(params) -> float:
     """The largest |entry| of `params` (of a DTensor, this process's shard), NaN when any is
@@ -308,16 +318,20 @@ def train(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, out: str | o
                 f"checkpoints stop at step {saved}, before it")
         raise TrainingError(f"the {what} became {value} {when} step {at} ({kept}); {advice}")
 
-    def check_loss() -> None:
-        """Stop (diverged_at) when a loss so far was not finite on any rank: read where a
-        line is logged and before every checkpoint, which must not save weights trained on
-        it over good ones."""
-        at, value = torch.stack(diverged).tolist()
-        if ctx.distributed:  # every rank stops, at the first step any of them diverged at
-            at, value = min(exchange(ctx, [at, value]), key=lambda seen: seen[0] or math.inf)
+    checked = None  # the step whose losses check_loss last read
+
+    def check_loss(step: int) -> None:
+        """Stop (diverged_at) when a loss up to `step` was not finite on any rank: read where
+        a line is logged and before every checkpoint, which must not save weights trained on
+        it over good ones; once a step that does both (a wait for the device, and an
+        exchange between ranks, that would find what the first found)."""
+        nonlocal checked
+        if step == checked:
+            return
+        checked = step
+        at, value = read_diverged(diverged, ctx)
         if at:
-            diverged_at(int(at), value, "loss",
-                        f"lower train.lr (now {cfg.lr:g}) or train.grad_clip")
+            diverged_at(at, value, "loss", f"lower train.lr (now {cfg.lr:g}) or train.grad_clip")
 
     def check_weights(step: int) -> None:
         """Stop when a weight is not finite on any rank, before it is saved: gradients that
@@ -331,7 +345,7 @@ def train(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, out: str | o
                         f"train.lr (now {cfg.lr:g})", when="by")
 
     def save(step: int) -> None:
-        check_loss()
+        check_loss(step)
         check_weights(step)
         state = {"step": step, "data": sampler.state_dict(),
                  "torch_cpu": torch.get_rng_state(),
@@ -406,7 +420,7 @@ def train(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, out: str | o
                     paused += time.perf_counter() - t_eval
                 if (cfg.log_every > 0 and done % cfg.log_every == 0) or done in (1, cfg.steps) \
                         or val_loss is not None:
-                    check_loss()
+                    check_loss(done)
                     loss_value = mean_over_ranks(loss.item(), ctx)
                     now = time.perf_counter()
                     # none when the line's only step was the run's first
