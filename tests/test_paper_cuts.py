@@ -144,7 +144,7 @@ def test_counts_of_steps_and_tokens_have_thousands_separators(spec, capsys, monk
     from restopo.decode import Decoder
     from restopo.experiments import report
     from restopo.experiments.runs import Run
-    from restopo.train.runspec import load, resume_notes, run_meta
+    from restopo.train.runspec import Resumed, load, resume_notes, run_meta
 
     def trained(model, corpus, cfg, out, ctx, **kw):  # the run's own lines, not its steps
         return {"steps": cfg.steps, "loss": 1.0, "val_loss": None, "seconds": 1.0,
@@ -160,7 +160,7 @@ def test_counts_of_steps_and_tokens_have_thousands_separators(spec, capsys, monk
     old = load(str(spec), ("train.steps=1500",))
     then = {**run_meta(old, str(spec.parent)), "step": 1, "config": dataclasses.asdict(
         restopo.train.loop.TrainConfig.from_spec(old.train, old.model.context))}
-    note = resume_notes(load(str(spec), ("train.steps=20000",)), then, "ckpt")[-1]
+    note = resume_notes(load(str(spec), ("train.steps=20000",)), Resumed("ckpt", then))[-1]
     assert f"scheduled for {1500:,} steps" in note and f"over {20000:,} steps" in note
     meta = {"step": 1500, "spec_path": "/x/a.restopo", "spec_text": SPEC,
             "config": {"steps": 1500, "batch": 64, "context": 16}}

@@ -181,6 +181,35 @@ def test_relative_data_is_read_next_to_the_spec_even_when_resuming(spec, tmp_pat
     assert [r["step"] for r in metrics(out)] == list(range(1, 7))
 
 
+@pytest.mark.parametrize("with_spec", [True, False])
+def test_a_resume_reads_the_checkpoint_and_parses_each_spec_once(spec, tmp_path, monkeypatch,
+                                                                 with_spec):
+    """Resuming read the checkpoint's meta.json twice (the spec and its notes, then the data
+    note) and parsed the spec it records once for each note, and once more as the run's own
+    when resumed without the spec file."""
+    import restopo.spec
+    import restopo.train.checkpoint as checkpoint
+    import restopo.train.runspec as runspec
+    out = tmp_path / "run"
+    assert main(["train", str(spec), "--out", str(out), "--no-progress", "--steps", "4"]) == 0
+    reads, read = [], checkpoint.read_meta
+    parsed, parse = [], restopo.spec.parse_spec
+
+    def read_meta(step_dir):  # the checkpoint module's own reads verify and load it
+        if sys._getframe(1).f_globals["__name__"] != checkpoint.__name__:
+            reads.append(step_dir)
+        return read(step_dir)
+    for module in (checkpoint, runspec):
+        monkeypatch.setattr(module, "read_meta", read_meta)
+    monkeypatch.setattr(restopo.spec, "parse_spec",
+                        lambda text, *a, **kw: parsed.append((text, a, kw)) or parse(text, *a,
+                                                                                     **kw))
+    assert main(["train", *[str(spec)] * with_spec, "--resume", "--out", str(out),
+                 "--no-progress"]) == 0
+    assert len(reads) == 1 and parsed
+    assert len(parsed) == len({repr(p) for p in parsed}), parsed
+
+
 @pytest.mark.parametrize("change", ["append", "same size"])
 def test_resuming_on_data_that_changed_since_the_checkpoint_says_so(spec, tmp_path, capsys,
                                                                    change):
@@ -211,7 +240,7 @@ def test_a_changed_data_folder_is_said_without_brackets_in_brackets(tmp_path):
     changed', brackets in brackets; the corpus's own description is now set off by commas."""
     from restopo.spec import parse_spec
     from restopo.train.data import open_corpus
-    from restopo.train.runspec import data_note, run_meta
+    from restopo.train.runspec import Resumed, data_note, run_meta
     folder = tmp_path / "texts"
     folder.mkdir()
     for name in ("a.txt", "b.txt"):
@@ -220,7 +249,7 @@ def test_a_changed_data_folder_is_said_without_brackets_in_brackets(tmp_path):
     corpus = open_corpus(spec.train.data)
     then = {"source": spec.train.data, "tokens": [1, 1], "sha256": "0"}  # other data then
     meta = {**run_meta(spec, str(tmp_path)), "data": then, "step": 3}
-    note = data_note(spec, corpus, meta, "ckpt/step_000003")
+    note = data_note(spec, corpus, Resumed("ckpt/step_000003", meta))
     assert note.startswith(f"train.data, {corpus.description}, has changed since "), note
     depth = deepest = 0
     for ch in note:

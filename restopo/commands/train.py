@@ -402,9 +402,8 @@ def _refuse_newer_weights(out: Path, step_dir) -> list[tuple[Path, str]]:
 
 
 def _load_spec(args, out: Path):
-    """The spec and the checkpoint to resume from (or None)."""
+    """The spec and the checkpoint to resume from (runspec.Resumed, or None)."""
     from ..train import runspec
-    from ..train.checkpoint import read_meta
     from ..train.dist import restart_count
 
     overrides = _overrides(args)
@@ -412,17 +411,17 @@ def _load_spec(args, out: Path):
         if not args.resume:
             raise _Stop("give a SPEC file (or --resume with --out DIR to continue "
                         "a run from its checkpoint)")
-        step_dir = _resume_point(out, required=True)
-        old = read_meta(step_dir)
-        spec = runspec.spec_from_meta(old, overrides)
-        _run_seed(spec, old, step_dir, overrides)
-        _note_resume(spec, step_dir, old, spec_file=False)
-        return spec, step_dir
+        resumed = runspec.Resumed.read(_resume_point(out, required=True))
+        # without this run's --set values the run's spec is the checkpoint's own
+        spec = runspec.spec_from_meta(resumed.meta, overrides) if overrides else resumed.spec
+        _run_seed(spec, resumed, overrides)
+        _note_resume(spec, resumed, spec_file=False)
+        return spec, resumed
     spec = runspec.load(args.spec, overrides)
     resume = args.resume or restart_count() > 0
     step_dir = _resume_point(out, required=args.resume) if resume else None
-    old = read_meta(step_dir) if step_dir is not None else None
-    kept = _run_seed(spec, old, step_dir, overrides) if old is not None else None
+    resumed = runspec.Resumed.read(step_dir) if step_dir is not None else None
+    kept = _run_seed(spec, resumed, overrides) if resumed is not None else None
     if kept is not None:  # the spec file's seed is not the run's
         spec = runspec.load(args.spec, overrides + (kept,))
     if restart_count() > 0:  # torchrun restarted the workers (--max-restarts): say so
@@ -432,10 +431,10 @@ def _load_spec(args, out: Path):
                  "no checkpoint yet, so from the start"))
     if not resume:
         args.replace_old_run = _fresh_start(out, args.overwrite)
-    if step_dir is not None:
+    if resumed is not None:
         first = origin = None
-        if old.get("spec_text") != spec.text:
-            then = str(old.get("spec_path") or "")
+        if resumed.meta.get("spec_text") != spec.text:
+            then = str(resumed.meta.get("spec_path") or "")
             if _same_file(then, args.spec):
                 first = (f"{args.spec} changed since {step_dir} was saved; resuming with the "
                          f"current file")
@@ -443,18 +442,18 @@ def _load_spec(args, out: Path):
                 origin = (f"{step_dir} was trained from {then or 'another spec'}, not from "
                           f"{args.spec}")
                 first = f"{origin}, whose text differs; resuming with {args.spec}"
-        _note_resume(spec, step_dir, old, first=first, origin=origin)
-    return spec, step_dir
+        _note_resume(spec, resumed, first=first, origin=origin)
+    return spec, resumed
 
 
-def _run_seed(spec, meta: dict, step_dir, overrides) -> str | None:
-    """The override that keeps the seed of the run resumed from `step_dir` (None: `spec`
-    has it already). The seed drew the run's first weights and its data order, which
+def _run_seed(spec, resumed, overrides) -> str | None:
+    """The override that keeps the seed of the run `resumed` goes on (None: `spec` has it
+    already). The seed drew the run's first weights and its data order, which
     resuming restores from the checkpoint: another one would change nothing but what the
     run records, so one asked for on this command (`overrides`) is refused."""
     from ..spec.overrides import override_key
 
-    seed = (meta.get("config") or {}).get("seed")
+    seed, step_dir = (resumed.meta.get("config") or {}).get("seed"), resumed.step_dir
     if type(seed) is not int or seed == spec.train.seed:
         return None
     asked = [o for o in overrides if override_key(o) == "train.seed"]
@@ -475,16 +474,16 @@ def _same_file(a: str, b: str) -> bool:
         return os.path.abspath(a) == os.path.abspath(b)
 
 
-def _note_resume(spec, step_dir, meta: dict, spec_file: bool = True,
+def _note_resume(spec, resumed, spec_file: bool = True,
                  first: str | None = None, origin: str | None = None) -> None:
-    """The notes on resuming `spec` from `step_dir` (its meta.json: `meta`), `first` (if
-    any) before them; none when resume_notes refuses it (a note saying 'resuming with' then
+    """The notes on resuming `spec` from the checkpoint `resumed`, `first` (if any) before
+    them; none when resume_notes refuses it (a note saying 'resuming with' then
     an error said no): the refusal then carries `origin`, the spec file the run was trained
     from."""
     from ..train import runspec
     from ..train.checkpoint import CheckpointError
     try:
-        notes = runspec.resume_notes(spec, meta, step_dir, spec_file=spec_file)
+        notes = runspec.resume_notes(spec, resumed, spec_file=spec_file)
     except CheckpointError as e:
         if origin is None:
             raise
@@ -513,24 +512,23 @@ def _launch(args, out: Path) -> int:
     from ..train import dist, runspec
     from ..train.runlock import hand_down
 
-    spec, step_dir = _load_spec(args, out)  # bad specs and data fail here, once, not per rank
+    spec, resumed = _load_spec(args, out)  # bad specs and data fail here, once, not per rank
     if spec.model is None:
         return _fail(f"{spec.path} has no model section; training needs one")
     _note_schedule(spec)
     _layout(args, spec, args.nproc)  # so do layouts that cannot run
     corpus = runspec.open_data(spec, progress=not args.no_progress, resuming=args.resume)
-    _note_data(spec, corpus, step_dir)
+    _note_data(spec, corpus, resumed)
     _replace_old_run(args, out)  # every check passed here; the workers find it gone
     return dist.launch(_worker_argv(args), args.nproc, args.max_restarts,
                        env={**hand_down(out), NOTES_SAID: "1"}, checkpoints=out / "ckpt")
 
 
-def _note_data(spec, corpus, step_dir) -> None:
+def _note_data(spec, corpus, resumed) -> None:
     """The note when a resumed run's data changed since its checkpoint (runspec.data_note)."""
-    if step_dir is not None:
+    if resumed is not None:
         from ..train import runspec
-        from ..train.checkpoint import read_meta
-        note = runspec.data_note(spec, corpus, read_meta(step_dir), step_dir)
+        note = runspec.data_note(spec, corpus, resumed)
         if note:
             _note(note)
 
@@ -613,7 +611,8 @@ def _train(args, out: Path) -> int:
     if args.nproc is not None and args.nproc != int(os.environ["WORLD_SIZE"]):
         return _fail("--nproc was given inside a torchrun job; run either torchrun or --nproc")
 
-    spec, step_dir = _load_spec(args, out)
+    spec, resumed = _load_spec(args, out)
+    step_dir = resumed.step_dir if resumed is not None else None
     if spec.model is None:
         return _fail(f"{spec.path} has no model section; training needs one")
     _note_schedule(spec)
@@ -633,7 +632,7 @@ def _train(args, out: Path) -> int:
                                    resuming=args.resume)
         if ctx.is_main:
             dist.barrier(ctx)
-        _note_data(spec, corpus, step_dir)
+        _note_data(spec, corpus, resumed)
         try:  # whole, or this process's share of it (restopo.train.layout)
             model, stepper = layout.build(spec, chosen, ctx, args.backend)
         except RuntimeError as e:  # a backend that cannot run here says why

@@ -6,7 +6,7 @@ resumed or diagnosed without the original file.
 from __future__ import annotations
 
 import dataclasses
-
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -62,12 +62,13 @@ def run_meta(spec, base: str, corpus=None) -> dict:
                if corpus is not None else {})}
 
 
-def data_note(spec, corpus, meta: dict, step_dir) -> str | None:
-    """The note when the data at the same train.data changed since `step_dir` (its meta.json:
-    `meta`) was saved: the run then goes on with other batches than it would have. (Another
+def data_note(spec, corpus, resumed: Resumed) -> str | None:
+    """The note when the data at the same train.data changed since the checkpoint `resumed`
+    was saved: the run then goes on with other batches than it would have. (Another
     train.data is said by resume_notes.)"""
+    meta, step_dir = resumed.meta, resumed.step_dir
     then = meta.get("data")
-    if not isinstance(then, dict) or data_place(spec_from_meta(meta)) != data_place(spec):
+    if not isinstance(then, dict) or data_place(resumed.spec) != data_place(spec):
         return None
     now = corpus.fingerprint
     if then.get("tokens") == now["tokens"] and then.get("sha256") == now["sha256"]:
@@ -106,6 +107,25 @@ def spec_from_meta(meta: dict, extra_overrides=()):
     spec = from_text(meta["spec_text"], meta.get("spec_path", "<checkpoint>"),
                      kept + tuple(extra_overrides))
     return recorded(spec, len(kept), meta.get("data_base"))
+
+
+@dataclasses.dataclass
+class Resumed:
+    """The checkpoint a run goes on from: its folder, its meta.json and the spec it was
+    trained with, each read once for all that resuming checks and says."""
+
+    step_dir: Path
+    meta: dict
+
+    @classmethod
+    def read(cls, step_dir) -> Resumed:
+        return cls(step_dir, read_meta(step_dir))
+
+    @cached_property
+    def spec(self):
+        """The spec the run was trained with (its text and --set values), parsed when
+        first asked (CheckpointError where the checkpoint carries none)."""
+        return spec_from_meta(self.meta)
 
 
 def model_from_meta(step_dir, backend: str = "eager"):
@@ -148,17 +168,17 @@ def residual_text(spec) -> str:
     return r.name + (f"({', '.join(f'{k}: {v}' for k, v in options)})" if options else "")
 
 
-def resume_notes(spec, meta: dict, step_dir, *, spec_file: bool = True) -> list[str]:
-    """What to tell a person resuming `spec` from the checkpoint `step_dir` (its meta.json
-    is `meta`). Raises CheckpointError, naming the stored --set values, when the run's
-    weights cannot fit this spec's model or it has another topology. `spec_file`: the
-    spec is a file given again (else the checkpoint's own, with this run's --set values)."""
+def resume_notes(spec, resumed: Resumed, *, spec_file: bool = True) -> list[str]:
+    """What to tell a person resuming `spec` from the checkpoint `resumed`. Raises
+    CheckpointError, naming the stored --set values, when the run's weights cannot fit this
+    spec's model or it has another topology. `spec_file`: the spec is a file given again
+    (else the checkpoint's own, with this run's --set values)."""
     from .loop import TrainConfig, lr_at
 
     instead = ("leave the spec file out to resume with the checkpoint's own spec and "
                "settings" if spec_file else "leave out the --set values that change it")
     notes = []
-    then_spec = spec_from_meta(meta)
+    meta, step_dir, then_spec = resumed.meta, resumed.step_dir, resumed.spec
     then = then_spec.model
     # the shape first: another depth also resolves to another topology, but the weights
     # not fitting is what is wrong then
