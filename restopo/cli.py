@@ -168,6 +168,8 @@ def load_model(command: str, path: str, **kw):
         note(line)
 
     model = load(path, say=say, **kw)
+    from .worker import stop_if_interrupted
+    stop_if_interrupted()  # the model is loaded: the command's work begins
     if notes:
         print(f"restopo {command}: note: using {model.restopo_source}", file=sys.stderr)
     return model
@@ -224,11 +226,14 @@ def _warnings_as_notes(command: str):
 @contextlib.contextmanager
 def _interrupts_seen():
     """Within the block, Ctrl-C raises KeyboardInterrupt as Python's own handler does, and
-    is remembered (the list yielded): one that came inside a C extension's import can be
-    caught and dropped by the library importing it (torch, of numpy), and the extension's
-    next import then fails with 'ImportError: cannot load module more than once per
-    process', which main says as the stop it was."""
-    seen: list[int] = []
+    is remembered (the list yielded, worker.interrupts_seen): one that came inside a C
+    extension's import can be caught and dropped by the library importing it (torch, of
+    numpy); the command then stops where its work begins (worker.stop_if_interrupted), and
+    the extension's next import, failing with 'ImportError: cannot load module more than
+    once per process', main says as the stop it was."""
+    from .worker import interrupts_seen as seen
+
+    seen.clear()
 
     def handler(signum, frame):
         seen.append(signum)
@@ -243,6 +248,7 @@ def _interrupts_seen():
     try:
         yield seen
     finally:
+        seen.clear()  # (a later command run in this process starts with none)
         if mine:
             signal.signal(signal.SIGINT, signal.default_int_handler)
 

@@ -50,6 +50,19 @@ def exit_with(code: int) -> NoReturn:
     raise SystemExit(code)
 
 
+# The Ctrl-C a command's own SIGINT handler took (cli.main clears it, its handler adds to
+# it): one that came inside a C extension's import can be caught and dropped by the library
+# importing it (torch, of numpy), and the command then went on as if none had come.
+interrupts_seen: list[int] = []
+
+
+def stop_if_interrupted() -> None:
+    """Stop (KeyboardInterrupt) where a command's work begins, after its imports and
+    checks and before it replaces or writes anything, if a Ctrl-C came before it."""
+    if interrupts_seen:
+        raise KeyboardInterrupt
+
+
 def _ignore_interrupts() -> None:
     import signal
     try:

@@ -71,6 +71,8 @@ def run(args) -> int:
     import torch
     from .. import api
     from ..io import write_atomic
+    from ..worker import stop_if_interrupted
+    stop_if_interrupted()  # imported and checked: the work begins
     torch.manual_seed(spec.train.seed if spec.train is not None else 0)
     try:
         model = api.compile(spec, backend=args.backend)

@@ -48,6 +48,7 @@ def run(args) -> int:
     from ..train.data import DataError
     from ..train.diagnose import diagnose
     from ..train.dist import cpu_threads
+    from ..worker import stop_if_interrupted
 
     if args.out and os.path.exists(args.out) and not os.path.isdir(args.out):
         print(f"restopo diagnose: error: -o {args.out} is a file, not a folder; choose "
@@ -65,6 +66,7 @@ def run(args) -> int:
         # a checkpoint's own weights file is that checkpoint: figures in RUN/diagnose, not
         # beside the file, inside a folder pruning deletes (a path as relative as given)
         checkpoint = str(held) if os.path.isabs(checkpoint) else os.path.relpath(held)
+    stop_if_interrupted()  # imported and checked: the work begins
     try:
         with cpu_threads(None):
             loaded = None

@@ -200,6 +200,8 @@ def run(args) -> int:
             print(f"  {j.name:40s} {states[j.name]:7s} {shlex.join(command)}")
         return 0
     from ..train.runlock import RunLocked, run_lock
+    from ..worker import stop_if_interrupted
+    stop_if_interrupted()  # checked: the runs begin
     try:
         with run_lock(out, who="sweep"):  # one sweep per folder; its runs lock their own
             return _execute(args, jobs, out, slurm)

@@ -331,9 +331,11 @@ def _fresh_start(out: Path, overwrite: bool) -> bool:
 def _replace_old_run(args, out: Path) -> None:
     """Delete the old run --overwrite replaces (its checkpoints; its metrics and plot are
     rewritten by the new run), now that the new one has passed every check and is about
-    to start."""
+    to start. A Ctrl-C that came before (one an import dropped) stops it here."""
     from ..io import remove_folder
+    from ..worker import stop_if_interrupted
 
+    stop_if_interrupted()
     if getattr(args, "replace_old_run", False) and _is_writer():
         # set aside in one step, then deleted: a stop during a long delete left the old
         # run's checkpoints half gone, for the next run to take for damaged ones (_tidy
