@@ -229,8 +229,9 @@ def _interrupts_seen():
     is remembered (the list yielded, worker.interrupts_seen): one that came inside a C
     extension's import can be caught and dropped by the library importing it (torch, of
     numpy); the command then stops where its work begins (worker.stop_if_interrupted), and
-    the extension's next import, failing with 'ImportError: cannot load module more than
-    once per process', main says as the stop it was."""
+    what the half-done import breaks before then (numpy's next import: 'cannot load module
+    more than once per process', a numpy without its attributes, an endless recursion in
+    its __getattr__) main says as the stop it was."""
     from .worker import interrupts_seen as seen
 
     seen.clear()
@@ -288,8 +289,8 @@ def _main(argv, interrupts: list[int]) -> int:
     except (OSError, UnicodeDecodeError) as e:  # a path the system refuses: one line
         print(file_error(e), file=sys.stderr)
         return 1
-    except (KeyboardInterrupt, ImportError) as e:  # a stop that saved first says where
-        if isinstance(e, ImportError) and not interrupts:  # not an import Ctrl-C broke
+    except (KeyboardInterrupt, Exception) as e:  # a stop that saved first says where
+        if not isinstance(e, KeyboardInterrupt) and not interrupts:  # not a stop's doing
             raise
         from .worker import speaks_for_all
 

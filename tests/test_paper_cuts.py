@@ -170,10 +170,16 @@ def test_counts_of_steps_and_tokens_have_thousands_separators(spec, capsys, monk
         Decoder(restopo.compile(SPEC.replace("context: 16", "context: 1024")), 1, 2000)
 
 
-def test_ctrl_c_inside_an_extensions_import_ends_as_a_stop(spec, capsys, monkeypatch):
+@pytest.mark.parametrize("broken", [
+    ImportError("cannot load module more than once per process"),
+    AttributeError("module 'numpy' has no attribute 'may_share_memory'"),
+    RecursionError("maximum recursion depth exceeded")],
+    ids=["import", "attribute", "recursion"])
+def test_ctrl_c_inside_an_extensions_import_ends_as_a_stop(spec, capsys, monkeypatch, broken):
     """Ctrl-C in a command's first second, while torch imported numpy: torch caught and
-    dropped the KeyboardInterrupt, and numpy's next import failed with a traceback of
-    'ImportError: cannot load module more than once per process', exit 1."""
+    dropped the KeyboardInterrupt, and what used the half-imported numpy next failed with
+    a traceback, exit 1: numpy's next import ('cannot load module more than once per
+    process'), a numpy without its attributes, numpy.linalg's import recursing forever."""
     import signal
 
     import restopo.commands.check as check
@@ -184,16 +190,16 @@ def test_ctrl_c_inside_an_extensions_import_ends_as_a_stop(spec, capsys, monkeyp
             signal.getsignal(signal.SIGINT)  # the handler runs between bytecodes
         except KeyboardInterrupt:
             pass
-        raise ImportError("cannot load module more than once per process")
+        raise broken
 
     monkeypatch.setattr(check, "run", importing)
     assert main(["check", str(spec)]) == 130  # (SIGINT as interactive: conftest)
     assert capsys.readouterr().err == "restopo: interrupted\n"
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
 
-    def broken(args):  # without a Ctrl-C, an ImportError is no stop
-        raise ImportError("cannot load module more than once per process")
+    def failing(args):  # without a Ctrl-C, an error is no stop
+        raise broken
 
-    monkeypatch.setattr(check, "run", broken)
-    with pytest.raises(ImportError):
+    monkeypatch.setattr(check, "run", failing)
+    with pytest.raises(type(broken)):
         main(["check", str(spec)])
