@@ -47,6 +47,10 @@ def exit_with(code: int) -> NoReturn:
     if code == 130:  # interrupted: a second Ctrl-C during teardown would print a traceback
         _ignore_interrupts()
     leave(code)
+    # CPython marks a KeyboardInterrupt that ends code run by exec of a string (a dataclass's
+    # __init__ as it is made, in torch's import) as uncaught even when it was caught, and
+    # `python -m` then ends by SIGINT (status -2), not with `code`; a string's exec resets it
+    exec("", {})
     raise SystemExit(code)
 
 

@@ -81,6 +81,28 @@ def ends_through_exit_with(path: pathlib.Path) -> bool:
         calls_exit_with(body) for body in mains)
 
 
+def test_python_m_restopo_ends_with_130_after_a_ctrl_c_inside_a_strings_exec(tmp_path):
+    """Ctrl-C while torch's import made a dataclass (whose __init__ is code exec'd from a
+    string): `python -m restopo` said 'restopo: interrupted', then ended by SIGINT (-2),
+    not with its 130; a sweep or a script reads the two differently."""
+    (tmp_path / "stopped").mkdir()
+    (tmp_path / "stopped" / "__main__.py").write_text(
+        "import runpy\n"
+        "import restopo.commands.check as check\n"
+        "def run(args):\n"
+        "    exec('raise KeyboardInterrupt', {})\n"
+        "check.run = run\n"
+        "runpy.run_module('restopo', run_name='__main__', alter_sys=True)\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(tmp_path), str(pathlib.Path(__file__).resolve().parents[1]),
+         os.environ.get("PYTHONPATH", "")]))
+    env.pop("RANK", None)
+    main = "stopped"  # (not a script run under torchrun, which worker_scripts looks for)
+    proc = subprocess.run([sys.executable, "-m", main, "check", "any.restopo"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert (proc.returncode, proc.stderr) == (130, "restopo: interrupted\n")
+
+
 def test_every_script_run_under_torchrun_exits_through_leave():
     """A torchrun worker that ends through the interpreter's teardown now and then aborts
     (gloo, SIGABRT) after a finished run: CI once failed on bench/fsdp_recompute.py's
