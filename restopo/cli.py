@@ -223,27 +223,62 @@ def _warnings_as_notes(command: str):
         warnings.showwarning = shown
 
 
+def _remember(signum, frame) -> None:
+    """main's SIGINT handler: Python's own (KeyboardInterrupt), each Ctrl-C remembered in
+    worker.interrupts_seen. One that came inside a C extension's import can be caught and
+    dropped by the library importing it (torch, of numpy): the command then stops where its
+    work begins (worker.stop_if_interrupted), and what the half-done import breaks before
+    then (numpy's next import: 'cannot load module more than once per process', a numpy
+    without its attributes, an endless recursion in its __getattr__) main says as the stop
+    it was."""
+    from .worker import interrupts_seen
+
+    interrupts_seen.append(signum)
+    signal.default_int_handler(signum, frame)
+
+
+def _held(signum, frame) -> None:
+    """main's SIGINT handler while torch imports (_import_torch): the Ctrl-C remembered
+    only; a second one is taken at once."""
+    from .worker import interrupts_seen
+
+    interrupts_seen.append(signum)
+    signal.signal(signal.SIGINT, _remember)
+
+
+# the commands that need no torch, which is not imported for them (tests/test_imports.py)
+LIGHT = ("check", "inspect")
+
+
+def _import_torch() -> None:
+    """Import torch with a Ctrl-C during it held till the import is done, then taken as a
+    stop: raised inside it, torch's C code caught it and dropped it (the command went on),
+    left numpy half-imported, or aborted the process (SIGABRT)."""
+    from .worker import stop_if_interrupted
+
+    if signal.getsignal(signal.SIGINT) is _remember:  # else not ours to hold
+        signal.signal(signal.SIGINT, _held)
+    try:
+        importlib.import_module("torch")
+    except ImportError:  # the command says what it lacks
+        pass
+    finally:
+        if signal.getsignal(signal.SIGINT) is _held:
+            signal.signal(signal.SIGINT, _remember)
+    stop_if_interrupted()
+
+
 @contextlib.contextmanager
 def _interrupts_seen():
     """Within the block, Ctrl-C raises KeyboardInterrupt as Python's own handler does, and
-    is remembered (the list yielded, worker.interrupts_seen): one that came inside a C
-    extension's import can be caught and dropped by the library importing it (torch, of
-    numpy); the command then stops where its work begins (worker.stop_if_interrupted), and
-    what the half-done import breaks before then (numpy's next import: 'cannot load module
-    more than once per process', a numpy without its attributes, an endless recursion in
-    its __getattr__) main says as the stop it was."""
+    is remembered (the list yielded, worker.interrupts_seen; _remember says why)."""
     from .worker import interrupts_seen as seen
 
     seen.clear()
-
-    def handler(signum, frame):
-        seen.append(signum)
-        signal.default_int_handler(signum, frame)
-
     mine = signal.getsignal(signal.SIGINT) is signal.default_int_handler  # else not ours
     if mine:
         try:
-            signal.signal(signal.SIGINT, handler)
+            signal.signal(signal.SIGINT, _remember)
         except ValueError:  # main() called on another thread than the main one
             mine = False
     try:
@@ -279,6 +314,8 @@ def _main(argv, interrupts: list[int]) -> int:
         if getattr(args, "func", None) is None:
             parser.print_help(sys.stderr)
             return 2
+        if args.command not in LIGHT:
+            _import_torch()
         with _warnings_as_notes(args.command):
             return int(args.func(args) or 0)
     except SpecError as e:

@@ -693,6 +693,37 @@ def test_a_ctrl_c_an_import_dropped_stops_the_command_before_its_work(
             if p.is_file() and p.name != ".restopo.lock"} == files  # nothing written
 
 
+# restopo run with a Ctrl-C as the import of sys.argv[1] begins, as torch's C code imports it
+_CTRL_C_IN_AN_IMPORT = """
+import os, runpy, signal, sys
+class CtrlC:
+    def find_spec(self, name, path=None, target=None):
+        if name == at:
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signal.SIGINT)
+            signal.getsignal(signal.SIGINT)  # the handler runs between bytecodes
+at = sys.argv.pop(1)
+sys.meta_path.insert(0, CtrlC())
+runpy.run_module("restopo", run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.parametrize("command", ["graph", "train"])
+def test_a_ctrl_c_during_torchs_import_stops_the_command_after_it(spec, tmp_path, command):
+    """Ctrl-C while torch imported numpy: torch's C code caught the KeyboardInterrupt and
+    dropped it, and restopo graph wrote its graph as if none had come, restopo train loaded
+    the data and built the model first (or, in about 1 try in 50, the process aborted).
+    torch's import now finishes first, and the stop is taken right after it."""
+    out = tmp_path / "out"
+    argv = {"graph": [spec, "-o", tmp_path / "g.dot"],
+            "train": [spec, "--out", out, "--no-progress"]}[command]
+    run = subprocess.run([sys.executable, "-c", _CTRL_C_IN_AN_IMPORT, "numpy", command,
+                          *map(str, argv)], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert (run.returncode, run.stderr) == (130, "restopo: interrupted\n")
+    assert not (tmp_path / "g.dot").exists() and not out.exists()
+
+
 # a stop handled by a process busy in one long C call (hashlib's, as a collective waiting
 # for a slower rank or a large save would be): both signals come before Python can run the
 # handler of the first
