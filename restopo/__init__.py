@@ -1,11 +1,11 @@
 """restopo: a language and compiler for the residual topologies of transformers."""
 __version__ = "0.1.0"
 
-from .spec.errors import SpecError, SpecErrors  # noqa: E402  (cheap: no lark, no torch)
-
-# The model API is imported on first use, so `import restopo` (and the CLI, the grammar and
-# the IR) stay usable without paying for torch.
-_LAZY = {"compile": "api", "aggregations": "api", "set_backend": "api", "direct": "api",
+# Everything is imported on first use: the model API, so `import restopo` (and the CLI, the
+# grammar and the IR) stay usable without paying for torch; the rest, so that `python -m
+# restopo` is in restopo's own code, which takes a Ctrl-C as a stop, within a millisecond.
+_LAZY = {"SpecError": "spec.errors", "SpecErrors": "spec.errors",
+         "compile": "api", "aggregations": "api", "set_backend": "api", "direct": "api",
          "rewire": "fx.rewire",
          "generate": "decode", "load": "saved", "export": "saved",
          "load_spec": "spec", "parse_spec": "spec", "RewireError": "fx.rewire"}

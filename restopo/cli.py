@@ -338,8 +338,8 @@ def _main(argv, interrupts: list[int]) -> int:
 
 
 def run() -> None:
-    """The `restopo` command (console script and `python -m restopo`): main(), then, under
-    torchrun, an exit past torch's teardown (restopo.worker.leave says why)."""
+    """The `restopo` console script of an install made when it was this (restopo.__main__.run
+    now): main(), then, under torchrun, an exit past torch's teardown (worker.leave)."""
     from .worker import exit_with
 
     exit_with(main())

@@ -2,7 +2,6 @@
 signals (stdlib only, so any layer's entry point can use it)."""
 from __future__ import annotations
 
-import logging
 import os
 import sys
 import threading
@@ -32,6 +31,7 @@ def leave(code: int) -> None:
     process group destroyed), so it flushes what it printed and exits with its own status."""
     if not under_torchrun():
         return
+    import logging  # (here: restopo's first milliseconds import only what they need)
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:

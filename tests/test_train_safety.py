@@ -693,7 +693,8 @@ def test_a_ctrl_c_an_import_dropped_stops_the_command_before_its_work(
             if p.is_file() and p.name != ".restopo.lock"} == files  # nothing written
 
 
-# restopo run with a Ctrl-C as the import of sys.argv[1] begins, as torch's C code imports it
+# restopo run with a Ctrl-C as the import of sys.argv[1] begins (as torch's C code imports
+# it), started as sys.argv[2] says
 _CTRL_C_IN_AN_IMPORT = """
 import os, runpy, signal, sys
 class CtrlC:
@@ -702,10 +703,19 @@ class CtrlC:
             sys.meta_path.remove(self)
             os.kill(os.getpid(), signal.SIGINT)
             signal.getsignal(signal.SIGINT)  # the handler runs between bytecodes
-at = sys.argv.pop(1)
+at, how = sys.argv.pop(1), sys.argv.pop(1)
 sys.meta_path.insert(0, CtrlC())
+if how == "console script":
+    from restopo.__main__ import run  # as the installed `restopo` does
+    run()
 runpy.run_module("restopo", run_name="__main__", alter_sys=True)
 """
+
+
+def ctrl_c_in_an_import(at: str, *argv, how: str = "-m") -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", _CTRL_C_IN_AN_IMPORT, at, how,
+                           *map(str, argv)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
 @pytest.mark.parametrize("command", ["graph", "train"])
@@ -717,11 +727,18 @@ def test_a_ctrl_c_during_torchs_import_stops_the_command_after_it(spec, tmp_path
     out = tmp_path / "out"
     argv = {"graph": [spec, "-o", tmp_path / "g.dot"],
             "train": [spec, "--out", out, "--no-progress"]}[command]
-    run = subprocess.run([sys.executable, "-c", _CTRL_C_IN_AN_IMPORT, "numpy", command,
-                          *map(str, argv)], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    run = ctrl_c_in_an_import("numpy", command, *argv)
     assert (run.returncode, run.stderr) == (130, "restopo: interrupted\n")
     assert not (tmp_path / "g.dot").exists() and not out.exists()
+
+
+@pytest.mark.parametrize("how", ["-m", "console script"])
+def test_a_ctrl_c_while_the_cli_imports_is_said_as_a_stop(spec, how):
+    """Ctrl-C in the first tenth of a second, as `import restopo` and restopo.cli imported
+    the spec front end, before main takes Ctrl-C: a KeyboardInterrupt's traceback, and
+    python -m restopo ended by SIGINT (-2)."""
+    run = ctrl_c_in_an_import("restopo.cli", "check", spec, how=how)
+    assert (run.returncode, run.stderr) == (130, "restopo: interrupted\n")
 
 
 # a stop handled by a process busy in one long C call (hashlib's, as a collective waiting
