@@ -1429,6 +1429,67 @@ def test_a_sweep_starts_no_more_runs_once_one_is_stopped_from_outside(tmp_path, 
            "train them" in err, err
 
 
+class _Submitted:
+    """A submitit job: the first finishes, the second is being waited for when the stop
+    comes (`stop`: Ctrl-C, or SIGTERM sent to the sweep alone), the third never starts."""
+
+    def __init__(self, fn, job, out, resume, index, stop, cancelled):
+        self.name, self.index, self.stop, self.cancelled = job.name, index, stop, cancelled
+
+    def done(self):
+        return self.index == 0
+
+    def cancel(self, check=True):
+        self.cancelled.append(self.name)
+
+    def result(self):
+        if self.index == 0:
+            return {"name": self.name, "status": "done", "seconds": 1.0}
+        if self.stop == "SIGINT":
+            raise KeyboardInterrupt
+        assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL, \
+            "SIGTERM would end the sweep without a word"
+        os.kill(os.getpid(), signal.SIGTERM)
+        signal.getsignal(signal.SIGTERM)  # the handler runs between bytecodes
+        raise AssertionError("the sweep did not stop")
+
+
+@pytest.mark.parametrize("executor, stop", [("submitit", "SIGINT"), ("submitit", "SIGTERM"),
+                                            ("submitit-local", "SIGTERM"),
+                                            ("submitit-local", "SIGINT")])
+def test_a_stopped_submitit_sweep_cancels_its_unfinished_jobs(tmp_path, capsys, monkeypatch,
+                                                              executor, stop):
+    """--executor submitit submits every job up front: a sweep stopped while it waited said
+    its runs were stopped at their last checkpoints, and the Slurm jobs trained on (SIGTERM
+    to the sweep ended it without a word). Every job not yet finished is now cancelled
+    (scancel: its run saves and stops), as a stopped local sweep stops its runs; but not
+    local jobs after a Ctrl-C, which reached them too: a second SIGINT stops a run at once."""
+    submitit = pytest.importorskip("submitit")
+    spec = _specs(tmp_path)[0]
+    cancelled = []
+
+    class Executor:
+        def __init__(self, folder, cluster):
+            self.submitted = 0
+
+        def update_parameters(self, **parameters):
+            pass
+
+        def submit(self, fn, job, out, resume):
+            self.submitted += 1
+            return _Submitted(fn, job, out, resume, self.submitted - 1, stop, cancelled)
+
+    monkeypatch.setattr(submitit, "AutoExecutor", Executor)
+    code = main(["sweep", spec, "--out", str(tmp_path / "sw"), "--seeds", "3",
+                 "--executor", executor])
+    err = capsys.readouterr().err
+    assert code == 128 + getattr(signal, stop), err
+    local_ctrl_c = (executor, stop) == ("submitit-local", "SIGINT")
+    assert sorted(cancelled) == ([] if local_ctrl_c else ["std-s1", "std-s2"])
+    how = "interrupted" if stop == "SIGINT" else "stopped (SIGTERM)"
+    assert f"restopo sweep: {how}; the runs are stopped at their last checkpoints" in err
+
+
 def test_a_run_folder_that_holds_runs_too_is_read_whole(tmp_path):
     """`restopo train --out SWEEP` trains in a sweep's folder: compare SWEEP then read it as
     that one run and left the sweep's runs out without a word. Both are read."""

@@ -309,17 +309,40 @@ def run_submitit(jobs: list[Job], out: Path, report, *, cluster: str = "slurm",
     todo = [(job, state(out, job)) for job in jobs]
     results = _skipped(todo, out, report)
     submitted = []
-    for job, s in todo:
-        if s not in ("new", "resume"):
-            continue
-        report({"event": "start", "job": job, "resume": s == "resume"})
-        submitted.append((job, executor.submit(run_job, job, out, s == "resume")))
-    for job, handle in submitted:
+    with _stop_signals():
         try:
-            result = handle.result()
-        except Exception as e:  # the job itself failed to run (not the training)
-            _record(out, job, status="failed", error=str(e).splitlines()[-1])
-            result = {"name": job.name, "status": "failed", "error": str(e).splitlines()[-1]}
-        results.append(result)
-        report({"event": "end", "job": job, **result})
+            for job, s in todo:
+                if s not in ("new", "resume"):
+                    continue
+                report({"event": "start", "job": job, "resume": s == "resume"})
+                submitted.append((job, executor.submit(run_job, job, out, s == "resume")))
+            for job, handle in submitted:
+                try:
+                    result = handle.result()
+                except Exception as e:  # the job itself failed to run (not the training)
+                    error = str(e).splitlines()[-1]
+                    _record(out, job, status="failed", error=error)
+                    result = {"name": job.name, "status": "failed", "error": error}
+                results.append(result)
+                report({"event": "end", "job": job, **result})
+        except KeyboardInterrupt as e:
+            # the jobs are submitted up front: a Slurm job trained on after its sweep was
+            # stopped and had said its runs were, as a local one did after a stop sent to
+            # the sweep alone. A Ctrl-C reached local ones too (one process group): cancel's
+            # SIGINT, a second, would stop their runs at once, unsaved
+            if cluster != "local" or isinstance(e, Stopped):
+                cancel_unfinished([handle for _, handle in submitted])
+            raise
     return results
+
+
+def cancel_unfinished(handles) -> None:
+    """Cancel each submitit job not yet finished: Slurm's scancel sends its run SIGTERM,
+    which a run takes as its first Ctrl-C (it saves, then stops); one not yet started never
+    starts."""
+    for handle in handles:
+        try:
+            if not handle.done():
+                handle.cancel(check=False)
+        except OSError:  # scancel could not run: the others are still worth a try
+            pass
