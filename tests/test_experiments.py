@@ -1363,7 +1363,7 @@ def test_no_gap_is_taken_between_runs_on_other_data_or_vocabularies():
     said = "\n".join(report.reading(arms, arms[0]))
     assert "**data**" not in said and "data against a (other data: the losses do not " \
                                        "compare)" in said
-    assert "**ctx**: final validation loss -1.0000 lower" in said
+    assert "**ctx**: final validation loss 1.0000 lower" in said
     assert "context: 16 (a, data, vocab), 8 (ctx)" in said
 
 
@@ -1573,3 +1573,18 @@ def test_the_scaling_plots_tick_labels_do_not_overlap(tmp_path, monkeypatch):
             assert len(boxes) >= 2, (low, high)  # still labelled
             assert not [(a, b) for i, a in enumerate(boxes) for b in boxes[:i]
                         if a.overlaps(b)], (low, high, axis.axis_name)
+
+
+@pytest.mark.parametrize("shift,verdict", [(-0.05, "lower (better)"),
+                                           (0.05, "higher (worse)")])
+def test_a_gap_is_said_by_its_size_beside_its_direction(shift, verdict):
+    """'final validation loss -0.0500 lower (better) than std': a signed gap beside its
+    direction read as a double negative (0.05 higher). The size is said unsigned; the
+    interval keeps its signs."""
+    arms = report.group([_synthetic_run(a, a, s, 10, 2.0 + 0.1 * s + d + 0.001 * s * (d != 0))
+                         for a, d in (("std", 0.0), ("blk", shift)) for s in range(3)])
+    report.compare(arms, arms[0])
+    line = next(ln for ln in report.reading(arms, arms[0]) if ln.startswith("- **blk**"))
+    size = f"{abs(arms[1].diff.mean):.4f}"
+    assert f"final validation loss {size} {verdict} than std" in line
+    assert f"[{arms[1].diff.low:+.4f}, {arms[1].diff.high:+.4f}]" in line

@@ -371,8 +371,9 @@ def reading(arms: list[Arm], baseline: Arm | None) -> list[str]:
             continue
         how = "paired by seed" if d.paired else "unpaired"
         if d.excludes_zero:
+            # the gap's size beside its direction: '-0.05 lower' read as higher
             verdict = ("lower (better) than" if d.mean < 0 else "higher (worse) than")
-            lines.append(f"- **{a.name}**: final validation loss {d.mean:+.4f} {verdict} "
+            lines.append(f"- **{a.name}**: final validation loss {abs(d.mean):.4f} {verdict} "
                          f"{against.name}; the 95% interval [{d.low:+.4f}, {d.high:+.4f}] "
                          f"({how}, n = {d.n}) excludes zero.")
         else:
