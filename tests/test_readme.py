@@ -234,3 +234,25 @@ def test_where_a_relative_data_path_is_read_is_said_in_readme_and_train_help(
     assert main(["train", "--help"]) == 0
     assert ("a relative path read from the spec's folder, or from the current folder when "
             "--set gives it") in " ".join(capsys.readouterr().out.split())
+
+
+def test_the_quickstart_says_what_running_it_again_needs():
+    """Run twice, the quickstart's command 3 stopped at export ('tiny.safetensors already
+    exists ... --overwrite') and the README had not said so. Each of its commands that
+    refuses an existing output says --overwrite on its line (a trailing comment) or in a
+    sentence of the text that follows the block naming it (`restopo train` again ...)."""
+    text = (ROOT / "README.md").read_text()
+    block = blocks("sh")[0]
+    after = text[text.index(block) + len(block):].split("\n## ")[0]
+    sentences = re.split(r"(?<=[.;])\s+", " ".join(after.split()))
+    parser, writers = build_parser(), 0
+    for line in block.replace("\\\n", " ").splitlines():
+        command = line.split("&&")[-1]
+        argv = shlex.split(command, comments=True)
+        if argv[:1] != ["restopo"] or not hasattr(parser.parse_args(argv[1:]), "overwrite"):
+            continue
+        writers += 1
+        said = "--overwrite" in command.partition("#")[2] or any(
+            f"`restopo {argv[1]}`" in s and "--overwrite" in s for s in sentences)
+        assert said, f"the quickstart does not say what `{' '.join(argv)}` run again needs"
+    assert writers >= 2  # train and export
