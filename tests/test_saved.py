@@ -374,6 +374,11 @@ def test_eval_matches_a_hand_loop(run, capsys):
                  "--no-progress"]) == 0
     assert len(data) > 1001 and f"(all split, {len(data) - 1:,} tokens)" in \
         capsys.readouterr().out
+    # two bytes score one token, said in the singular (it was '1 tokens')
+    (folder / "two.txt").write_bytes(b"hi")
+    assert main(["eval", str(folder / "run"), "--data", str(folder / "two.txt"),
+                 "--no-progress"]) == 0
+    assert "(all split, 1 token)" in capsys.readouterr().out
 
 
 def _ids_run(folder, tmp_path, data):

@@ -137,7 +137,7 @@ def _score(args) -> int:
         return 0
     unit = "bits per byte" if corpus.byte_level else "bits per token"
     print(f"{result['checkpoint']} on {corpus.description} ({split} split, "
-          f"{result['tokens']:,} tokens)")
+          f"{counted(result['tokens'], 'token')})")
     print(f"{'loss':<16}{result['loss']:.4f} nats/token")
     print(f"{unit:<16}{result['bits_per_token']:.4f}")
     print(f"{'perplexity':<16}{result['perplexity']:.3f}")
