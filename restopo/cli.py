@@ -122,13 +122,14 @@ def output_error(out: str, *inputs: str, folder: bool = False,
     """Why a command must not write its output to `out` (None: it may): `out` is one of
     the command's own input files (the spec, the model being exported), a write-protected
     file (the atomic rename would replace it regardless), lies in a checkpoint, whose
-    manifest then no longer matches and which later loads pass over as damaged, or is a file
+    manifest then no longer matches and which later loads pass over as damaged, or in a
+    run's checkpoint folder, which its saves prune and its --overwrite deletes, or is a file
     already there and `replace` is False (compile and export without --overwrite: what they
     write may land where trained weights, or a module of one's own, were). A file's
     folder that cannot take it is said too, before the work rather than after it (`folder`:
     `out` is a folder the command makes, parents and all: io.output_folder's to check)."""
     from .io import beside_error
-    from .train.checkpoint import holding_checkpoint
+    from .train.checkpoint import holding_checkpoint, holding_checkpoints
 
     for given in inputs:
         try:
@@ -138,10 +139,19 @@ def output_error(out: str, *inputs: str, folder: bool = False,
             continue
     if os.path.isfile(out) and not os.access(out, os.W_OK):
         return f"{out} is write-protected; remove it or write the output to another path"
+    def given(p):  # a folder `out` is in, as relative as `out` was given
+        return p if os.path.isabs(out) else os.path.relpath(p)
+
     held = holding_checkpoint(out)
     if held is not None:
-        return (f"{out} is inside the checkpoint {held}, which restopo writes only when "
-                f"saving; write the output outside it")
+        return (f"{out} is inside the checkpoint {given(held)}, which restopo writes only "
+                f"when saving; write the output outside it")
+    held = holding_checkpoints(out)
+    if held is not None:
+        where = ("is" if os.path.abspath(out) == str(held) else f"is inside {given(held)},")
+        return (f"{out} {where} the checkpoint folder of the run {given(held.parent)}, "
+                f"whose saves prune it and whose --overwrite deletes it whole; write the "
+                f"output outside it")
     if not replace and os.path.isfile(out):
         return (f"{out} already exists; write the output to another path, or give --overwrite "
                 f"to replace it")

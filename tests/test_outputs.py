@@ -90,6 +90,27 @@ def test_nothing_is_written_into_a_checkpoint(tmp_path, capsys):
         ["model.safetensors", "optimizer.pt", "state.pt", "meta.json", "manifest.json"])
 
 
+def test_nothing_is_written_into_a_runs_checkpoint_folder(tmp_path, capsys):
+    """train --out RUN/ckpt (or a folder in it, or in one of its checkpoints) trained a run
+    there, and sweep and compare --out wrote there: RUN's saves prune its step folders and
+    its --overwrite deletes ckpt/ whole, that run and those files with it."""
+    step = saved_run(tmp_path)
+    ckpt, spec, run = step.parent, str(tmp_path / "t.restopo"), str(tmp_path / "run")
+    before = sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*"))
+    for out in (ckpt, ckpt / "inner", step / "inner"):
+        for argv in (["train", spec, "--no-progress", "--out", str(out)],
+                     ["sweep", spec, "--out", str(out), "--dry-run"],
+                     ["compare", run, "--out", str(out)],
+                     ["graph", spec, "-o", str(out / "g.dot")]):
+            err = error(capsys, argv)
+            said = "is the checkpoint folder" if str(ckpt) in argv else "is inside"
+            assert said in err and "write the output outside it" in err, argv
+            assert err.count("\n") == 1, err  # one line
+    assert sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*")) == before
+    # beside the checkpoints, in the run's own folder, is where a run may hold others
+    assert main(["sweep", spec, "--out", str(tmp_path / "run" / "sw"), "--dry-run"]) == 0
+
+
 def test_a_standalone_module_gets_a_name_it_can_be_imported_by(tmp_path, capsys):
     """compile -o my-model.py wrote a module no import can name (its own docstring said
     `import torch, my-model`), and -o torch.py one that hid torch from every script beside

@@ -6,6 +6,8 @@ import os
 import sys
 from pathlib import Path
 
+from ..cli import output_error
+
 EXAMPLES = """\
 examples:
   restopo compare runs/ablation --baseline standard          a sweep's folder of runs
@@ -56,6 +58,10 @@ def run(args) -> int:
         return 1
     out = Path(args.out) if args.out else (Path(args.runs[0]) if len(args.runs) == 1
                                            else Path("compare"))
+    why = output_error(str(out), folder=True)
+    if why:
+        print(f"restopo compare: error: {'--out ' if args.out else ''}{why}", file=sys.stderr)
+        return 1
     try:
         runs = find_runs(args.runs)  # the runs first: a missing one is not an output error
         with output_folder(out):  # before the models are built and the runs compared

@@ -9,7 +9,7 @@ import threading
 import time
 from pathlib import Path
 
-from ..cli import SetOverride, at_least
+from ..cli import SetOverride, at_least, output_error
 from ..words import counted
 
 EXAMPLES = """\
@@ -146,6 +146,10 @@ def run(args) -> int:
     from ..spec.errors import raise_all
 
     out = Path(args.out)
+    why = output_error(args.out, folder=True)  # its runs' folders, inside another run's
+    if why:
+        print(f"restopo sweep: error: --out {why}", file=sys.stderr)
+        return 1
     try:
         seeds = _seeds(args)
         grid = make_grid(args.specs, seeds, args.overrides, args.vary)

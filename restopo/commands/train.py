@@ -7,7 +7,7 @@ import signal
 import sys
 from pathlib import Path
 
-from ..cli import SetOverride, device_arg, int_range, noter
+from ..cli import SetOverride, device_arg, int_range, noter, output_error
 from ..spec.objects import RECOMPUTE
 from ..words import counted
 
@@ -267,6 +267,9 @@ def _out_folder(args) -> Path:
                     "a run from its checkpoint)")
     if out.exists() and not out.is_dir():
         raise _Stop(f"--out {out} is a file, not a folder; choose another --out")
+    why = output_error(str(out), folder=True)  # not inside another run's checkpoints
+    if why:
+        raise _Stop(f"--out {why}")
     _not_a_folder_of_runs(out)
     return out
 

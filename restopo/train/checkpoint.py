@@ -190,6 +190,17 @@ def holding_checkpoint(path: str | os.PathLike) -> Path | None:
     return None
 
 
+def holding_checkpoints(path: str | os.PathLike) -> Path | None:
+    """The checkpoint folder of a run (RUN/ckpt: step folders or `latest`) that `path` is in
+    (or is), else None: the run prunes what is there, and --overwrite deletes it whole."""
+    here = Path(os.path.abspath(path))
+    for folder in (here, *here.parents):
+        if folder.name == "ckpt" and ((folder / "latest").is_file()
+                                      or list_checkpoints(folder, resume=False)):
+            return folder
+    return None
+
+
 def has_manifest(step_dir: str | os.PathLike) -> bool:
     return (Path(step_dir) / MANIFEST).exists()
 
