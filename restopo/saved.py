@@ -38,6 +38,8 @@ DATA_BASE_KEY = "restopo.data_base"
 # a SHA-256 of the weights (weights_digest): neither format checks its data, so a damaged
 # byte would load as a wrong weight, unsaid
 DIGEST_KEY = "restopo.weights_sha256"
+# the first line of a standalone model.py says it (restopo compile / export -o .py)
+STANDALONE = "standalone (imports only torch)"
 
 
 class LoadError(ValueError):
@@ -75,6 +77,13 @@ def load(path: str | os.PathLike, backend: str = "auto", device: str | torch.dev
     elif p.suffix == ".restopo":  # said to CLI users too (eval, generate, diagnose...)
         raise LoadError(f"{p} is a spec, not a trained model; train it first (restopo train "
                         f"{p}) and give its run folder or a checkpoint")
+    elif p.suffix == ".py" and STANDALONE.encode() in _head(p, 400):
+        raise LoadError(f"{p} is a standalone module, not weights; give the .pt or "
+                        f".safetensors its weights are in, or import it ({p.stem}.build(): "
+                        f"its docstring says how)")
+    elif (p.parent / "ckpt").is_dir():  # metrics.jsonl, loss.png, train.log, ...
+        raise LoadError(f"{p} is a file of the run folder {p.parent}, not a model; give the "
+                        f"folder itself: {p.parent}")
     else:
         raise LoadError(f"{p}: not a model restopo saved (expected a run folder, .pt or "
                         f".safetensors)")

@@ -656,6 +656,28 @@ def test_eval_of_a_split_too_short_to_score_says_which_and_what_to_do(tmp_path, 
     assert f"(all split, {len(ids) - 1} tokens)" in capsys.readouterr().out
 
 
+def test_a_file_restopo_wrote_that_holds_no_model_says_what_to_give(run, tmp_path, capsys):
+    """A standalone module restopo wrote (export -o .py) was 'not a model restopo saved',
+    and a run's metrics.jsonl or loss.png no more than that: each now says what it is and
+    what to give instead."""
+    folder, model = run
+    module = tmp_path / "tiny_model.py"
+    assert main(["export", str(folder / "run"), "-o", str(module)]) == 0
+    with pytest.raises(LoadError, match=r"tiny_model.py is a standalone module, not weights; "
+                                        r"give the .pt or .safetensors .*tiny_model.build\(\)"):
+        load(module)
+    for name in ("metrics.jsonl", "loss.png"):
+        (folder / "run" / name).write_text("{}")
+        with pytest.raises(LoadError, match=f"is a file of the run folder {folder / 'run'}, "
+                                            f"not a model; give the folder itself"):
+            load(folder / "run" / name)
+        (folder / "run" / name).unlink()
+    capsys.readouterr()
+    assert main(["generate", str(module)]) == 1
+    assert len(capsys.readouterr().err.splitlines()) == 1
+    assert same(load(folder / "run"), model)  # the folder it names loads
+
+
 @pytest.mark.parametrize("name", ["latest", "step_000002/state.pt", "step_000002/meta.json",
                                   "step_000002/optimizer.pt"])
 def test_a_file_of_a_checkpoint_points_at_its_folder(run, capsys, name):

@@ -18,8 +18,9 @@ from ..codegen import literal, text_literal
 from ..nn import aggregate, norm, streams, sublayers
 from ..nn.norm import NORM_EPS
 from ..registry import get_backend
+from ..saved import STANDALONE
 
-DOC = """{name}: written by `restopo {command}` from {source}; standalone (imports only torch).
+DOC = """{name}: written by `restopo {command}` from {source}; """ + STANDALONE + """.
 
 Topology {topology}; {sublayers} sublayers. Copy this file anywhere:
 
