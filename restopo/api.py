@@ -14,6 +14,7 @@ from .nn.aggregate import Attend, TwoPhase, make_aggregation
 from .nn.init import Init
 from .nn.model import build_parts, model_kinds
 from .spec import as_spec
+from .spec.files import SAVED
 
 
 def build_model(model, topology, backend: str = "auto", two_phase: bool = True, *,
@@ -69,9 +70,6 @@ def compile(spec_or_path, backend: str = "auto", overrides=(), *,  # noqa: A001
     # model.generate(idx, max_new_tokens, ...), kept by copies of the model
     give_method(model, "generate", generate)
     return model
-
-
-SAVED = (".pt", ".safetensors")
 
 
 def _refuse_saved_model(spec_or_path) -> None:

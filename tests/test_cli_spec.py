@@ -137,6 +137,32 @@ def test_binary_file_is_one_line(tmp_path, capsys):
     assert err.strip().count("\n") == 0 and "not UTF-8 text" in err and str(p) in err
 
 
+def test_a_run_or_saved_model_given_for_a_spec_says_what_to_give(tmp_path, capsys):
+    """`restopo train runs/tiny` said 'is a directory, not a spec file', a checkpoint folder
+    the same, and a model.pt or .safetensors 'is larger than 65,536 bytes ...; is it a
+    spec?' (a small one: not UTF-8): each now says what it is, and for a run folder how to
+    continue its run."""
+    step = tmp_path / "run" / "ckpt" / "step_000010"
+    step.mkdir(parents=True)
+    (tmp_path / "model.safetensors").write_bytes(b"\x08" + bytes(70000))
+    (tmp_path / "small.pt").write_bytes(b"PK\x03\x04\xff")
+    cases = {tmp_path / "run": "is a run folder, not a spec; give a .restopo file (restopo "
+                               f"train --resume --out {tmp_path / 'run'} continues a run",
+             tmp_path / "run" / "ckpt": "is a checkpoint folder, not a spec",
+             step: "is a checkpoint folder, not a spec",
+             tmp_path / "model.safetensors": "is a saved model, not a spec",
+             tmp_path / "small.pt": "is a saved model, not a spec"}
+    for path, said in cases.items():
+        for command in (["train", str(path)], ["check", str(path)],
+                        ["graph", str(path), "-o", str(tmp_path / "g.dot")]):
+            assert main(command) == 1
+            err = capsys.readouterr().err
+            assert f"{path}: {said}" in err and err.count("\n") == 1, err
+    # a folder that holds no run is still a directory
+    assert main(["check", str(tmp_path)]) == 1
+    assert "is a directory, not a spec file" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("name", COMMANDS)
 def test_subcommand_help_has_examples(name, capsys):
     assert main([name, "--help"]) == 0

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import stat
 
 MAX_SPEC_BYTES = 64 << 10  # a spec is a few dozen lines (the examples are under 2 KiB);
 #                           Lark reads 64 KiB of the worst text in a few seconds
+
+SAVED = (".pt", ".safetensors")  # what a saved model's file name ends in, never a spec's
 
 _KINDS = ((stat.S_ISDIR, "is a directory, not a spec file"),
           (stat.S_ISFIFO, "is a named pipe (FIFO), not a regular file"),
@@ -36,6 +39,9 @@ def read_spec_file(path: str | os.PathLike) -> str:
     file, permission, a link loop, a name too long, I/O errors) and UnicodeDecodeError
     (with `restopo_path` set) for text that is not UTF-8."""
     path = os.fspath(path)
+    saved = _saved_not_a_spec(path)
+    if saved:
+        raise SpecFileError(path, saved)
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
     fd = os.open(path, flags)
     try:
@@ -53,6 +59,22 @@ def read_spec_file(path: str | os.PathLike) -> str:
     finally:
         os.close(fd)
     return _text(data, path)
+
+
+def _saved_not_a_spec(path: str) -> str | None:
+    """What a run folder, a checkpoint or a saved model given for a spec is, and what to
+    give (said as restopo.load says a spec given for a model); None for anything else."""
+    name, run = os.path.basename(os.path.normpath(path)), "RUN"
+    if os.path.isdir(os.path.join(path, "ckpt")):
+        what, run = "a run folder", path
+    elif os.path.isdir(path) and (name == "ckpt" or re.fullmatch(r"step_\d{6,}", name)):
+        what = "a checkpoint folder"  # the names train.checkpoint gives them
+    elif os.path.isfile(path) and name.endswith(SAVED):
+        what = "a saved model"
+    else:
+        return None
+    return (f"is {what}, not a spec; give a .restopo file (restopo train --resume --out "
+            f"{run} continues a run, with the spec its checkpoint holds)")
 
 
 def read_spec_stdin(name: str = "<stdin>") -> str:
