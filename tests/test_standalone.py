@@ -126,6 +126,19 @@ def test_compile_cli_writes_the_standalone_module(tmp_path):
     assert json.loads(run.stdout)["gen_model"]["spec"] == text
 
 
+@pytest.mark.parametrize("name", ["m", "model", "a_rather_long_module_name"])
+def test_the_docstrings_example_keeps_its_comments_in_one_column(name):
+    """The example's comments were aligned for the template's '{name}': off by the name's
+    length less six for every real name ('model = tiny_model.build()   ' pushed its
+    comment two columns right of the others)."""
+    from restopo.commands.standalone import module_source
+    model = restopo.compile(MODEL + "residual standard\n", backend="eager")
+    doc = ast.get_docstring(ast.parse(module_source(model, name, "t.restopo")))
+    example = [ln for ln in doc.splitlines() if ln.startswith("    ")][:5]
+    assert example[0] == f"    import torch, {name}" and f"{name}.build()" in example[1]
+    assert len({ln.index("# ") for ln in example[1:]}) == 1, example
+
+
 def test_spec_text_cannot_break_out_of_the_module(tmp_path):
     """Quotes, backslashes and triple quotes in the spec (comments) stay data."""
     text = ("# a ''' and a \"\"\" and a \\ and ends with a quote'\n" + MODEL

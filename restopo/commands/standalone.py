@@ -24,11 +24,7 @@ DOC = """{name}: written by `restopo {command}` from {source}; """ + STANDALONE 
 
 Topology {topology}; {sublayers} sublayers. Copy this file anywhere:
 
-    import torch, {name}
-    model = {name}.build()                        # PyTorch's default initialisation
-    blob = torch.load("{name}.pt")                # restopo {command} ... -o {name}.pt
-    model.load_state_dict(blob["state_dict"])     # strict
-    logits = model(idx)                           # idx [B, T] token ids -> [B, T, vocab]
+{usage}
 
 A training run's weights: `restopo export RUN -o weights.safetensors`, then
 model.load_state_dict(safetensors.torch.load_file("weights.safetensors")). (A checkpoint's
@@ -312,6 +308,19 @@ def module_path_error(path: str) -> str | None:
     return None
 
 
+def _usage(name: str, command: str) -> str:
+    """The docstring's example of using the module `name`, its comments in one column
+    whatever the name's length."""
+    lines = ((f"import torch, {name}", ""),
+             (f"model = {name}.build()", "PyTorch's default initialisation"),
+             (f'blob = torch.load("{name}.pt")', f"restopo {command} ... -o {name}.pt"),
+             ('model.load_state_dict(blob["state_dict"])', "strict"),
+             ("logits = model(idx)", "idx [B, T] token ids -> [B, T, vocab]"))
+    width = max(len(code) for code, _ in lines) + 2
+    return "\n".join(f"    {code:<{width}}# {note}" if note else f"    {code}"
+                     for code, note in lines)
+
+
 def module_source(model, name: str, source: str, command: str = "compile") -> str:
     """The text of a standalone module that builds `model` (a restopo.compile model)."""
     from ..fx.lower import lower, parts_of
@@ -321,7 +330,7 @@ def module_source(model, name: str, source: str, command: str = "compile") -> st
     spec = model.restopo_spec
     g = model.restopo_ir
     doc = DOC.format(name=name, source=source, topology=g.topology, sublayers=g.n_sublayers,
-                     command=command)
+                     command=command, usage=_usage(name, command))
     head = HEADER.format(doc=text_literal(doc, '"""', raw=False),
                          imports=STREAM_IMPORTS if _multi_stream(model) else "",
                          spec=text_literal(model.spec_text),

@@ -3,10 +3,10 @@
 Topology block_attnres; 8 sublayers. Copy this file anywhere:
 
     import torch, model
-    model = model.build()                        # PyTorch's default initialisation
-    blob = torch.load("model.pt")                # restopo compile ... -o model.pt
-    model.load_state_dict(blob["state_dict"])     # strict
-    logits = model(idx)                           # idx [B, T] token ids -> [B, T, vocab]
+    model = model.build()                      # PyTorch's default initialisation
+    blob = torch.load("model.pt")              # restopo compile ... -o model.pt
+    model.load_state_dict(blob["state_dict"])  # strict
+    logits = model(idx)                        # idx [B, T] token ids -> [B, T, vocab]
 
 A training run's weights: `restopo export RUN -o weights.safetensors`, then
 model.load_state_dict(safetensors.torch.load_file("weights.safetensors")). (A checkpoint's
