@@ -3,6 +3,7 @@
 import errno
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -48,6 +49,10 @@ def test_train_then_extend_from_the_checkpoint_alone(spec, tmp_path, capsys):
     assert [r["step"] for r in metrics(out)] == list(range(1, 9))
     spec.unlink()  # the spec travels inside the checkpoint
     assert main(["train", "--resume", "--out", str(out), "--steps", "12", "--no-progress"]) == 0
+    # the time said is this command's, for the steps it trained ('done: 12 steps (0 s)' read
+    # as the run's twelve steps in no time)
+    assert re.search(r"^done: 12 steps, .*\(steps 9 to 12 in \d+\.\d s\)$",
+                     capsys.readouterr().out, re.M)
     recs = metrics(out)
     assert [r["step"] for r in recs] == list(range(1, 13))
     meta = json.loads((out / "ckpt" / "step_000012" / "meta.json").read_text())

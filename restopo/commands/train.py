@@ -671,10 +671,15 @@ def _train(args, out: Path) -> int:
         dist.cleanup(ctx)
     if ctx.is_main:
         loss, val = summary["loss"], summary["val_loss"]
+        seconds, first = summary["seconds"], summary.get("from_step", 0) + 1
+        took = f"{seconds:.1f} s" if seconds < 10 else f"{seconds:.0f} s"
+        if first > 1:  # this command's time, not the run's: say for which steps
+            took = (f"steps {first:,} to {summary['steps']:,} in {took}"
+                    if first <= summary["steps"] else "no step trained")
         print(f"done: {counted(summary['steps'], 'step')}"
               + (f", loss {loss:.4f}" if loss is not None else "")
               + (f", val loss {val:.4f}" if val is not None else "")
-              + f" ({summary['seconds']:.0f} s)")
+              + f" ({took})")
         print(f"  metrics     {summary['metrics']}")
         print(f"  loss plot   {summary['plot']}")
         print(f"  checkpoint  {summary['checkpoint'] or 'none'}")

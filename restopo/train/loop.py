@@ -467,7 +467,7 @@ def train(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, out: str | o
     # the step the run is at: cfg.steps, or past it for a checkpoint resumed with fewer
     summary = {"steps": max(cfg.steps, start), "loss": last["loss"], "val_loss": last["val_loss"],
                "out": str(out), "metrics": str(log.path), "checkpoint": None, "plot": None,
-               "seconds": time.perf_counter() - t0}
+               "seconds": time.perf_counter() - t0, "from_step": start}
     if ctx.is_main:
         from .checkpoint import latest_checkpoint
 
