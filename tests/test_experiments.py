@@ -130,14 +130,16 @@ def test_a_run_and_a_sweep_do_not_share_a_folder(tmp_path, capsys):
     (swept / job.name / "run.json").write_text(json.dumps({"arm": job.arm, "seed": 0}))
     for name in ("std-s0", "std-s1", "std-s2"):
         (trained_into / name / "ckpt").mkdir(parents=True)
-    for folder, held, first in ((swept, "1 run", job.name), (trained_into, "3 runs", "std-s0")):
+    # a folder of runs train made (runs/, train's default) is not called a sweep's
+    for folder, held, first in ((swept, "1 run", f"{job.name}: a sweep's"),
+                                (trained_into, "3 runs", "std-s0")):
         before = sorted(p.name for p in folder.iterdir())
         for argv in (["train", spec, "--out", str(folder), "--no-progress"],
                      ["train", "--resume", "--out", str(folder), "--no-progress"]):
             assert main(argv) == 1
             assert capsys.readouterr().err == (
                 f"restopo train: error: --out {folder} is a folder of runs ({held}, such as "
-                f"{first}: a sweep's), which restopo compare would take this run for one of; "
+                f"{first}), which restopo compare would take this run for one of; "
                 f"give it a folder of its own, e.g. --out {folder / 'NAME'} (inside it: "
                 f"compared with them)\n")
         assert sorted(p.name for p in folder.iterdir()) == before

@@ -612,6 +612,13 @@ def test_a_sweep_folder_given_for_one_run_names_its_runs(run, tmp_path, capsys, 
     assert err == (f"restopo {command}: error: {str(sweep)!r} is a sweep's folder (a folder of "
                    f"runs), not one run; give one of its runs, e.g. {str(sweep / 'b-s0')!r} "
                    f"or {str(sweep / 'c-s0')!r}\n")
+    # runs trained with train --out runs/NAME make runs/ a folder of runs, not a sweep's
+    for name in ("a-s0", "b-s0", "c-s0"):
+        (sweep / name / "run.json").unlink()
+    assert main([command, str(sweep), *extra]) == 1
+    err = capsys.readouterr().err
+    assert f"{str(sweep)!r} is a folder of runs, not one run; give one of its runs" in err
+    assert "sweep" not in err.replace(str(sweep), "")
 
 
 @pytest.mark.parametrize("flags, said", [

@@ -284,10 +284,12 @@ def _not_a_folder_of_runs(out: Path) -> None:
 
     if (out / "ckpt").is_dir():
         return
-    held = sweep_runs(out) or runs_in(out)
+    swept = sweep_runs(out)
+    held = swept or runs_in(out)
     if held:
+        whose = ": a sweep's" if swept else ""
         raise _Stop(f"--out {out} is a folder of runs ({counted(len(held), 'run')}, such as "
-                    f"{held[0].name}: a sweep's), which restopo compare would take this run "
+                    f"{held[0].name}{whose}), which restopo compare would take this run "
                     f"for one of; give it a folder of its own, e.g. --out {out / 'NAME'} "
                     f"(inside it: compared with them)")
 

@@ -543,9 +543,11 @@ def resolve_checkpoint(path: str | os.PathLike, say=None) -> Path:
             raise CheckpointError(f"no intact checkpoint in {str(root)!r}: "
                                   + "; ".join(f"{b.name}: {w}" for b, w in skipped))
     runs = runs_in(p)
-    if runs:  # a sweep's --out where one run is wanted: name runs to give instead
-        raise CheckpointError(f"{str(p)!r} is a sweep's folder (a folder of runs), not one "
-                              f"run; give one of its runs, e.g. "
+    if runs:  # a folder of runs where one run is wanted: name runs to give instead
+        # a sweep's runs keep its run.json; runs/, where train puts runs, is no sweep's
+        kind = ("a sweep's folder (a folder of runs)" if any(
+            (r / "run.json").is_file() for r in runs) else "a folder of runs")
+        raise CheckpointError(f"{str(p)!r} is {kind}, not one run; give one of its runs, e.g. "
                               + " or ".join(repr(str(r)) for r in runs[:2]))
     raise CheckpointError(f"no complete checkpoint in {str(p)!r}; {GIVE_CHECKPOINT}")
 
