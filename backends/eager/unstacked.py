@@ -24,29 +24,32 @@ from .rmsnorm import rstd
 from .weighted import _acc, _wide, out_dtype, weighted_sum
 
 
-class _Rstd(torch.autograd.Function):
-    """1 / RMS(v) over channels with a one-pass backward: d rstd / dv = -rstd^3 v / d."""
+class _KeyScaled(torch.autograd.Function):
+    """z = u rstd(v): logits u = q . v [*batch, H] times the key norm's 1 / RMS(v) [*batch, 1],
+    with a one-pass backward: d rstd / dv = -rstd^3 v / d, taken as (dz . z) rstd^2, not
+    (dz . u) rstd^3: finite for an all-zero row (rstd^3 alone overflows at eps 1e-30) and 0
+    where v's mean square overflowed (rstd = 0 and z = 0, where dz u can overflow)."""
 
     @staticmethod
-    def forward(ctx, v, eps):
+    def forward(ctx, u, v, eps):
         r = rstd(v, eps)
-        ctx.save_for_backward(v, r)
-        return r
+        z = u * r
+        ctx.save_for_backward(v, r, z)
+        return z
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
-        v, r = ctx.saved_tensors
-        # rstd^2 * v stays finite for an all-zero row (rstd^3 alone overflows at eps 1e-30)
-        scale = (grad * r * (-1.0 / v.shape[-1])).to(v.dtype)
-        return v * (r * r).to(v.dtype) * scale, None
+        v, r, z = ctx.saved_tensors
+        scale = (grad * z).sum(-1, keepdim=True) * (r * r) * (-1.0 / v.shape[-1])
+        return grad * r, v * scale.to(v.dtype), None
 
 
-def _rstd(v: torch.Tensor, eps: float) -> torch.Tensor:
-    """[*batch, 1]: 1 / RMS(v) over channels, in at least fp32."""
+def _key_scaled(u: torch.Tensor, v: torch.Tensor, eps: float) -> torch.Tensor:
+    """u rstd(v), rstd in at least fp32 (see _KeyScaled)."""
     if torch.compiler.is_compiling():  # autograd's ops: inductor fuses them with the logits
-        return rstd(v, eps)
-    return _Rstd.apply(v, eps)
+        return u * rstd(v, eps)
+    return _KeyScaled.apply(u, v, eps)
 
 
 def source_logits(v: torch.Tensor, q: torch.Tensor, eps: float, key_norm: bool) -> torch.Tensor:
@@ -59,9 +62,7 @@ def source_logits(v: torch.Tensor, q: torch.Tensor, eps: float, key_norm: bool) 
     # are at least float32 whatever v's dtype: 1/RMS of a (near-)zero row is huge (restopo.nn.norm's
     # epsilon is tiny) and would overflow to inf in fp16, giving 0 * inf = NaN.
     z = (v.unflatten(-1, (q.shape[-2], -1)) * q).sum(-1, dtype=_acc(v))
-    if key_norm:
-        z = z * _rstd(v, eps)
-    return z
+    return _key_scaled(z, v, eps) if key_norm else z
 
 
 def query_matrix(gained_queries: torch.Tensor, heads: int) -> torch.Tensor:
@@ -96,9 +97,7 @@ def logits_against(v: torch.Tensor, gained_queries: torch.Tensor, eps: float, ke
         if heads == 1:  # the same layout without a permuted view (one autograd node less)
             return z.view(R, *v.shape[:-1], 1)
         return z.view(R, heads, *v.shape[:-1]).movedim(1, -1)
-    if key_norm:
-        z = z * _rstd(v, eps)
-    return z
+    return z * rstd(v, eps) if key_norm else z  # (compiling: autograd's ops)
 
 
 class _Logits(torch.autograd.Function):
@@ -112,14 +111,15 @@ class _Logits(torch.autograd.Function):
     @staticmethod
     def forward(ctx, v, w, eps, key_norm):
         u, r = _logit_parts(v, w, eps, key_norm)
-        ctx.save_for_backward(v, w, u if key_norm else None, r)
+        z = u if r is None else u * r
+        ctx.save_for_backward(v, w, z if key_norm else None, r)
         ctx.sink = getattr(v, "restopo_sink", None)
-        return u if r is None else u * r
+        return z
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dz):
-        v, w, u, r = ctx.saved_tensors
+        v, w, z, r = ctx.saved_tensors
         v2 = v.reshape(-1, v.shape[-1])
         half = v.dtype != _acc(v)  # fp16/bf16: the products in fp32 (weighted._wide)
         du = dz * r if r is not None else dz          # [R*H, M], in w's (wide) dtype
@@ -140,8 +140,9 @@ class _Logits(torch.autograd.Function):
             dv.addmm_(du.t(), w.t())
         else:
             torch.mm(du.t(), w.t(), out=dv)
-        if r is not None:  # r^2 times the rest: finite for an all-zero row (u = 0 there)
-            scale = (dz * u).sum(0) * r[0] * (-1.0 / v.shape[-1])
+        if r is not None:  # (dz . u) r^3 as (dz . z) r^2: finite for an all-zero row (z = 0
+            # there), and 0 where the mean square overflowed (r = 0, z = 0; dz u overflows)
+            scale = (dz * z).sum(0) * (-1.0 / v.shape[-1])
             dv.addcmul_(v2, (r[0] * r[0] * scale).to(v.dtype).unsqueeze(-1))
         return (dv.view(v.shape) if buf is None else None), dw, None, None
 

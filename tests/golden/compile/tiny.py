@@ -303,29 +303,32 @@ class _RMSNorm(torch.autograd.Function):
 rmsnorm = SimpleNamespace(rms_norm=_rmsnorm_rms_norm, rstd=_rmsnorm_rstd)
 
 
-class _Rstd(torch.autograd.Function):
-    """1 / RMS(v) over channels with a one-pass backward: d _rmsnorm_rstd / dv = -_rmsnorm_rstd^3 v / d."""
+class _KeyScaled(torch.autograd.Function):
+    """z = u _rmsnorm_rstd(v): logits u = q . v [*batch, H] times the key norm's 1 / RMS(v) [*batch, 1],
+    with a one-pass backward: d _rmsnorm_rstd / dv = -_rmsnorm_rstd^3 v / d, taken as (dz . z) _rmsnorm_rstd^2, not
+    (dz . u) _rmsnorm_rstd^3: finite for an all-zero row (_rmsnorm_rstd^3 alone overflows at eps 1e-30) and 0
+    where v's mean square overflowed (_rmsnorm_rstd = 0 and z = 0, where dz u can overflow)."""
 
     @staticmethod
-    def forward(ctx, v, eps):
+    def forward(ctx, u, v, eps):
         r = _rmsnorm_rstd(v, eps)
-        ctx.save_for_backward(v, r)
-        return r
+        z = u * r
+        ctx.save_for_backward(v, r, z)
+        return z
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
-        v, r = ctx.saved_tensors
-        # _rmsnorm_rstd^2 * v stays finite for an all-zero row (_rmsnorm_rstd^3 alone overflows at eps 1e-30)
-        scale = (grad * r * (-1.0 / v.shape[-1])).to(v.dtype)
-        return v * (r * r).to(v.dtype) * scale, None
+        v, r, z = ctx.saved_tensors
+        scale = (grad * z).sum(-1, keepdim=True) * (r * r) * (-1.0 / v.shape[-1])
+        return grad * r, v * scale.to(v.dtype), None
 
 
-def _unstacked__rstd(v: torch.Tensor, eps: float) -> torch.Tensor:
-    """[*batch, 1]: 1 / RMS(v) over channels, in at least fp32."""
+def _unstacked__key_scaled(u: torch.Tensor, v: torch.Tensor, eps: float) -> torch.Tensor:
+    """u _rmsnorm_rstd(v), _rmsnorm_rstd in at least fp32 (see _KeyScaled)."""
     if torch.compiler.is_compiling():  # autograd's ops: inductor fuses them with the logits
-        return _rmsnorm_rstd(v, eps)
-    return _Rstd.apply(v, eps)
+        return u * _rmsnorm_rstd(v, eps)
+    return _KeyScaled.apply(u, v, eps)
 
 
 def _unstacked_source_logits(v: torch.Tensor, q: torch.Tensor, eps: float, key_norm: bool) -> torch.Tensor:
@@ -338,9 +341,7 @@ def _unstacked_source_logits(v: torch.Tensor, q: torch.Tensor, eps: float, key_n
     # are at least float32 whatever v's dtype: 1/RMS of a (near-)zero row is huge (restopo.nn.norm's
     # epsilon is tiny) and would overflow to inf in fp16, giving 0 * inf = NaN.
     z = (v.unflatten(-1, (q.shape[-2], -1)) * q).sum(-1, dtype=_weighted__acc(v))
-    if key_norm:
-        z = z * _unstacked__rstd(v, eps)
-    return z
+    return _unstacked__key_scaled(z, v, eps) if key_norm else z
 
 
 def _unstacked_query_matrix(gained_queries: torch.Tensor, heads: int) -> torch.Tensor:
@@ -375,9 +376,7 @@ def _unstacked_logits_against(v: torch.Tensor, gained_queries: torch.Tensor, eps
         if heads == 1:  # the same layout without a permuted view (one autograd node less)
             return z.view(R, *v.shape[:-1], 1)
         return z.view(R, heads, *v.shape[:-1]).movedim(1, -1)
-    if key_norm:
-        z = z * _unstacked__rstd(v, eps)
-    return z
+    return z * _rmsnorm_rstd(v, eps) if key_norm else z  # (compiling: autograd's ops)
 
 
 class _Logits(torch.autograd.Function):
@@ -391,14 +390,15 @@ class _Logits(torch.autograd.Function):
     @staticmethod
     def forward(ctx, v, w, eps, key_norm):
         u, r = _unstacked__logit_parts(v, w, eps, key_norm)
-        ctx.save_for_backward(v, w, u if key_norm else None, r)
+        z = u if r is None else u * r
+        ctx.save_for_backward(v, w, z if key_norm else None, r)
         ctx.sink = getattr(v, "restopo_sink", None)
-        return u if r is None else u * r
+        return z
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dz):
-        v, w, u, r = ctx.saved_tensors
+        v, w, z, r = ctx.saved_tensors
         v2 = v.reshape(-1, v.shape[-1])
         half = v.dtype != _weighted__acc(v)  # fp16/bf16: the products in fp32 (weighted._wide)
         du = dz * r if r is not None else dz          # [R*H, M], in w's (wide) dtype
@@ -419,8 +419,9 @@ class _Logits(torch.autograd.Function):
             dv.addmm_(du.t(), w.t())
         else:
             torch.mm(du.t(), w.t(), out=dv)
-        if r is not None:  # r^2 times the rest: finite for an all-zero row (u = 0 there)
-            scale = (dz * u).sum(0) * r[0] * (-1.0 / v.shape[-1])
+        if r is not None:  # (dz . u) r^3 as (dz . z) r^2: finite for an all-zero row (z = 0
+            # there), and 0 where the mean square overflowed (r = 0, z = 0; dz u overflows)
+            scale = (dz * z).sum(0) * (-1.0 / v.shape[-1])
             dv.addcmul_(v2, (r[0] * r[0] * scale).to(v.dtype).unsqueeze(-1))
         return (dv.view(v.shape) if buf is None else None), dw, None, None
 
@@ -542,7 +543,7 @@ class _Lerp(torch.autograd.Function):
         return d_h1.flatten(-2), -dz2, d_p.flatten(-2), d_q, None, None
 
 
-unstacked = SimpleNamespace(_logit_parts=_unstacked__logit_parts, _rstd=_unstacked__rstd, block_logits=_unstacked_block_logits, depth_attention=_unstacked_depth_attention, logits_against=_unstacked_logits_against, normalised=_unstacked_normalised, phase1=_unstacked_phase1, phase2=_unstacked_phase2, query_matrix=_unstacked_query_matrix, source_logits=_unstacked_source_logits)
+unstacked = SimpleNamespace(_key_scaled=_unstacked__key_scaled, _logit_parts=_unstacked__logit_parts, block_logits=_unstacked_block_logits, depth_attention=_unstacked_depth_attention, logits_against=_unstacked_logits_against, normalised=_unstacked_normalised, phase1=_unstacked_phase1, phase2=_unstacked_phase2, query_matrix=_unstacked_query_matrix, source_logits=_unstacked_source_logits)
 
 
 def _stacked__as(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
