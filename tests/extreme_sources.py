@@ -22,7 +22,8 @@ CASES = {
 EXTREME = (0, 3)  # the sources made extreme: where the online softmax starts, the partial
 
 
-def inputs(case: str, dtype: torch.dtype, d: int, heads: int) -> list[torch.Tensor]:
+def inputs(case: str, dtype: torch.dtype, d: int, heads: int,
+           device: str = "cpu") -> list[torch.Tensor]:
     """Four sources [3, d] (the first and the last, phase 2's partial, extreme), a query and
     its gain, a query per token, a block's two queries and gains, a norm gain: fresh
     leaves."""
@@ -40,7 +41,7 @@ def inputs(case: str, dtype: torch.dtype, d: int, heads: int) -> list[torch.Tens
                  for s in ((d,), (3, d), (2, d)))
     g, gs, nw = (1 + 0.2 * torch.randn(s, generator=gen, dtype=torch.float64)
                  for s in ((d,), (2, d), (d,)))
-    return [x.to(dtype).requires_grad_() for x in (*v, q, g, qt, qs, gs, nw)]
+    return [x.to(device, dtype).requires_grad_() for x in (*v, q, g, qt, qs, gs, nw)]
 
 
 def _ops(ins, heads, backend):
@@ -83,13 +84,13 @@ def _reference(ins, heads):
 
 
 def results(backend: str | None, case: str, dtype: torch.dtype, d: int = 8,
-            heads: int = 1) -> list[torch.Tensor]:
+            heads: int = 1, device: str = "cpu") -> list[torch.Tensor]:
     """Outputs of depth attention, phase 1 and phase 2 with the next PreNorm, and every
     input's gradient; backend None: the reference."""
-    ins = inputs(case, dtype, d, heads)
+    ins = inputs(case, dtype, d, heads, device)
     out = _reference(ins, heads) if backend is None else _ops(ins, heads, backend)
     gen = torch.Generator().manual_seed(4)
-    cots = [torch.randn(o.shape, generator=gen, dtype=torch.float64) for o in out]
+    cots = [torch.randn(o.shape, generator=gen, dtype=torch.float64).to(device) for o in out]
     total = sum((o.double() * c).sum() for o, c in zip(out, cots))
     return out + list(torch.autograd.grad(total, ins))
 

@@ -16,6 +16,7 @@ import os
 import pytest
 import torch
 
+import extreme_sources
 from restopo import ops
 from restopo.nn.norm import NORM_EPS
 
@@ -134,3 +135,13 @@ def test_block_phase1_and_phase2_norm(d, rows, dtype):
                                     keep_h=False, backend=backend)[1] for j in range(S)]
         return run
     _check(block("triton"), block("eager"), sources, [wq, gq, nw], rows, dtype, "block")
+
+
+@pytest.mark.filterwarnings("ignore:(overflow|invalid value) encountered:RuntimeWarning")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("case", list(extreme_sources.CASES))
+def test_extreme_sources_give_the_reference_results(case, dtype):
+    """Huge (a mean square past the dtype's range), subnormal, zero, +-inf and NaN sources:
+    the kernels' results are those of the reference in autograd's ops, as on the CPU
+    (tests/test_extreme_sources.py), here with the GPU's own sqrt, division and exp."""
+    extreme_sources.assert_as_reference("triton", case, dtype, d=64, device=DEVICE.type)
