@@ -717,10 +717,10 @@ static void NAME(phase2_fwd_span)(long t0, long t1, const REAL *h1, const REAL *
         LOAD_SPAN(a, ht);
         REAL r = key_norm ? NAME(inv_rms)(SPAN_DOT(p, p), SPAN, eps) : 1;
         REAL z2 = r * SPAN_DOT(q, p) - lse[t];
-        REAL wt = 1 / (1 + EXP_VEC(-z2));
+        REAL wt = 1 / (1 + EXP_VEC(-z2)), ut = 1 - wt;
         if (w) w[t] = wt;
-        NAME(vec) x0 = a0 + wt * (p0 - a0), x1 = a1 + wt * (p1 - a1), x2 = a2 + wt * (p2 - a2),
-                  x3 = a3 + wt * (p3 - a3);
+        NAME(vec) x0 = ut * a0 + wt * p0, x1 = ut * a1 + wt * p1, x2 = ut * a2 + wt * p2,
+                  x3 = ut * a3 + wt * p3;  /* h = (1 - w) h1 + w p: see phase2_fwd */
         if (out_h) NAME(store_span)(out_h + t * SPAN, x0, x1, x2, x3);
         if (!out_y) continue;
         REAL r2 = NAME(inv_rms)(SPAN_DOT(x, x), SPAN, norm_eps);
@@ -735,8 +735,11 @@ static void NAME(phase2_fwd_span)(long t0, long t1, const REAL *h1, const REAL *
 }
 
 /* Phase 2, fused with the next sublayer's PreNorm: for each token,
- *   w = sigmoid(rstd(p) (q . p) - lse) per head,  h = h1 + w (p - h1),
+ *   w = sigmoid(rstd(p) (q . p) - lse) per head,  h = (1 - w) h1 + w p,
  *   y = h rstd(h) g  (norm_eps >= 0; g may be NULL: no gain).
+ * h is formed as that convex sum, exact at w = 0 and 1 like torch.lerp, which eager runs:
+ * h1 + w (p - h1) lost the partial's digits next to a large h1 (p 500 against h1 1e25 at
+ * w = 1 gave h = 0), and lerp's own form branches on w (a third slower here).
  * h is written where out_h is not NULL, y where out_y is not NULL; w [M, H] and the norm's
  * rstd2 [M] are kept for the backward. */
 void NAME(phase2_fwd)(long M, long d, long H, const REAL *h1, const REAL *lse, const REAL *p,
@@ -761,10 +764,10 @@ void NAME(phase2_fwd)(long M, long d, long H, const REAL *h1, const REAL *lse, c
             REAL r = NAME(rstd)(pt, d, eps, key_norm);
             for (long h = 0; h < H; h++) {
                 REAL z2 = r * NAME(row_dot)(q + h * c, pt + h * c, c) - lse[t * H + h];
-                REAL wh = 1 / (1 + EXP_VEC(-z2));
+                REAL wh = 1 / (1 + EXP_VEC(-z2)), uh = 1 - wh;
                 if (w) w[t * H + h] = wh;
 #pragma omp simd
-                for (long k = h * c; k < (h + 1) * c; k++) hrow[k] = ht[k] + wh * (pt[k] - ht[k]);
+                for (long k = h * c; k < (h + 1) * c; k++) hrow[k] = uh * ht[k] + wh * pt[k];
             }
             if (out_h) memcpy(out_h + t * d, hrow, sizeof(REAL) * d);
             if (out_y) {
@@ -797,8 +800,9 @@ static void NAME(phase2_bwd_span)(long t0, long t1, const REAL *h1, const REAL *
         LOAD_SPAN(p, pt);
         LOAD_SPAN(a, ht);
         NAME(vec) e0 = p0 - a0, e1 = p1 - a1, e2 = p2 - a2, e3 = p3 - a3;
-        REAL wt = w[t];  /* h = h1 + w (p - h1), as the forward made it */
-        NAME(vec) x0 = a0 + wt * e0, x1 = a1 + wt * e1, x2 = a2 + wt * e2, x3 = a3 + wt * e3;
+        REAL wt = w[t], ut = 1 - wt;  /* h as the forward made it */
+        NAME(vec) x0 = ut * a0 + wt * p0, x1 = ut * a1 + wt * p1, x2 = ut * a2 + wt * p2,
+                  x3 = ut * a3 + wt * p3;
         REAL r = key_norm ? NAME(inv_rms)(SPAN_DOT(p, p), SPAN, eps) : 1;
         REAL z2 = r * SPAN_DOT(q, p);
         NAME(vec) G0 = zero, G1 = zero, G2 = zero, G3 = zero;  /* the gradient of h */
@@ -873,9 +877,9 @@ void NAME(phase2_bwd)(long M, long d, long H, const REAL *h1, const REAL *lse, c
                 REAL r = NAME(rstd)(pt, d, eps, key_norm);
                 for (long h = 0; h < H; h++) {
                     z2[h] = r * NAME(row_dot)(q + h * c, pt + h * c, c);
+                    REAL wh = wt[h], uh = 1 - wh;  /* h as the forward made it */
 #pragma omp simd
-                    for (long k = h * c; k < (h + 1) * c; k++)
-                        hrow[k] = ht[k] + wt[h] * (pt[k] - ht[k]);
+                    for (long k = h * c; k < (h + 1) * c; k++) hrow[k] = uh * ht[k] + wh * pt[k];
                 }
                 /* the gradient of h: its own, plus the norm's backward */
                 if (gh) memcpy(grow, gh + t * d, sizeof(REAL) * d);

@@ -144,4 +144,5 @@ def test_extreme_sources_give_the_reference_results(case, dtype):
     """Huge (a mean square past the dtype's range), subnormal, zero, +-inf and NaN sources:
     the kernels' results are those of the reference in autograd's ops, as on the CPU
     (tests/test_extreme_sources.py), here with the GPU's own sqrt, division and exp."""
-    extreme_sources.assert_as_reference("triton", case, dtype, d=64, device=DEVICE.type)
+    extreme_sources.assert_as_reference("triton", extreme_sources.inputs(case, dtype, d=64),
+                                        dtype, device=DEVICE.type)
