@@ -78,3 +78,20 @@ def test_phase2_keeps_a_small_partial_next_to_a_large_h1(backend, h1_scale, w_lo
                 continue
             torch.testing.assert_close(a.double(), b, rtol=tol, atol=tol * b.abs().max().item(),
                                        msg=lambda m: f"{dtype} result {k}: {m}")
+
+
+@pytest.mark.filterwarnings("ignore:(overflow|invalid value) encountered:RuntimeWarning")
+@pytest.mark.parametrize("backend", ["eager", "cpu", "triton"])
+def test_a_source_of_weight_1_keeps_the_gradient_of_the_log_sum_exp(backend, monkeypatch):
+    """Phase 1's logit gradient is alpha_i ((de_i - sum_j alpha_j de_j) + dlse) with de_i =
+    dh1 . v_i of the source's size. The triton kernels added dlse to the sum first, which
+    lost it next to a large source: at 1e24 without the key norm (weight 1, the others 0),
+    its logit got no part of lse's gradient and the queries' gradients were wholly wrong,
+    where eager's autograd adds each part on its own."""
+    if not _usable(backend):
+        pytest.skip(f"the {backend} backend cannot run here")
+    monkeypatch.setenv("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", "1"))
+    gen = torch.Generator().manual_seed(7)
+    v = [torch.randn(5, 16, generator=gen, dtype=torch.float64) * s for s in (1e24, 1, 3)]
+    ins = v + extreme_sources.queries(16, (5,), 2, gen)
+    extreme_sources.assert_as_reference(backend, ins, torch.float32, key_norm=False)

@@ -99,7 +99,7 @@ def _depth_bwd(SRC, DSRC, U, DOUT, LSE, DLSE, DU_PART, R, D, n0, n, eps,
                                 ACC)
                 z, _ = key_logit(v, u, D, eps, KEY_NORM)
                 dhh += tl.exp(z - lse) * tl.sum(dh * v, axis=1)
-        delta = dhh - tl.load(DLSE + rows, mask=rmask, other=0.0).to(ACC)
+        dlse = tl.load(DLSE + rows, mask=rmask, other=0.0).to(ACC)
         # pass 2: each source's gradient, into its own buffer
         for g in tl.static_range(NGROUPS):
             for i in range(0 if g == 0 else n0, n0 if g == 0 else n):
@@ -107,7 +107,8 @@ def _depth_bwd(SRC, DSRC, U, DOUT, LSE, DLSE, DU_PART, R, D, n0, n, eps,
                                 ACC)
                 z, r = key_logit(v, u, D, eps, KEY_NORM)
                 alpha = tl.exp(z - lse)
-                dz = alpha * (tl.sum(dh * v, axis=1) - delta)
+                # (dh . v_i - dh . h) + dlse: cancels first, keeping dlse next to large v
+                dz = alpha * ((tl.sum(dh * v, axis=1) - dhh) + dlse)
                 dv = alpha[:, None] * dh + (dz * r)[:, None] * u[None, :]
                 if KEY_NORM:
                     dv -= (dz * z * r * r / D)[:, None] * v

@@ -154,11 +154,13 @@ def _phase1_dlogits(SRC, DO1S, DM, DS, Z, M, DZ, RINV, COEF, R, D, n0, n, S, eps
                          mask=rmask)
     # DZ is read back below, possibly by other threads of this program
     tl.debug_barrier()
-    dm = tl.load(DM + sr, mask=srmask, other=0.0).to(ACC) - tsum
+    dm1 = tl.load(DM + sr, mask=srmask, other=0.0).to(ACC)
     for i in range(n):
         z = tl.load(Z + tl.cast(i, tl.int64) * S * R + sr, mask=srmask, other=0.0)
         de = tl.load(DZ + tl.cast(i, tl.int64) * S * R + sr, mask=srmask, other=0.0)
-        dz = tl.exp(z - m) * (de + dm)
+        # (de - tsum) + dm1, not de + (dm1 - tsum): next to large sources (de ~ |v|) the
+        # latter dropped lse's gradient dm1, where this cancels first (exactly, at weight 1)
+        dz = tl.exp(z - m) * ((de - tsum) + dm1)
         tl.store(DZ + tl.cast(i, tl.int64) * S * R + sr, dz, mask=srmask)
         # the coefficient of v_i in its own gradient through its RMS: -sum_s dz_si z_si r_i^2/D
         tl.store(COEF + tl.cast(i, tl.int64) * R + rows, tl.sum(dz * z, axis=0), mask=rmask)
