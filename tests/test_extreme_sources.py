@@ -2,21 +2,11 @@
 zero; a +-inf or NaN element) give every backend the reference's results, float32 and
 float64: outputs and every gradient of depth attention, phase 1 and phase 2 with the next
 PreNorm (tests/extreme_sources.py). triton runs in its interpreter."""
-import os
-
 import pytest
 import torch
 
 import extreme_sources
 from restopo import ops
-from restopo.registry import get_backend
-
-
-def _usable(backend: str) -> bool:
-    if backend == "triton":
-        from restopo.backends.triton import available
-        return available("cpu")[0]
-    return backend == "eager" or get_backend(backend).available()[0]
 
 
 # the triton interpreter (numpy) warns of the overflows these cases are made of
@@ -25,9 +15,7 @@ def _usable(backend: str) -> bool:
 @pytest.mark.parametrize("case", list(extreme_sources.CASES))
 @pytest.mark.parametrize("backend", ["eager", "cpu", "triton"])
 def test_extreme_sources_give_the_reference_results(backend, case, dtype, monkeypatch):
-    if not _usable(backend):
-        pytest.skip(f"the {backend} backend cannot run here")
-    monkeypatch.setenv("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", "1"))
+    extreme_sources.need(backend, monkeypatch)
     extreme_sources.assert_as_reference(
         backend, extreme_sources.inputs(case, dtype), dtype)
 
@@ -42,9 +30,7 @@ def test_phase2_keeps_a_small_partial_next_to_a_large_h1(backend, h1_scale, w_lo
     which lost p's digits next to h1 (at h1 1e3, p 1e-2, w 0.9997: h and lse's gradient 3
     to 4 times float32's rounding off; at w = 1, h1 1e25: h = 0), where torch.lerp, which
     eager runs, starts from p for w above 1/2."""
-    if not _usable(backend):
-        pytest.skip(f"the {backend} backend cannot run here")
-    monkeypatch.setenv("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", "1"))
+    extreme_sources.need(backend, monkeypatch)
     gen = torch.Generator().manual_seed(5)
     d, eps = 64, 1e-6                           # the cpu kernel's one-span row (AVX-512 float)
     h1 = torch.randn(7, d, generator=gen, dtype=torch.float64) * h1_scale
@@ -88,9 +74,7 @@ def test_a_source_of_weight_1_keeps_the_gradient_of_the_log_sum_exp(backend, mon
     lost it next to a large source: at 1e24 without the key norm (weight 1, the others 0),
     its logit got no part of lse's gradient and the queries' gradients were wholly wrong,
     where eager's autograd adds each part on its own."""
-    if not _usable(backend):
-        pytest.skip(f"the {backend} backend cannot run here")
-    monkeypatch.setenv("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", "1"))
+    extreme_sources.need(backend, monkeypatch)
     gen = torch.Generator().manual_seed(7)
     v = [torch.randn(5, 16, generator=gen, dtype=torch.float64) * s for s in (1e24, 1, 3)]
     ins = v + extreme_sources.queries(16, (5,), 2, gen)
