@@ -11,13 +11,21 @@ from restopo import ops
 
 # the triton interpreter (numpy) warns of the overflows these cases are made of
 @pytest.mark.filterwarnings("ignore:(overflow|invalid value) encountered:RuntimeWarning")
+@pytest.mark.parametrize("heads", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
 @pytest.mark.parametrize("case", list(extreme_sources.CASES))
 @pytest.mark.parametrize("backend", ["eager", "cpu", "triton"])
-def test_extreme_sources_give_the_reference_results(backend, case, dtype, monkeypatch):
+def test_extreme_sources_give_the_reference_results(backend, case, dtype, heads, request,
+                                                    monkeypatch):
     extreme_sources.need(backend, monkeypatch)
+    if heads > 1 and case in ("inf", "-inf") and backend != "cpu":
+        # eager's list path (triton's for heads > 1) takes every head's logits in one
+        # matmul against a block-diagonal query matrix, whose zeros times the infinite
+        # element make the token's other heads NaN as well (outputs, the queries'
+        # gradients); the reference (and eager without autograd) keep the NaN to its head
+        request.applymarker(pytest.mark.xfail(strict=True, reason="one head's inf, all NaN"))
     extreme_sources.assert_as_reference(
-        backend, extreme_sources.inputs(case, dtype), dtype)
+        backend, extreme_sources.inputs(case, dtype, heads=heads), dtype, heads=heads)
 
 
 @pytest.mark.parametrize("h1_scale,w_logit", [(1e3, 8.0), (1e25, 1e4)], ids=["1e3", "1e25"])
