@@ -507,6 +507,20 @@ def test_resume_from_another_file_of_another_depth_names_the_size_not_the_topolo
     assert "resuming with" not in err and len(err.strip().splitlines()) == 1, err
 
 
+def test_a_resume_whose_weights_do_not_fit_leaves_the_runs_length_out_of_its_hint(
+        spec, tmp_path, capsys):
+    """The refusal listed every --set value the run was trained with, train.steps among
+    them: given again as said, the resume ran to the step the run had already reached and
+    trained nothing. The others are the run's own, to give again (its length is --steps)."""
+    out = tmp_path / "run"
+    assert train(spec, "--out", out, "--set", "model.depth=1", "--set", "train.steps=2",
+                 "--set", "train.lr=1e-3") == 0
+    capsys.readouterr()
+    err = one_line_error(capsys, ["train", spec, "--out", out, "--resume", "--no-progress"])
+    assert "weights do not fit this run's model (depth 1 there, 2 here)" in err, err
+    assert "(--set model.depth=1 --set train.lr=1e-3)" in err and "train.steps" not in err, err
+
+
 def test_overwrite_deletes_the_old_run_only_once_the_new_one_passed_every_check(
         spec, tmp_path, capsys):
     """--overwrite deleted the old run's checkpoints before the layout, compile and data

@@ -187,7 +187,8 @@ def resume_notes(spec, resumed: Resumed, *, spec_file: bool = True) -> list[str]
                   f"here" for f in dataclasses.fields(then) if f.compare
                   and f.name not in ("context", "name")
                   and getattr(then, f.name) != getattr(spec.model, f.name)]
-        stored = stored_sets(meta, then_spec)
+        # not train.steps: given again, the resume would end where the run already is
+        stored = stored_sets(meta, then_spec, lambda k: k != "train.steps")
         raise CheckpointError(
             f"{step_dir}'s weights do not fit this run's model ({'; '.join(differ)}); resume "
             "with the spec and --set values it was trained with"
