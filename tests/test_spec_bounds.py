@@ -97,6 +97,28 @@ def test_source_lines_are_split_once_for_any_number_of_errors():
     assert CountingText.splits == 1
 
 
+class LongLine(str):
+    """A source line that counts the characters its tabs are expanded over."""
+    expanded = 0
+
+    def expandtabs(self, *args):
+        LongLine.expanded += len(self)
+        return super().expandtabs(*args)
+
+
+def test_an_error_on_a_long_line_renders_only_the_part_shown():
+    """Every error on a long line (a one-line call with a key given 20,000 times) expanded
+    the tabs of the whole line, though only SHOWN_LINE characters are shown: the errors of
+    one line took time quadratic in its length (4.7 s for 20,000 repeated keys, 2.0 s now)."""
+    from restopo.spec.errors import SHOWN_LINE
+    line = LongLine("x\t" * 500_000)
+    for column in (1, 500_000, 1_000_000):
+        rendered = SpecError("f", 1, column, "m", None, line).render().splitlines()
+        assert len(rendered[1]) <= SHOWN_LINE + 10 and "\t" not in rendered[1]
+        assert rendered[2].index("^") - 4 <= SHOWN_LINE + 3
+    assert LongLine.expanded <= 3 * SHOWN_LINE
+
+
 def test_many_errors_are_reported_in_one_pass_and_capped(tmp_path, capsys):
     n = (MAX_SPEC_BYTES - 200) // 12  # unknown keys up to the size cap
     spec = tmp_path / "keys.restopo"

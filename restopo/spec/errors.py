@@ -32,7 +32,10 @@ class SpecError(Exception):
             lines = source_text.splitlines()
             text = lines[self.line - 1] if 0 < self.line <= len(lines) else None
         if text is not None:
-            text, caret = _window(text.expandtabs(1), max(self.column - 1, 0))
+            # the window first: a tab becomes one blank either way, and an error is made
+            # for each mistake on a long line (O(line) each, O(line^2) in all, before)
+            text, caret = _window(text, max(self.column - 1, 0))
+            text = text.expandtabs(1)
             out.append(f"    {text}")
             out.append("    " + " " * _display_width(text[:caret]) + "^")
         if self.hint:
