@@ -779,7 +779,7 @@ GOLDEN = [
      "unexpected ')': nothing is open here",
      "remove it, or check the opening '(' before it"),
     ('duplicate_key_after_pipeline',  # was said at the first, pipeline's stages (column 21)
-     M + "residual standard\nparallel { pipeline(stages: 2, microbatches: 2); stages: 4 }\n", (),
+     M + "residual standard\nparallel { pipeline(stages: 2, microbatches: 4); stages: 4 }\n", (),
      'spec.restopo', 3, 50,
      "duplicate key 'stages' in parallel (first given at line 3)",
      "remove one of them"),
@@ -1164,6 +1164,32 @@ def test_a_key_given_twice_has_its_later_value_checked_too(first, again):
     assert said[0][0].startswith("duplicate key") and len(said) == 2, said
     assert said[1] == (alone.value.message, alone.value.hint)
     assert info.value.errors[1].column == alone.value.column + len(first + sep)
+
+
+@pytest.mark.parametrize("text,first,later", [
+    (M.replace("width: 64", "@") + S, "width: 64", "width: 66"),    # heads must divide it
+    (M.replace("width: 64", "@") + S, "width: 64", "width: 65"),
+    (M + S + "train { warmup: 10; @ }\n", "steps: 100", "steps: 5"),
+    (M + S + "train { @; accum: 4 }\n", "batch: 16", "batch: 6"),
+    (M + S + "parallel { @ }\n", "stages: 2", "stages: 16"),  # more chunks than sublayers
+    (M + S + "parallel { stages: 2; @ }\n", "microbatches: 4", "microbatches: 3"),
+    (M.replace("depth: 4", "@") + "residual block_attnres(blocks: 4)\n", "depth: 4",
+     "depth: 3")])
+def test_a_key_given_twice_has_its_later_value_checked_with_the_others(text, first, later):
+    """`width: 64` then `width: 65` beside `heads: 4` was said only as a duplicate key: the
+    later value was checked alone, never against the others (heads must divide width),
+    which came once the first was removed. The spec as it reads with the later value is
+    checked as a whole: all it says alone is said beside the duplicate."""
+    key = first.split(":")[0]
+    with pytest.raises(SpecError) as alone:
+        parse_spec(text.replace("@", later), "spec.restopo")
+    with pytest.raises(SpecErrors) as info:
+        parse_spec(text.replace("@", first + "; " + later), "spec.restopo")
+    said = [e.message for e in info.value.errors]
+    expected = getattr(alone.value, "errors", [alone.value])
+    assert f"duplicate key '{key}' in " in said[0] + said[-1], said
+    assert {e.message for e in expected} <= set(said), said
+    parse_spec(text.replace("@", first), "spec.restopo")  # the first alone is right
 
 
 @pytest.mark.parametrize("typed,overrides,hint", [

@@ -354,6 +354,21 @@ def check(file: SpecFile, text: str, overrides=()) -> Spec:
     c.homes = KEY_HOMES
     views = views_of(file, c)
     apply_overrides(views, tuple(overrides), c)
+    model, residual, parallel, train, topology = _check_views(views, file, c)
+    checks = {"model": check_model, "residual": check_residual, "parallel": check_parallel,
+              "train": check_train}
+    for kind, view in views.items():
+        _check_repeated(view, checks[kind], c)
+    if any(view.repeated for view in views.values()):
+        _check_last_values(views, file, c)
+    raise_all(_reported(sorted(c.errors, key=lambda e: _order(e, file.path))))
+    return Spec(residual, model, train if train is not None else TrainSpec(), parallel, text,
+                file.path, tuple(overrides), source=src, resolved=topology)
+
+
+def _check_views(views: dict[str, View], file: SpecFile, c: Checker):
+    """Each section checked into its spec object, then the sections against each other:
+    (model, residual, parallel, train, topology), each None where refused."""
     model = check_model(views["model"], c) if "model" in views else None
     residual = None
     if "residual" in views:
@@ -367,10 +382,6 @@ def check(file: SpecFile, text: str, overrides=()) -> Spec:
                 "add a line such as 'residual block_attnres(blocks: 8)' or 'residual standard'")
     parallel = check_parallel(views["parallel"], c) if "parallel" in views else None
     train = check_train(views["train"], c) if "train" in views else TrainSpec()
-    checks = {"model": check_model, "residual": check_residual, "parallel": check_parallel,
-              "train": check_train}
-    for kind, view in views.items():
-        _check_repeated(view, checks[kind], c)
 
     if model is not None and not check_model_limits(model, c):
         model = None  # too large to resolve against
@@ -395,9 +406,7 @@ def check(file: SpecFile, text: str, overrides=()) -> Spec:
                     f"stages x virtual = {parallel.chunks} model chunks, but the "
                     f"model has only {L} sublayers", "each chunk needs at least one sublayer; "
                     "use fewer stages or virtual stages, or a deeper model")
-    raise_all(_reported(sorted(c.errors, key=lambda e: _order(e, file.path))))
-    return Spec(residual, model, train if train is not None else TrainSpec(), parallel, text,
-                file.path, tuple(overrides), source=src, resolved=topology)
+    return model, residual, parallel, train, topology
 
 
 def _check_repeated(view: View, check_section, c: Checker) -> None:
@@ -411,6 +420,37 @@ def _check_repeated(view: View, check_section, c: Checker) -> None:
         scratch.homes = c.homes
         check_section(replace(view, fields={**view.fields, again.key.text: again}), scratch)
         c.errors += [e for e in scratch.errors if _inside(e, again.value.pos)]
+
+
+def _check_last_values(views: dict[str, View], file: SpecFile, c: Checker) -> None:
+    """The mistakes of the spec as it reads with each repeated key's last value in place
+    (`width: 64` then `width: 65` beside `heads: 4`): what these values make wrong with the
+    others (heads must divide width), said beside the duplicate, not once it is removed.
+    A key set by a --set keeps that value, as it would."""
+    last, put = {}, {}
+    for kind, view in views.items():
+        fields = dict(view.fields)
+        for again in view.repeated:
+            now = fields.get(again.key.text)
+            if now is not None and now.pos.source == again.pos.source:
+                fields[again.key.text] = put[kind, again.key.text] = again
+        last[kind] = replace(view, fields=fields)
+    scratch = Checker(c.src)
+    scratch.homes, scratch.nested = c.homes, c.nested
+    _check_views(last, file, scratch)
+    said = {(e.path, e.line, e.column, e.message) for e in c.errors}
+    # an error elsewhere names the later values it was found with (the shown line may
+    # hold the first: heads: 4 beside width: 64, found with the later width: 65)
+    values = "; ".join(f"{fl.key.text}: {c.src.written(fl.value.pos) or describe(fl.value)} "
+                       f"(line {fl.pos.line})" for fl in put.values())
+    for e in scratch.errors:
+        if (e.path, e.line, e.column, e.message) in said:
+            continue
+        if not any(_inside(e, fl.value.pos) for fl in put.values()):
+            e = SpecError(e.path, e.line, e.column, e.message, (e.hint + "; " if e.hint else "")
+                          + f"this is with the later value of a key given twice: {values}",
+                          e.source_line)
+        c.errors.append(e)
 
 
 def _inside(e: SpecError, pos: Pos) -> bool:
