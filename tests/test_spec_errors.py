@@ -408,6 +408,23 @@ GOLDEN = [
      'spec.restopo', 3, 12,
      "the parallel section is missing 'stages'",
      'e.g. parallel { pipeline(stages: 2, microbatches: 4) } or parallel { data: fsdp }'),
+    ('parallel_empty',  # was accepted, where pipeline(cache: false) was missing stages
+     M + "residual standard\nparallel { }\n", (),
+     'spec.restopo', 3, 1,
+     "the parallel section is empty: it asks for no pipeline and no data-parallel engine",
+     "e.g. parallel { pipeline(stages: 2, microbatches: 4) } or parallel { data: fsdp }; or "
+     "remove the section"),
+    ('pipeline_key_beside_data_without_stages',  # was accepted, and unused by train
+     M + "residual standard\nparallel { data: fsdp; microbatches: 4 }\n", (),
+     'spec.restopo', 3, 24,
+     "'microbatches' is for a pipeline, but the parallel section has no stages",
+     "add stages, e.g. parallel { pipeline(stages: 2, microbatches: 4) }, or remove "
+     "'microbatches'"),
+    ('set_virtual_without_stages',  # was shown as 'pipeline 1x2', which train refused
+     M + "residual standard\n", ("parallel.virtual=2",),
+     '<--set 1>', 1, 24,
+     "virtual stages need a pipeline, but the parallel section has no stages",
+     "add --set parallel.stages=2 (or more); to train, --pipeline 2x2 gives both"),
     ('steps_zero', M + "residual standard\ntrain { steps: 0 }\n", (),
      'spec.restopo', 3, 16,
      "'steps' must be at least 1, got 0",
@@ -961,6 +978,27 @@ def test_a_parallel_section_of_set_values_alone_needs_no_stages():
     assert (piped.stages, piped.cached) == (2, False)
     with pytest.raises(SpecError, match="missing 'stages'"):
         parse_spec(M + "residual standard\nparallel { pipeline(cache: false) }\n")
+
+
+@pytest.mark.parametrize("section,overrides", [
+    ("parallel { }", ()), ("parallel pipeline", ()), ("parallel { pipeline() }", ()),
+    ("parallel { pipeline(cache: false) }", ()),
+    ("parallel { cache: true }", ("parallel.cache=false",)),
+    ("", ("parallel=pipeline",)), ("parallel { data: fsdp; virtual: 2 }", ()),
+    ("parallel { data: fsdp }", ("parallel.virtual=2",)),
+    ("", ("parallel=pipeline(virtual: 2)",)), ("parallel { pipeline(schedule: gpipe) }", ())])
+def test_a_parallel_section_that_plans_no_pipeline_asks_for_none(section, overrides):
+    """`parallel { }` (and `parallel pipeline`) passed check where `pipeline(cache: false)`
+    was missing its stages, and virtual stages without stages (--set parallel.virtual=2)
+    passed as 'pipeline 1x2', which train refused: a section that says nothing, and
+    pipeline keys where no stages are, are refused in every form; --set values of the
+    other pipeline keys stand beside --pipeline, which gives the stages."""
+    with pytest.raises(SpecError, match="missing 'stages'|is empty|has no stages"):
+        parse_spec(M + f"residual standard\n{section}\n", "spec.restopo", overrides)
+    for beside in ("parallel.cache=false", "parallel.microbatches=4", "parallel.virtual=1",
+                   "parallel=pipeline(schedule: gpipe)"):
+        spec = parse_spec(M + "residual standard\n", "spec.restopo", (beside,))
+        assert not spec.parallel.pipelined
 
 
 @pytest.mark.parametrize("entry,bad", [

@@ -164,13 +164,18 @@ def check_parallel(view: View, c: Checker) -> ParallelSpec | None:
     f = view.fields
     if view.bad:
         return None
-    # A section made by --set alone (parallel.cache=false beside --pipeline, which gives the
-    # stages) needs no stages; one written in the file does.
-    made_by_set = all(from_command_line(fl.pos.source) for fl in f.values())
+    # A section made by --set values alone (parallel.cache=false beside --pipeline, which
+    # gives the stages) needs no stages; one written in the file does, as does one that
+    # sets nothing (`parallel { }`, --set parallel=pipeline): it would ask for nothing.
+    made_by_set = bool(f) and from_command_line(view.kind.pos.source)
     if "stages" not in f and "data" not in f and not made_by_set:
-        c.error((view.head or view.kind).pos, "the parallel section is missing 'stages'",
+        at = (view.head or view.kind).pos
+        c.error(at, "the parallel section is missing 'stages'" if f else
+                "the parallel section is empty: it asks for no pipeline and no data-parallel "
+                "engine", "e.g. --set 'parallel=pipeline(stages: 2)'"
+                if from_command_line(at.source) else
                 "e.g. parallel { pipeline(stages: 2, microbatches: 4) } or "
-                "parallel { data: fsdp }")
+                "parallel { data: fsdp }" + ("" if f else "; or remove the section"))
         return None
     stages = c.integer(f["stages"], "stages", 1, why="the number of pipeline ranks") \
         if "stages" in f else 1
@@ -212,10 +217,36 @@ def check_parallel(view: View, c: Checker) -> ParallelSpec | None:
     cache = True
     if "cache" in f:
         cache = c.boolean(f["cache"], "cache")
+    if "stages" not in f and len(c.errors) == before:  # (a key's own mistake said first)
+        _without_stages(f, virtual, c)
     if len(c.errors) > before or None in (stages, virtual, schedule, micro, cache, data):
         return None
     return ParallelSpec(stages, virtual, schedule, micro, cache, data,
                         pos=(view.head or view.kind).pos, positions=positions(view))
+
+
+PIPELINE_KEYS = ("virtual", "schedule", "microbatches", "cache")
+
+
+def _without_stages(f: dict[str, Field], virtual: int, c: Checker) -> None:
+    """The pipeline keys of a parallel section without stages (beside data: fsdp, or made
+    by --set): each written in the file is refused, as the section without data is; a
+    --set of one stands beside `restopo train --pipeline P`, which gives the stages, except
+    virtual above 1, which --pipeline PxV gives too (alone it planned a pipeline of 1
+    stage)."""
+    for key in PIPELINE_KEYS:
+        fl = f.get(key)
+        if fl is None or (_from_set(fl) and (key != "virtual" or virtual == 1)):
+            continue
+        said = c.src.written(fl.value.pos) or describe(fl.value)
+        if _from_set(fl):
+            c.error(fl.value.pos, "virtual stages need a pipeline, but the parallel section "
+                    "has no stages", f"add --set parallel.stages=2 (or more); to train, "
+                    f"--pipeline 2x{said} gives both")
+        else:
+            c.error(fl.key.pos, f"'{key}' is for a pipeline, but the parallel section has no "
+                    "stages", f"add stages, e.g. parallel {{ pipeline(stages: 2, {key}: "
+                    f"{said}) }}, or remove '{key}'")
 
 
 def check_train(view: View, c: Checker) -> TrainSpec | None:
