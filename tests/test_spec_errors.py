@@ -1068,6 +1068,28 @@ def test_a_stream_method_with_a_misspelt_source_is_one_error():
                                                      "did you mean 'sublayers'?")
 
 
+@pytest.mark.parametrize("entry", ["window: 4", "streams: 4", "gate: softmax", "sinkhorn: 3",
+                                   "query: static", "key_norm: rms", "dynamic: true",
+                                   "blocks: 2"])
+@pytest.mark.parametrize("section", ["model", "train", "parallel"])
+def test_a_topology_option_in_another_section_is_shown_its_topology(entry, section):
+    """`window: 4` in the model section was an unknown key with the model's keys listed
+    (`streams: 4` in train: did you mean 'steps'?): only blocks, block_size and heads were
+    known as options of the residual topology. Each option now is, shown in a topology
+    that takes it, and the line suggested checks."""
+    import re
+    text = {"model": M.replace(" }", f"; {entry} }}") + "residual standard\n",
+            "train": M + f"residual standard\ntrain {{ {entry} }}\n",
+            "parallel": M + f"residual standard\nparallel {{ stages: 2; {entry} }}\n"}[section]
+    with pytest.raises(SpecError) as info:
+        parse_spec(text, "spec.restopo")
+    assert info.value.message == f"unknown key '{entry.split(':')[0]}' in {section}"
+    line = re.fullmatch(r"'\w+' is an option of the residual topology, e\.g\. (residual .*)",
+                        info.value.hint)
+    assert line, info.value.hint
+    parse_spec(M + line.group(1) + "\n", "spec.restopo")
+
+
 def test_a_section_inside_another_is_one_error():
     """`residual standard` before the model section's '}' was said as the spec having no
     residual section and as extra values of the entry before it ('context' takes one value,

@@ -26,7 +26,7 @@ from .objects import (COMPILE, COMPILE_ALIASES, DATA_ENGINES, LR_SCHEDULES, RECO
                       SCHEDULES, ModelSpec, ParallelSpec, Spec, SourceText, TrainSpec)
 from .overrides import apply_overrides
 from .sections import BUILTIN_DATA, PARALLEL_KEYS, SHARED, views_of
-from .wiring import check_against_model, check_residual
+from .wiring import NAMED_OPTIONS, check_against_model, check_residual
 
 MODEL_REQUIRED = ("vocab", "width", "depth", "heads", "context")
 MODEL_KEYS = MODEL_REQUIRED + ("mlp", "mlp_ratio", "layer", "tie_embeddings")
@@ -34,10 +34,10 @@ MLP_KINDS = ("swiglu", "gelu")
 TRAIN_KEYS = ("data", "steps", "batch", "lr", "schedule", "warmup", "min_lr", "weight_decay",
               "grad_clip", "accum", "eval_every", "eval_batches", "save_every", "seed",
               "log_every", "keep", "peak_tflops", "recompute", "compile")
-# The one section each key belongs to (keys of two sections, data or schedule, are left
-# out), for a key written in another section.
+# The one section each key belongs to (keys of two sections, data, schedule or heads, are
+# left out), for a key written in another section; the residual's are its topologies' options.
 _SECTION_KEYS = (("model", MODEL_KEYS), ("train", TRAIN_KEYS), ("parallel", PARALLEL_KEYS),
-                 ("residual", ("blocks", "block_size", "heads")))
+                 ("residual", tuple({k for keys in NAMED_OPTIONS.values() for k in keys})))
 KEY_HOMES = {k: sec for sec, keys in _SECTION_KEYS for k in keys
              if sum(k in ks for _, ks in _SECTION_KEYS) == 1}
 

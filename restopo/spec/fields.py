@@ -307,8 +307,14 @@ class Checker:
             return None
         entry = f"{key}: {self.src.written(f.value.pos) or describe(f.value)}"
         if home == "residual":
-            return f"'{key}' is an option of the residual topology, e.g. residual " \
-                   f"block_attnres({entry})"
+            from .wiring import NAMED_OPTIONS  # (wiring reads its fields with this module)
+            # a topology the option alone makes whole: full_attnres needs no other, a
+            # multi-stream one needs its count
+            takes = [name for name, keys in NAMED_OPTIONS.items() if key in keys]
+            name = "full_attnres" if "full_attnres" in takes else takes[0]
+            if "streams" in NAMED_OPTIONS[name] and key != "streams":
+                entry = f"streams: 4, {entry}"
+            return f"'{key}' is an option of the residual topology, e.g. residual {name}({entry})"
         return f"'{key}' belongs in the {home} section: {home} {{ {entry} }}"
 
 
