@@ -1203,6 +1203,45 @@ def test_spec_text_with_other_line_breaks_is_read_as_a_file_is(newline):
     assert str(got.value) == str(expected.value)
 
 
+T = M + S + "train { @ }\n"
+
+
+@pytest.mark.parametrize("text,typed,message,hint", [
+    (M + S, "width 64", "a ':' is missing after 'width'", "width: 64"),
+    (M + S, "vocab: 256 width 64 depth 4 heads 4 context 64", "a ':' is missing after 'width'",
+     "vocab: 256; width: 64; depth: 4; heads: 4; context: 64"),
+    (T, "steps 3 lr 1e-3", "a ':' is missing after 'steps'", "steps: 3; lr: 1e-3"),
+    (T, 'data: "a.txt" steps 3', "a ':' is missing after 'steps'", 'data: "a.txt"; steps: 3'),
+    (M + S + "parallel { @ }\n", "stages 2", "a ':' is missing after 'stages'", "stages: 2"),
+    (T, "lr", "'lr' is given no value", "e.g. 'lr: 3e-3'"),
+    (M.replace("width: 64", "@") + S, "width", "'width' is given no value",
+     "e.g. 'width: 64'"),
+    (M + S + "parallel { @ }\n", "stages", "'stages' is given no value", "e.g. 'stages: 2'"),
+    (T, "width", "'width' is given no value", "model { width: 64 }"),
+    (T.replace(S, ""), "standard", "'standard' is written in the train section",
+     "residual standard"),
+    (M.replace(" }", "; @ }"), "block_attnres(blocks: 2)",
+     "'block_attnres(blocks: 2)' is written in the model section",
+     "residual block_attnres(blocks: 2)"),
+    (T, "pipeline(stages: 2)", "'pipeline(stages: 2)' is written in the train section",
+     "parallel { pipeline(stages: 2) }")])
+def test_a_key_without_its_colon_is_one_error_saying_how_to_write_it(text, typed, message,
+                                                                     hint):
+    """`width 64` was said as 'expected key: value, got width 64' with the hint 'e.g.
+    width: 64', and again as the model missing 'width'; `vocab: 256 width 64 ...` as four
+    keys missing and vocab taking 9 values; `parallel { stages }` as an unknown
+    parallelism 'stages'; `lr` alone, a topology in the model section or pipeline(...) in
+    train got a section's example. Each is one error, and a line its hint writes checks."""
+    given = text.replace("@", typed) if "@" in text else text.replace(hint, typed)
+    with pytest.raises(SpecError) as info:
+        parse_spec(given, "spec.restopo")
+    assert not isinstance(info.value, SpecErrors), str(info.value)
+    assert info.value.message == message
+    assert hint in info.value.hint
+    if info.value.hint == f"write '{hint}'":  # the entries as they should be
+        parse_spec(given.replace(typed, hint), "spec.restopo")
+
+
 @pytest.mark.parametrize("first,again", [
     ("width: 64", "width: abc"), ("steps: 3", "steps: -1"),
     ("blocks: 2", "blocks: x"), ("stages: 2", "stages: 0"),

@@ -48,7 +48,7 @@ def check_model(view: View, c: Checker) -> ModelSpec | None:
     misspelled = c.unknown_keys(view, MODEL_KEYS, "model")
     f = view.fields
     for k in MODEL_REQUIRED:
-        if k not in f and k not in misspelled:
+        if k not in f and k not in misspelled and k not in view.unvalued:
             c.error(view.kind.pos, f"the model section is missing '{k}'",
                     f"add '{EXAMPLES[k]}'" + ("; heads must divide width" if k == "heads" else ""))
     got = {}
@@ -96,7 +96,8 @@ def check_model(view: View, c: Checker) -> ModelSpec | None:
         c.error(where.pos, f"the MLP's hidden width, ratio x width = {ratio:g} x "
                 f"{got['width']}, rounds to 0 units", f"give a ratio of at least "
                 f"{1 / got['width']:.3g}x, e.g. gelu(4x)")
-    if len(c.errors) > before or None in (mlp, ratio, layer, tie) or None in got.values():
+    if len(c.errors) > before or view.unvalued or None in (mlp, ratio, layer, tie) \
+            or None in got.values():
         return None
     return ModelSpec(got["vocab"], got["width"], got["depth"], got["heads"], got["context"],
                      mlp, float(ratio), layer, tie, view.label.text if view.label else None,
@@ -168,7 +169,7 @@ def check_parallel(view: View, c: Checker) -> ParallelSpec | None:
     # gives the stages) needs no stages; one written in the file does, as does one that
     # sets nothing (`parallel { }`, --set parallel=pipeline): it would ask for nothing.
     made_by_set = bool(f) and from_command_line(view.kind.pos.source)
-    if "stages" not in f and "data" not in f and not made_by_set:
+    if "stages" not in f and "data" not in f and not made_by_set and not view.unvalued:
         at = (view.head or view.kind).pos
         c.error(at, "the parallel section is missing 'stages'" if f else
                 "the parallel section is empty: it asks for no pipeline and no data-parallel "
@@ -219,7 +220,8 @@ def check_parallel(view: View, c: Checker) -> ParallelSpec | None:
         cache = c.boolean(f["cache"], "cache")
     if "stages" not in f and len(c.errors) == before:  # (a key's own mistake said first)
         _without_stages(f, virtual, c)
-    if len(c.errors) > before or None in (stages, virtual, schedule, micro, cache, data):
+    if len(c.errors) > before or view.unvalued or None in (stages, virtual, schedule, micro,
+                                                          cache, data):
         return None
     return ParallelSpec(stages, virtual, schedule, micro, cache, data,
                         pos=(view.head or view.kind).pos, positions=positions(view))
@@ -302,7 +304,7 @@ def check_train(view: View, c: Checker) -> TrainSpec | None:
         c.error(blame(f["min_lr"].value.pos, f["lr"].value.pos if "lr" in f else None),
                 f"min_lr ({f['min_lr'].value.text}) is above lr ({lr:g})",
                 "min_lr is where the cosine schedule ends; keep it at most lr")
-    if len(c.errors) > before or None in got.values():
+    if len(c.errors) > before or view.unvalued or None in got.values():
         return None
     return TrainSpec(**got, pos=view.kind.pos, positions=positions(view))
 

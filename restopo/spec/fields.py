@@ -76,6 +76,7 @@ class View:
     pos: Pos | None = None
     bad: bool = False                 # its head already had an error (don't pile on more)
     repeated: list[Field] = field(default_factory=list)  # a key's later values (gather)
+    unvalued: set[str] = field(default_factory=set)  # keys written without a value (said)
 
 
 class Checker:

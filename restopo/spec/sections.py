@@ -6,8 +6,8 @@ a one-line section given on the command line exactly like one written in the fil
 """
 from __future__ import annotations
 
-from .fields import Checker, View, dym_suffix
-from .nodes import (SECTIONS, Call, Entry, ListValue, Name, Number, Qualified, Section,
+from .fields import EXAMPLES, Checker, View, dym_suffix
+from .nodes import (SECTIONS, Call, Entry, Key, ListValue, Name, Number, Qualified, Section,
                     SpecFile, String, describe, from_command_line)
 from .objects import DATA_ENGINES, LR_SCHEDULES, SCHEDULES
 from .wiring import NAMED_OPTIONS, option_given_bare, without_options
@@ -56,6 +56,7 @@ def views_of(file: SpecFile, c: Checker) -> dict[str, View]:
         view = View(s.kind, s.label, pos=s.pos, braces=s.body is not None)
         if s.body is not None:
             body = [e for e in (_cut_nested(e, kind, c) for e in s.body) if e is not None]
+            body = [e for e in (_keyless(e, view, c) for e in body) if e is not None]
             bare = [e for e in body if e.key is None]
             head = bare[0] if kind == "parallel" and bare else None  # pipeline(...)
             for e in body:  # in source order: a key given twice is said where it is again
@@ -125,6 +126,69 @@ def _cut_nested(e: Entry, kind: str, c: Checker) -> Entry | None:
     if not kept:
         return None
     return Entry(e.key, kept[0] if len(kept) == 1 else ListValue(kept, e.value.pos), e.pos)
+
+
+def _homes(key: str, c: Checker) -> tuple[str, ...]:
+    """The sections `key` is a key of (none for a word that is no key)."""
+    if key in c.homes:
+        return (c.homes[key],)
+    return tuple(sec for k, sec in SHARED if k == key) or (("model",) if key == "heads" else ())
+
+
+def _keyless(e: Entry, view: View, c: Checker) -> Entry | None:
+    """An entry whose words plainly hold a key without its ':' (`vocab: 256 width 64`,
+    `width 64`: the latter read as `width: 64` after saying so), a key alone (`lr`), or
+    another section's head (`block_attnres(blocks: 2)` in model, `pipeline(...)` in train),
+    said as such; keys given no clear value are kept in view.unvalued, not said missing
+    too. Anything else is returned as it is, for views_of to say; None once said."""
+    kind = view.kind.text
+    items = e.value.items if isinstance(e.value, ListValue) else (e.value,)
+    # `vocab: 256 width 64`: a key's name followed by a value that a key's name does not take
+    keys = [v for v, after in zip(items[1:], items[2:]) if isinstance(v, Name)
+            and _homes(v.text, c) and not isinstance(after, Name)]
+    if e.key is None and isinstance(items[0], Name) and _homes(items[0].text, c):
+        keys = [items[0], *keys] if keys else keys  # `steps 3 lr 1e-3`
+    if keys:  # said once, with the entries written out; none said missing
+        words, starts = [], {id(k) for k in keys}
+        for v in items:
+            said = c.src.written(v.pos) or describe(v)
+            words.append(f"; {said}:" if id(v) in starts else f" {said}")
+        line = (f"{e.key.text}:" if e.key is not None else "") + "".join(words)
+        c.error(keys[0].pos, f"a ':' is missing after '{keys[0].text}'",
+                f"write '{line.lstrip('; ')}'")
+        view.unvalued.update([v.text for v in keys] + ([e.key.text] if e.key else []))
+        return None
+    if e.key is not None:
+        return e
+    first = items[0]
+    homes = _homes(first.text, c) if isinstance(first, Name) else ()
+    if homes and len(items) > 1:  # `width 64`
+        rest = items[1:]
+        written = " ".join(c.src.written(v.pos) or describe(v) for v in rest)
+        c.error(first.pos, f"a ':' is missing after '{first.text}'",
+                f"write '{first.text}: {written}'")
+        value = rest[0] if len(rest) == 1 else ListValue(tuple(rest), rest[0].pos)
+        return Entry(Key((first.text,), first.pos), value, e.pos)
+    if homes:  # `lr` alone
+        example = EXAMPLES.get(first.text, f"{first.text}: ...")
+        where = kind if kind in homes else homes[0]
+        view.unvalued.add(first.text)
+        c.error(first.pos, f"'{first.text}' is given no value", (
+            f"write it as 'key: value', e.g. '{example}'" if where == kind else
+            f"'{first.text}' belongs in the {where} section: {where} {{ {example} }}"))
+        return None
+    name = first.name if isinstance(first, Call) else first
+    word = name.text if isinstance(name, Name) else None
+    home = "residual" if word in NAMED_OPTIONS else "parallel" if word in PARALLEL_KINDS \
+        else None
+    if len(items) == 1 and home not in (None, kind):
+        c.nested.add(home)  # said here: not as a section missing too
+        said = c.src.written(first.pos) or describe(first)
+        c.error(first.pos, f"'{said}' is written in the {kind} section",
+                f"it goes in the {home} section: "
+                + (f"residual {said}" if home == "residual" else f"parallel {{ {said} }}"))
+        return None
+    return e
 
 
 def _bare_hint(kind: str, value) -> str:
