@@ -1242,6 +1242,25 @@ def test_a_key_without_its_colon_is_one_error_saying_how_to_write_it(text, typed
         parse_spec(given.replace(typed, hint), "spec.restopo")
 
 
+@pytest.mark.parametrize("text", [
+    M + S + "train { steps: 3; @ }\n", M + S + "train { steps: @ }\n", M + S + "@ { }\n",
+    M + S + "train { @: 3 }\n", M + "residual @\n", M + S + "train { data: builtin:@ }\n",
+    M + S + "train { steps: 3@ }\n", M + "residual custom { before sublayer: attend(@) }\n",
+    M + S + 'train { schedule: "@" }\n', M + S + "train { steps: " + "1 " * 2000 + "}\n"])
+def test_a_long_word_is_said_in_a_line_of_its_own_size(text):
+    """A name of 3,000 characters (a paste gone wrong) was quoted whole in its message
+    ("unknown section 'xxx...'", 3,000 columns wide), as was a list of 2,000 values; a
+    name, key or unit past MAX_WORD characters is now refused as such where it starts,
+    and a value quoted in a message is cut short."""
+    text = text.replace("@", "x" * 3000)
+    with pytest.raises(SpecError) as info:
+        parse_spec(text, "spec.restopo")
+    err = info.value.errors[0] if isinstance(info.value, SpecErrors) else info.value
+    assert max(map(len, str(err).splitlines())) <= 200, str(err)
+    row = text.splitlines()[err.line - 1]
+    assert row[err.column - 1] in "x13\"", (err.line, err.column)
+
+
 @pytest.mark.parametrize("first,again", [
     ("width: 64", "width: abc"), ("steps: 3", "steps: -1"),
     ("blocks: 2", "blocks: x"), ("stages: 2", "stages: 0"),

@@ -110,7 +110,7 @@ class Checker:
     # -- value readers: return None after recording an error ---------------------------
     def single(self, f: Field, name: str) -> Value | None:
         if isinstance(f.value, ListValue):
-            values = " ".join(describe(v) for v in f.value.items)
+            values = describe(f.value)
             self.error(f.value.items[1].pos,
                        f"'{name}' takes one value, got {len(f.value.items)} ({values})",
                        "remove the extra values; " + SEP_HINT)
@@ -126,7 +126,7 @@ class Checker:
         if items and isinstance(items[0], Number) and all(isinstance(v, Name)
                                                           for v in items[1:]):
             # a unit in words: `window(8 layers)`, `steps: 300 steps`
-            said = " ".join(describe(v) for v in items)
+            said = describe(f.value)
             sublayers = name in ("window", "block_size") and any(
                 v.text.startswith("layer") for v in items[1:])
             alone = self.src.rewrite(f.pos, f.value.pos, items[0].text)

@@ -118,8 +118,16 @@ class SpecFile:
     sections: tuple[Section, ...]
 
 
+SHOWN_VALUE = 60  # characters of a value quoted in a message (the line is shown below it)
+
+
 def describe(value: Value) -> str:
-    """How a value reads in a message."""
+    """How a value reads in a message: cut short past SHOWN_VALUE characters."""
+    text = _described(value)
+    return text if len(text) <= SHOWN_VALUE else text[:SHOWN_VALUE - 4] + " ..."
+
+
+def _described(value: Value) -> str:
     if isinstance(value, Number):
         return value.text
     if isinstance(value, Name):

@@ -10,7 +10,7 @@ from functools import lru_cache
 from importlib import resources
 
 from lark import Lark, Token, Transformer, v_args
-from lark.exceptions import UnexpectedCharacters, UnexpectedInput, UnexpectedToken
+from lark.exceptions import UnexpectedCharacters, UnexpectedInput, UnexpectedToken, VisitError
 
 from ..words import alts
 from .errors import SpecError
@@ -25,6 +25,7 @@ def parser() -> Lark:
                 maybe_placeholders=True, start=["start", "value"])
 
 
+MAX_WORD = 64  # characters of a name, a key or a number's unit (a path is a quoted string)
 _NUMBER = re.compile(r"(-?[0-9][0-9_]*(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?)"
                      r"((?:[A-Za-z][A-Za-z0-9_]*)?)")
 
@@ -40,6 +41,12 @@ class ToNodes(Transformer):
         return Pos(self.source, meta.line, meta.column, meta.end_line, meta.end_column)
 
     def _tok(self, tok: Token) -> Pos:
+        word = _NUMBER.fullmatch(tok).group(2) if tok.type == "NUMBER" else tok.rstrip(": \t")
+        if tok.type != "STRING" and len(word) > MAX_WORD:  # else quoted whole in messages
+            raise SpecError(self.source, tok.line, tok.column,
+                            f"a word of {len(word):,} characters: '{word[:20]}...'",
+                            f"names, keys and units are at most {MAX_WORD} characters; a path "
+                            'is quoted, e.g. data: "corpus.txt"')
         return Pos(self.source, tok.line, tok.column, tok.end_line, tok.end_column)
 
     # -- file and sections --------------------------------------------------------------
@@ -127,7 +134,7 @@ def parse_text(text: str, path: str = "<string>") -> SpecFile:
     check_nesting(text, path)
     try:
         tree = parser().parse(text, start="start")
-        return SpecFile(path, ToNodes(path).transform(tree))
+        return SpecFile(path, _transform(tree, path, text))
     except UnexpectedInput as e:
         raise syntax_error(e, text, path) from None
     except RecursionError:  # a shape check_nesting does not foresee: still one clear error
@@ -143,7 +150,20 @@ def parse_value(text: str, source: str, offset: int = 0):
         tree = parser().parse(padded, start="value")
     except UnexpectedInput as e:
         raise syntax_error(e, padded, source, what="value") from None
-    return ToNodes(source).transform(tree)
+    return _transform(tree, source, padded)
+
+
+def _transform(tree, source: str, text: str):
+    """The nodes of a parse tree; a SpecError raised on the way (lark wraps it) as itself,
+    with its line."""
+    try:
+        return ToNodes(source).transform(tree)
+    except VisitError as e:
+        err = e.orig_exc
+        if not isinstance(err, SpecError):
+            raise
+        raise SpecError(err.path, err.line, err.column, err.message, err.hint,
+                        _line(text, err.line)) from None
 
 
 # The language nests at most three levels (`residual custom { before sublayer:
