@@ -425,6 +425,11 @@ GOLDEN = [
      '<--set 1>', 1, 24,
      "virtual stages need a pipeline, but the parallel section has no stages",
      "add --set parallel.stages=2 (or more); to train, --pipeline 2x2 gives both"),
+    ('quoted_engine_in_parallel',  # was: '"fsdp"' is training data; train { data: "fsdp" }
+     M + 'residual standard\nparallel { data: "fsdp" }\n', (),
+     'spec.restopo', 3, 18,
+     "'data' must be one of ddp or fsdp, got '\"fsdp\"'",
+     "write it without the quotes: data: fsdp"),
     ('steps_zero', M + "residual standard\ntrain { steps: 0 }\n", (),
      'spec.restopo', 3, 16,
      "'steps' must be at least 1, got 0",

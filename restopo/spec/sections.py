@@ -20,7 +20,9 @@ BUILTIN_DATA = ("stdlib",)  # the corpora `data: builtin:NAME` names
 SHARED = {("schedule", "train"): ("a learning-rate schedule",
                                   lambda v: _word(v) in LR_SCHEDULES),
           ("schedule", "parallel"): ("a pipeline schedule", lambda v: _word(v) in SCHEDULES),
-          ("data", "train"): ("training data", lambda v: isinstance(v, (String, Qualified))),
+          # (a quoted engine name in parallel is the engine, quoted: said as such)
+          ("data", "train"): ("training data", lambda v: isinstance(v, Qualified) or (
+              isinstance(v, String) and v.value.strip() not in DATA_ENGINES)),
           ("data", "parallel"): ("a data-parallel engine", lambda v: _word(v) in DATA_ENGINES)}
 
 
