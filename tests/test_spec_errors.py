@@ -940,11 +940,11 @@ def test_golden_error(case):
     assert err.hint == hint
     # the rendered form names the place, shows the line and puts the caret under the column
     rendered = err.render()
-    first, shown, caret = rendered.splitlines()[:3]
+    first, shown, caret = rendered.split("\n")[:3]  # (a line may hold a U+2028)
     assert first == f"{path}:{line}:{column}: error: {message}"
     assert caret.index("^") - 4 == column - 1
     if hint:
-        assert rendered.splitlines()[3] == f"hint: {hint}"
+        assert rendered.split("\n")[3] == f"hint: {hint}"
 
 
 def test_golden_cases_are_distinct():
@@ -1264,6 +1264,23 @@ def test_a_long_word_is_said_in_a_line_of_its_own_size(text):
     assert max(map(len, str(err).splitlines())) <= 200, str(err)
     row = text.splitlines()[err.line - 1]
     assert row[err.column - 1] in "x13\"", (err.line, err.column)
+
+
+@pytest.mark.parametrize("inside", ["\f", "\v", "\x1c", "\x85", "\u2028"])
+def test_an_error_shows_the_line_its_position_is_in(inside):
+    """A form feed between two lines (or a vertical tab, U+2028, ...) ends a line for
+    str.splitlines() but not for the parser: `steps: 0` on line 3 was shown under line 2's
+    text ('residual standard'), its caret nowhere near the 0."""
+    text = M + f"{inside}residual standard\ntrain {{ steps: 0 }}\n"
+    with pytest.raises(SpecError) as info:
+        parse_spec(text, "spec.restopo")
+    err = info.value.errors[0] if isinstance(info.value, SpecErrors) else info.value
+    _, shown, caret = err.render().split("\n")[:3]
+    at = caret.index("^") - 4
+    if "unexpected character" in err.message:  # not a blank to the lexer: said where it is
+        assert shown[4:].startswith(inside) and at == 0, (shown, caret)
+    else:
+        assert "steps: 0" in shown and shown[4 + at] == "0", (shown, caret)
 
 
 @pytest.mark.parametrize("first,again", [

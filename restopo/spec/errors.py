@@ -29,7 +29,7 @@ class SpecError(Exception):
         out = [f"{self.path}:{self.line}:{self.column}: error: {self.message}"]
         text = self.source_line
         if source_text is not None:
-            lines = source_text.splitlines()
+            lines = source_lines(source_text)
             text = lines[self.line - 1] if 0 < self.line <= len(lines) else None
         if text is not None:
             # the window first: a tab becomes one blank either way, and an error is made
@@ -76,6 +76,13 @@ class SpecErrors(SpecError):
 
     def __reduce__(self):
         return (type(self), (self.errors,))
+
+
+def source_lines(text: str) -> list[str]:
+    """The lines of spec text as the parser counts them: split at '\n' alone (the text is
+    read with every line break as one, files.as_read); a form feed or U+2028 is inside a
+    line, not the end of one, as str.splitlines() would have it."""
+    return text.split("\n")
 
 
 SHOWN_LINE = 100  # characters of a long source line shown around the caret

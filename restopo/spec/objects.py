@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..topology import Rule, Topology, sublayer_kinds
-from .errors import SpecError
+from .errors import SpecError, source_lines
 from .nodes import Pos, from_command_line
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -29,7 +29,7 @@ class SourceText:
             return None
         lines = self._lines.get(pos.source)
         if lines is None:
-            lines = self._lines[pos.source] = self.texts[pos.source].splitlines()
+            lines = self._lines[pos.source] = source_lines(self.texts[pos.source])
         return lines[pos.line - 1] if 0 < pos.line <= len(lines) else None
 
     def error(self, pos: Pos, message: str, hint: str | None = None) -> SpecError:

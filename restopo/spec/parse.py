@@ -13,7 +13,7 @@ from lark import Lark, Token, Transformer, v_args
 from lark.exceptions import UnexpectedCharacters, UnexpectedInput, UnexpectedToken, VisitError
 
 from ..words import alts
-from .errors import SpecError
+from .errors import SpecError, source_lines
 from .nodes import (SECTIONS, Arg, Call, Entry, Key, ListValue, Name, Number, Pos, Qualified,
                     Section, SpecFile, String)
 
@@ -235,7 +235,7 @@ def _describe_token(tok: Token) -> str:
 
 
 def _line(text: str, line: int) -> str | None:
-    lines = text.splitlines()
+    lines = source_lines(text)
     return lines[line - 1] if 0 < line <= len(lines) else None
 
 
@@ -269,7 +269,7 @@ def _unclosed(text: str, upto: int):
 
 
 def _end_position(text: str) -> tuple[int, int]:
-    lines = text.splitlines() or [""]
+    lines = source_lines(text) or [""]
     n = len(lines)
     while n > 1 and not lines[n - 1].split("#", 1)[0].strip():
         n -= 1
@@ -335,7 +335,7 @@ def _foreign(char: str, hint: str | None, word: str) -> tuple[str, str | None]:
 def _comment_took(text: str, line: int, close: str, upto: int | None) -> int | None:
     """The line, from `line` to `upto`, whose '#' comment holds a `close` (the ')' or '}' a
     person meant to end what is open, read as part of the comment); None if none does."""
-    for n, row in enumerate(text.splitlines()[line - 1:upto], start=line):
+    for n, row in enumerate(source_lines(text)[line - 1:upto], start=line):
         code = re.sub(r'"[^"\n]*"', '""', row)
         if "#" in code and close in code.split("#", 1)[1]:
             return n
@@ -455,7 +455,7 @@ def syntax_error(e: UnexpectedInput, text: str, path: str, what: str = "spec") -
             return _never_closed(text, path, opened,
                                  f"add '{CLOSER[opened[0]]}' where it should end: before line "
                                  f"{tok.line} at the latest, where "
-                                 f"'{text.splitlines()[tok.line - 1].strip()}' opens another",
+                                 f"'{source_lines(text)[tok.line - 1].strip()}' opens another",
                                  tok.line)
         label = re.search(r"(?:^|[;\n}])[ \t]*(model|residual|parallel|train)[ \t]+"
                           r"(\S+)[ \t]*$", text[:tok.start_pos])
@@ -478,7 +478,7 @@ def syntax_error(e: UnexpectedInput, text: str, path: str, what: str = "spec") -
             hint = (f"'{before[-1]}: ...' must be inside a section's braces, e.g. "
                     f"'model {{ {before[-1]}: ... }}'")
         elif tok.type == "COLON" and "LBRACE" in expected:
-            row = text.splitlines()[tok.line - 1]  # the line without that ':', as meant
+            row = source_lines(text)[tok.line - 1]  # the line without that ':', as meant
             rest = re.match(r'(?:"[^"\n]*"|[^"#])*', row[tok.column:]).group().strip()
             code = f"{row[:tok.column - 1].strip()} {rest}".strip()
             code = code if len(code) <= 60 else code[:56] + " ..."
@@ -518,7 +518,7 @@ def syntax_error(e: UnexpectedInput, text: str, path: str, what: str = "spec") -
         return _never_closed(text, path, opened, f"add '{CLOSER[opened[0]]}' to close it")
     line, col = _end_position(text)
     message = "unexpected end of file" if what == "spec" else "the value ends too soon"
-    code = "\n".join(row.split("#", 1)[0] for row in text.splitlines())  # no comments
+    code = "\n".join(row.split("#", 1)[0] for row in source_lines(text))  # no comments
     last = re.findall(r"[^\s#]+", code)
     after = f" after '{last[-1]}'" if last else ""
     hint = f"expected {expected_words(expected)}{after}"
