@@ -430,6 +430,17 @@ GOLDEN = [
      'spec.restopo', 3, 18,
      "'data' must be one of ddp or fsdp, got '\"fsdp\"'",
      "write it without the quotes: data: fsdp"),
+    ('brace_inside_braces',  # was: this '{' (line 3, col 7) is never closed, yet it was
+     M + "residual standard\ntrain { { steps: 3 } }\n", (),
+     'spec.restopo', 3, 9,
+     "unexpected '{' inside the braces opened at line 3",
+     "braces do not nest: a section's entries are 'key: value'; remove this '{' and the '}' "
+     "that closes it"),
+    ('sections_inside_braces_closed_after_them',  # was: model's '{' is never closed
+     M.replace(" }", "") + "residual standard\ntrain { steps: 3 }\n}\n", (),
+     'spec.restopo', 2, 1,
+     "the residual section is inside the model section's braces",
+     "close the model section with '}' before 'residual': sections do not nest"),
     ('steps_zero', M + "residual standard\ntrain { steps: 0 }\n", (),
      'spec.restopo', 3, 16,
      "'steps' must be at least 1, got 0",

@@ -268,6 +268,11 @@ def _unclosed(text: str, upto: int):
     return stack[-1] if stack else None
 
 
+def _offset(text: str, line: int, column: int) -> int:
+    """The offset of 1-based (line, column) in `text`."""
+    return sum(len(row) + 1 for row in source_lines(text)[:line - 1]) + column - 1
+
+
 def _end_position(text: str) -> tuple[int, int]:
     lines = source_lines(text) or [""]
     n = len(lines)
@@ -451,6 +456,25 @@ def syntax_error(e: UnexpectedInput, text: str, path: str, what: str = "spec") -
     if isinstance(e, UnexpectedToken) and e.token.type != "$END":
         tok = e.token
         opened = _unclosed(text, tok.start_pos)
+        if tok.type == "LBRACE" and opened is not None and _unclosed(text, len(text)) is None:
+            # every brace is closed: this one opens inside another (`train { { steps: 3 } }`)
+            start = _offset(text, *opened[1:])
+            outer = re.search(r"(\w+)(?:[ \t]+\w+)?\s*$", text[:start])
+            # the first section inside it, which its '}' should come before
+            inner = re.compile(r"(?:^|[;{\n])[ \t]*(model|residual|parallel|train)\b",
+                               re.M).search(text, start, tok.start_pos)
+            if inner and outer and outer.group(1) in SECTIONS:  # said as _cut_nested says it
+                at = inner.start(1)
+                line = text.count("\n", 0, at) + 1
+                return SpecError(path, line, at - text.rfind("\n", 0, at),
+                                 f"the {inner.group(1)} section is inside the {outer.group(1)} "
+                                 "section's braces", f"close the {outer.group(1)} section with "
+                                 f"'}}' before '{inner.group(1)}': sections do not nest",
+                                 _line(text, line))
+            return SpecError(path, tok.line, tok.column,
+                             f"unexpected '{{' inside the braces opened at line {opened[1]}",
+                             "braces do not nest: a section's entries are 'key: value'; "
+                             "remove this '{' and the '}' that closes it", _line(text, tok.line))
         if tok.type == "LBRACE" and opened is not None:  # the next section, inside this one
             return _never_closed(text, path, opened,
                                  f"add '{CLOSER[opened[0]]}' where it should end: before line "
