@@ -437,6 +437,16 @@ def syntax_error(e: UnexpectedInput, text: str, path: str, what: str = "spec") -
             word = re.search(r'[^\s;{}()"#,]*$', text[:pos]).group() + re.match(
                 r'[^\s;{}()"#,]*', text[pos:]).group()
             hint = f'paths are quoted: write "{word}"'
+            dotted = re.fullmatch(r"(model|residual|parallel|train)\.([A-Za-z_]\w*):?", word)
+            first = re.search(r"(?:^|[{;\n])[ \t]*$", text[:pos - len(dotted.group(1))]) \
+                if dotted else None  # where an entry starts, not a value (data: model.txt)
+            if char == "." and first and what == "spec":  # `train.steps: 3`, as --set names it
+                sec, key = dotted.groups()
+                value = re.match(r"[ \t:]*([^#;}\n]*)", text[pos + len(key) + 1:]).group(1)
+                entry = f"{key}: {value.strip() or '...'}"
+                hint = (f"inside braces a key is written alone: '{entry}' ({sec}.{key} is how "
+                        "--set names it)" if _unclosed(text, pos) else
+                        f"write '{sec} {{ {entry} }}' ({sec}.{key} is how --set names it)")
         elif char == "'":
             inside = _enclosed(text, pos, "'")
             hint = "strings use double quotes" + (f': write "{inside}"' if inside is not None
