@@ -451,6 +451,21 @@ GOLDEN = [
      'spec.restopo', 3, 24,
      "unexpected character '.'",
      "inside braces a key is written alone: 'steps: 3' (train.steps is how --set names it)"),
+    ('number_with_thousands_commas',  # was: in braces, entries are separated by ';' ...
+     M.replace("vocab: 256", "vocab:32,000") + "residual standard\n", (),
+     'spec.restopo', 1, 17,
+     "unexpected ','",
+     "numbers are written without ',': write 32000 (or 32_000)"),
+    ('set_number_with_thousands_commas',  # was: --set gives one value, and a list's ...
+     M + "residual standard\n", ("train.steps=1,000,000",),
+     '<--set 1>', 1, 20,
+     "unexpected ','",
+     "numbers are written without ',': write 1000000 (or 1_000_000)"),
+    ('number_with_thousands_blanks',  # was: remove the extra values; ...
+     M.replace("vocab: 256", "vocab: 32 000") + "residual standard\n", (),
+     'spec.restopo', 1, 19,
+     "'vocab' takes one value, got 2 (32 000)",
+     "numbers are written without blanks: write 32000 (or 32_000)"),
     ('steps_zero', M + "residual standard\ntrain { steps: 0 }\n", (),
      'spec.restopo', 3, 16,
      "'steps' must be at least 1, got 0",

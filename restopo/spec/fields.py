@@ -111,9 +111,13 @@ class Checker:
     def single(self, f: Field, name: str) -> Value | None:
         if isinstance(f.value, ListValue):
             values = describe(f.value)
+            texts = [v.text if isinstance(v, Number) else "" for v in f.value.items]
+            # `32 000` (`64 128` may well be two values: only thousands are read as one)
+            grouped = re.fullmatch(r"-?[0-9]{1,3}( [0-9]{3})*( 000)+", " ".join(texts))
             self.error(f.value.items[1].pos,
                        f"'{name}' takes one value, got {len(f.value.items)} ({values})",
-                       "remove the extra values; " + SEP_HINT)
+                       f"numbers are written without blanks: write {''.join(texts)} (or "
+                       f"{'_'.join(texts)})" if grouped else "remove the extra values; " + SEP_HINT)
             return None
         return f.value
 

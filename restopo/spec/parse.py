@@ -389,6 +389,15 @@ def _number_hint(text: str, pos: int) -> str | None:
     return f"write the number as {plain}"
 
 
+def _grouped(text: str, comma: int) -> str | None:
+    """The number written with thousands separators (`32,000`) whose ',' is at offset
+    `comma`; None if there is none."""
+    start = comma - len(re.search(r"-?[0-9]*$", text[:comma]).group())
+    found = re.match(r"-?[0-9]{1,3}(,[0-9]{3})+(?![\w.])", text[start:])
+    before = text[start - 1:start]
+    return found.group() if found and not (before.isalnum() or before in "_.") else None
+
+
 # a --set value that runs on into another setting ('64; model.depth=2', '64 model.depth=2')
 ONE_SETTING = ("--set gives one value, with nothing after it; give each setting its own "
                "--set, e.g. --set model.width=64 --set model.depth=2")
@@ -517,6 +526,9 @@ def syntax_error(e: UnexpectedInput, text: str, path: str, what: str = "spec") -
             code = f"{row[:tok.column - 1].strip()} {rest}".strip()
             code = code if len(code) <= 60 else code[:56] + " ..."
             hint = f"a section has no ':' after its name: write '{code}'"
+        elif tok.type == "COMMA" and (number := _grouped(text, tok.start_pos)):
+            hint = (f"numbers are written without ',': write {number.replace(',', '')} "
+                    f"(or {number.replace(',', '_')})")
         elif tok.type == "SEMICOLON" and opened is None and path.startswith("<--set"):
             hint = ONE_SETTING
         elif tok.type == "COMMA" and opened is None and path.startswith("<--set"):
