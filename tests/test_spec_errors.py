@@ -466,6 +466,11 @@ GOLDEN = [
      'spec.restopo', 1, 19,
      "'vocab' takes one value, got 2 (32 000)",
      "numbers are written without blanks: write 32000 (or 32_000)"),
+    ('digit_of_another_script',  # was: expected a name, a number or a "quoted string"
+     M.replace("width: 64", "width: \u0666\u0664") + "residual standard\n", (),
+     'spec.restopo', 1, 28,
+     "unexpected character '\u0666' (U+0666 ARABIC-INDIC DIGIT SIX)",
+     "write '6' instead; outside strings and comments a spec is ASCII"),
     ('steps_zero', M + "residual standard\ntrain { steps: 0 }\n", (),
      'spec.restopo', 3, 16,
      "'steps' must be at least 1, got 0",

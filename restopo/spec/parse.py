@@ -322,6 +322,8 @@ def _foreign(char: str, hint: str | None, word: str) -> tuple[str, str | None]:
     code = f"U+{ord(char):04X}" + (f" {name}" if name else "")
     shown = f"'{char}' ({code})" if char.isprintable() and not char.isspace() else code
     plain = _LOOKALIKES.get(char) or unicodedata.normalize("NFKC", char)
+    if unicodedata.category(char) == "Nd":  # a digit of another script: NFKC keeps it
+        plain = str(unicodedata.digit(char))
     if plain.isascii() and plain.isprintable():
         what = "a plain space" if plain.isspace() else f"'{plain}'"
         hint = f"write {what} instead; outside strings and comments a spec is ASCII"
