@@ -1136,6 +1136,27 @@ def test_a_topology_option_in_another_section_is_shown_its_topology(entry, secti
     parse_spec(M + line.group(1) + "\n", "spec.restopo")
 
 
+@pytest.mark.parametrize("wiring", [
+    "window: 4; before sublayer: attend(embedding, blocks, partial)",
+    "gate: softmax; before sublayer: attend(embedding, blocks, partial)",
+    "key_norm: rms; before sublayer: attend(embedding, blocks, partial)",
+    "sinkhorn: 3; before sublayer: attend(embedding, blocks, partial)",
+    "dynamic: true; before sublayer: attend(embedding, blocks, partial)",
+    "before sublayer: attend(embedding, blocks, partial; window: 4)",
+    "before sublayer: sum(embedding, sublayers; window: 2)"])
+def test_a_topology_option_in_custom_wiring_is_shown_in_its_rule(wiring):
+    """`window: 4` in custom wiring (or as an option of attend) was an unknown key or option
+    with the custom keys (or attend's options) listed: custom wiring says a window as a
+    source of its rule, and attend's options after ';' in the rule. Each is now shown
+    so, in a rule that checks."""
+    import re
+    with pytest.raises(SpecError) as info:
+        parse_spec(M + f"residual custom {{ {wiring} }}\n", "spec.restopo")
+    rule = re.search(r"(?:before sublayer: |a window is a source: )(.*)$", info.value.hint)
+    assert "is not" in info.value.message and rule, (info.value.message, info.value.hint)
+    parse_spec(M + f"residual custom {{ before sublayer: {rule.group(1)} }}\n", "spec.restopo")
+
+
 def test_a_section_inside_another_is_one_error():
     """`residual standard` before the model section's '}' was said as the spec having no
     residual section and as extra values of the entry before it ('context' takes one value,

@@ -247,6 +247,9 @@ def _custom(view: View, c: Checker) -> ResidualSpec | None:
     # is its knock-on, not a second mistake
     misspelt = any(k not in CUSTOM_KEYS and difflib.get_close_matches(
         fld.key.words[-1], ["sublayer"], cutoff=0.75) for k, fld in view.fields.items())
+    for k in [k for k in view.fields if k not in CUSTOM_KEYS]:
+        if hint := _rule_part_hint(k, view.fields[k], c):  # `window: 4` beside the rules
+            c.error(view.fields.pop(k).key.pos, f"'{k}' is not a key of custom wiring", hint)
     c.unknown_keys(view, CUSTOM_KEYS, "custom wiring")
     f = view.fields
     blocks, block_size = _blocks(view, c)
@@ -385,6 +388,10 @@ def _rule(fl: Field, target: str, c: Checker) -> T.Rule | None:
             c.error(fa.key.pos, f"option '{k}' does not apply to {method}",
                     f"'{k}' is an option of {owners}" + (f"; {method} takes {alts(takes)}"
                                                          if takes else ""))
+        elif k == "window":  # a named topology's option: here a source
+            c.error(fa.key.pos, f"'window' is not an option of {method}",
+                    f"a window is a source: {method}(embedding, "
+                    f"window({c.src.written(fa.value.pos) or describe(fa.value)}))")
         elif k not in ATTEND_OPTIONS:
             c.error(fa.key.pos, f"unknown option '{k}' for {method}",
                     did_you_mean(k, takes) if takes else f"{method} takes no options")
@@ -455,6 +462,25 @@ def _wrong_option_hint(method: str) -> str:
     takes = METHOD_OPTIONS.get(method, ())
     return (f"{method} takes " + (alts(takes) if takes else "no options")
             + f" (attend takes {alts(ATTEND_OPTIONS)}; scalars takes gate)")
+
+
+def _rule_part_hint(key: str, fld: Field, c: Checker) -> str | None:
+    """Where an option of a named topology goes in custom wiring, as a part of its rule:
+    a window is a source, the others options of the rule's method after ';'. None for
+    any other key."""
+    value = c.src.written(fld.value.pos) or describe(fld.value)
+    if key == "window":
+        return f"a window is a source of a rule: before sublayer: attend(embedding, " \
+               f"window({value}))"
+    if key in ATTEND_OPTIONS:
+        return f"it is an option of a rule's method, after ';': before sublayer: " \
+               f"attend(embedding, blocks, partial; {key}: {value})"
+    for method, keys in STREAM_OPTIONS.items():
+        if key in keys:
+            streams = "" if key == "streams" else "streams: 4; "
+            return f"it is an option of a rule's method: before sublayer: " \
+                   f"{method}({streams}{key}: {value})"
+    return None
 
 
 def _owners(option: str, table: dict) -> str:
