@@ -404,10 +404,17 @@ GOLDEN = [
      'spec.restopo', 3, 12,
      "unknown parallelism 'tensor'",
      'restopo plans pipeline parallelism: pipeline(stages: 2, ...)'),
-    ('parallel_missing_stages', M + "residual standard\nparallel { pipeline(microbatches: 4) }\n", (),
+    ('parallel_missing_stages',  # was: e.g. parallel { pipeline(stages: 2, microbatches: 4)
+     # } or parallel { data: fsdp }, whatever the pipeline(...) held
+     M + "residual standard\nparallel { pipeline(schedule: gpipe, cache: false) }\n", (),
      'spec.restopo', 3, 12,
      "the parallel section is missing 'stages'",
-     'e.g. parallel { pipeline(stages: 2, microbatches: 4) } or parallel { data: fsdp }'),
+     'add them: pipeline(stages: 2, schedule: gpipe, cache: false)'),
+    ('parallel_missing_stages_in_braces',
+     M + "residual standard\nparallel { microbatches: 4 }\n", (),
+     'spec.restopo', 3, 1,
+     "the parallel section is missing 'stages'",
+     "add them, e.g. 'stages: 2'"),
     ('parallel_empty',  # was accepted, where pipeline(cache: false) was missing stages
      M + "residual standard\nparallel { }\n", (),
      'spec.restopo', 3, 1,

@@ -10,6 +10,7 @@ here evaluates user text: values are matched against fixed vocabularies and numb
 """
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 from .. import topology as T
@@ -171,12 +172,19 @@ def check_parallel(view: View, c: Checker) -> ParallelSpec | None:
     made_by_set = bool(f) and from_command_line(view.kind.pos.source)
     if "stages" not in f and "data" not in f and not made_by_set and not view.unvalued:
         at = (view.head or view.kind).pos
+        hint = ("e.g. parallel { pipeline(stages: 2, microbatches: 4) } or parallel { data: "
+                "fsdp }" + ("" if f else "; or remove the section"))
+        call = re.match(r"pipeline[ \t]*\(([^()#]*)\)?", (c.src.line(at) or "")[at.column - 1:])
+        if from_command_line(at.source):
+            hint = "e.g. --set 'parallel=pipeline(stages: 2)'"
+        elif f and call:  # the pipeline(...) as written (on its line), with its stages
+            args = call.group(1).strip() if call.group().endswith(")") else "..."
+            hint = f"add them: pipeline(stages: 2, {args})"
+        elif f:
+            hint = "add them, e.g. 'stages: 2'"
         c.error(at, "the parallel section is missing 'stages'" if f else
                 "the parallel section is empty: it asks for no pipeline and no data-parallel "
-                "engine", "e.g. --set 'parallel=pipeline(stages: 2)'"
-                if from_command_line(at.source) else
-                "e.g. parallel { pipeline(stages: 2, microbatches: 4) } or "
-                "parallel { data: fsdp }" + ("" if f else "; or remove the section"))
+                "engine", hint)
         return None
     stages = c.integer(f["stages"], "stages", 1, why="the number of pipeline ranks") \
         if "stages" in f else 1
