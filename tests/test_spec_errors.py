@@ -685,7 +685,22 @@ GOLDEN = [
     ('key_outside_section', "width: 64\nresidual standard\n", (),
      'spec.restopo', 1, 6,
      "unexpected ':'",
-     "'width: ...' must be inside a section's braces, e.g. 'model { width: ... }'"),
+     "'width' belongs in the model section: model { width: 64 }"),
+    ('train_key_outside_section',  # was: e.g. 'model { steps: ... }', not its section
+     M + "residual standard\nsteps: 3  # quick\n", (),
+     'spec.restopo', 3, 6,
+     "unexpected ':'",
+     "'steps' belongs in the train section: train { steps: 3 }"),
+    ('option_after_a_one_line_head',  # was: e.g. 'model { blocks: ... }'
+     M + "residual block_attnres blocks: 2\n", (),
+     'spec.restopo', 2, 30,
+     "unexpected ':'",
+     "options go in parentheses: residual block_attnres(blocks: 2)"),
+    ('key_as_a_section',  # was: sections are model, residual, parallel and train
+     M + "residual standard\nlr 3e-3\n", (),
+     'spec.restopo', 3, 1,
+     "unknown section 'lr'",
+     "'lr' belongs in the train section: train { lr: 3e-3 }"),
     ('syntax_unclosed_string',  # was "unexpected character '\"'", expected a quoted string
      M + 'residual standard\ntrain { data: "corpus.txt\n  steps: 3 }\n', (),
      'spec.restopo', 3, 15,

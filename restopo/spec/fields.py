@@ -310,17 +310,23 @@ class Checker:
         home = self.homes.get(key)
         if home is None or home == here:
             return None
-        entry = f"{key}: {self.src.written(f.value.pos) or describe(f.value)}"
-        if home == "residual":
-            from .wiring import NAMED_OPTIONS  # (wiring reads its fields with this module)
-            # a topology the option alone makes whole: full_attnres needs no other, a
-            # multi-stream one needs its count
-            takes = [name for name, keys in NAMED_OPTIONS.items() if key in keys]
-            name = "full_attnres" if "full_attnres" in takes else takes[0]
-            if "streams" in NAMED_OPTIONS[name] and key != "streams":
-                entry = f"streams: 4, {entry}"
-            return f"'{key}' is an option of the residual topology, e.g. residual {name}({entry})"
+        return home_hint(key, self.src.written(f.value.pos) or describe(f.value), home)
+
+
+def home_hint(key: str, value: str, home: str) -> str:
+    """Where `key: value` goes: its `home` section, or for an option of the residual
+    topology, in the parentheses of one that takes it."""
+    entry = f"{key}: {value}"
+    if home != "residual":
         return f"'{key}' belongs in the {home} section: {home} {{ {entry} }}"
+    from .wiring import NAMED_OPTIONS  # (wiring reads its fields with this module)
+    # a topology the option alone makes whole: full_attnres needs no other, a
+    # multi-stream one needs its count
+    takes = [name for name, keys in NAMED_OPTIONS.items() if key in keys]
+    name = "full_attnres" if "full_attnres" in takes else takes[0]
+    if "streams" in NAMED_OPTIONS[name] and key != "streams":
+        entry = f"streams: 4, {entry}"
+    return f"'{key}' is an option of the residual topology, e.g. residual {name}({entry})"
 
 
 def divisors(n: int) -> list[int]:

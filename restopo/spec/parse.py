@@ -520,8 +520,17 @@ def syntax_error(e: UnexpectedInput, text: str, path: str, what: str = "spec") -
             hint = f"keys are written without quotes: '{quoted.group(1)}:'"
         elif tok.type == "COLON" and "LBRACE" in expected and before and before[-1] not in (
                 "model", "residual", "parallel", "train"):
-            hint = (f"'{before[-1]}: ...' must be inside a section's braces, e.g. "
-                    f"'model {{ {before[-1]}: ... }}'")
+            from .check import KEY_HOMES
+            from .fields import home_hint
+            key, home = before[-1], KEY_HOMES.get(before[-1])
+            value = re.match(r"[ \t]*([^#;}\n]*)", text[tok.end_pos:]).group(1).strip()
+            entry = f"{key}: {value or '...'}"
+            if len(before) > 2 and before[-3] == home in ("residual", "parallel"):
+                # `residual block_attnres blocks: 2`: an option after a one-line head
+                hint = f"options go in parentheses: {home} {before[-2]}({entry})"
+            else:
+                hint = home_hint(key, value or "...", home) if home else (
+                    f"'{entry}' must be inside a section's braces, e.g. 'model {{ {entry} }}'")
         elif tok.type == "COLON" and "LBRACE" in expected:
             row = source_lines(text)[tok.line - 1]  # the line without that ':', as meant
             rest = re.match(r'(?:"[^"\n]*"|[^"#])*', row[tok.column:]).group().strip()

@@ -6,7 +6,7 @@ a one-line section given on the command line exactly like one written in the fil
 """
 from __future__ import annotations
 
-from .fields import EXAMPLES, Checker, View, dym_suffix
+from .fields import EXAMPLES, Checker, View, dym_suffix, home_hint
 from .nodes import (SECTIONS, Call, Entry, Key, ListValue, Name, Number, Qualified, Section,
                     SpecFile, String, describe, from_command_line)
 from .objects import DATA_ENGINES, LR_SCHEDULES, SCHEDULES
@@ -30,12 +30,15 @@ def _word(v) -> str | None:
     return v.text if isinstance(v, (Name, Number)) else None
 
 
-def unknown_section_hint(kind: str) -> str:
+def unknown_section_hint(kind: str, value: str = "...") -> str:
     """What to write for a section of a kind that is none (parse.py says it too, for a word
-    that ends the file where a section would start)."""
+    that ends the file where a section would start); `value`: what followed it."""
+    from .check import KEY_HOMES
     if kind in NAMED_OPTIONS:  # `residual standard rezero`: a second topology
         return f"'{kind}' is a topology: write 'residual {kind}' (a spec has one residual " \
                "section)"
+    if kind in KEY_HOMES:  # `lr 3`: a key, outside any section
+        return home_hint(kind, value, KEY_HOMES[kind])
     return "sections are model, residual, parallel and train" + dym_suffix(kind, SECTIONS)
 
 
@@ -45,7 +48,9 @@ def views_of(file: SpecFile, c: Checker) -> dict[str, View]:
     for s in _one_label(file.sections, c):
         kind = s.kind.text
         if kind not in SECTIONS:
-            c.error(s.kind.pos, f"unknown section '{kind}'", unknown_section_hint(kind))
+            value = s.line if s.line is not None else None  # `lr 3`: what follows the word
+            said = (c.src.written(value.pos) or describe(value)) if value is not None else "..."
+            c.error(s.kind.pos, f"unknown section '{kind}'", unknown_section_hint(kind, said))
             continue
         if kind in views:
             first = views[kind].kind.pos
