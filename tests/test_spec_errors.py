@@ -478,6 +478,11 @@ GOLDEN = [
      'spec.restopo', 1, 28,
      "unexpected character '\u0666' (U+0666 ARABIC-INDIC DIGIT SIX)",
      "write '6' instead; outside strings and comments a spec is ASCII"),
+    ('option_without_its_colon',  # was: takes named options, e.g. block_attnres(blocks: 8)
+     M + "residual block_attnres(blocks 2, gate softmax)\n", (),
+     'spec.restopo', 2, 24,
+     "a ':' is missing after 'blocks'",
+     "write block_attnres(blocks: 2, gate: softmax)"),
     ('steps_zero', M + "residual standard\ntrain { steps: 0 }\n", (),
      'spec.restopo', 3, 16,
      "'steps' must be at least 1, got 0",

@@ -7,8 +7,8 @@ a one-line section given on the command line exactly like one written in the fil
 from __future__ import annotations
 
 from .fields import EXAMPLES, Checker, View, dym_suffix, home_hint
-from .nodes import (SECTIONS, Call, Entry, Key, ListValue, Name, Number, Qualified, Section,
-                    SpecFile, String, describe, from_command_line)
+from .nodes import (SECTIONS, Call, Entry, Key, ListValue, Name, Number, Qualified,
+                    Section, SpecFile, String, describe, from_command_line)
 from .objects import DATA_ENGINES, LR_SCHEDULES, SCHEDULES
 from .wiring import NAMED_OPTIONS, option_given_bare, without_options
 
@@ -235,8 +235,19 @@ def _call_options(view: View, call: Call, c: Checker) -> None:
             written = c.src.written(a.value.pos) or describe(a.value)
             named.append((a.value.pos, f"{option}: {written}"))
     rewritten = named and c.src.rewrite(call.pos, *named[0], *named[1:])
+    # `block_attnres(blocks 2)`: an option's ':' left out (its value is checked once it is in)
+    colonless = [a.value.items[0] for a in call.args if a.key is None and isinstance(
+        a.value, ListValue) and isinstance(a.value.items[0], Name)
+        and a.value.items[0].text in options]
+    parts = [(k.pos, f"{k.text}:") for k in colonless]
+    fixed = parts and c.src.rewrite(call.pos, *parts[0], *parts[1:])
     for a in call.args:
-        if a.key is None:
+        key = a.value.items[0] if isinstance(a.value, ListValue) else None
+        if any(key is k for k in colonless):
+            c.error(key.pos, f"a ':' is missing after '{key.text}'",
+                    f"write {fixed}" if fixed else f"write '{key.text}: ...'")
+            view.bad = True
+        elif a.key is None:
             view.bad = True
             fits = any(pos == a.value.pos for pos, _ in named)
             if NAMED_OPTIONS.get(name) == ():  # rezero(2)
