@@ -483,6 +483,11 @@ GOLDEN = [
      'spec.restopo', 2, 24,
      "a ':' is missing after 'blocks'",
      "write block_attnres(blocks: 2, gate: softmax)"),
+    ('set_key_with_an_empty_section',  # was: e.g. --set model.width=64 or --set residual=...
+     M + "residual standard\n", (".steps=30",),
+     '<--set 1>', 1, 7,
+     "an override is written section.key=value, got '.steps=30'",
+     "name its section: --set train.steps=30"),
     ('steps_zero', M + "residual standard\ntrain { steps: 0 }\n", (),
      'spec.restopo', 3, 16,
      "'steps' must be at least 1, got 0",

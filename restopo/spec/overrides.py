@@ -208,10 +208,12 @@ def apply_overrides(views: dict[str, View], overrides, c: Checker) -> None:
         sec = section.strip()
         if eq < 0 or not sec:
             key_text, colon, value_text = text.partition(":")  # model.width: 64, as in a file
+            home = c.homes.get(key.strip()) if eq >= 0 and dot else None  # `.width=64`
             c.error(at(0), f"an override is written section.key=value, got '{text}'",
                     f"write --set {key_text.strip()}={value_text.strip()}"
                     if eq < 0 and colon and key_text.strip() and value_text.strip()
-                    else "e.g. --set model.width=64 or --set residual=full_attnres")
+                    else f"name its section: --set {home}.{key.strip()}={text[eq + 1:].strip()}"
+                    if home else "e.g. --set model.width=64 or --set residual=full_attnres")
             continue
         sec_col = len(section) - len(section.lstrip())
         if sec not in SECTIONS:
