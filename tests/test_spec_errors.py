@@ -488,6 +488,11 @@ GOLDEN = [
      '<--set 1>', 1, 7,
      "an override is written section.key=value, got '.steps=30'",
      "name its section: --set train.steps=30"),
+    ('rule_key_with_a_dash',  # was: write 'before_sublayer', itself refused
+     M + "residual custom { before-sublayer: attend(embedding, blocks, partial) }\n", (),
+     'spec.restopo', 2, 25,
+     "unexpected character '-'",
+     "a rule is written 'before sublayer:'"),
     ('steps_zero', M + "residual standard\ntrain { steps: 0 }\n", (),
      'spec.restopo', 3, 16,
      "'steps' must be at least 1, got 0",
@@ -1187,6 +1192,16 @@ def test_a_topology_option_in_custom_wiring_is_shown_in_its_rule(wiring):
     rule = re.search(r"(?:before sublayer: |a window is a source: )(.*)$", info.value.hint)
     assert "is not" in info.value.message and rule, (info.value.message, info.value.hint)
     parse_spec(M + f"residual custom {{ before sublayer: {rule.group(1)} }}\n", "spec.restopo")
+
+
+def test_a_rule_key_joined_by_an_underscore_is_one_error():
+    """`before_sublayer:` (as --set writes it) in custom wiring was said as an unknown key
+    and again as the wiring having no 'before sublayer:' rule."""
+    with pytest.raises(SpecError) as info:
+        parse_spec(M + "residual custom { before_sublayer: attend(embedding, sublayers) }\n",
+                   "spec.restopo")
+    assert not isinstance(info.value, SpecErrors), str(info.value)
+    assert info.value.hint == "did you mean 'before sublayer'?"
 
 
 def test_a_section_inside_another_is_one_error():

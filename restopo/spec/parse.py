@@ -440,6 +440,8 @@ def syntax_error(e: UnexpectedInput, text: str, path: str, what: str = "spec") -
         elif char == "-" and text[pos - 1:pos].isidentifier():
             word = _word_at(text, pos, "-")
             hint = f"names are letters, digits and '_': write '{word.replace('-', '_')}'"
+            if re.fullmatch(r"before-(sublayer|head)", word):  # a rule's key is two words
+                hint = f"a rule is written '{word.replace('-', ' ')}:'"
         elif text.startswith(("//", "/*"), pos):
             hint = "comments start with '#' and run to the end of the line"
         elif number := _number_hint(text, pos):  # `.003`, `3.`, `+3e-3`

@@ -245,8 +245,9 @@ def _custom(view: View, c: Checker) -> ResidualSpec | None:
         return None
     # a misspelt rule ('befor sublayer:') is said as unknown; that the rule is then missing
     # is its knock-on, not a second mistake
-    misspelt = any(k not in CUSTOM_KEYS and difflib.get_close_matches(
-        fld.key.words[-1], ["sublayer"], cutoff=0.75) for k, fld in view.fields.items())
+    misspelt = any(k not in CUSTOM_KEYS and difflib.get_close_matches(  # (before_sublayer)
+        fld.key.words[-1].split("_")[-1], ["sublayer"], cutoff=0.75)
+        for k, fld in view.fields.items())
     for k in [k for k in view.fields if k not in CUSTOM_KEYS]:
         if hint := _rule_part_hint(k, view.fields[k], c):  # `window: 4` beside the rules
             c.error(view.fields.pop(k).key.pos, f"'{k}' is not a key of custom wiring", hint)
