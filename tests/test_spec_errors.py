@@ -493,6 +493,11 @@ GOLDEN = [
      'spec.restopo', 2, 25,
      "unexpected character '-'",
      "a rule is written 'before sublayer:'"),
+    ('toml_table_head',  # was: lists are written as names separated by spaces: write 'train'
+     M + "residual standard\n[train]\nsteps = 3\n", (),
+     'spec.restopo', 3, 1,
+     "unexpected character '['",
+     "a section is written 'train { key: value ... }', its entries in braces"),
     ('steps_zero', M + "residual standard\ntrain { steps: 0 }\n", (),
      'spec.restopo', 3, 16,
      "'steps' must be at least 1, got 0",

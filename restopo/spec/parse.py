@@ -425,11 +425,16 @@ def syntax_error(e: UnexpectedInput, text: str, path: str, what: str = "spec") -
             hint = "write 'key: value' (with a colon) or, on the command line, --set section.key=value" \
                 if what == "spec" else hint
             message = "unexpected '='"
-        elif char == "[" and (call := re.search(r"[A-Za-z_]\w*[ \t]*$", text[:pos])):
+        elif char == "[" and (call := re.search(r"[A-Za-z_]\w*[ \t]*\Z", text[:pos])):
             inside = _enclosed(text, pos, "]")
             hint = "a call's arguments go in parentheses" + (
                 f": write {call.group().strip()}({inside})" if inside is not None
                 else ", e.g. attend(embedding, sublayers)")
+        elif char == "[" and (table := re.match(r"\[[ \t]*(\w+)[ \t]*\][ \t]*$",
+                                                source_lines(text)[line - 1].strip())):
+            # `[model]`, as TOML or INI heads a table
+            name = table.group(1) if table.group(1) in SECTIONS else "model"
+            hint = f"a section is written '{name} {{ key: value ... }}', its entries in braces"
         elif char in "[]":
             inside = _enclosed(text, pos, "]") if char == "[" else None
             key = re.search(r"[A-Za-z_]\w*:[ \t]*$", text[:pos])
