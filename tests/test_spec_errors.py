@@ -498,6 +498,11 @@ GOLDEN = [
      'spec.restopo', 3, 1,
      "unexpected character '['",
      "a section is written 'train { key: value ... }', its entries in braces"),
+    ('number_hint_on_its_own_line',  # was: paths are quoted: write "3.5", with line 3's 3
+     M + "residual standard\ntrain { steps: 3\n.5 }\n", (),
+     'spec.restopo', 4, 1,
+     "unexpected character '.'",
+     "write the number as 0.5"),
     ('steps_zero', M + "residual standard\ntrain { steps: 0 }\n", (),
      'spec.restopo', 3, 16,
      "'steps' must be at least 1, got 0",

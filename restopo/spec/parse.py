@@ -376,7 +376,7 @@ def _number_hint(text: str, pos: int) -> str | None:
     """The hint for a number the grammar does not take, whose '.', '+' or '-' is at offset
     `pos`, written as it takes one: a point with no digit before it (.003, -.5) or after it
     (3., 1.e-3), a leading '+' (+3e-3)."""
-    start = pos - len(re.search(r"[0-9]*$", text[:pos]).group())
+    start = pos - len(re.search(r"[0-9]*\Z", text[:pos]).group())
     if 0 < start and text[start - 1] in "+-":
         start -= 1
     if 0 < start and (text[start - 1].isalnum() or text[start - 1] in "._"):
@@ -394,7 +394,7 @@ def _number_hint(text: str, pos: int) -> str | None:
 def _grouped(text: str, comma: int) -> str | None:
     """The number written with thousands separators (`32,000`) whose ',' is at offset
     `comma`; None if there is none."""
-    start = comma - len(re.search(r"-?[0-9]*$", text[:comma]).group())
+    start = comma - len(re.search(r"-?[0-9]*\Z", text[:comma]).group())
     found = re.match(r"-?[0-9]{1,3}(,[0-9]{3})+(?![\w.])", text[start:])
     before = text[start - 1:start]
     return found.group() if found and not (before.isalnum() or before in "_.") else None
@@ -452,7 +452,7 @@ def syntax_error(e: UnexpectedInput, text: str, path: str, what: str = "spec") -
         elif number := _number_hint(text, pos):  # `.003`, `3.`, `+3e-3`
             hint = number
         elif char in "./\\~":
-            word = re.search(r'[^\s;{}()"#,]*$', text[:pos]).group() + re.match(
+            word = re.search(r'[^\s;{}()"#,]*\Z', text[:pos]).group() + re.match(
                 r'[^\s;{}()"#,]*', text[pos:]).group()
             hint = f'paths are quoted: write "{word}"'
             dotted = re.fullmatch(r"(model|residual|parallel|train)\.([A-Za-z_]\w*):?", word)
@@ -522,7 +522,7 @@ def syntax_error(e: UnexpectedInput, text: str, path: str, what: str = "spec") -
         message = f"unexpected {_describe_token(tok)}"
         hint = f"expected {expected_words(expected)}"
         before = text[:tok.start_pos].split()
-        quoted = re.search(r'"([A-Za-z_]\w*(?:[ \t]+[A-Za-z_]\w*)?)"[ \t]*$', text[:tok.start_pos])
+        quoted = re.search(r'"([A-Za-z_]\w*(?:[ \t]+[A-Za-z_]\w*)?)"[ \t]*\Z', text[:tok.start_pos])
         if tok.type == "COLON" and quoted:  # `"steps": 3`, as JSON writes a key
             hint = f"keys are written without quotes: '{quoted.group(1)}:'"
         elif tok.type == "COLON" and "LBRACE" in expected and before and before[-1] not in (
