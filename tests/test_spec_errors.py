@@ -503,6 +503,16 @@ GOLDEN = [
      'spec.restopo', 4, 1,
      "unexpected character '.'",
      "write the number as 0.5"),
+    ('unit_in_the_other_case',  # was: units: x (a ratio), k (thousand), M (million); ...
+     M + "residual standard\ntrain { steps: 3K }\n", (),
+     'spec.restopo', 3, 16,
+     "unknown unit 'K' in '3K'",
+     "units are case-sensitive: write 3k for thousands"),
+    ('number_as_a_fraction',  # was: paths are quoted: write "1/1000"
+     M + "residual standard\ntrain { lr: 1/1000 }\n", (),
+     'spec.restopo', 3, 14,
+     "unexpected character '/'",
+     "write the number as 0.001"),
     ('steps_zero', M + "residual standard\ntrain { steps: 0 }\n", (),
      'spec.restopo', 3, 16,
      "'steps' must be at least 1, got 0",

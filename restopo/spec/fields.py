@@ -18,6 +18,7 @@ from .objects import SourceText
 
 RULE_TARGETS = ("sublayer", "head")
 UNITS = {"": 1, "k": 1_000, "M": 1_000_000}
+_UNIT_WORDS = {"k": "thousands", "M": "millions", "x": "a ratio"}
 MAX_INT = 2**31 - 1        # no count or rate in a spec needs more
 MAX_DEPTH = 4_096          # transformer layers (30x the deepest trained); see limits.py
 SEP_HINT = "put each entry on its own line or separate entries with ';'"
@@ -165,8 +166,12 @@ class Checker:
                           or _written(name, str(based[0]))))
             return None
         if v.unit != "x" and v.unit not in UNITS:
-            self.error(v.pos, f"unknown unit '{v.unit}' in '{v.text}'",
-                       "units: x (a ratio), k (thousand), M (million); e.g. 4x, 32k, 3e-3")
+            hint = "units: x (a ratio), k (thousand), M (million); e.g. 4x, 32k, 3e-3"
+            if v.unit in ("K", "X", "m"):  # a unit in the other case
+                unit = v.unit.swapcase()
+                hint = f"units are case-sensitive: write {digits}{unit} for {_UNIT_WORDS[unit]}" \
+                    + ("; a thousandth is 1e-3" if unit == "M" else "")
+            self.error(v.pos, f"unknown unit '{v.unit}' in '{v.text}'", hint)
             return None
         value = v.value * UNITS.get(v.unit, 1)
         if (isinstance(value, int) and abs(value) > MAX_INT) or (

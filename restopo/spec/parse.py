@@ -455,6 +455,9 @@ def syntax_error(e: UnexpectedInput, text: str, path: str, what: str = "spec") -
             word = re.search(r'[^\s;{}()"#,]*\Z', text[:pos]).group() + re.match(
                 r'[^\s;{}()"#,]*', text[pos:]).group()
             hint = f'paths are quoted: write "{word}"'
+            ratio = re.fullmatch(r"(-?[0-9]+(?:\.[0-9]+)?)/([0-9]+(?:\.[0-9]+)?)", word)
+            if char == "/" and ratio and float(ratio.group(2)):  # `lr: 1/1000`
+                hint = f"write the number as {float(ratio.group(1)) / float(ratio.group(2)):g}"
             dotted = re.fullmatch(r"(model|residual|parallel|train)\.([A-Za-z_]\w*):?", word)
             first = re.search(r"(?:^|[{;\n])[ \t]*$", text[:pos - len(dotted.group(1))]) \
                 if dotted else None  # where an entry starts, not a value (data: model.txt)
