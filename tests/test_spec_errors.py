@@ -513,6 +513,11 @@ GOLDEN = [
      'spec.restopo', 3, 14,
      "unexpected character '/'",
      "write the number as 0.001"),
+    ('heads_in_train',  # was: expected one of: data, steps, batch, ... (19 keys)
+     M + "residual standard\ntrain { heads: 8 }\n", (),
+     'spec.restopo', 3, 9,
+     "unknown key 'heads' in train",
+     "'heads' belongs in the model section: model { heads: 8 }"),
     ('steps_zero', M + "residual standard\ntrain { steps: 0 }\n", (),
      'spec.restopo', 3, 16,
      "'steps' must be at least 1, got 0",

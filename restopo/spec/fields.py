@@ -18,6 +18,8 @@ from .objects import SourceText
 
 RULE_TARGETS = ("sublayer", "head")
 UNITS = {"": 1, "k": 1_000, "M": 1_000_000}
+# the section a key of two is most often meant for, where it is written in a third
+MAIN_HOME = {"heads": "model"}  # (else an option of attend: residual ...(heads: N))
 _UNIT_WORDS = {"k": "thousands", "M": "millions", "x": "a ratio"}
 MAX_INT = 2**31 - 1        # no count or rate in a spec needs more
 MAX_DEPTH = 4_096          # transformer layers (30x the deepest trained); see limits.py
@@ -312,7 +314,7 @@ class Checker:
         """The hint for a key of another section than `here`, with the value given (None
         for any other key)."""
         key = f.key.text
-        home = self.homes.get(key)
+        home = self.homes.get(key) or MAIN_HOME.get(key)
         if home is None or home == here:
             return None
         return home_hint(key, self.src.written(f.value.pos) or describe(f.value), home)

@@ -6,7 +6,7 @@ a one-line section given on the command line exactly like one written in the fil
 """
 from __future__ import annotations
 
-from .fields import EXAMPLES, Checker, View, dym_suffix, home_hint
+from .fields import EXAMPLES, MAIN_HOME, Checker, View, dym_suffix, home_hint
 from .nodes import (SECTIONS, Call, Entry, Key, ListValue, Name, Number, Qualified,
                     Section, SpecFile, String, describe, from_command_line)
 from .objects import DATA_ENGINES, LR_SCHEDULES, SCHEDULES
@@ -139,7 +139,8 @@ def _homes(key: str, c: Checker) -> tuple[str, ...]:
     """The sections `key` is a key of (none for a word that is no key)."""
     if key in c.homes:
         return (c.homes[key],)
-    return tuple(sec for k, sec in SHARED if k == key) or (("model",) if key == "heads" else ())
+    return tuple(sec for k, sec in SHARED if k == key) or (
+        (MAIN_HOME[key],) if key in MAIN_HOME else ())
 
 
 def _keyless(e: Entry, view: View, c: Checker) -> Entry | None:
