@@ -1357,6 +1357,7 @@ T = M + S + "train { @ }\n"
      "e.g. 'width: 64'"),
     (M + S + "parallel { @ }\n", "stages", "'stages' is given no value", "e.g. 'stages: 2'"),
     (T, "width", "'width' is given no value", "model { width: 64 }"),
+    (T, "window", "'window' is given no value", "residual full_attnres(window: ...)"),
     (T.replace(S, ""), "standard", "'standard' is written in the train section",
      "residual standard"),
     (M.replace(" }", "; @ }"), "block_attnres(blocks: 2)",

@@ -178,12 +178,11 @@ def _keyless(e: Entry, view: View, c: Checker) -> Entry | None:
         value = rest[0] if len(rest) == 1 else ListValue(tuple(rest), rest[0].pos)
         return Entry(Key((first.text,), first.pos), value, e.pos)
     if homes:  # `lr` alone
-        example = EXAMPLES.get(first.text, f"{first.text}: ...")
-        where = kind if kind in homes else homes[0]
+        value = EXAMPLES.get(first.text, "").partition(": ")[2] or "..."
         view.unvalued.add(first.text)
-        c.error(first.pos, f"'{first.text}' is given no value", (
-            f"write it as 'key: value', e.g. '{example}'" if where == kind else
-            f"'{first.text}' belongs in the {where} section: {where} {{ {example} }}"))
+        c.error(first.pos, f"'{first.text}' is given no value",
+                f"write it as 'key: value', e.g. '{first.text}: {value}'" if kind in homes
+                else home_hint(first.text, value, homes[0]))
         return None
     name = first.name if isinstance(first, Call) else first
     word = name.text if isinstance(name, Name) else None
