@@ -5,7 +5,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import restopo
-from restopo.fx.rewire import RewireError, recover, rewire
+from restopo.fx.rewire import RewireError, RewireWarning, recover, rewire
 from restopo.fx.tracer import classify
 
 from models import attnres_loop as loop
@@ -521,6 +521,72 @@ def test_a_model_that_checkpoints_its_blocks_is_rewired_recomputing(monkeypatch,
     got = [grads(on) for on in (not on_at_rewire, on_at_rewire, not on_at_rewire)]
     for a, b in zip(*got[:2]):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+class RenamedSwitchGPT(GPT):
+    """Checkpointing switched by attributes not named for it, read where checkpoint is
+    called: `grad_ckpt` on the model, `remat` on its config, checkpoint imported as `ckpt`."""
+
+    grad_ckpt = False
+
+    def __init__(self, config):
+        super().__init__(config)
+        config.remat = False
+
+    def forward(self, idx, targets=None):
+        from torch.utils.checkpoint import checkpoint as ckpt
+        x = self.transformer.wte(idx) + self.transformer.wpe(torch.arange(idx.size(1)))
+        for block in self.transformer.h:
+            on = self.grad_ckpt or self.config.remat
+            x = ckpt(block, x, use_reentrant=False) if on else block(x)
+        return self.lm_head(self.transformer.ln_f(x))
+
+
+@pytest.mark.parametrize("switch", ["grad_ckpt", "remat"])
+def test_a_checkpointing_switch_of_any_name_is_followed(monkeypatch, switch):
+    """Switches were found by name (`checkpoint` in it): one named grad_ckpt or remat was
+    traced as it was at rewire and never read again, so turned on after rewiring the rewired
+    model kept every activation where the model recomputed. It is now found where the code
+    calling torch.utils.checkpoint reads it."""
+    from models.nanogpt import MLP
+    torch.manual_seed(0)
+    m = RenamedSwitchGPT(GPTConfig()).double()
+    holder = m if switch == "grad_ckpt" else m.config
+    r = rewire(m, "residual standard\n")
+    calls = forward_calls(monkeypatch, MLP)
+    for on in (True, False, True):
+        setattr(holder, switch, on)
+        calls.clear()
+        r(tokens()).sum().backward()
+        assert len(calls) == 2 * (1 + on)  # two MLPs, each run again in backward or not
+
+
+FLAG = False
+
+
+class GlobalSwitchGPT(GPT):
+    """Checkpointing switched by a module-level global, which rewire cannot follow."""
+
+    def forward(self, idx, targets=None):
+        x = self.transformer.wte(idx) + self.transformer.wpe(torch.arange(idx.size(1)))
+        for block in self.transformer.h:
+            x = (torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) if FLAG
+                 else block(x))
+        return self.lm_head(self.transformer.ln_f(x))
+
+
+def test_checkpointing_on_a_condition_rewire_cannot_follow_is_warned_of():
+    """A forward calling torch.utils.checkpoint on a global's say-so was rewired without a
+    word, and never recomputed once the global was set; rewire now says so."""
+    with pytest.warns(RewireWarning,
+                      match=r"GlobalSwitchGPT\.forward calls torch\.utils\.checkpoint on a "
+                            r"condition rewire cannot follow"):
+        rewire(GlobalSwitchGPT(GPTConfig()), "residual standard\n")
+    import warnings
+    with warnings.catch_warnings():  # switched by an attribute, or the mode: nothing to say
+        warnings.simplefilter("error", RewireWarning)
+        for cls in (RenamedSwitchGPT, TrainCheckpointedGPT):
+            rewire(cls(GPTConfig()).eval(), "residual standard\n")
 
 
 class TrainCheckpointedGPT(CheckpointedGPT):

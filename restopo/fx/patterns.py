@@ -6,10 +6,12 @@ from __future__ import annotations
 import inspect
 import re
 import warnings
+from collections.abc import Iterator
 from dataclasses import is_dataclass
 from types import SimpleNamespace
 
 import torch
+import torch.utils.checkpoint
 from torch import fx, nn
 
 from .extract import front_and_back, sublayer_module
@@ -34,27 +36,77 @@ def recover_structure(model: nn.Module) -> Structure:
 
 
 # a bool attribute a forward may choose torch.utils.checkpoint by: gradient_checkpointing,
-# grad_checkpointing (timm), use_checkpoint, activation_checkpointing, checkpointing
+# grad_checkpointing (timm), use_checkpoint, activation_checkpointing, checkpointing; any
+# other name (grad_ckpt, remat) is found where the code calling checkpoint reads it
 SWITCH = re.compile(r"checkpoint", re.I)
+CHECKPOINTS = (torch.utils.checkpoint, torch.utils.checkpoint.checkpoint,
+               torch.utils.checkpoint.checkpoint_sequential)
+
+
+def _codes(code) -> Iterator:
+    """A code object and those nested in it (lambdas, inner functions, comprehensions)."""
+    yield code
+    for c in code.co_consts:
+        if inspect.iscode(c):
+            yield from _codes(c)
+
+
+def checkpoint_code(cls: type) -> dict[str, set[str]]:
+    """{method: the attribute and global names it reads} of each method of `cls` (and its
+    bases below nn.Module) whose code calls torch.utils.checkpoint, however imported."""
+    out = {}
+    for base in cls.__mro__[:cls.__mro__.index(nn.Module)] if nn.Module in cls.__mro__ else ():
+        for name, fn in vars(base).items():
+            if name in out or not inspect.isfunction(fn):
+                continue
+            names = {n for c in _codes(fn.__code__) for n in c.co_names}
+            # torch.utils.checkpoint.checkpoint(...), an import of it in the method, or a
+            # global it was imported as (not a mere `self.checkpoint_dir`)
+            if ({"utils", "checkpoint"} <= names or "torch.utils.checkpoint" in names
+                    or any(fn.__globals__.get(n) is c for n in names for c in CHECKPOINTS)):
+                out[name] = names
+    return out
+
+
+def _holders(m: nn.Module) -> list[tuple[object, list[dict]]]:
+    """(holder, its namespaces) of the attributes a module's code reads a switch from: the
+    module (and its class), and a config it holds (a SimpleNamespace or dataclass)."""
+    mro = type(m).__mro__
+    return [(m, [vars(m), *map(vars, mro[:mro.index(nn.Module)])]),
+            *((c, [vars(c)]) for c in vars(m).values() if isinstance(c, SimpleNamespace)
+              or is_dataclass(c) and not isinstance(c, type))]
 
 
 def checkpoint_switches(model: nn.Module) -> tuple[tuple[object, str], ...]:
-    """(holder, attribute) of each bool attribute named for checkpointing, on a module or its
-    class, or on a config a module holds (nanoGPT forks' `self.config.gradient_checkpointing`),
-    found once: the trace bakes in the branch a forward takes on it, so the rewired model
-    reads them to follow the switch when it is turned after rewiring."""
-    out, seen = [], set()
+    """(holder, attribute) of each bool attribute, of a module or a config it holds
+    (nanoGPT forks' `self.config.gradient_checkpointing`), named for checkpointing or read by
+    a method of the module that calls torch.utils.checkpoint (`if self.remat:`), found once:
+    the trace bakes in the branch a forward takes on it, so the rewired model reads them to
+    follow the switch when it is turned after rewiring. (The mode, `training`, is followed
+    apart.)"""
+    out: dict[tuple[int, str], tuple[object, str]] = {}
     for m in model.modules():
-        mro = type(m).__mro__
-        holders = [(m, [vars(m), *map(vars, mro[:mro.index(nn.Module)])])]
-        holders += [(c, [vars(c)]) for c in vars(m).values() if isinstance(c, SimpleNamespace)
-                    or is_dataclass(c) and not isinstance(c, type)]
-        for holder, spaces in holders:
-            if id(holder) not in seen:
-                seen.add(id(holder))
-                names = {n for space in spaces for n, v in space.items() if isinstance(v, bool)}
-                out += [(holder, n) for n in sorted(names) if SWITCH.search(n)]
-    return tuple(out)
+        read = set().union(*checkpoint_code(type(m)).values())
+        for holder, spaces in _holders(m):
+            names = {n for space in spaces for n, v in space.items() if isinstance(v, bool)}
+            for n in sorted(names - {"training"}):
+                if SWITCH.search(n) or n in read:
+                    out.setdefault((id(holder), n), (holder, n))
+    return tuple(out.values())
+
+
+def unfollowed_checkpointing(model: nn.Module, switches) -> list[str]:
+    """`Class.method` of each method that calls torch.utils.checkpoint but reads neither a
+    switch rewire follows, nor the mode, nor a bool argument (a call pattern): on a condition
+    rewire cannot see (a global, an environment variable, a number)."""
+    out = []
+    followed = {n for _, n in switches} | {"training"}
+    for cls in dict.fromkeys(type(m) for m in model.modules()):
+        for name, reads in checkpoint_code(cls).items():
+            params = inspect.signature(getattr(cls, name)).parameters.values()
+            if not reads & followed and not any(type(p.default) is bool for p in params):
+                out.append(f"{cls.__name__}.{name}")
+    return out
 
 
 TRACES_SAID = 8  # call patterns traced before rewire says how to need fewer
@@ -85,6 +137,15 @@ class TracesByPattern:
         self.checkpointed: dict[tuple, set[str]] = {}
         self.recomputed: dict[tuple, tuple[bool, ...]] = {}  # per state, from checkpointed
         self._add(default, self.state(), cut)
+        unseen = [] if cut.checkpointed else unfollowed_checkpointing(model, self.switches)
+        if unseen:
+            warnings.warn(
+                f"{', '.join(unseen)} calls torch.utils.checkpoint on a condition rewire cannot "
+                f"follow (it follows the mode, bool arguments, and bool attributes of the module "
+                f"or its config read there), and did not call it now: the rewired model will "
+                f"not recompute where that condition turns checkpointing on; make the condition "
+                f"such an attribute, or rewire with checkpointing on", RewireWarning,
+                stacklevel=5)
 
     def state(self) -> tuple:
         """What a trace is specialised on besides the call: the mode and the switches."""

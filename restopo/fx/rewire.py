@@ -73,8 +73,9 @@ def rewire(model: nn.Module, spec_or_path, backend: str = "auto", *,
     "Starting as the standard model"); with a larger one (Llama's 1e-6, GPT-2's 1e-5) this
     warns, and norm_eps=1e-24 (restopo's own) makes the step-0 model the original one.
     A model that checkpoints its blocks (torch.utils.checkpoint) has each of their sublayers
-    recomputed in backward whenever it would checkpoint them, its mode or a switch named for
-    checkpointing (gradient_checkpointing, use_checkpoint) turned before or after rewiring; a
+    recomputed in backward whenever it would checkpoint them, its mode or a bool switch
+    (gradient_checkpointing, use_checkpoint, or one read where checkpoint is called) turned
+    before or after rewiring (a condition it cannot follow is warned of); a
     Hugging Face model's sublayers recompute while its gradient checkpointing is on.
     """
     residual, spec = _residual(spec_or_path)  # a bad spec is reported before any tracing
