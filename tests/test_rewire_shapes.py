@@ -392,6 +392,40 @@ def test_a_tensor_default_argument_is_rewired():
     same(r(idx[:, :3], torch.tensor(5)), m(idx[:, :3], torch.tensor(5)))
 
 
+class MetaMaskLlama(Llama):
+    """Meta's reference Llama builds its mask only `if seqlen > 1:`, matched to the
+    embedding's dtype with type_as(h), and keeps its rotary table as a plain attribute."""
+
+    def __init__(self, branch=False, plain=False):
+        super().__init__()
+        self.branch = branch
+        if plain:
+            freqs_cis = self.freqs_cis
+            del self.freqs_cis
+            self.freqs_cis = freqs_cis
+
+    def forward(self, tokens):
+        _bsz, seqlen = tokens.shape
+        h = self.tok_embeddings(tokens)
+        freqs_cis = self.freqs_cis[:seqlen]
+        mask = None
+        if not self.branch or seqlen > 1:
+            mask = torch.full((seqlen, seqlen), float("-inf"), device=tokens.device)
+            mask = torch.triu(mask, diagonal=1).type_as(h)
+        for layer in self.layers:
+            h = layer(h, freqs_cis, mask)
+        return self.output(self.norm(h)).float()
+
+
+def test_a_mask_matched_to_the_embeddings_dtype_is_rewired():
+    """`mask.type_as(h)` reads only h's dtype, as h.dtype does, but was taken for a read of
+    the stream by the first attention: refused as not PreNorm."""
+    torch.manual_seed(0)
+    m = MetaMaskLlama()
+    idx = tokens()
+    assert torch.equal(rewire(m, "residual standard\n")(idx), m(idx))
+
+
 class OffsetGPT2(GPT2):
     """GPT-2 whose positions start at a Python number (a decoding position)."""
 

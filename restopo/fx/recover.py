@@ -45,9 +45,9 @@ class _Graph:
         # needs of another's contents
         self.value_anc: dict[fx.Node, set[fx.Node]] = {}
         for n in self.nodes:
-            s = set()
+            s, meta = set(), _metadata_reads(n)
             for a in n.all_input_nodes:
-                if not (_metadata(n) and a is n.args[0]):
+                if a not in meta:
                     s |= {a} | self.value_anc[a]
             self.value_anc[n] = s
         self.output = next(n for n in self.nodes if n.op == "output")
@@ -235,7 +235,8 @@ class StreamCut:
         G, region, x = self.G, self.regions[k], self.streams[k]
         where = " + ".join(G.where(n) for n in G.ordered(region) if n.op == "call_module")
         for n in G.ordered(region):
-            if x in n.all_input_nodes and G.kind(n) != "norm" and not _metadata(n):
+            if (x in n.all_input_nodes and G.kind(n) != "norm"
+                    and x not in _metadata_reads(n)):
                 raise RewireError(
                     f"{type(self.model).__name__}: the sublayer `{where}` reads the residual "
                     f"stream directly in `{G.where(n)}`, not through a norm, so it is not "
@@ -325,15 +326,27 @@ class StreamCut:
 
 
 # ops that read only a tensor's shape, dtype or device: a sublayer may apply them to the
-# stream itself (to build a mask, say), since every h_l has the stream's shape
+# stream itself (to build a mask, say), since every h_l has the stream's shape. Of the
+# tensor they are called on (h.size()), of their first argument (torch.zeros_like(h)), or
+# of the tensor they match another to (mask.type_as(h)).
 METADATA_ATTRS = ("shape", "dtype", "device", "ndim", "is_cuda")
 METADATA_METHODS = ("size", "dim", "new_ones", "new_zeros", "new_full", "new_empty",
                     "new_tensor", "get_device")
+LIKE = (torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like,
+        torch.rand_like, torch.randn_like)
+AS_METHODS = ("type_as", "expand_as", "view_as", "reshape_as", "to")
 
 
-def _metadata(n: fx.Node) -> bool:
-    if n.op == "call_method":
-        return n.target in METADATA_METHODS
-    return (n.op == "call_function" and n.target is getattr and len(n.args) == 2
-            and n.args[1] in METADATA_ATTRS)
-
+def _metadata_reads(n: fx.Node) -> set[fx.Node]:
+    """The inputs `n` reads only the shape, dtype or device of (none of their values)."""
+    if (n.op == "call_method" and n.target in METADATA_METHODS
+            or n.op == "call_function" and (n.target in LIKE or n.target is getattr and
+                                            len(n.args) == 2 and n.args[1] in METADATA_ATTRS)):
+        meta, rest = n.args[:1], (n.args[1:], n.kwargs)
+    elif n.op == "call_method" and n.target in AS_METHODS:
+        meta, rest = n.args[1:], (n.args[:1], n.kwargs)  # x.to(h): h's dtype and device
+    else:
+        return set()
+    read: set[fx.Node] = set()
+    fx.map_arg(rest, read.add)
+    return {a for a in meta if isinstance(a, fx.Node)} - read
