@@ -426,6 +426,19 @@ def test_a_mask_matched_to_the_embeddings_dtype_is_rewired():
     assert torch.equal(rewire(m, "residual standard\n")(idx), m(idx))
 
 
+def test_meta_llamas_branch_and_plain_tensor_are_refused_saying_where_and_what_to_do():
+    """fx's own words said neither the line nor what to write instead: 'symbolically traced
+    variables cannot be used as inputs to control flow', 'slice indices must be integers'."""
+    with pytest.raises(RewireError, match=r"could not trace MetaMaskLlama\.forward: at "
+                       r".*test_rewire_shapes\.py:\d+: `if not self\.branch or seqlen > 1:` "
+                       r"branches on a traced value .*write it without the branch"):
+        rewire(MetaMaskLlama(branch=True), "residual standard\n")
+    with pytest.raises(RewireError, match=r"`freqs_cis = self\.freqs_cis\[:seqlen\]`\): slice "
+                       r".*self\.freqs_cis is a tensor kept as a plain attribute.*"
+                       r"register_buffer"):
+        rewire(MetaMaskLlama(plain=True), "residual standard\n")
+
+
 class OffsetGPT2(GPT2):
     """GPT-2 whose positions start at a Python number (a decoding position)."""
 

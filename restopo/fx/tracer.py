@@ -7,6 +7,7 @@ add, which is what restopo.fx.recover looks for.
 from __future__ import annotations
 
 import inspect
+import linecache
 import operator
 import re
 import sys
@@ -128,8 +129,14 @@ class SublayerTracer(fx.Tracer):
         # Proxy.__bool__ -> to_bool: the forward's frame is two up.
         frame = inspect.currentframe().f_back.f_back
         passes = guard_outcome(frame)
-        if passes is None:
-            return super().to_bool(obj)
+        if passes is None:  # fx's words say neither where nor what to write instead
+            raise RewireError(
+                f"torch.fx could not trace {type(self.root).__name__}.forward: "
+                f"{_source(frame.f_code.co_filename, frame.f_lineno)} branches on a traced "
+                f"value (a tensor, or a size read from one), which one trace cannot follow: "
+                f"write it without the branch (a causal mask built for every length, say, not "
+                f"only `if seqlen > 1`), or branch on an argument (a Python number or flag, "
+                f"traced once per value). {SUPPORTED}")
         cond = obj if passes else self.create_proxy("call_function", operator.not_, (obj,), {})
         self.create_proxy("call_function", torch._assert,
                           (cond, "a guard in the traced forward failed"), {})
@@ -150,7 +157,7 @@ def trace(model: nn.Module, fixed: Iterable[tuple[str, object]] = ()
         where = _user_frame(e)
         raise RewireError(
             f"torch.fx could not trace {type(model).__name__}.forward{where}: {e}. "
-            f"{SUPPORTED}") from e
+            f"{_plain_tensors(model, e)}{SUPPORTED}") from e
 
 
 def compiled(m: nn.Module) -> bool:
@@ -189,10 +196,32 @@ def _held_at(root: nn.Module, mod: nn.Module) -> str | None:
 
 
 def _user_frame(e: BaseException) -> str:
+    """ (at file:line: `code`) of the model's own code the error came from, or ''."""
     tb, where = e.__traceback__, ""
     while tb is not None:
         f = tb.tb_frame.f_code.co_filename
         if "/torch/" not in f and "restopo/fx" not in f:
-            where = f" (at {f}:{tb.tb_lineno})"
+            where = f" ({_source(f, tb.tb_lineno)})"
         tb = tb.tb_next
     return where
+
+
+def _source(filename: str, line: int) -> str:
+    """at file:line: `the line's code`, as messages name a place in the model's code."""
+    code = linecache.getline(filename, line).strip()
+    return f"at {filename}:{line}" + (f": `{code}`" if code else "")
+
+
+def _plain_tensors(model: nn.Module, e: BaseException) -> str:
+    """A hint for a tensor the forward keeps as a plain attribute (Meta's Llama's
+    `self.freqs_cis`), named in the failing line: fx proxies buffers, so that slicing one by
+    a traced length works, but not such a tensor."""
+    code = _user_frame(e)
+    names = sorted({f"self.{n}" for m in model.modules() for n, v in vars(m).items()
+                    if isinstance(v, torch.Tensor) and f"self.{n}" in code})
+    if not names:
+        return ""
+    return (f"{', '.join(names)} {'is a tensor' if len(names) == 1 else 'are tensors'} kept as "
+            f"a plain attribute, which torch.fx cannot index by a traced value: register "
+            f"{'it' if len(names) == 1 else 'them'} with self.register_buffer(name, tensor, "
+            f"persistent=False). ")
