@@ -289,6 +289,31 @@ def test_a_tied_lm_head_stays_tied_and_trains_as_one_weight():
     assert m.wte.weight.grad is not None and m.wte.weight.grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("final_norm", [True, False])
+def test_a_head_without_a_final_norm_is_warned_not_to_start_as_the_original(final_norm):
+    """A mean-start topology equals the standard model at step 0 only behind a norm; without
+    a final norm the head read the mean of its sources, not their sum, and the rewired model
+    started as another, without a word."""
+    import warnings
+    from restopo.fx.rewire import RewireWarning
+    torch.manual_seed(0)
+    m = GPT2().eval()
+    if not final_norm:
+        m.ln_f = nn.Identity()
+    idx = tokens()
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        r = rewire(m, "residual full_attnres\n", norm_eps=1e-24)
+    said = [str(w.message) for w in said if issubclass(w.category, RewireWarning)]
+    starts_as_original = torch.allclose(r(idx), m(idx), rtol=1e-4, atol=1e-4)
+    assert starts_as_original == final_norm
+    assert said == ([] if final_norm else [
+        "GPT2's head reads the residual stream without a final norm: full_attnres's head "
+        "aggregation starts as the mean of its sources, not their sum, which only a norm makes "
+        "the same, so the rewired model does not start as the original (README: 'Starting as "
+        "the standard model'); give the model a final norm before its head for that"])
+
+
 @pytest.mark.parametrize("neox", [False, True], ids=["gptj", "neox"])
 @pytest.mark.parametrize("layers", [1, 2])
 def test_a_parallel_block_is_refused_as_one(neox, layers):

@@ -32,7 +32,7 @@ def recover_structure(model: nn.Module) -> Structure:
                      graph_modules=patterns.graph_modules, names=cut.names(), ends=patterns,
                      signature=signature, family="fx", vocab=cut.vocab(),
                      context_names=cut.context_names(),
-                     function_norms=cut.function_norms())
+                     function_norms=cut.function_norms(), head_norm=cut.head_normed())
 
 
 # a bool attribute a forward may choose torch.utils.checkpoint by: gradient_checkpointing,

@@ -284,6 +284,12 @@ class StreamCut:
         (F.rms_norm); None for the dtype's machine epsilon (tracer.norm_calls)."""
         return tuple(norm_calls(self.G.ordered(set().union(*self.regions, self.back_nodes))))
 
+    def head_normed(self) -> bool:
+        """Does the back read the last residual sum only through norms (a final norm)?"""
+        last = self.adds[-1]
+        return all(self.G.kind(u) == "norm" for u in last.users
+                   if last not in _metadata_reads(u))
+
     def context_names(self) -> tuple[str, ...]:
         """Readable names for the context values: the buffer, input or module each one is
         read from (`cos`, `sin`, `mask`), numbered when two share a name."""

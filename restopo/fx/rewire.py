@@ -100,6 +100,7 @@ def rewire(model: nn.Module, spec_or_path, backend: str = "auto", *,
             f"restopo.topology.full_attnres)")
     topology = residual(structure.kinds)
     _warn_of_norm_eps(model, topology, structure)
+    _warn_of_head_without_norm(model, topology, structure)
     _warn_of_other_sizes(spec, structure)
     g = build_ir(structure.kinds, topology, structure.width)
     default = structure.ends(pattern(structure.signature, *_probe_call(structure, model)))
@@ -202,12 +203,33 @@ def set_norm_eps(model: nn.Module, eps: float) -> None:
         setattr(m, attr, float(eps))
 
 
+def _starts_as_mean(topology: Topology) -> bool:
+    """Does the topology start as a mean of sources, which equals the standard model's sum
+    only behind a norm (README: 'Starting as the standard model')?"""
+    return not (topology.sublayer_rule.method == "sum" or topology.sublayer_rule.multi_stream)
+
+
+def _warn_of_head_without_norm(model: nn.Module, topology: Topology,
+                               structure: Structure) -> None:
+    """Warn when the head reads the stream without a final norm under a topology that starts
+    as a mean: the head then reads the mean, not the sum, and the rewired model does not start
+    as the original."""
+    import warnings
+    if _starts_as_mean(topology) and not structure.head_norm:
+        warnings.warn(
+            f"{type(model).__name__}'s head reads the residual stream without a final norm: "
+            f"{topology.name}'s head aggregation starts as the mean of its sources, not their "
+            f"sum, which only a norm makes the same, so the rewired model does not start as the "
+            f"original (README: 'Starting as the standard model'); give the model a final norm "
+            f"before its head for that", RewireWarning, stacklevel=3)
+
+
 def _warn_of_norm_eps(model: nn.Module, topology: Topology, structure: Structure) -> None:
     """Warn when the topology starts as a mean of sources and the model's norms have an
     epsilon that is not negligible against it: the rewired model then does not start as
     the original (a standard residual, a sum, is not affected)."""
     import warnings
-    if topology.sublayer_rule.method == "sum" or topology.sublayer_rule.multi_stream:
+    if not _starts_as_mean(topology):
         return
     large = _large_norm_eps(model, structure)
     if large:

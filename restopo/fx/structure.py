@@ -84,6 +84,7 @@ class Structure:
     # (function, epsilon) of the norms called as functions (F.rms_norm), defaults filled in;
     # None for the dtype's machine epsilon
     function_norms: tuple[tuple[str, float | None], ...] = ()
+    head_norm: bool = True  # the head reads h_{L+1} through a norm (a final norm)
     # GraphModules cut from a trace: they hold the model's buffers by reference, and a
     # buffer is replaced (not updated in place) when the model moves; see `resync`
     graph_modules: list = field(default_factory=list)
