@@ -321,6 +321,52 @@ def test_a_parallel_block_is_refused_as_one(neox, layers):
         rewire(ParallelLM(layers, neox), "residual full_attnres\n")
 
 
+class WeightedAddBlock(GPT2Block):
+    """A sublayer added with torch.add's alpha=, or into a stream scaled by a number."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+
+    def forward(self, x):
+        if self.how == "alpha":
+            x = torch.add(x, self.attn(self.ln_1(x)), alpha=0.5)
+        else:
+            x = 0.9 * x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+@pytest.mark.parametrize("how, said", [
+    ("alpha", r"`add_\d+` adds a sublayer with alpha=0\.5 \(torch\.add\(x, f, alpha=a\)\), "
+              r"which rewire does not take apart: write it x \+ a \* f\(\.\.\.\)"),
+    ("scaled", r"`add_\d+` adds a sublayer to the stream scaled by `mul(_\d+)?` "
+               r"\(x = a \* x \+ f\(norm\(x\)\)\)")], ids=["alpha", "scaled"])
+@pytest.mark.parametrize("layers", [1, 2])
+def test_a_weighted_residual_add_is_refused_as_one(how, said, layers):
+    """torch.add(x, f, alpha=0.5) and 0.9 * x + f(norm(x)) were refused as parallel
+    sublayers or as no residual adds at all."""
+    m = GPT2(layers)
+    m.h = nn.ModuleList(WeightedAddBlock(how) for _ in range(layers))
+    with pytest.raises(RewireError, match=r"^GPT2: " + said):
+        rewire(m, "residual standard\n")
+
+
+def test_a_scaled_embedding_and_a_scaled_sublayer_are_rewired():
+    """Scales that are not on the stream: the embedding's (Gemma's) is the front's, a
+    sublayer's (x + 0.5 * f(norm(x))) the sublayer's; the standard topology is the model."""
+    class Scaled(GPT2):
+        def forward(self, input_ids, labels=None):
+            h = self.wte(input_ids) * D ** 0.5
+            for b in self.h:
+                h = h + 0.5 * b.attn(b.ln_1(h))
+                h = h + b.mlp(b.ln_2(h)) / 2
+            return self.lm_head(self.ln_f(h))
+    torch.manual_seed(0)
+    m = Scaled().eval()
+    idx = tokens()
+    assert torch.equal(rewire(m, "residual standard\n")(idx), m(idx))
+
+
 def pieces(m, idx):
     """v_0, the sublayers and the head of a GPT2 or Llama here, taken by hand."""
     T = idx.shape[1]

@@ -66,19 +66,24 @@ class _Graph:
         other's value, in graph order."""
         out = []
         for n in self.nodes:
-            binary = (n.op == "call_function" and n.target in ADDS or
-                      n.op == "call_method" and n.target in ("add", "add_"))
-            if not binary or len(n.args) != 2 or n.kwargs:
+            if not _adds_two(n) or n.kwargs:
                 continue
             a, b = n.args
-            if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)):
-                continue
             # by value: `start + x.size(1)` reads x's shape, not x, and adds no sublayer
             if a in self.value_anc[b]:
                 out.append((n, a, b))
             elif b in self.value_anc[a]:
                 out.append((n, b, a))
         return out
+
+    def region(self, x: fx.Node, y: fx.Node) -> set[fx.Node]:
+        """The nodes between x and y: what y computes from x."""
+        return {n for n in self.anc[y] if x in self.anc[n]} | {y}
+
+    def adds_sublayer(self, x: fx.Node, y: fx.Node) -> bool:
+        """Does y compute from x's value through an attention or an MLP?"""
+        return x in self.value_anc[y] and any(self.kind(n) in ("attn", "mlp")
+                                              for n in self.region(x, y))
 
     def ordered(self, nodes: Iterable[fx.Node]) -> list[fx.Node]:
         return sorted(nodes, key=self.order.__getitem__)
@@ -92,6 +97,22 @@ class _Graph:
         if isinstance(src, fx.Node) and src.op == "call_module":
             return f"{src.target}(...)[{n.args[1]!r}]"
         return n.name
+
+
+def _adds_two(n: fx.Node) -> bool:
+    """Is `n` an add of two graph values (x + y, torch.add(x, y, ...), x.add(y, ...))?"""
+    return ((n.op == "call_function" and n.target in ADDS
+             or n.op == "call_method" and n.target in ("add", "add_"))
+            and len(n.args) == 2 and all(isinstance(a, fx.Node) for a in n.args))
+
+
+def _scaled(n: fx.Node) -> fx.Node | None:
+    """x, where `n` is x scaled by a number or a parameter (0.9 * x, x / c, self.a * x)."""
+    if not (n.op == "call_function" and n.target in (operator.mul, operator.truediv, torch.mul)
+            or n.op == "call_method" and n.target in ("mul", "div")) or len(n.args) != 2:
+        return None
+    nodes = [a for a in n.args if isinstance(a, fx.Node) and a.op != "get_attr"]
+    return nodes[0] if len(nodes) == 1 else None
 
 
 def recover(model: nn.Module, fixed: Iterable[tuple[str, object]] = ()) -> "StreamCut":
@@ -115,6 +136,7 @@ class StreamCut:
 
     def __init__(self, model: nn.Module, G: _Graph, checkpointed: tuple[str, ...] = ()):
         self.model, self.G, self.checkpointed = model, G, checkpointed
+        self._check_other_adds()
         adds = G.residual_adds()
         name = type(model).__name__
         # adds before the first attention/MLP branch belong to the embedding
@@ -165,10 +187,31 @@ class StreamCut:
 
     def _has_sublayer(self, add) -> bool:
         _, x, y = add
-        region = {n for n in self.G.anc[y] if x in self.G.anc[n]} | {y}
-        return any(self.G.kind(n) in ("attn", "mlp") for n in region)
+        return any(self.G.kind(n) in ("attn", "mlp") for n in self.G.region(x, y))
 
     # ----------------------------------------------------------------- checks
+    def _check_other_adds(self) -> None:
+        """Refuse, naming it, an add of a sublayer other than x + f(norm(x)): one scaled by
+        torch.add's alpha=, or one into a scaled stream (a * x + f(norm(x))); they were taken
+        for no residual add, or for parallel sublayers."""
+        G, name = self.G, type(self.model).__name__
+        for n in G.nodes:
+            if not _adds_two(n):
+                continue
+            for s, y in (n.args, n.args[::-1]):
+                if "alpha" in n.kwargs and G.adds_sublayer(s, y):
+                    raise RewireError(
+                        f"{name}: `{n.name}` adds a sublayer with alpha={n.kwargs['alpha']} "
+                        f"(torch.add(x, f, alpha=a)), which rewire does not take apart: write "
+                        f"it x + a * f(...). {SUPPORTED}")
+                x = _scaled(s)
+                if x is not None and s not in G.value_anc[y] and G.adds_sublayer(x, y):
+                    raise RewireError(
+                        f"{name}: `{n.name}` adds a sublayer to the stream scaled by "
+                        f"`{s.name}` (x = a * x + f(norm(x))), a weight on the stream that a "
+                        f"rewired stream, whose topology weighs every source, cannot keep. "
+                        f"{SUPPORTED}")
+
     def _check_post_norm(self, adds) -> None:
         streams = {x for _, x, _ in adds}
         for add, _, _ in adds:
