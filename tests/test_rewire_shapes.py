@@ -367,6 +367,42 @@ def test_a_scaled_embedding_and_a_scaled_sublayer_are_rewired():
     assert torch.equal(rewire(m, "residual standard\n")(idx), m(idx))
 
 
+class TorchEncoderLM(nn.Module):
+    """torch's own PreNorm layers: nn.TransformerEncoderLayer(norm_first=True), causal."""
+
+    def __init__(self, stacked):
+        super().__init__()
+        self.tok = nn.Embedding(V, D)
+        def layer():
+            return nn.TransformerEncoderLayer(D, HEADS, 4 * D, 0.0, batch_first=True,
+                                              norm_first=True)
+        self.stacked = stacked
+        self.layers = (nn.TransformerEncoder(layer(), 2, enable_nested_tensor=False) if stacked
+                       else nn.ModuleList(layer() for _ in range(2)))
+        self.norm, self.head = nn.LayerNorm(D), nn.Linear(D, V)
+
+    def forward(self, idx):
+        T = idx.shape[1]
+        x, mask = self.tok(idx), nn.Transformer.generate_square_subsequent_mask(T)
+        if self.stacked:
+            x = self.layers(x, mask=mask, is_causal=True)
+        else:
+            for layer in self.layers:
+                x = layer(x, src_mask=mask, is_causal=True)
+        return self.head(self.norm(x))
+
+
+@pytest.mark.parametrize("stacked", [True, False], ids=["encoder", "layers"])
+def test_torchs_transformer_layers_are_refused_saying_what_to_write(stacked):
+    """fx calls every torch.nn module whole, so the residual adds inside torch's layers
+    were not seen: refused as a model with 'no residual adds'."""
+    where = r"`layers`, a torch\.nn\.TransformerEncoder," if stacked else \
+        r"`layers\.0`, a torch\.nn\.TransformerEncoderLayer,"
+    with pytest.raises(RewireError, match=r"^TorchEncoderLM: its layers are inside " + where
+                       + r" which torch\.fx calls whole .*write the layers as your own module"):
+        rewire(TorchEncoderLM(stacked), "residual standard\n")
+
+
 def pieces(m, idx):
     """v_0, the sublayers and the head of a GPT2 or Llama here, taken by hand."""
     T = idx.shape[1]

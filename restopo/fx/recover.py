@@ -144,6 +144,7 @@ class StreamCut:
         while adds and not self._has_sublayer(adds[0]):
             adds.pop(0)
         if not adds:
+            self._check_whole_torch_layers()
             raise RewireError(
                 f"{name} has no residual adds (no `x = x + f(...)` whose f reads x): there is "
                 f"no residual stream to rewire. {SUPPORTED}")
@@ -211,6 +212,24 @@ class StreamCut:
                         f"`{s.name}` (x = a * x + f(norm(x))), a weight on the stream that a "
                         f"rewired stream, whose topology weighs every source, cannot keep. "
                         f"{SUPPORTED}")
+
+    def _check_whole_torch_layers(self) -> None:
+        """No residual add was seen: is it inside a torch.nn module that holds attention
+        (nn.TransformerEncoder, nn.TransformerEncoderLayer), which fx calls without tracing
+        into, as it does every torch.nn module?"""
+        for n in self.G.nodes:
+            if n.op != "call_module":
+                continue
+            m = self.model.get_submodule(n.target)
+            if (type(m).__module__.startswith("torch.nn.") and classify(m) is None
+                    and any(isinstance(c, nn.MultiheadAttention) for c in m.modules())):
+                raise RewireError(
+                    f"{type(self.model).__name__}: its layers are inside `{n.target}`, a "
+                    f"torch.nn.{type(m).__name__}, which torch.fx calls whole (as every torch.nn "
+                    f"module) and which keeps its MLP in a method, not a module: rewire cannot "
+                    f"take it apart; write the layers as your own module, with an attention "
+                    f"and an MLP module per layer (x = x + self.attn(self.ln_1(x)); x = x + "
+                    f"self.mlp(self.ln_2(x))). {SUPPORTED}")
 
     def _check_post_norm(self, adds) -> None:
         streams = {x for _, x, _ in adds}
