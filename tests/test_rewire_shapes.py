@@ -367,6 +367,26 @@ def test_a_scaled_embedding_and_a_scaled_sublayer_are_rewired():
     assert torch.equal(rewire(m, "residual standard\n")(idx), m(idx))
 
 
+class Mixer(GPT2Attention):
+    """An attention whose class name does not say so."""
+
+
+def test_sublayers_whose_class_says_nothing_are_known_by_their_attribute_name():
+    """An MLP written as nn.Sequential (self.mlp = nn.Sequential(...)), or an attention in a
+    class named otherwise (self.attn = Mixer()), was refused: 'holds neither an attention nor
+    an MLP module (recognised by class name ...)'."""
+    from restopo.fx.rewire import recover
+    torch.manual_seed(0)
+    m = GPT2()
+    for b in m.h:
+        b.attn = Mixer()
+        b.mlp = nn.Sequential(nn.Linear(D, 4 * D), nn.GELU(), nn.Linear(4 * D, D))
+    m.eval()
+    assert recover(m).kinds == ("attn", "mlp") * 2
+    idx = tokens()
+    assert torch.equal(rewire(m, "residual standard\n")(idx), m(idx))
+
+
 class TorchEncoderLM(nn.Module):
     """torch's own PreNorm layers: nn.TransformerEncoderLayer(norm_first=True), causal."""
 

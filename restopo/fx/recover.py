@@ -54,7 +54,7 @@ class _Graph:
 
     def kind(self, n: fx.Node) -> str | None:
         if n.op == "call_module":
-            return classify(self.model.get_submodule(n.target))
+            return classify(self.model.get_submodule(n.target), n.target)
         if n.op == "call_function" and n.target is F.scaled_dot_product_attention:
             return "attn"
         if n.op == "call_function" and n.target in NORM_FUNCTIONS:  # modded-nanogpt's norm(x)
@@ -317,7 +317,8 @@ class StreamCut:
             raise RewireError(
                 f"{type(self.model).__name__}: the residual branch `{where or self.branches[k]}`"
                 f" holds neither an attention nor an MLP module (recognised by class name: "
-                f"*Attention*/*Attn*, *MLP*/*FeedForward*). {SUPPORTED}")
+                f"*Attention*/*Attn*, *MLP*/*FeedForward*; or, for any other class, held as "
+                f"attn, attention, mlp, ff, ffn, feed_forward). {SUPPORTED}")
         return kinds.pop()
 
     # ----------------------------------------------------------------- pieces

@@ -24,6 +24,9 @@ from .structure import SUPPORTED, RewireError
 NORM = re.compile(r"norm(\d*d)?$", re.I)  # LayerNorm, LlamaRMSNorm, BatchNorm1d; not NormBlock
 ATTN = re.compile(r"attn|attention", re.I)
 MLP = re.compile(r"mlp|feed_?forward|ffn|ffw|swiglu|geglu|moe|experts?$", re.I)
+# a module whose class says nothing (an nn.Sequential MLP) is known by its attribute name
+NAMED = {"attn": re.compile(r"(self_)?(attn|attention)", re.I),
+         "mlp": re.compile(r"mlp|ffn?|feed_?forward|ffw|moe|experts", re.I)}
 
 
 # the functional norms, where each takes its epsilon and its default: (position, keyword,
@@ -63,8 +66,9 @@ def float_dtype(model: nn.Module) -> torch.dtype:
     return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
 
 
-def classify(module: nn.Module) -> str | None:
-    """"norm" | "attn" | "mlp" by the module's class name, or None."""
+def classify(module: nn.Module, path: str = "") -> str | None:
+    """"norm" | "attn" | "mlp" by the module's class name, else by the attribute it is
+    held in (the last part of `path`: `self.mlp = nn.Sequential(...)`), or None."""
     name = type(module).__name__
     if isinstance(module, (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm)) or NORM.search(name):
         return "norm"
@@ -72,7 +76,8 @@ def classify(module: nn.Module) -> str | None:
         return "attn"
     if MLP.search(name):
         return "mlp"
-    return None
+    attr = path.rpartition(".")[2]
+    return next((kind for kind, words in NAMED.items() if words.fullmatch(attr)), None)
 
 
 class SublayerTracer(fx.Tracer):
@@ -104,16 +109,16 @@ class SublayerTracer(fx.Tracer):
         return super().call_module(m, forward, args, kwargs)
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        if classify(m) is not None and self._is_sublayer_leaf(m):
+        if classify(m, qualname) is not None and self._is_sublayer_leaf(m, qualname):
             return True
         return super().is_leaf_module(m, qualname)
 
-    def _is_sublayer_leaf(self, m: nn.Module) -> bool:
+    def _is_sublayer_leaf(self, m: nn.Module, path: str) -> bool:
         key = id(m)
         if key not in self._leaf:
-            inner = {classify(c) for c in m.modules() if c is not m}
+            inner = {classify(c, n) for n, c in m.named_modules() if c is not m}
             block = "norm" in inner and bool(inner & {"attn", "mlp"})
-            self._leaf[key] = classify(m) == "norm" or not block
+            self._leaf[key] = classify(m, path) == "norm" or not block
         return self._leaf[key]
 
     def path_of_module(self, mod: nn.Module) -> str:
