@@ -589,6 +589,33 @@ def test_checkpointing_on_a_condition_rewire_cannot_follow_is_warned_of():
             rewire(cls(GPTConfig()).eval(), "residual standard\n")
 
 
+class SequentialCheckpointedGPT(GPT):
+    """torch.utils.checkpoint.checkpoint_sequential over the blocks, in two segments: it
+    checkpoints the first and runs the last plainly."""
+
+    def forward(self, idx, targets=None):
+        from torch.utils.checkpoint import checkpoint_sequential
+        x = self.transformer.wte(idx) + self.transformer.wpe(torch.arange(idx.size(1)))
+        x = checkpoint_sequential(self.transformer.h, 2, x, use_reentrant=False)
+        return self.lm_head(self.transformer.ln_f(x))
+
+
+def test_checkpoint_sequentials_last_segment_is_not_recomputed(monkeypatch):
+    """A module called from anywhere in torch.utils.checkpoint's file counted as checkpointed,
+    so the last segment of checkpoint_sequential, which it runs plainly, was recomputed in
+    the rewired model and not in the original."""
+    from models.nanogpt import MLP
+    m = SequentialCheckpointedGPT(GPTConfig())
+    r = rewire(m, "residual standard\n")
+    calls = forward_calls(monkeypatch, MLP)
+    counts = []
+    for model in (m, r):
+        calls.clear()
+        model(tokens()).sum().backward()
+        counts.append(len(calls))
+    assert counts == [3, 3]  # two MLPs, the first segment's run again in backward
+
+
 class TrainCheckpointedGPT(CheckpointedGPT):
     """Checkpoints only in training, as most training code does."""
 

@@ -170,11 +170,18 @@ def compiled(m: nn.Module) -> bool:
     return isinstance(getattr(m, "_orig_mod", None), nn.Module)
 
 
+# the frames a checkpointed function runs in: checkpoint's own (non-reentrant) or its
+# autograd Function's (reentrant); not any frame of the file: checkpoint_sequential runs its
+# last segment plainly, from there
+CHECKPOINT_FRAMES = tuple(inspect.unwrap(f).__code__ for f in (
+    torch.utils.checkpoint.checkpoint, torch.utils.checkpoint.CheckpointFunction.forward))
+
+
 def _under_checkpoint() -> bool:
     """Is torch.utils.checkpoint on the stack (either form, however it was imported)?"""
     f = sys._getframe(1)
     while f is not None:
-        if f.f_code.co_filename == torch.utils.checkpoint.__file__:
+        if f.f_code in CHECKPOINT_FRAMES:
             return True
         f = f.f_back
     return False
