@@ -616,6 +616,37 @@ def test_checkpoint_sequentials_last_segment_is_not_recomputed(monkeypatch):
     assert counts == [3, 3]  # two MLPs, the first segment's run again in backward
 
 
+class ModeSettingGPT(GPT):
+    """Runs its first block under a mode set in the forward: autocast, or no grad (frozen)."""
+
+    def __init__(self, config, mode):
+        super().__init__(config)
+        self.mode = mode
+
+    def forward(self, idx, targets=None):
+        x = self.transformer.wte(idx) + self.transformer.wpe(torch.arange(idx.size(1)))
+        first, *rest = self.transformer.h
+        with (torch.autocast("cpu", dtype=torch.bfloat16) if self.mode == "autocast"
+              else torch.no_grad()):
+            x = first(x)
+        for block in rest:
+            x = block(x)
+        return self.lm_head(self.transformer.ln_f(x.float()))
+
+
+@pytest.mark.parametrize("mode, said", [
+    ("autocast", "with torch.autocast on"),
+    ("no_grad", r"with gradients off \(torch\.no_grad or torch\.inference_mode\)")])
+def test_a_mode_set_in_the_forward_is_refused(mode, said):
+    """torch.fx does not record a `with torch.autocast()` or `torch.no_grad()` in a forward:
+    the rewired model ran the block in float32 (refused as 'does more than x = x +
+    f(norm(x))'), or trained the block the model kept frozen, without a word."""
+    m = ModeSettingGPT(GPTConfig(), mode)
+    with pytest.raises(RewireError, match=rf"^ModeSettingGPT: `transformer\.h\.0` is called "
+                       rf"{said}, set by ModeSettingGPT\.forward .*torch\.fx does not record"):
+        rewire(m, "residual standard\n")
+
+
 class TrainCheckpointedGPT(CheckpointedGPT):
     """Checkpoints only in training, as most training code does."""
 

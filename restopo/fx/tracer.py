@@ -96,6 +96,7 @@ class SublayerTracer(fx.Tracer):
         # slicing them by a traced length works
         self.proxy_buffer_attributes = True
         self.checkpointed: list[str] = []  # the outermost modules called under a checkpoint
+        self.modes: tuple | None = None  # _modes() as the trace began
 
     def call_module(self, m, forward, args, kwargs):
         path = self.path_of_module(m)
@@ -104,8 +105,11 @@ class SublayerTracer(fx.Tracer):
                 f"{type(self.root).__name__}: `{path}` is compiled (torch.compile), which "
                 f"torch.fx cannot trace into: rewire the model before compiling its modules "
                 f"(then compile the rewired one)")
-        if _under_checkpoint() and not any(path.startswith(f"{c}.") for c in self.checkpointed):
-            self.checkpointed.append(path)
+        if _under_checkpoint():  # (the reentrant one runs it with grad off)
+            if not any(path.startswith(f"{c}.") for c in self.checkpointed):
+                self.checkpointed.append(path)
+        elif self.modes is not None and _modes() != self.modes and _mode_matters(m, self.modes):
+            raise RewireError(_mode_set_in_forward(self.root, path, self.modes))
         return super().call_module(m, forward, args, kwargs)
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
@@ -154,6 +158,7 @@ def trace(model: nn.Module, fixed: Iterable[tuple[str, object]] = ()
     `structure.pattern`), and the modules it calls under torch.utils.checkpoint (the graph
     calls them plainly: nothing says they were recomputed)."""
     tracer = SublayerTracer()
+    tracer.modes = _modes()
     try:
         return tracer.trace(model, concrete_args=dict(fixed)), tuple(tracer.checkpointed)
     except RewireError:
@@ -163,6 +168,33 @@ def trace(model: nn.Module, fixed: Iterable[tuple[str, object]] = ()
         raise RewireError(
             f"torch.fx could not trace {type(model).__name__}.forward{where}: {e}. "
             f"{_plain_tensors(model, e)}{SUPPORTED}") from e
+
+
+def _modes() -> tuple[bool, bool, bool]:
+    """What a forward may set around its calls that torch.fx does not record: grad mode,
+    autocast on the CPU and on CUDA."""
+    return (torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"),
+            torch.is_autocast_enabled("cuda"))
+
+
+def _mode_matters(m: nn.Module, before: tuple) -> bool:
+    """Does calling `m` in the current mode, not in `before`, change what it computes or
+    trains? Grad mode only matters for a module with weights that train."""
+    now = _modes()
+    return now[1:] != before[1:] or any(p.requires_grad for p in m.parameters())
+
+
+def _mode_set_in_forward(root: nn.Module, path: str, before: tuple) -> str:
+    """Says that `path` is called in a mode root's forward sets, which the trace loses."""
+    grad, cpu, cuda = _modes()
+    off = "off (torch.no_grad or torch.inference_mode)"
+    what = (f"with gradients {'on (torch.enable_grad)' if grad else off}" if grad != before[0]
+            else f"with torch.autocast {'on' if cpu or cuda else 'off'}")
+    name = type(root).__name__
+    return (f"{name}: `{path}` is called {what}, set by {name}.forward (a `with` block or a "
+            f"decorator), which torch.fx does not record, so the rewired model would run it "
+            f"as it is called: take that out of the forward and set it around the call of "
+            f"the rewired model (frozen weights: requires_grad_(False))")
 
 
 def compiled(m: nn.Module) -> bool:
