@@ -566,6 +566,34 @@ def test_meta_llamas_branch_and_plain_tensor_are_refused_saying_where_and_what_t
         rewire(MetaMaskLlama(plain=True), "residual standard\n")
 
 
+class DeviceMovingLlama(Llama):
+    """Meta's Llama moves its rotary table in forward: self.freqs_cis = ....to(h.device)."""
+
+    def forward(self, tokens):
+        T = tokens.shape[1]
+        h = self.tok_embeddings(tokens)
+        self.freqs_cis = self.freqs_cis.to(h.device)
+        mask = torch.full((T, T), float("-inf")).triu(1)
+        for layer in self.layers:
+            h = layer(h, self.freqs_cis[:T], mask)
+        return self.output(self.norm(h))
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+def test_an_assignment_in_the_forward_is_refused_and_leaves_the_model_whole(training):
+    """The trace assigned its own placeholder (an fx Proxy) to the model's buffer: rewire
+    failed with a bare KeyError or an error in the model's own forward, and the model was
+    left broken. The buffer is now put back, and the assignment refused by name."""
+    torch.manual_seed(0)
+    m = DeviceMovingLlama().train(training)
+    table = m.freqs_cis
+    with pytest.raises(RewireError, match=r"^DeviceMovingLlama\.forward assigns `freqs_cis` a "
+                       r"value it computes .*keep it in a local variable"):
+        rewire(m, "residual standard\n")
+    assert m.freqs_cis is table
+    m.eval()(tokens())  # runs as before
+
+
 class OffsetGPT2(GPT2):
     """GPT-2 whose positions start at a Python number (a decoding position)."""
 

@@ -159,8 +159,9 @@ def trace(model: nn.Module, fixed: Iterable[tuple[str, object]] = ()
     calls them plainly: nothing says they were recomputed)."""
     tracer = SublayerTracer()
     tracer.modes = _modes()
+    kept = [(m, dict(vars(m)), dict(m._buffers)) for m in model.modules()]
     try:
-        return tracer.trace(model, concrete_args=dict(fixed)), tuple(tracer.checkpointed)
+        graph = tracer.trace(model, concrete_args=dict(fixed))
     except RewireError:
         raise
     except Exception as e:  # fx raises TraceError, TypeError, RuntimeError, ... from user code
@@ -168,6 +169,32 @@ def trace(model: nn.Module, fixed: Iterable[tuple[str, object]] = ()
         raise RewireError(
             f"torch.fx could not trace {type(model).__name__}.forward{where}: {e}. "
             f"{_plain_tensors(model, e)}{SUPPORTED}") from e
+    finally:
+        assigned = _restore_assigned(model, kept)
+    if assigned:
+        raise RewireError(
+            f"{type(model).__name__}.forward assigns {', '.join(assigned)} a value it computes "
+            f"(self.x = ... in a traced forward), which torch.fx records as a value, not as an "
+            f"assignment, so the rewired model would never update it: keep it in a local "
+            f"variable (a buffer moves with the model's .to() by itself). {SUPPORTED}")
+    return graph, tuple(tracer.checkpointed)
+
+
+def _restore_assigned(model: nn.Module, kept: list) -> list[str]:
+    """Put back each attribute or buffer a traced forward assigned a traced value to (it
+    would hold an fx Proxy, a value of a graph, and break the model); says which."""
+    names = {id(m): n for n, m in model.named_modules()}
+    out = []
+    for m, attrs, buffers in kept:
+        for space, before in ((vars(m), attrs), (m._buffers, buffers)):
+            for name, value in list(space.items()):
+                if isinstance(value, fx.Proxy):
+                    if name in before:
+                        space[name] = before[name]
+                    else:
+                        del space[name]
+                    out.append(f"`{names[id(m)] + '.' if names[id(m)] else ''}{name}`")
+    return out
 
 
 def _modes() -> tuple[bool, bool, bool]:
