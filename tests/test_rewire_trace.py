@@ -616,6 +616,33 @@ def test_checkpoint_sequentials_last_segment_is_not_recomputed(monkeypatch):
     assert counts == [3, 3]  # two MLPs, the first segment's run again in backward
 
 
+class ArgCheckpointedGPT(GPT):
+    """Checkpointing chosen by an argument of each call."""
+
+    def forward(self, idx, targets=None, checkpoint_blocks: bool = False):
+        from torch.utils.checkpoint import checkpoint
+        x = self.transformer.wte(idx) + self.transformer.wpe(torch.arange(idx.size(1)))
+        for block in self.transformer.h:
+            x = checkpoint(block, x, use_reentrant=False) if checkpoint_blocks else block(x)
+        return self.lm_head(self.transformer.ln_f(x))
+
+
+def test_checkpointing_chosen_by_an_argument_follows_each_call(monkeypatch):
+    """What was checkpointed was kept per mode and switches, the union over call patterns: once
+    called with checkpoint_blocks=True, the rewired model recomputed in every call after."""
+    from models.nanogpt import MLP
+    m = ArgCheckpointedGPT(GPTConfig())
+    r = rewire(m, "residual standard\n")
+    calls = forward_calls(monkeypatch, MLP)
+    for on in (False, True, False):
+        counts = []
+        for model in (m, r):
+            calls.clear()
+            model(tokens(), checkpoint_blocks=on).sum().backward()
+            counts.append(len(calls))
+        assert counts == [2 * (1 + on)] * 2, (on, counts)
+
+
 class ModeSettingGPT(GPT):
     """Runs its first block under a mode set in the forward: autocast, or no grad (frozen)."""
 

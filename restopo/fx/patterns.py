@@ -132,10 +132,14 @@ class TracesByPattern:
         self.layouts: dict[bool, tuple] = {}
         self.sublayers: dict[bool, list[fx.GraphModule]] = {}
         self.graph_modules: list[fx.GraphModule] = []
-        # the modules each sublayer calls, and per state those a trace calls under a checkpoint
+        # the modules each sublayer calls, and per call pattern and state those a trace calls
+        # under a checkpoint (a bool argument may choose it)
         self.modules = [{n.target for n in r if n.op == "call_module"} for r in cut.regions]
         self.checkpointed: dict[tuple, set[str]] = {}
-        self.recomputed: dict[tuple, tuple[bool, ...]] = {}  # per state, from checkpointed
+        self.recomputed: dict[tuple, tuple[bool, ...]] = {}  # from checkpointed
+        # the call pattern of the forward running now, whose sublayers ask `recomputes`
+        # (the last one's when the body is called on its own)
+        self.key = default
         self._add(default, self.state(), cut)
         unseen = [] if cut.checkpointed else unfollowed_checkpointing(model, self.switches)
         if unseen:
@@ -153,8 +157,7 @@ class TracesByPattern:
 
     def _add(self, key: tuple, state: tuple, cut: StreamCut) -> None:
         training = state[0]
-        self.checkpointed.setdefault(state, set()).update(cut.checkpointed)
-        self.recomputed.pop(state, None)  # made again from what this trace adds
+        self.checkpointed[(key, state)] = set(cut.checkpointed)
         layout = ([cut.signature_of_region(k) for k in range(len(cut.adds))],
                   len(cut.context))
         if training not in self.layouts:
@@ -196,7 +199,7 @@ class TracesByPattern:
                 f"arguments in every call" + (f" ({'; '.join(hints)})" if hints else ""))
 
     def __call__(self, key: tuple) -> FrontAndBack:
-        state = self.state()
+        state, self.key = self.state(), key
         if (key, state) not in self.cache:
             self._add(key, state, recover(self.model, key))
             if len(self.cache) == TRACES_SAID:
@@ -220,15 +223,16 @@ class TracesByPattern:
                       RewireWarning, stacklevel=4)
 
     def recomputes(self, k: int) -> bool:
-        """Does the original, as it is now, call sublayer k's modules under a checkpoint?"""
-        state = self.state()
-        if state not in self.checkpointed:
-            self(self.default)
-        if state not in self.recomputed:  # once per state, not per sublayer and forward
-            self.recomputed[state] = tuple(
-                any(m == c or m.startswith(f"{c}.") for c in self.checkpointed[state]
+        """Does the original, as it is now and for this call, call sublayer k's modules
+        under a checkpoint?"""
+        at = (self.key, self.state())
+        if at not in self.checkpointed:
+            self(self.key)
+        if at not in self.recomputed:  # once per call pattern and state, not per sublayer
+            self.recomputed[at] = tuple(
+                any(m == c or m.startswith(f"{c}.") for c in self.checkpointed[at]
                     for m in modules) for modules in self.modules)
-        return self.recomputed[state][k]
+        return self.recomputed[at][k]
 
     def sublayer(self, k: int) -> fx.GraphModule:
         training = self.model.training
