@@ -3,6 +3,8 @@ have exactly this location, message and hint. The table was written from the che
 output and each entry reviewed by hand; a change to a message is a change to this file."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from restopo.spec import SpecError, SpecErrors, parse_spec
@@ -1537,3 +1539,25 @@ def test_a_vary_without_its_section_is_said_as_typed(vary, hint):
     key = vary.partition("=")[0]
     assert {(e.message, e.hint) for e in errs} == {
         (f"unknown section '{key}' in --vary {vary}", hint)}
+
+
+@pytest.mark.parametrize("setting", ["residual.blocks=-1", "residual.blocks=64",
+                                     "residual.window=0", "residual.query=foo",
+                                     "residual.sinkhorn=3", "residual.heads=3",
+                                     "residual.blocks=2", "residual.gate=softmax",
+                                     "residual.streams=2"])
+def test_a_topology_suggested_for_a_set_option_is_one_the_checker_takes(setting):
+    """--set residual.blocks=-1 on a standard residual was told to use --set
+    'residual=block_attnres(blocks: -1)', refused in turn; a topology is suggested only
+    where the checker takes it, and else the hint says why it would be refused."""
+    with pytest.raises(SpecError) as info:
+        parse_spec(M + "residual standard\n", "spec.restopo", (setting,))
+    hint = info.value.hint
+    suggested = re.search(r"--set '(residual=[^']*)'", hint)
+    if suggested:
+        parse_spec(M + "residual standard\n", "spec.restopo", (suggested[1],))
+    else:
+        with pytest.raises(SpecError) as refused:
+            parse_spec(M + "residual standard\n", "spec.restopo",
+                       ("residual=" + re.search(r"but (\w+\([^)]*\)) is refused", hint)[1],))
+        assert hint.endswith(f"is refused too: {refused.value.message}")

@@ -410,7 +410,7 @@ def check(file: SpecFile, text: str, overrides=()) -> Spec:
 def _check_views(views: dict[str, View], file: SpecFile, c: Checker):
     """Each section checked into its spec object, then the sections against each other:
     (model, residual, parallel, train, topology), each None where refused."""
-    model = check_model(views["model"], c) if "model" in views else None
+    model = c.model = check_model(views["model"], c) if "model" in views else None
     residual = None
     if "residual" in views:
         residual = check_residual(views["residual"], c)

@@ -90,6 +90,7 @@ class Checker:
         self.errors: list[SpecError] = []
         self.nested: set[str] = set()  # sections written inside another's braces
         self.homes: dict[str, str] = {}  # key -> the section it belongs to (check.KEY_HOMES)
+        self.model = None  # the checked model, once known: a hint's suggestion is checked on it
 
     def error(self, pos: Pos, message: str, hint: str | None = None) -> None:
         self.errors.append(self.src.error(pos, message, hint))

@@ -75,7 +75,7 @@ def _named(view: View, c: Checker) -> ResidualSpec | None:
             continue
         if not allowed:
             c.error(f.key.pos, f"'{name.text}' takes no options, got '{k}'",
-                    _no_options_hint(name, k, f))
+                    _no_options_hint(name, k, f, c))
             continue
         owners = _owners(k, NAMED_OPTIONS)
         if owners:
@@ -135,10 +135,11 @@ def without_options(topology: Name) -> str:
     return f"'residual {topology.text}'"
 
 
-def _no_options_hint(topology: Name, key: str, f: Field) -> str:
+def _no_options_hint(topology: Name, key: str, f: Field, c: Checker) -> str:
     """For an option given to a topology that takes none: the topology bare, as written;
-    on the command line also the topology that takes it, and from --set residual.KEY=V,
-    that it sets an option of the spec's topology."""
+    on the command line also the topology that takes it (or, where that refuses the value
+    too, why), and from --set residual.KEY=V, that it sets an option of the spec's
+    topology."""
     if not from_command_line(f.key.pos.source):
         return f"write {without_options(topology)}"
     options = {o for opts in NAMED_OPTIONS.values() for o in opts}
@@ -148,8 +149,24 @@ def _no_options_hint(topology: Name, key: str, f: Field) -> str:
     said = (f"write {without_options(topology)}" if from_command_line(topology.pos.source)
             else f"the spec's residual is {topology.text}, and --set residual.KEY sets an "
                  "option of that topology")
-    return said + (f"; to use {owner}: --set 'residual={owner}({meant}: {describe(f.value)})'"
-                   if owner else "")
+    if owner is None:
+        return said
+    refused = _refused(owner, Field(Key((meant,), f.key.pos), f.value, f.pos), c)
+    called = f"{owner}({meant}: {describe(f.value)})"
+    return said + (f"; '{meant}' is an option of {owner}, but {called} is refused too: {refused}"
+                   if refused else f"; to use {owner}: --set 'residual={called}'")
+
+
+def _refused(topology: str, f: Field, c: Checker) -> str | None:
+    """Why `topology` with the one option `f` is refused (checked as the residual of the
+    spec's model), or None when it is taken: a hint suggests nothing that is refused."""
+    scratch = Checker(c.src)
+    view = View(Name("residual", f.key.pos), head=Name(topology, f.key.pos),
+                fields={f.key.text: f})
+    residual = _named(view, scratch)
+    if residual is not None and c.model is not None:
+        check_against_model(c.model, residual, scratch)
+    return scratch.errors[0].message if scratch.errors else None
 
 
 def _rule_options(fields: dict[str, Field], method: str, c: Checker) -> dict:
