@@ -1561,3 +1561,24 @@ def test_a_topology_suggested_for_a_set_option_is_one_the_checker_takes(setting)
             parse_spec(M + "residual standard\n", "spec.restopo",
                        ("residual=" + re.search(r"but (\w+\([^)]*\)) is refused", hint)[1],))
         assert hint.endswith(f"is refused too: {refused.value.message}")
+
+
+@pytest.mark.parametrize("typed,fixed,errors", [
+    ("mhc(streams 4 sinkhorn 3)", "mhc(streams: 4, sinkhorn: 3)", 1),
+    ("mhc(streams: 4 sinkhorn 3)", "mhc(streams: 4, sinkhorn: 3)", 1),
+    ("mhc(sinkhorn 3 streams 4)", "mhc(sinkhorn: 3, streams: 4)", 1),
+    ("mhc(streams 4, sinkhorn 3)", "mhc(streams: 4, sinkhorn: 3)", 2),
+    ("full_attnres(query: static gate sigmoid heads 2)",
+     "full_attnres(query: static, gate: sigmoid, heads: 2)", 1)])
+def test_options_written_without_colons_in_one_call_are_each_written_out(typed, fixed, errors):
+    """`mhc(streams 4 sinkhorn 3)` was told to write mhc(streams: 4 sinkhorn 3), itself
+    refused ('streams' takes one value, got 3), as `mhc(streams: 4 sinkhorn 3)` was; each
+    option's ':' (and the ',' before it) is now written in the hint, which the checker
+    takes, in one error per argument."""
+    with pytest.raises(SpecError) as info:
+        parse_spec(M + f"residual {typed}\n", "spec.restopo")
+    said = info.value.errors if isinstance(info.value, SpecErrors) else [info.value]
+    assert len(said) == errors, str(info.value)
+    assert all(e.message.startswith("a ':' is missing after") for e in said)
+    assert all(e.hint == f"write {fixed}" for e in said)
+    parse_spec(M + f"residual {fixed}\n", "spec.restopo")

@@ -7,7 +7,7 @@ a one-line section given on the command line exactly like one written in the fil
 from __future__ import annotations
 
 from .fields import EXAMPLES, MAIN_HOME, Checker, View, dym_suffix, home_hint
-from .nodes import (SECTIONS, Call, Entry, Key, ListValue, Name, Number, Qualified,
+from .nodes import (SECTIONS, Arg, Call, Entry, Key, ListValue, Name, Number, Qualified,
                     Section, SpecFile, String, describe, from_command_line)
 from .objects import DATA_ENGINES, LR_SCHEDULES, SCHEDULES
 from .wiring import NAMED_OPTIONS, option_given_bare, without_options
@@ -235,18 +235,25 @@ def _call_options(view: View, call: Call, c: Checker) -> None:
             written = c.src.written(a.value.pos) or describe(a.value)
             named.append((a.value.pos, f"{option}: {written}"))
     rewritten = named and c.src.rewrite(call.pos, *named[0], *named[1:])
-    # `block_attnres(blocks 2)`: an option's ':' left out (its value is checked once it is in)
-    colonless = [a.value.items[0] for a in call.args if a.key is None and isinstance(
-        a.value, ListValue) and isinstance(a.value.items[0], Name)
-        and a.value.items[0].text in options]
-    parts = [(k.pos, f"{k.text}:") for k in colonless]
+    # `block_attnres(blocks 2)`, `mhc(streams 4 sinkhorn 3)`, `mhc(streams: 4 sinkhorn 3)`:
+    # options' ':' left out (their values are checked once they are in), each after the first
+    # with the ',' before it too; one error each argument, the call written out in full
+    colonless = {id(a): _colonless(a, options) for a in call.args}
+    parts = [part for a in call.args for k, before in colonless[id(a)]
+             for part in (((before.pos, (c.src.written(before.pos) or describe(before)) + ","),)
+                          if before is not None else ()) + ((k.pos, f"{k.text}:"),)]
     fixed = parts and c.src.rewrite(call.pos, *parts[0], *parts[1:])
+    args = []
     for a in call.args:
-        key = a.value.items[0] if isinstance(a.value, ListValue) else None
-        if any(key is k for k in colonless):
+        if colonless[id(a)]:
+            key = colonless[id(a)][0][0]
             c.error(key.pos, f"a ':' is missing after '{key.text}'",
                     f"write {fixed}" if fixed else f"write '{key.text}: ...'")
             view.bad = True
+            items = a.value.items[:a.value.items.index(key)]
+            if a.key is not None:  # `streams: 4 sinkhorn 3`: streams: 4 is read still
+                args.append(Arg(a.key, items[0] if len(items) == 1
+                                else ListValue(items, a.value.pos), a.pos))
         elif a.key is None:
             view.bad = True
             fits = any(pos == a.value.pos for pos, _ in named)
@@ -256,7 +263,20 @@ def _call_options(view: View, call: Call, c: Checker) -> None:
                 continue
             c.error(a.pos, f"'{name}' takes named options, got '{describe(a.value)}'",
                     f"write {rewritten}" if fits and rewritten else _options_example(name))
-    c.gather(view, [Entry(a.key, a.value, a.pos) for a in call.args if a.key is not None])
+        else:
+            args.append(a)
+    c.gather(view, [Entry(a.key, a.value, a.pos) for a in args])
+
+
+def _colonless(a: Arg, options) -> list[tuple[Name, object]]:
+    """The options written without their ':' in one argument's words, each with the word
+    before it (None for the first word of an argument without a key)."""
+    if not isinstance(a.value, ListValue):
+        return []
+    items = a.value.items
+    return [(v, items[i - 1] if i else None) for i, v in enumerate(items)
+            if isinstance(v, Name) and v.text in options
+            and (i == 0 and a.key is None or 0 < i < len(items) - 1)]
 
 
 def _options_example(name: str) -> str:
