@@ -1582,3 +1582,24 @@ def test_options_written_without_colons_in_one_call_are_each_written_out(typed, 
     assert all(e.message.startswith("a ':' is missing after") for e in said)
     assert all(e.hint == f"write {fixed}" for e in said)
     parse_spec(M + f"residual {fixed}\n", "spec.restopo")
+
+
+@pytest.mark.parametrize("typed", [
+    "block_attnres(blocks 0)", "block_attnres(blocks 2)", "hyper_connections(-1)",
+    "hyper_connections(3)", "mhc(streams 4, sinkhorn -2)", "mhc(sinkhorn 3)",
+    "block_attnres(blocks 2 4)", "full_attnres(gate sigmoid)"])
+def test_a_topology_a_hint_writes_out_is_one_the_checker_takes(typed):
+    """`block_attnres(blocks 0)` was told to write block_attnres(blocks: 0), and
+    `hyper_connections(-1)` hyper_connections(streams: -1), each refused in turn; a call a
+    hint writes out is now checked first, and where the checker refuses it the hint says
+    why."""
+    with pytest.raises(SpecError) as info:
+        parse_spec(M + f"residual {typed}\n", "spec.restopo")
+    hint = info.value.hint
+    call, refused, why = hint.removeprefix("write ").partition(" would still be refused: ")
+    if not refused:
+        parse_spec(M + f"residual {call}\n", "spec.restopo")
+    else:
+        with pytest.raises(SpecError) as again:
+            parse_spec(M + f"residual {call}\n", "spec.restopo")
+        assert why == again.value.message

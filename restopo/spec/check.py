@@ -15,7 +15,7 @@ from dataclasses import replace
 
 from .. import topology as T
 from ..words import alts, counted
-from .errors import SpecError, closest, did_you_mean, raise_all
+from .errors import SpecError, closest, did_you_mean, inside, raise_all
 from .fields import (EXAMPLES, MAX_DEPTH, Checker, Field, View, divisors, dym_suffix,
                      positions)
 from .nodes import (SECTIONS, Call, Key, ListValue, Name, Number, Pos, Qualified, SpecFile,
@@ -460,7 +460,7 @@ def _check_repeated(view: View, check_section, c: Checker) -> None:
         scratch = Checker(c.src)
         scratch.homes = c.homes
         check_section(replace(view, fields={**view.fields, again.key.text: again}), scratch)
-        c.errors += [e for e in scratch.errors if _inside(e, again.value.pos)]
+        c.errors += [e for e in scratch.errors if inside(e, again.value.pos)]
 
 
 def _check_last_values(views: dict[str, View], file: SpecFile, c: Checker) -> None:
@@ -487,16 +487,11 @@ def _check_last_values(views: dict[str, View], file: SpecFile, c: Checker) -> No
     for e in scratch.errors:
         if (e.path, e.line, e.column, e.message) in said:
             continue
-        if not any(_inside(e, fl.value.pos) for fl in put.values()):
+        if not any(inside(e, fl.value.pos) for fl in put.values()):
             e = SpecError(e.path, e.line, e.column, e.message, (e.hint + "; " if e.hint else "")
                           + f"this is with the later value of a key given twice: {values}",
                           e.source_line)
         c.errors.append(e)
-
-
-def _inside(e: SpecError, pos: Pos) -> bool:
-    end = (pos.end_line or pos.line, pos.end_column or pos.column + 1)
-    return e.path == pos.source and (pos.line, pos.column) <= (e.line, e.column) < end
 
 
 MAX_REPORTED = 50  # errors shown at once: past that, fixing the first ones comes first

@@ -106,6 +106,12 @@ def _window(text: str, caret: int) -> tuple[str, int]:
     return left + part + right, caret - start + len(left)
 
 
+def inside(e: SpecError, pos) -> bool:
+    """Whether error `e` is at a place within the span of `pos` (a nodes.Pos)."""
+    end = (pos.end_line or pos.line, pos.end_column or pos.column + 1)
+    return e.path == pos.source and (pos.line, pos.column) <= (e.line, e.column) < end
+
+
 def raise_all(errors: Sequence[SpecError]) -> None:
     """Raise nothing, the one error, or SpecErrors for several."""
     if len(errors) == 1:

@@ -6,11 +6,11 @@ a one-line section given on the command line exactly like one written in the fil
 """
 from __future__ import annotations
 
-from .fields import EXAMPLES, MAIN_HOME, Checker, View, dym_suffix, home_hint
+from .fields import EXAMPLES, MAIN_HOME, Checker, Field, View, dym_suffix, home_hint
 from .nodes import (SECTIONS, Arg, Call, Entry, Key, ListValue, Name, Number, Qualified,
                     Section, SpecFile, String, describe, from_command_line)
 from .objects import DATA_ENGINES, LR_SCHEDULES, SCHEDULES
-from .wiring import NAMED_OPTIONS, option_given_bare, without_options
+from .wiring import NAMED_OPTIONS, option_given_bare, refusal, without_options
 
 PARALLEL_KINDS = ("pipeline",)
 PARALLEL_KEYS = ("stages", "virtual", "schedule", "microbatches", "cache", "data")
@@ -225,7 +225,7 @@ def line_head(view: View, atom, c: Checker) -> None:
 
 def _call_options(view: View, call: Call, c: Checker) -> None:
     # each value given without its key that can only be one option, named in the words typed
-    taken, named = {a.key.text for a in call.args if a.key is not None}, []
+    taken, named, bare = {a.key.text for a in call.args if a.key is not None}, [], {}
     name = call.name.text
     options = PARALLEL_KEYS if name == "pipeline" else NAMED_OPTIONS.get(name, ())
     for a in call.args:
@@ -234,7 +234,7 @@ def _call_options(view: View, call: Call, c: Checker) -> None:
             taken.add(option)
             written = c.src.written(a.value.pos) or describe(a.value)
             named.append((a.value.pos, f"{option}: {written}"))
-    rewritten = named and c.src.rewrite(call.pos, *named[0], *named[1:])
+            bare[option] = Field(Key((option,), a.value.pos), a.value, a.pos)
     # `block_attnres(blocks 2)`, `mhc(streams 4 sinkhorn 3)`, `mhc(streams: 4 sinkhorn 3)`:
     # options' ':' left out (their values are checked once they are in), each after the first
     # with the ',' before it too; one error each argument, the call written out in full
@@ -242,18 +242,23 @@ def _call_options(view: View, call: Call, c: Checker) -> None:
     parts = [part for a in call.args for k, before in colonless[id(a)]
              for part in (((before.pos, (c.src.written(before.pos) or describe(before)) + ","),)
                           if before is not None else ()) + ((k.pos, f"{k.text}:"),)]
-    fixed = parts and c.src.rewrite(call.pos, *parts[0], *parts[1:])
-    args = []
+    # the keyed arguments, each up to an option written in its words (`streams: 4 sinkhorn 3`)
+    args = [a if not colonless[id(a)] else Arg(a.key, _words(a.value.items, None,
+                                                             colonless[id(a)]), a.pos)
+            for a in call.args if a.key is not None]
+    given = {a.key.text: Field(a.key, a.value, a.pos) for a in args}
+    split = {k.text: Field(Key((k.text,), k.pos), _words(a.value.items, k, colonless[id(a)]),
+                           a.pos) for a in call.args for k, _ in colonless[id(a)]}
+    rewritten = named and _checked(c.src.rewrite(call.pos, *named[0], *named[1:]),
+                                   call.name, {**given, **bare}, given, c)
+    fixed = parts and _checked(c.src.rewrite(call.pos, *parts[0], *parts[1:]), call.name,
+                               {**given, **split}, given, c)
     for a in call.args:
         if colonless[id(a)]:
             key = colonless[id(a)][0][0]
             c.error(key.pos, f"a ':' is missing after '{key.text}'",
-                    f"write {fixed}" if fixed else f"write '{key.text}: ...'")
+                    fixed or f"write '{key.text}: ...'")
             view.bad = True
-            items = a.value.items[:a.value.items.index(key)]
-            if a.key is not None:  # `streams: 4 sinkhorn 3`: streams: 4 is read still
-                args.append(Arg(a.key, items[0] if len(items) == 1
-                                else ListValue(items, a.value.pos), a.pos))
         elif a.key is None:
             view.bad = True
             fits = any(pos == a.value.pos for pos, _ in named)
@@ -262,21 +267,39 @@ def _call_options(view: View, call: Call, c: Checker) -> None:
                         f"write {without_options(call.name)}")
                 continue
             c.error(a.pos, f"'{name}' takes named options, got '{describe(a.value)}'",
-                    f"write {rewritten}" if fits and rewritten else _options_example(name))
-        else:
-            args.append(a)
+                    rewritten if fits and rewritten else _options_example(name))
     c.gather(view, [Entry(a.key, a.value, a.pos) for a in args])
+
+
+def _checked(call: str | None, topology: Name, fields, given, c: Checker) -> str | None:
+    """The hint writing a topology's `call` with its options `fields`, or, where the checker
+    refuses it past the options `given` as typed (said anyway), why."""
+    if call is None:
+        return None
+    why = refusal(topology, fields, c, given) if topology.text in NAMED_OPTIONS else None
+    return f"{call} would still be refused: {why}" if why else f"write {call}"
+
+
+def _words(items, key, colonless):
+    """The words of an argument from option `key` (from the start when None) up to the next
+    option written in them, as one value."""
+    starts = [items.index(k) for k, _ in colonless] + [len(items)]
+    start = 0 if key is None else items.index(key) + 1
+    part = items[start:min(i for i in starts if i > start - (key is None))]
+    return part[0] if len(part) == 1 else ListValue(part, part[0].pos)
 
 
 def _colonless(a: Arg, options) -> list[tuple[Name, object]]:
     """The options written without their ':' in one argument's words, each with the word
-    before it (None for the first word of an argument without a key)."""
+    before it (None for the first word of an argument without a key); each has a value."""
     if not isinstance(a.value, ListValue):
         return []
-    items = a.value.items
-    return [(v, items[i - 1] if i else None) for i, v in enumerate(items)
-            if isinstance(v, Name) and v.text in options
-            and (i == 0 and a.key is None or 0 < i < len(items) - 1)]
+    found, items = [], a.value.items
+    for i, v in enumerate(items[:-1]):
+        if isinstance(v, Name) and v.text in options and (i or a.key is None) and (
+                not found or items.index(found[-1][0]) < i - 1):
+            found.append((v, items[i - 1] if i else None))
+    return found
 
 
 def _options_example(name: str) -> str:

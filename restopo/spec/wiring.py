@@ -14,7 +14,7 @@ import math
 from dataclasses import replace
 
 from .. import topology as T
-from .errors import SpecError, did_you_mean
+from .errors import SpecError, did_you_mean, inside
 from ..words import alts
 from .fields import SEP_HINT, Checker, Field, View, divisors, positions
 from .nodes import (SECTIONS, Arg, Call, Key, ListValue, Name, Number, blame, describe,
@@ -151,22 +151,25 @@ def _no_options_hint(topology: Name, key: str, f: Field, c: Checker) -> str:
                  "option of that topology")
     if owner is None:
         return said
-    refused = _refused(owner, Field(Key((meant,), f.key.pos), f.value, f.pos), c)
+    option = Field(Key((meant,), f.key.pos), f.value, f.pos)
+    refused = refusal(Name(owner, f.key.pos), {meant: option}, c)
     called = f"{owner}({meant}: {describe(f.value)})"
     return said + (f"; '{meant}' is an option of {owner}, but {called} is refused too: {refused}"
                    if refused else f"; to use {owner}: --set 'residual={called}'")
 
 
-def _refused(topology: str, f: Field, c: Checker) -> str | None:
-    """Why `topology` with the one option `f` is refused (checked as the residual of the
-    spec's model), or None when it is taken: a hint suggests nothing that is refused."""
+def refusal(topology: Name, fields: dict[str, Field], c: Checker,
+            given: dict[str, Field] | None = None) -> str | None:
+    """Why `topology` with the options `fields` is refused (checked as the residual of the
+    spec's model), but for the values of the options `given` as typed (said anyway); None
+    when it is taken: a hint suggests nothing that is refused."""
     scratch = Checker(c.src)
-    view = View(Name("residual", f.key.pos), head=Name(topology, f.key.pos),
-                fields={f.key.text: f})
-    residual = _named(view, scratch)
+    residual = _named(View(Name("residual", topology.pos), head=topology, fields=dict(fields)),
+                      scratch)
     if residual is not None and c.model is not None:
         check_against_model(c.model, residual, scratch)
-    return scratch.errors[0].message if scratch.errors else None
+    return next((e.message for e in scratch.errors if not any(
+        inside(e, f.value.pos) for f in (given or {}).values())), None)
 
 
 def _rule_options(fields: dict[str, Field], method: str, c: Checker) -> dict:
