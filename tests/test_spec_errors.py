@@ -68,6 +68,16 @@ GOLDEN = [
      'spec.restopo', 3, 21,
      "unexpected character '.'",
      'paths are quoted: write "corpus.txt"'),
+    ('syntax_escaped_quote',  # was: this '"' is never closed; end the string with " ...
+     M + 'residual standard\ntrain { data: "a\\"b" }\n', (),
+     'spec.restopo', 3, 20,
+     "unexpected character '\"'",
+     'strings have no escapes, so "a\\" ended at its \\"; a string cannot hold a \'"\''),
+    ('syntax_escaped_quote_then_a_path',  # was: paths are quoted: write "b.txt"
+     M + 'residual standard\ntrain { data: "a\\"b.txt" }\n', (),
+     'spec.restopo', 3, 20,
+     "unexpected character '.'",
+     'strings have no escapes, so "a\\" ended at its \\"; a string cannot hold a \'"\''),
     ('syntax_stray_close', M + "residual standard\n}\n", (),
      'spec.restopo', 3, 1,
      "unexpected '}': nothing is open here",

@@ -365,6 +365,20 @@ def _never_closed(text: str, path: str, opened, hint: str, upto: int | None = No
     return SpecError(path, line, col, f"this '{c}' is never closed", hint, _line(text, line))
 
 
+def _escaped_end(text: str, pos: int) -> str | None:
+    """The string ending in a backslash and its quote (`"a\\"`) that the words up to offset
+    `pos`, on its line and in the same entry, follow: one written with an escaped quote in
+    it, as in C or Python."""
+    start = text.rfind("\n", 0, pos) + 1
+    last = None
+    for last in re.finditer(r'"[^"\n]*"', text[start:pos]):
+        pass
+    if last is None or not last.group().endswith('\\"') or not re.fullmatch(
+            r'[^;{}()#,"]*', text[start + last.end():pos]):
+        return None
+    return last.group()
+
+
 def _enclosed(text: str, pos: int, closers: str) -> str | None:
     """What stands between the opener at offset `pos` and the first of `closers` after it
     on its line; None when none is there."""
@@ -421,6 +435,9 @@ def syntax_error(e: UnexpectedInput, text: str, path: str, what: str = "spec") -
         hint = f"expected {expected_words(expected)}" if expected else None
         if path.startswith("<--set") and _second_setting(text, pos):
             hint = ONE_SETTING
+        elif escaped := _escaped_end(text, pos):  # "a\"b": the string ended at \"
+            hint = (f"strings have no escapes, so {escaped} ended at its \\\"; a string cannot "
+                    "hold a '\"'")
         elif char == "=":
             hint = "write 'key: value' (with a colon) or, on the command line, --set section.key=value" \
                 if what == "spec" else hint
