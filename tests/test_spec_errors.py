@@ -1413,6 +1413,25 @@ def test_a_long_word_is_said_in_a_line_of_its_own_size(text):
     assert row[err.column - 1] in "x13\"", (err.line, err.column)
 
 
+@pytest.mark.parametrize("setting", ["model.@=1", "@=1", "residual.@=1", "model.@=",
+                                     "model. @=1", "train.@=3", "model.width.@=1"])
+def test_a_long_word_in_a_set_is_said_as_in_a_file(setting):
+    """--set model.<3,000 characters>=1 was quoted whole ("unknown key 'xxx...' in model",
+    3,000 columns wide; an unknown section and a missing value quoted the whole --set):
+    keys from --set never met the lexer's MAX_WORD. A section or key past it is now refused
+    as the file's lexer refuses one, where it starts."""
+    with pytest.raises(SpecError) as file:
+        parse_spec(M + S + "train { @: 3 }\n".replace("@", "x" * 3000), "spec.restopo")
+    with pytest.raises(SpecError) as info:
+        parse_spec(M + S, "spec.restopo", (setting.replace("@", "x" * 3000),))
+    err = info.value.errors[0] if isinstance(info.value, SpecErrors) else info.value
+    assert err.hint == file.value.hint
+    said = r"a word of [0-9,]+ characters: '[\w.]{20}\.\.\.'"
+    assert re.fullmatch(said, err.message) and re.fullmatch(said, file.value.message)
+    assert max(map(len, str(info.value).splitlines())) <= 200, str(info.value)
+    assert ("--set " + setting)[err.column - 1] in "w@", err.column
+
+
 @pytest.mark.parametrize("inside", ["\f", "\v", "\x1c", "\x85", "\u2028"])
 def test_an_error_shows_the_line_its_position_is_in(inside):
     """A form feed between two lines (or a vertical tab, U+2028, ...) ends a line for

@@ -180,7 +180,7 @@ def apply_overrides(views: dict[str, View], overrides, c: Checker) -> None:
     """Apply each `section.key=value` (or `residual=VALUE`, `parallel=VALUE`) to the views,
     recording its text as the source `<--set N>` (a flag's: `<--flag>`, showing the flag
     as typed) so errors can point into it."""
-    from .parse import parse_value  # lark: not for every command line SetOverride reads
+    from .parse import long_word, parse_value  # lark: not for every command line SetOverride
 
     for i, text in enumerate(overrides, start=1):
         eq = text.find("=")
@@ -206,6 +206,12 @@ def apply_overrides(views: dict[str, View], overrides, c: Checker) -> None:
         path = text[:eq] if eq >= 0 else text
         section, dot, key = path.partition(".")
         sec = section.strip()
+        # a section or key too long to quote, refused as the file's lexer refuses one
+        long = next(((col + len(word) - len(word.lstrip()), said) for word, col in (
+            (section, 0), (key, len(section) + 1)) if (said := long_word(word.strip()))), None)
+        if long is not None and eq >= 0:
+            c.error(at(long[0]), *long[1])
+            continue
         if eq < 0 or not sec:
             key_text, colon, value_text = text.partition(":")  # model.width: 64, as in a file
             home = c.homes.get(key.strip()) if eq >= 0 and dot else None  # `.width=64`

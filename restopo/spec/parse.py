@@ -30,6 +30,16 @@ _NUMBER = re.compile(r"(-?[0-9][0-9_]*(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?)"
                      r"((?:[A-Za-z][A-Za-z0-9_]*)?)")
 
 
+def long_word(word: str) -> tuple[str, str] | None:
+    """The message and hint refusing a name, key or unit past MAX_WORD characters, in a
+    file or a --set (else quoted whole in messages); None for one of a fitting size."""
+    if len(word) <= MAX_WORD:
+        return None
+    return (f"a word of {len(word):,} characters: '{word[:20]}...'",
+            f"names, keys and units are at most {MAX_WORD} characters; a path is quoted, "
+            'e.g. data: "corpus.txt"')
+
+
 class ToNodes(Transformer):
     """Builds nodes.py dataclasses; one method per tree shape of the grammar."""
 
@@ -42,11 +52,8 @@ class ToNodes(Transformer):
 
     def _tok(self, tok: Token) -> Pos:
         word = _NUMBER.fullmatch(tok).group(2) if tok.type == "NUMBER" else tok.rstrip(": \t")
-        if tok.type != "STRING" and len(word) > MAX_WORD:  # else quoted whole in messages
-            raise SpecError(self.source, tok.line, tok.column,
-                            f"a word of {len(word):,} characters: '{word[:20]}...'",
-                            f"names, keys and units are at most {MAX_WORD} characters; a path "
-                            'is quoted, e.g. data: "corpus.txt"')
+        if tok.type != "STRING" and (said := long_word(word)):
+            raise SpecError(self.source, tok.line, tok.column, *said)
         return Pos(self.source, tok.line, tok.column, tok.end_line, tok.end_column)
 
     # -- file and sections --------------------------------------------------------------
