@@ -850,3 +850,18 @@ def test_a_pruned_step_names_the_steps_its_run_still_holds(run, tmp_path, capsys
     assert err.count("\n") == 1 and err.startswith(f"restopo {command}: error: ")
     assert err.endswith(f"; give one {ckpt} holds: step_000002 (a run keeps its newest "
                         f"train.keep checkpoints, 3 unless set)\n"), err
+
+
+@pytest.mark.parametrize("given", ["run", "run/ckpt", "run/ckpt/step_000002", "."])
+def test_a_standalone_module_names_the_run_and_step_it_came_from(run, tmp_path, given,
+                                                                 monkeypatch):
+    """`restopo export RUN/ckpt/step_N -o x.py` wrote 'from step_N' in its docstring (from
+    'ckpt' for the checkpoint folder, from '.' for a run given as .): only the base name of
+    the path given. It now names the run and the step its weights are from."""
+    folder, _ = run
+    monkeypatch.chdir(folder / "run")
+    module = tmp_path / "tiny_model.py"
+    assert main(["export", str(folder / given) if given != "." else ".", "-o",
+                 str(module)]) == 0
+    doc = module.read_text().split("\n", 1)[0]
+    assert doc.startswith('"""tiny_model: written by `restopo export` from run run, step 2;')

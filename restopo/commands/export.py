@@ -51,8 +51,7 @@ def run(args) -> int:
         model = load_model("export", args.checkpoint)
         if kind == ".py":
             name = os.path.splitext(os.path.basename(out))[0]
-            write_atomic(out, module_source(model, name, os.path.basename(
-                os.path.normpath(args.checkpoint)), "export"))
+            write_atomic(out, module_source(model, name, _source(model), "export"))
         else:
             export(model, out)
     except (LoadError, ValueError, RuntimeError) as e:  # RuntimeError: e.g. no CUDA
@@ -60,3 +59,14 @@ def run(args) -> int:
         return 1
     print(f"wrote {out}", file=sys.stderr)
     return 0
+
+
+def _source(model) -> str:
+    """What a standalone module says it was written from: the run and step of a checkpoint
+    (its folder alone was 'ckpt' or 'step_000300'), else the file's name."""
+    from pathlib import Path
+    from ..train.checkpoint import step_of
+    p = Path(model.restopo_source)
+    if p.parent.name == "ckpt" and step_of(p) >= 0:
+        return f"run {p.parent.parent.resolve().name}, step {step_of(p)}"
+    return p.name
