@@ -61,10 +61,9 @@ def load(path: str | os.PathLike, backend: str = "auto", device: str | torch.dev
                         f"device='cpu'")  # torch's own was an AssertionError, mid-load
     p = Path(path)
     if not p.exists():
-        from .train.checkpoint import gone_step
-        raise LoadError(f"{p}: no such file or folder; " + (
-            gone_step(p) or "give a run folder, a checkpoint folder, a .pt from restopo "
-                            "compile or a .safetensors export"))
+        from .train.checkpoint import missing
+        raise LoadError(missing(p, "give a run folder, a checkpoint folder, a .pt from restopo "
+                                   "compile or a .safetensors export"))
     if p.is_dir():
         model = _from_checkpoint(p, backend, device, say)
     elif p.suffix != ".safetensors" and _of_a_checkpoint(p):

@@ -131,7 +131,7 @@ def test_resolve_checkpoint_forms_and_errors(tmp_path):
     step = _save(tmp_path / "run" / "ckpt", 3, m, opt)
     for given in (tmp_path / "run", tmp_path / "run" / "ckpt", step):
         assert ck.resolve_checkpoint(given) == step
-    with pytest.raises(CheckpointError, match="does not exist"):
+    with pytest.raises(CheckpointError, match="nope: no such file or folder"):
         ck.resolve_checkpoint(tmp_path / "nope")
     (tmp_path / "emptyrun").mkdir()
     with pytest.raises(CheckpointError, match="no complete checkpoint"):

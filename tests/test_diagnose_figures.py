@@ -198,7 +198,7 @@ def test_diagnose_command_writes_figures(tmp_path, monkeypatch, capsys, residual
 def test_diagnose_bad_checkpoint(tmp_path, capsys):
     assert main(["diagnose", str(tmp_path / "missing")]) == 1
     err = capsys.readouterr().err
-    assert "does not exist" in err and "Traceback" not in err
+    assert "missing: no such file or folder" in err and "Traceback" not in err
     assert main(["diagnose", str(tmp_path)]) == 1
     assert "no complete checkpoint" in capsys.readouterr().err
 

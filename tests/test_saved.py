@@ -865,3 +865,23 @@ def test_a_standalone_module_names_the_run_and_step_it_came_from(run, tmp_path, 
                  str(module)]) == 0
     doc = module.read_text().split("\n", 1)[0]
     assert doc.startswith('"""tiny_model: written by `restopo export` from run run, step 2;')
+
+
+@pytest.mark.parametrize("given", ["nowhere", "run/ckpt/step_000009"])
+def test_every_command_says_a_missing_checkpoint_in_the_same_words(run, capsys, given):
+    """A run or checkpoint that is not there was 'no such file or folder' to eval, generate,
+    export and restopo.load, but "checkpoint '...' does not exist" to diagnose; each now
+    says it in one helper's words (a pruned step with the steps its run still holds)."""
+    folder, _ = run
+    path = folder / given
+    with pytest.raises(LoadError) as loaded:
+        load(path)
+    said = str(loaded.value).partition("; ")[0]
+    assert said == f"{path}: no such file or folder"
+    for argv in (["generate", str(path)], ["eval", str(path)], ["diagnose", str(path)],
+                 ["export", str(path), "-o", str(folder / "x.pt")]):
+        assert main(argv) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"restopo {argv[0]}: error: {said}; "), err
+        if "step_" in given:
+            assert "give one" in err and "step_000002" in err

@@ -437,6 +437,13 @@ def gone_step(path: Path) -> str | None:
             f"checkpoints, {TrainSpec.keep} unless set)")
 
 
+def missing(path: Path, give: str | None = None) -> str:
+    """What every command taking a run or checkpoint (generate, eval, export, diagnose,
+    restopo.load) says of one that is not there: `give`, or the steps still held beside a
+    pruned step folder."""
+    return f"{path}: no such file or folder; " + (gone_step(path) or give or GIVE_CHECKPOINT)
+
+
 def step_of(path: Path) -> int:
     """The step a step_NNNNNN folder holds (-1 for any other name)."""
     m = STEP_DIR.match(path.name)
@@ -513,8 +520,7 @@ def resolve_checkpoint(path: str | os.PathLike, say=None) -> Path:
     saying what was looked for."""
     p = Path(path)
     if not p.exists():
-        raise CheckpointError(f"checkpoint {str(p)!r} does not exist; "
-                              + (gone_step(p) or GIVE_CHECKPOINT))
+        raise CheckpointError(missing(p))
     if p.is_dir() and _complete(p, resume=False):
         why = check_checkpoint(p, resume=False)
         if why is not None:
