@@ -26,21 +26,11 @@ from .limits import (check_microbatches, check_model_limits, check_source_reads,
 from .objects import (COMPILE, COMPILE_ALIASES, DATA_ENGINES, LR_SCHEDULES, RECOMPUTE,
                       SCHEDULES, ModelSpec, ParallelSpec, Spec, SourceText, TrainSpec)
 from .overrides import apply_overrides
-from .sections import BUILTIN_DATA, PARALLEL_KEYS, SHARED, views_of
-from .wiring import NAMED_OPTIONS, check_against_model, check_residual
+from .keys import KEY_HOMES, MODEL_KEYS, MODEL_REQUIRED, PARALLEL_KEYS, TRAIN_KEYS
+from .sections import BUILTIN_DATA, SHARED, views_of
+from .wiring import check_against_model, check_residual
 
-MODEL_REQUIRED = ("vocab", "width", "depth", "heads", "context")
-MODEL_KEYS = MODEL_REQUIRED + ("mlp", "mlp_ratio", "layer", "tie_embeddings")
 MLP_KINDS = ("swiglu", "gelu")
-TRAIN_KEYS = ("data", "steps", "batch", "lr", "schedule", "warmup", "min_lr", "weight_decay",
-              "grad_clip", "accum", "eval_every", "eval_batches", "save_every", "seed",
-              "log_every", "keep", "peak_tflops", "recompute", "compile")
-# The one section each key belongs to (keys of two sections, data, schedule or heads, are
-# left out), for a key written in another section; the residual's are its topologies' options.
-_SECTION_KEYS = (("model", MODEL_KEYS), ("train", TRAIN_KEYS), ("parallel", PARALLEL_KEYS),
-                 ("residual", tuple({k for keys in NAMED_OPTIONS.values() for k in keys})))
-KEY_HOMES = {k: sec for sec, keys in _SECTION_KEYS for k in keys
-             if sum(k in ks for _, ks in _SECTION_KEYS) == 1}
 
 
 # -- sections -> spec objects -------------------------------------------------------------

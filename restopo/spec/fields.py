@@ -15,6 +15,7 @@ from .errors import SpecError, did_you_mean
 from .nodes import (Call, Key, ListValue, Name, Number, Pos, String, Value, describe,
                     from_command_line)
 from .objects import SourceText
+from .resolve import NAMED_OPTIONS
 
 RULE_TARGETS = ("sublayer", "head")
 UNITS = {"": 1, "k": 1_000, "M": 1_000_000}
@@ -89,7 +90,7 @@ class Checker:
         self.src = src
         self.errors: list[SpecError] = []
         self.nested: set[str] = set()  # sections written inside another's braces
-        self.homes: dict[str, str] = {}  # key -> the section it belongs to (check.KEY_HOMES)
+        self.homes: dict[str, str] = {}  # key -> the section it belongs to (keys.KEY_HOMES)
         self.model = None  # the checked model, once known: a hint's suggestion is checked on it
 
     def error(self, pos: Pos, message: str, hint: str | None = None) -> None:
@@ -327,7 +328,6 @@ def home_hint(key: str, value: str, home: str) -> str:
     entry = f"{key}: {value}"
     if home != "residual":
         return f"'{key}' belongs in the {home} section: {home} {{ {entry} }}"
-    from .wiring import NAMED_OPTIONS  # (wiring reads its fields with this module)
     # a topology the option alone makes whole: full_attnres needs no other, a
     # multi-stream one needs its count
     takes = [name for name, keys in NAMED_OPTIONS.items() if key in keys]

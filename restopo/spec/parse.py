@@ -554,7 +554,7 @@ def syntax_error(e: UnexpectedInput, text: str, path: str, what: str = "spec") -
             hint = f"keys are written without quotes: '{quoted.group(1)}:'"
         elif tok.type == "COLON" and "LBRACE" in expected and before and before[-1] not in (
                 "model", "residual", "parallel", "train"):
-            from .check import KEY_HOMES
+            from .keys import KEY_HOMES  # (keys reads the topologies: not at import)
             from .fields import home_hint
             key, home = before[-1], KEY_HOMES.get(before[-1])
             value = re.match(r"[ \t]*([^#;}\n]*)", text[tok.end_pos:]).group(1).strip()

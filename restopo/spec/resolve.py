@@ -22,6 +22,14 @@ STREAM_OPTIONS = {"hyper_connections": ("streams", "dynamic"), "mhc": ("streams"
                   "mhc_lite": ("streams",)}
 # The options each aggregation method takes (the others take none).
 METHOD_OPTIONS = {"attend": ATTEND_OPTIONS, "scalars": SCALARS_OPTIONS, **STREAM_OPTIONS}
+# The options each named topology takes as a one-liner.
+NAMED_OPTIONS = {
+    "standard": (), "rezero": (), "layerscale": (), "highway": (),
+    "denseformer": SCALARS_OPTIONS,
+    "full_attnres": ATTEND_OPTIONS + ("window",),
+    "block_attnres": ("blocks", "block_size") + ATTEND_OPTIONS,
+    **STREAM_OPTIONS,
+}
 
 
 def allowed_blocks_hint(kinds: tuple[str, ...]) -> str:

@@ -6,6 +6,7 @@ a one-line section given on the command line exactly like one written in the fil
 """
 from __future__ import annotations
 
+from .keys import KEY_HOMES, PARALLEL_KEYS
 from .fields import EXAMPLES, MAIN_HOME, Checker, Field, View, dym_suffix, home_hint
 from .nodes import (SECTIONS, Arg, Call, Entry, Key, ListValue, Name, Number, Qualified,
                     Section, SpecFile, String, describe, from_command_line)
@@ -13,7 +14,6 @@ from .objects import DATA_ENGINES, LR_SCHEDULES, SCHEDULES
 from .wiring import NAMED_OPTIONS, option_given_bare, refusal, without_options
 
 PARALLEL_KINDS = ("pipeline",)
-PARALLEL_KEYS = ("stages", "virtual", "schedule", "microbatches", "cache", "data")
 BUILTIN_DATA = ("stdlib",)  # the corpora `data: builtin:NAME` names
 
 # keys of both train and parallel: what each section's value is, and whether `v` is one
@@ -33,7 +33,6 @@ def _word(v) -> str | None:
 def unknown_section_hint(kind: str, value: str = "...") -> str:
     """What to write for a section of a kind that is none (parse.py says it too, for a word
     that ends the file where a section would start); `value`: what followed it."""
-    from .check import KEY_HOMES
     if kind in NAMED_OPTIONS:  # `residual standard rezero`: a second topology
         return f"'{kind}' is a topology: write 'residual {kind}' (a spec has one residual " \
                "section)"

@@ -20,16 +20,9 @@ from .fields import SEP_HINT, Checker, Field, View, divisors, positions
 from .nodes import (SECTIONS, Arg, Call, Key, ListValue, Name, Number, blame, describe,
                     from_command_line)
 from .objects import DATA_ENGINES, SCHEDULES, ModelSpec, ResidualSpec
-from .resolve import (ATTEND_OPTIONS, METHOD_OPTIONS, SCALARS_OPTIONS, STREAM_OPTIONS,
+from .resolve import (ATTEND_OPTIONS, METHOD_OPTIONS, NAMED_OPTIONS, STREAM_OPTIONS,
                       resolve_residual)
 
-NAMED_OPTIONS = {
-    "standard": (), "rezero": (), "layerscale": (), "highway": (),
-    "denseformer": SCALARS_OPTIONS,
-    "full_attnres": ATTEND_OPTIONS + ("window",),
-    "block_attnres": ("blocks", "block_size") + ATTEND_OPTIONS,
-    **STREAM_OPTIONS,
-}
 CUSTOM_KEYS = ("blocks", "block_size", "before sublayer", "before head")
 
 
