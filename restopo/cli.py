@@ -341,10 +341,22 @@ def _main(argv, interrupts: list[int]) -> int:
             raise
         from .worker import speaks_for_all
 
-        detail = str(e) if isinstance(e, KeyboardInterrupt) else ""
+        detail = _stop_said(e)
         if speaks_for_all():  # a raw torchrun passes its Ctrl-C on to every worker
             print("restopo: interrupted" + (f"; {detail}" if detail else ""), file=sys.stderr)
         return 130
+
+
+def _stop_said(e: BaseException) -> str:
+    """What the stop that ended a command says (where --resume continues), "" if nothing: a
+    Ctrl-C after a run's stop had saved (while loss.png was drawn) replaced that stop's
+    KeyboardInterrupt, whose line was then dropped; Python keeps it as the new one's
+    context."""
+    while e is not None:
+        if isinstance(e, KeyboardInterrupt) and str(e):
+            return str(e)
+        e = e.__context__
+    return ""
 
 
 def run() -> None:

@@ -979,3 +979,35 @@ def test_resume_from_another_folder_reads_the_run_s_relative_data(spec, tmp_path
     err = one_line_error(capsys, ["train", "--out", out, "--resume", "--steps", 12, "--set",
                                   'train.data="notes.txt"', "--no-progress"])
     assert "notes.txt" in err and str(elsewhere) in err, err
+
+
+@pytest.mark.parametrize("then", ["draw", "close"])
+def test_a_ctrl_c_after_a_stops_save_still_says_where_resume_continues(
+        spec, tmp_path, capsys, monkeypatch, then):
+    """A second Ctrl-C after the stop's checkpoint was saved (while loss.png was drawn, or
+    the metrics closed) came out as a bare 'restopo: interrupted': the line saying where
+    --resume continues, whose checkpoint was on disk, was dropped."""
+    from restopo.train import loop
+
+    lr_at = loop.lr_at
+
+    def ctrl_c_at_step_3(step, cfg):  # the first Ctrl-C, as a terminal sends it
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+        return lr_at(step, cfg)
+
+    def ctrl_c(*args):  # the second, taken by the handler the stop put back
+        os.kill(os.getpid(), signal.SIGINT)
+        signal.getsignal(signal.SIGINT)  # the handler runs between bytecodes
+
+    monkeypatch.setattr(loop, "lr_at", ctrl_c_at_step_3)
+    monkeypatch.setattr(loop, "draw_losses", ctrl_c)
+    if then == "close":
+        monkeypatch.setattr(loop, "draw_losses", lambda *a: None)
+        monkeypatch.setattr(loop.MetricsLog, "close", ctrl_c)
+    out = tmp_path / "run"
+    assert train(spec, "--out", out, "--set", "train.save_every=1000") == 130
+    err = capsys.readouterr().err
+    saved = ck.latest_checkpoint(out / "ckpt")
+    assert saved is not None and saved.name.endswith("3"), err
+    assert f"stopped after step 3; --resume continues from its checkpoint {saved}" in err, err
