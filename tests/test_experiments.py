@@ -1492,6 +1492,39 @@ def test_a_stopped_submitit_sweep_cancels_its_unfinished_jobs(tmp_path, capsys, 
     assert f"restopo sweep: {how}; the runs are stopped at their last checkpoints" in err
 
 
+def test_submitit_local_jobs_of_a_sweep_ignoring_ctrl_c_still_take_its_cancel(tmp_path,
+                                                                             monkeypatch):
+    """A sweep started in the background by a script (`restopo sweep ... &`) ignores SIGINT,
+    and submitit's local jobs, its children, inherited that: the SIGINT submitit's cancel
+    sends did nothing, and after SIGTERM to the sweep their runs trained on. While its runs
+    run, the sweep takes SIGINT (as restopo train takes its first Ctrl-C), and so do the
+    processes it starts; after them it ignores it again."""
+    submitit = pytest.importorskip("submitit")
+    from restopo.experiments import runner
+    probe = "import signal; print(signal.getsignal(signal.SIGINT) is signal.SIG_IGN)"
+    started = []
+
+    class Executor:  # starts a process as submitit's local executor starts its controller
+        def __init__(self, folder, cluster):
+            pass
+
+        def update_parameters(self, **parameters):
+            pass
+
+        def submit(self, fn, job, out, resume):
+            started.append(subprocess.run([sys.executable, "-c", probe], capture_output=True,
+                                          text=True, timeout=60).stdout.strip())
+            return _Submitted(fn, job, out, resume, 0, None, [])
+
+    monkeypatch.setattr(submitit, "AutoExecutor", Executor)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # as `&` without job control leaves it
+    jobs = make_grid([_specs(tmp_path)[0]], [0, 1])
+    results = runner.run_submitit(jobs, tmp_path / "sw", lambda event: None, cluster="local")
+    assert [r["status"] for r in results] == ["done", "done"]
+    assert started == ["False", "False"]
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+
+
 def test_a_run_folder_that_holds_runs_too_is_read_whole(tmp_path):
     """`restopo train --out SWEEP` trains in a sweep's folder: compare SWEEP then read it as
     that one run and left the sweep's runs out without a word. Both are read."""

@@ -229,12 +229,20 @@ def run_local(jobs: list[Job], out: Path, workers: int, report) -> list[dict]:
 
 
 def _stop_signals():
-    """SIGTERM and SIGHUP to the sweep raise Stopped in its main thread (they ended it at
-    once, its runs training on, orphaned), within the block."""
+    """Within the block, SIGTERM and SIGHUP to the sweep raise Stopped in its main thread
+    (they ended it at once, its runs training on, orphaned), and SIGINT raises
+    KeyboardInterrupt even where the sweep inherited it ignored, as one started in the
+    background by a script (`restopo sweep ... &`) does: restopo train takes a Ctrl-C so
+    too (restopo.train.interrupt), and the processes the sweep starts take SIGINT (an
+    ignored signal stays ignored in a new program, a handled one does not), as the SIGINT
+    that cancels a submitit local job must: ignored, the job's run trained on."""
     def stop(signum, frame):
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
         raise Stopped(signum)
 
-    return signals_handled(("SIGTERM", "SIGHUP"), stop)
+    ignored = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    return signals_handled(("SIGTERM", "SIGHUP") + (("SIGINT",) if ignored else ()), stop)
 
 
 NOT_STARTED = "not started"
