@@ -516,7 +516,7 @@ def test_a_runs_end_is_said_before_the_next_run_starts(tmp_path, monkeypatch):
     by the main thread once it woke, the start by the worker already on the next run),
     which reads as two runs at once."""
     from restopo.experiments import runner
-    monkeypatch.setattr(runner, "run_job", lambda job, out, resume: {
+    monkeypatch.setattr(runner, "run_job", lambda job, out, resume, runs: {
         "name": job.name, "status": "done", "seconds": 0.0})
     events = []
 
@@ -1402,7 +1402,7 @@ def test_a_run_stopped_from_outside_the_sweep_is_said_and_the_sweep_fails(tmp_pa
     std, blk = _specs(tmp_path)
     out = tmp_path / "sw"
     _sweep_folder(out, {"std-s0": ("std", std, [], 0, 2.0)})
-    monkeypatch.setattr(runner, "run_job", lambda job, out, resume: {
+    monkeypatch.setattr(runner, "run_job", lambda job, out, resume, runs: {
         "name": job.name, "status": "interrupted", "seconds": 1.0,
         "error": "interrupted; the sweep resumes it from its last checkpoint when run again"})
     assert main(["sweep", std, blk, "--out", str(out), "--baseline", "std"]) == 1
@@ -1429,6 +1429,59 @@ def test_a_sweep_starts_no_more_runs_once_one_is_stopped_from_outside(tmp_path, 
     assert f"{job.name} was stopped before its end, not by this sweep" in err, err
     assert "2 runs not started after that stop (such as std-s1); run the sweep again to " \
            "train them" in err, err
+
+
+# A run that says which stop signal it got (in FILE), once up (FILE.up)
+_STOPPABLE = """import signal, sys, time
+def stop(signum, frame):
+    open(sys.argv[1], "w").write(signal.Signals(signum).name)
+    sys.exit(130)
+signal.signal(signal.SIGINT, stop)
+signal.signal(signal.SIGTERM, stop)
+open(sys.argv[1] + ".up", "w")
+time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("sigint", ["default_int_handler", "SIG_IGN"])
+def test_a_ctrl_c_stops_every_run_once_even_one_started_just_after_it(tmp_path, sigint):
+    """A terminal's Ctrl-C reached the runs alive when it came: a run whose process
+    started in the milliseconds after it never got it, and the sweep waited STOP_WAIT (30 s)
+    before sending SIGTERM. Every run now gets the stop from the sweep, once, and a run
+    the stop comes before is not started; so too in a sweep started in the background by a
+    script (SIGINT ignored), whose runs took that Ctrl-C. (The sweep runs in a session of
+    its own, whose process group stands for the terminal's.)"""
+    spec = _specs(tmp_path)[0]
+    sweep = f"""
+import os, signal, sys, time
+from pathlib import Path
+from restopo.experiments import runner
+from restopo.experiments.grid import Job, make_grid
+tmp = Path({str(tmp_path)!r})
+Job.command = lambda self, out, resume, threads=1: [
+    sys.executable, "-c", {_STOPPABLE!r}, str(tmp / f"stop{{self.seed}}")]
+runner.STOP_WAIT = 20.0
+def report(event):  # the Ctrl-C comes as run 1 starts, once run 0 is up
+    if event["event"] == "start" and event["job"].seed == 1:
+        while not (tmp / "stop0.up").exists():
+            time.sleep(0.05)
+        os.killpg(os.getpgrp(), signal.SIGINT)
+signal.signal(signal.SIGINT, signal.{sigint})
+t0 = time.monotonic()
+try:
+    runner.run_local(make_grid([{spec!r}], [0, 1]), tmp / "sw", 2, report)
+except KeyboardInterrupt:
+    print(time.monotonic() - t0)
+"""
+    done = subprocess.run([sys.executable, "-c", sweep], capture_output=True, text=True,
+                          timeout=300, start_new_session=True)
+    assert done.returncode == 0 and done.stdout, done.stderr
+    assert float(done.stdout) < 20.0, done.stdout
+    assert (tmp_path / "stop0").read_text() == "SIGINT"
+    info = json.loads((tmp_path / "sw" / "std-s0" / "run.json").read_text())
+    assert info["status"] == "interrupted"
+    # run 1: not started, or stopped by the one Ctrl-C too
+    assert not (tmp_path / "stop1.up").exists() or (tmp_path / "stop1").read_text() == "SIGINT"
 
 
 class _Submitted:

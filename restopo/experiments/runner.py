@@ -30,6 +30,7 @@ TAIL = 20  # lines of a failed run's log kept as its error
 # How a run stopped by Ctrl-C or the sweep's SIGTERM exits: restopo's 130, or the signal.
 INTERRUPTED = (130, -signal.SIGINT, -signal.SIGTERM)
 STOP_WAIT = 30.0  # seconds a run gets to finish its step and save it after Ctrl-C
+NOT_STARTED = "not started"
 
 
 class Stopped(KeyboardInterrupt):
@@ -153,23 +154,28 @@ def _record(out: Path, job: Job, **fields) -> None:
     write_atomic(folder / RUN_FILE, json.dumps(info, indent=1) + "\n")
 
 
-def run_job(job: Job, out: Path, resume: bool, threads: int = 1) -> dict:
-    """Run one job to the end in a child process; its outcome as run.json records it.
-    (Module level so that submitit can pickle it.)"""
+def run_job(job: Job, out: Path, resume: bool, threads: int = 1,
+            runs: Runs | None = None) -> dict:
+    """Run one job to the end in a child process; its outcome as run.json records it
+    (NOT_STARTED: `runs`, a local sweep's, was stopped before it). The process has a
+    session of its own, so a stop reaches it only as the sweep, or a scheduler's signal to
+    the whole job, passes it on. (Module level so that submitit can pickle it.)"""
     folder = out / job.name
     holder = held_by(folder)
     if holder is not None:  # its run.json is that run's to write, not this failure's
         error = f"{folder} is in use by another run ({holder}); run the sweep again when it ends"
         return {"name": job.name, "status": "failed", "error": error, "seconds": 0.0}
     folder.mkdir(parents=True, exist_ok=True)
-    _record(out, job, status="running")
     # STOP_WITH_PARENT: the run stops (saving, as on SIGTERM) if the sweep is killed
     # outright, rather than train on unwatched with run.json left at 'running'
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), STOP_WITH_PARENT: "1"}
     t0 = time.perf_counter()
     with open(folder / "train.log", "a") as log:
-        child = subprocess.Popen(job.command(out, resume=resume, threads=threads),
-                                 stdout=log, stderr=subprocess.STDOUT, env=env)
+        child = (runs or Runs()).start(job.command(out, resume=resume, threads=threads),
+                                       stdout=log, stderr=subprocess.STDOUT, env=env)
+        if child is None:
+            return {"name": job.name, "status": NOT_STARTED}
+        _record(out, job, status="running")
         load = machine_load(child)
     code = child.returncode
     seconds = time.perf_counter() - t0
@@ -211,19 +217,20 @@ def run_local(jobs: list[Job], out: Path, workers: int, report) -> list[dict]:
     results = _skipped(todo, out, report)
     pending = [(j, s) for j, s in todo if s in ("new", "resume")]
     halted = threading.Event()  # a run was stopped from outside: start no more
+    runs = Runs()
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool, _stop_signals():
         futures = {}
         for job, s in pending:
-            futures[pool.submit(_started, job, out, s == "resume", report, halted)] = job
+            futures[pool.submit(_started, job, out, s == "resume", report, halted,
+                                runs)] = job
         try:
             for f in as_completed(futures):
                 results.append(f.result())
         except KeyboardInterrupt as e:
             for f in futures:
                 f.cancel()
-            # Ctrl-C reached the runs too (one process group); a signal to the sweep alone
-            # did not: pass it on as SIGTERM, which a run takes as its first Ctrl-C
-            _stop_children(tell=isinstance(e, Stopped))
+            # SIGTERM for a stop that was not a Ctrl-C (a run's SIGHUP ends it unsaved)
+            _stop_runs(runs, signal.SIGTERM if isinstance(e, Stopped) else signal.SIGINT)
             raise
     return results
 
@@ -245,53 +252,71 @@ def _stop_signals():
     return signals_handled(("SIGTERM", "SIGHUP") + (("SIGINT",) if ignored else ()), stop)
 
 
-NOT_STARTED = "not started"
-
-
-def _started(job: Job, out: Path, resume: bool, report, halted: threading.Event) -> dict:
+def _started(job: Job, out: Path, resume: bool, report, halted: threading.Event,
+             runs: Runs) -> dict:
     """Run `job`, reporting its start and its end from the thread that runs it: reported by
     the main thread, a run's end came after the next run's start ('starting b' before 'a:
     done' with --jobs 1, two runs at once to read). Once a run has been stopped by a signal
-    the sweep did not get (`halted`: one sent to the run, or to a process group whose
-    Ctrl-C the sweep ignores, as a sweep started in the background by a script does), a
-    stop meant for the sweep, the runs not yet started are not: NOT_STARTED."""
-    if halted.is_set():
+    the sweep did not get (`halted`: one sent to the run alone, as an admin's kill), a
+    stop meant for the sweep, the runs not yet started are not; nor once the sweep was
+    stopped (`runs`): NOT_STARTED."""
+    if halted.is_set() or runs.stopped:
         return {"name": job.name, "status": NOT_STARTED}
     report({"event": "start", "job": job, "resume": resume})
-    result = run_job(job, out, resume)
+    result = run_job(job, out, resume, runs=runs)
     if result["status"] == "interrupted":
         halted.set()
     report({"event": "end", "job": job, **result})
     return result
 
 
-def _stop_children(tell: bool = False) -> None:
-    """Stop our child runs after a Ctrl-C: the terminal sent it to them too (one process
-    group), and a run stops after its step with a checkpoint of it, so they get STOP_WAIT
-    seconds to do that (a second SIGINT from here would stop them at once, unsaved); then
-    SIGTERM to any still running (its last checkpoint stands). `tell`: the stop reached
-    the sweep alone, so the runs are sent SIGTERM first (their first stop: they save)."""
-    def children() -> list[int]:
-        try:
-            found = subprocess.run(["pgrep", "-P", str(os.getpid())], capture_output=True,
-                                   text=True).stdout.split()
-        except OSError:
-            return []
-        return [int(p) for p in found if p.isdigit()]
+class Runs:
+    """The runs a sweep started, each in a session of its own (as dist runs torchrun), and
+    whether it was stopped. A stop then reaches each run once, as the sweep passes it on:
+    a terminal's Ctrl-C reached only the runs alive when it came, not one whose process
+    started in the milliseconds after (trained on till SIGTERM, STOP_WAIT seconds later),
+    and a run started after the stop trained to its end while the sweep waited for it."""
 
-    def terminate() -> None:
-        for pid in children():
+    def __init__(self) -> None:
+        self.lock = threading.Lock()  # between a stop and a start: one is first
+        self.children: list[subprocess.Popen] = []
+        self.stopped = False
+
+    def start(self, command: list[str], **kw) -> subprocess.Popen | None:
+        """The run's process, or None once the runs were stopped."""
+        with self.lock:
+            if self.stopped:
+                return None
+            child = subprocess.Popen(command, start_new_session=True, **kw)
+            self.children.append(child)
+            return child
+
+    def stop(self, signum: int) -> list[subprocess.Popen]:
+        """Start no more, and send `signum` to the runs still running (those)."""
+        with self.lock:
+            self.stopped = True
+            live = [c for c in self.children if c.poll() is None]
+        for child in live:
             try:
-                os.kill(pid, signal.SIGTERM)
-            except OSError:
+                child.send_signal(signum)
+            except OSError:  # ended meanwhile
                 pass
+        return live
 
-    if tell:
-        terminate()
+
+def _stop_runs(runs: Runs, signum: int) -> None:
+    """Stop the runs after the sweep was stopped: each gets `signum`, its first stop, and
+    STOP_WAIT seconds to finish its step and save it; then SIGTERM, a second stop, at once
+    to any still running (its last checkpoint stands), as a second Ctrl-C does meanwhile."""
+    live = runs.stop(signum)
     deadline = time.monotonic() + STOP_WAIT
-    while children() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    terminate()
+    try:
+        while any(c.poll() is None for c in live) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        runs.stop(signal.SIGINT)
+        raise
+    runs.stop(signal.SIGTERM)
 
 
 def run_submitit(jobs: list[Job], out: Path, report, *, cluster: str = "slurm",
@@ -336,8 +361,8 @@ def run_submitit(jobs: list[Job], out: Path, report, *, cluster: str = "slurm",
         except KeyboardInterrupt as e:
             # the jobs are submitted up front: a Slurm job trained on after its sweep was
             # stopped and had said its runs were, as a local one did after a stop sent to
-            # the sweep alone. A Ctrl-C reached local ones too (one process group): cancel's
-            # SIGINT, a second, would stop their runs at once, unsaved
+            # the sweep alone. A Ctrl-C reached local ones too (the sweep's process group),
+            # which stop their runs (run_job's, in sessions of their own) as cancel does
             if cluster != "local" or isinstance(e, Stopped):
                 cancel_unfinished([handle for _, handle in submitted])
             raise
