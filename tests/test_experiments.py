@@ -1578,6 +1578,48 @@ def test_submitit_local_jobs_of_a_sweep_ignoring_ctrl_c_still_take_its_cancel(tm
     assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
 
 
+def test_a_submitit_sweep_starts_no_more_runs_once_one_is_stopped_from_outside(tmp_path,
+                                                                                monkeypatch):
+    """A Slurm job stopped from outside the sweep (an admin's scancel: its run saves and
+    ends interrupted) stopped no other, unlike a local sweep, which starts no more runs
+    once one was stopped so: the jobs still pending are now cancelled, as not started."""
+    submitit = pytest.importorskip("submitit")
+    from restopo.experiments import runner
+    cancelled = []
+
+    class Handle:
+        def __init__(self, name, state, status):
+            self.name, self.state, self.status = name, state, status
+
+        def result(self):
+            assert self.name not in cancelled
+            return {"name": self.name, "status": self.status, "seconds": 1.0}
+
+        def done(self):
+            return False
+
+        def cancel(self, check=True):
+            cancelled.append(self.name)
+
+    plan = [("RUNNING", "interrupted"), ("RUNNING", "done"), ("PENDING", "done")]
+
+    class Executor:
+        def __init__(self, folder, cluster):
+            pass
+
+        def update_parameters(self, **parameters):
+            pass
+
+        def submit(self, fn, job, out, resume):
+            return Handle(job.name, *plan[job.seed])
+
+    monkeypatch.setattr(submitit, "AutoExecutor", Executor)
+    jobs = make_grid([_specs(tmp_path)[0]], [0, 1, 2])
+    results = runner.run_submitit(jobs, tmp_path / "sw", lambda event: None)
+    assert [r["status"] for r in results] == ["interrupted", "done", runner.NOT_STARTED]
+    assert cancelled == [jobs[2].name]
+
+
 def test_a_run_folder_that_holds_runs_too_is_read_whole(tmp_path):
     """`restopo train --out SWEEP` trains in a sweep's folder: compare SWEEP then read it as
     that one run and left the sweep's runs out without a word. Both are read."""

@@ -349,13 +349,19 @@ def run_submitit(jobs: list[Job], out: Path, report, *, cluster: str = "slurm",
                     continue
                 report({"event": "start", "job": job, "resume": s == "resume"})
                 submitted.append((job, executor.submit(run_job, job, out, s == "resume")))
+            halted = False  # a run was stopped from outside (scancel): start no more
             for job, handle in submitted:
-                try:
-                    result = handle.result()
-                except Exception as e:  # the job itself failed to run (not the training)
-                    error = str(e).splitlines()[-1]
-                    _record(out, job, status="failed", error=error)
-                    result = {"name": job.name, "status": "failed", "error": error}
+                if halted and _pending(handle):  # as run_local starts no more
+                    cancel_unfinished([handle])
+                    result = {"name": job.name, "status": NOT_STARTED}
+                else:
+                    try:
+                        result = handle.result()
+                    except Exception as e:  # the job itself failed to run (not the training)
+                        error = str(e).splitlines()[-1]
+                        _record(out, job, status="failed", error=error)
+                        result = {"name": job.name, "status": "failed", "error": error}
+                halted = halted or result["status"] == "interrupted"
                 results.append(result)
                 report({"event": "end", "job": job, **result})
         except KeyboardInterrupt as e:
@@ -367,6 +373,15 @@ def run_submitit(jobs: list[Job], out: Path, report, *, cluster: str = "slurm",
                 cancel_unfinished([handle for _, handle in submitted])
             raise
     return results
+
+
+def _pending(handle) -> bool:
+    """Whether a submitit job has not started yet (Slurm's PENDING; a local one starts at
+    once). Unknown (sacct failed): started."""
+    try:
+        return handle.state == "PENDING"
+    except Exception:  # the scheduler could not say
+        return False
 
 
 def cancel_unfinished(handles) -> None:
