@@ -163,8 +163,10 @@ def test_a_dead_rank_fails_the_job_with_a_clear_message(tmp_path, env):
     assert "ChildFailedError" not in stderr and "Root Cause" not in stderr, stderr[-3000:]
     assert stderr.rstrip().splitlines()[-1].startswith(
         "restopo train: error: the 2-process run failed"), stderr[-3000:]
-    # which rank, and how: rank 0's lost-connection traceback is not the cause
+    # which rank, and how: rank 0's lost connection is not the cause, and says so in a
+    # line, not a traceback (what gloo raised there, a stack of collectives, buried it)
     assert "restopo train: rank 1 was killed by SIGKILL" in stderr, stderr[-3000:]
+    assert "Traceback" not in stderr and "GLHF" not in stderr, stderr[-3000:]
 
 
 def test_the_killed_rank_is_named_not_the_one_that_aborted_on_its_loss():
@@ -180,6 +182,35 @@ def test_the_killed_rank_is_named_not_the_one_that_aborted_on_its_loss():
     earlier = {0: F(exitcode=-signal.SIGABRT, timestamp=99),
                1: F(exitcode=-signal.SIGKILL, timestamp=100)}
     assert first_failure(earlier).startswith("rank 0 was killed by SIGABRT")
+
+
+def test_a_rank_that_lost_its_peer_is_not_named_as_the_cause():
+    """A rank that raised (exit 1) and the rank that then lost its connection to it (said in
+    a line, LOST_PEER_EXIT) in the same second: the first is named, whatever the rank order;
+    with only lost connections here, the cause is another node's."""
+    from types import SimpleNamespace as F
+
+    from restopo.train.dist import LOST_PEER_EXIT
+    from restopo.train.torchrun import first_failure
+    same = {0: F(exitcode=LOST_PEER_EXIT, timestamp=100), 1: F(exitcode=1, timestamp=100)}
+    assert first_failure(same).startswith("rank 1 failed first (exit status 1)")
+    lost = {0: F(exitcode=LOST_PEER_EXIT, timestamp=100)}
+    assert "another node" in first_failure(lost)
+
+
+@pytest.mark.parametrize("error,said", [
+    (RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+                  "[127.0.0.1]:51865: Connection reset by peer. This is typically caused by "
+                  "a remote worker hanging"), "Read error [127.0.0.1]:51865: Connection reset "
+                                              "by peer"),
+    (RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out "
+                  "waiting 60000ms for recv operation to complete"),
+     "Timed out waiting 60000ms for recv operation to complete"),
+    (RuntimeError("mat1 and mat2 shapes cannot be multiplied"), None),
+])
+def test_a_lost_connection_is_told_from_other_errors(error, said):
+    from restopo.train.dist import lost_peer
+    assert lost_peer(error) == said
 
 
 def test_max_restarts_resumes_from_the_last_checkpoint(tmp_path, env):

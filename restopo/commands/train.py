@@ -235,6 +235,15 @@ def run(args) -> int:
         if _is_writer():  # every worker read the same spec: rank 0 says it
             print(e.render(), file=sys.stderr)
         return _usage_exit()
+    except RuntimeError as e:
+        from ..train.dist import LOST_PEER_EXIT, lost_peer
+        broke = lost_peer(e) if under_torchrun() else None
+        if broke is None:
+            raise
+        # another rank stopped, and the launcher names it: a traceback here would bury that
+        print(f"restopo train: rank {os.environ['RANK']} lost its connection to another rank "
+              f"({broke}); that rank's failure is the cause", file=sys.stderr)
+        return LOST_PEER_EXIT
 
 
 def _is_writer() -> bool:

@@ -25,6 +25,9 @@ DEFAULT_TIMEOUT_S = 300
 # A worker's exit status for a mistake rank 0 has already said in one line (the launcher then
 # adds nothing).
 USAGE_EXIT = 3
+# A worker's exit status when its connection to another rank broke: that rank's failure is
+# the cause, and the launcher names it (restopo.train.torchrun.first_failure).
+LOST_PEER_EXIT = 4
 
 
 @dataclass
@@ -176,6 +179,20 @@ def collectively(ctx: DistContext, fn, errors: tuple[type[Exception], ...]):
     if failure:
         raise errors[failure[0]](failure[1])
     return result
+
+
+def lost_peer(e: BaseException) -> str | None:
+    """What broke, in a few words, when `e` is this process losing its connection to another
+    rank (gloo's transport: a peer's sockets closed as it died, or a collective timed out
+    waiting for it; torch's own network errors); None for any other error."""
+    from torch.distributed import DistNetworkError
+
+    text = str(e)
+    if "/gloo/transport/" in text:  # "[.../gloo/transport/tcp/pair.cc:537] Read error ..."
+        text = text.split("] ", 1)[-1]
+    elif not isinstance(e, DistNetworkError):
+        return None
+    return text.split(". ", 1)[0].strip().rstrip(".")
 
 
 def torchrun_command(argv: list[str], nproc: int, max_restarts: int = 0) -> list[str]:

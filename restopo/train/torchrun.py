@@ -50,6 +50,9 @@ def first_failure(failures: dict) -> str:
     the earliest to fail, whose error is above."""
     import signal
 
+    from ..words import counted
+    from .dist import LOST_PEER_EXIT
+
     def when(item):
         return getattr(item[1], "timestamp", 0)
 
@@ -67,19 +70,26 @@ def first_failure(failures: dict) -> str:
             name = f"signal {-f.exitcode}"
         return (f"rank {rank} was killed by {name} (out of memory, or stopped by hand?); "
                 "the other ranks' errors above are the connection it left them with")
-    rank, f = min(failures.items(), key=when)
+    # a rank that lost its connection to another (LOST_PEER_EXIT) is a consequence too
+    causes = {r: f for r, f in failures.items() if f.exitcode != LOST_PEER_EXIT}
+    if not causes:  # the rank that stopped is on another node, whose launcher names it
+        return (f"{counted(len(failures), 'rank')} lost the connection to a rank of another "
+                "node; that node's output says why it stopped")
+    rank, f = min(causes.items(), key=when)
     return f"rank {rank} failed first (exit status {f.exitcode}); its error is above"
 
 
 class _Quiet(logging.Filter):
     """Drop the agent's log lines about workers that stopped for a mistake already said
-    (exit status USAGE_EXIT) and about the siblings it then stops."""
+    (exit status USAGE_EXIT) or a lost connection already said (LOST_PEER_EXIT), and about
+    the siblings it then stops."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        from .dist import USAGE_EXIT
+        from .dist import LOST_PEER_EXIT, USAGE_EXIT
 
         text = record.getMessage()
         return (f"exitcode: {USAGE_EXIT})" not in text and "closing signal" not in text
+                and f"exitcode: {LOST_PEER_EXIT})" not in text
                 and "death signal" not in text)  # a stop the launcher passed on
 
 
