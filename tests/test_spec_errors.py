@@ -629,7 +629,8 @@ GOLDEN = [
      '<--set 1>', 1, 21,
      "train.compile: whole compiles the model as one graph, for one process or DDP, not a "
      "pipeline or FSDP",
-     "use train.compile: regional (--compile), which compiles what each process runs"),
+     "use train.compile: regional (--set train.compile=regional), which compiles what "
+     "each process runs"),
     # a value past any key's reach still names this key's own bound (it said 2,147,483,647)
     ('streams_past_any_bound', M + "residual hyper_connections(streams: 99999999999999999999)\n",
      (),

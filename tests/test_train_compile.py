@@ -334,6 +334,28 @@ def test_whole_model_compile_that_cannot_run_is_one_line(cli_spec, tmp_path, cap
     assert not (out / "ckpt").exists()
 
 
+def test_whole_model_compile_refused_in_a_sharded_layout_says_a_flag_that_works(
+        cli_spec, tmp_path, capsys):
+    """A spec (or a resumed checkpoint) saying compile: whole, trained with FSDP: the hint's
+    flag must get past the refusal. It said --compile, which keeps a spec's whole."""
+    import re
+    import shlex
+
+    from restopo.cli import main
+
+    cli_spec.write_text(CLI_SPEC.replace("compile: true", "compile: whole"))
+    argv = ["train", str(cli_spec), "--out", str(tmp_path / "run"), "--no-progress",
+            "--nproc", "2", "--data", "fsdp"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "whole compiles the model as one graph" in err
+    flag = re.search(r"\((--[^)]*)\)", err.split("hint:")[-1]).group(1)
+    # an odd batch stops the run at the layout check, after the spec's: no process starts
+    assert main(argv + shlex.split(flag) + ["--set", "train.batch=3"]) == 1
+    err = capsys.readouterr().err
+    assert "one graph" not in err and "train.batch (3) does not split" in err, err
+
+
 def test_compile_that_cannot_run_is_one_line(cli_spec, tmp_path, capsys, monkeypatch):
     """No C++ compiler for inductor on the CPU: said before any work, naming the option."""
     import restopo.train.compile as regional

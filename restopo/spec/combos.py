@@ -16,8 +16,9 @@ def compile_conflict(compile: str, recompute: str, *,
     if sharded:
         return ("train.compile: whole compiles the model as one graph, for one process or "
                 "DDP, not a pipeline or FSDP",
-                "use train.compile: regional (--compile), which compiles what each process "
-                "runs")
+                # not --compile: it keeps a spec's (or a resumed checkpoint's) whole
+                "use train.compile: regional (--set train.compile=regional), which compiles "
+                "what each process runs")
     if recompute == "sublayer":
         return ("train.compile: whole does not combine with train.recompute: sublayer (its "
                 "checkpoint hooks do not trace into one graph)",
