@@ -186,14 +186,20 @@ def test_the_killed_rank_is_named_not_the_one_that_aborted_on_its_loss():
 
 def test_a_rank_that_lost_its_peer_is_not_named_as_the_cause():
     """A rank that raised (exit 1) and the rank that then lost its connection to it (said in
-    a line, LOST_PEER_EXIT) in the same second: the first is named, whatever the rank order;
-    with only lost connections here, the cause is another node's."""
+    a line, LOST_PEER_EXIT), or that the agent then stopped (SIGTERM), in the same second:
+    the first is named, whatever the rank order; with only lost connections here, the cause
+    is another node's."""
     from types import SimpleNamespace as F
 
     from restopo.train.dist import LOST_PEER_EXIT
     from restopo.train.torchrun import first_failure
     same = {0: F(exitcode=LOST_PEER_EXIT, timestamp=100), 1: F(exitcode=1, timestamp=100)}
     assert first_failure(same).startswith("rank 1 failed first (exit status 1)")
+    # the agent stops the other ranks of a failed one with SIGTERM: not the cause
+    stopped = {0: F(exitcode=-signal.SIGTERM, timestamp=100), 1: F(exitcode=1, timestamp=100)}
+    assert first_failure(stopped).startswith("rank 1 failed first (exit status 1)")
+    stopped[1] = F(exitcode=-signal.SIGKILL, timestamp=100)
+    assert first_failure(stopped).startswith("rank 1 was killed by SIGKILL")
     lost = {0: F(exitcode=LOST_PEER_EXIT, timestamp=100)}
     assert "another node" in first_failure(lost)
 

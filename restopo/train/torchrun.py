@@ -61,6 +61,11 @@ def first_failure(failures: dict) -> str:
         # gloo's lost connection ends a process) in the second another was killed is the
         # consequence, not the cause
         return when(item), item[1].exitcode == -signal.SIGABRT
+    # SIGTERM is the agent stopping the siblings of a failed rank (restopo's workers take a
+    # SIGTERM of their own as a stop, and exit): the cause only when nothing else failed
+    stopped = {r for r, f in failures.items() if f.exitcode == -signal.SIGTERM}
+    if len(stopped) < len(failures):
+        failures = {r: f for r, f in failures.items() if r not in stopped}
     killed = sorted(((r, f) for r, f in failures.items() if f.exitcode < 0), key=first_killed)
     if killed:
         rank, f = killed[0]
