@@ -237,6 +237,26 @@ def test_bad_layout_is_one_line_before_any_process(args, words, tmp_path):
     assert not (tmp_path / "r" / "ckpt").exists()
 
 
+def test_bad_dist_timeout_is_one_line(tmp_path, monkeypatch):
+    """$RESTOPO_DIST_TIMEOUT that is not a number of seconds: refused before any process
+    starts, and by each worker's setup (under plain torchrun), in one line; it was a
+    ValueError traceback from every worker."""
+    from restopo.train.dist import setup
+
+    for bad in ("abc", "0", "-5", "inf"):
+        proc = subprocess.run([sys.executable, "-m", "restopo", "train", TINY, "--steps", "2",
+                               "--no-progress", "--out", str(tmp_path / "r"), "--nproc", "2"],
+                              env=dict(env(), RESTOPO_DIST_TIMEOUT=bad), capture_output=True,
+                              text=True, timeout=60)
+        _one_line(proc, "$RESTOPO_DIST_TIMEOUT", repr(bad))
+        assert not (tmp_path / "r" / "ckpt").exists()
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RESTOPO_DIST_TIMEOUT", "abc")
+    with pytest.raises(RuntimeError, match=r"RESTOPO_DIST_TIMEOUT must be .* got 'abc'"):
+        setup("cpu")
+
+
 @pytest.mark.slow
 def test_bad_layout_under_torchrun_is_said_once(tmp_path):
     """Under plain torchrun every worker meets the mistake; rank 0 says it, once."""

@@ -533,6 +533,10 @@ def _launch(args, out: Path) -> int:
         return _fail(f"{spec.path} has no model section; training needs one")
     _note_schedule(spec)
     _layout(args, spec, args.nproc)  # so do layouts that cannot run
+    try:
+        dist.dist_timeout()  # and a timeout each worker would refuse
+    except RuntimeError as e:
+        raise _Stop(str(e)) from None
     corpus = runspec.open_data(spec, progress=not args.no_progress, resuming=args.resume)
     _note_data(spec, corpus, resumed)
     _replace_old_run(args, out)  # every check passed here; the workers find it gone

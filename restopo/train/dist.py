@@ -91,8 +91,7 @@ def setup(device_choice: str = "auto") -> DistContext:
     device = pick_device(device_choice, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    timeout = timedelta(seconds=float(os.environ.get("RESTOPO_DIST_TIMEOUT",
-                                                     DEFAULT_TIMEOUT_S)))
+    timeout = dist_timeout()
     if world > 1 and not dist.is_initialized():
         # torchrun keeps its store across restarts: the keys of a killed attempt (a dead
         # rank's address) would be read by the next one, so each attempt gets its own prefix
@@ -104,6 +103,24 @@ def setup(device_choice: str = "auto") -> DistContext:
     # kernels as reading back an NCCL result would
     cpu_group = dist.new_group(backend="gloo") if world > 1 and device.type == "cuda" else None
     return DistContext(rank, world, local_rank, device, cpu_group)
+
+
+def dist_timeout() -> timedelta:
+    """How long a collective waits for the other ranks: $RESTOPO_DIST_TIMEOUT seconds, else
+    DEFAULT_TIMEOUT_S. RuntimeError, in one line, for a value that is not a number above 0
+    (it failed in every worker, a traceback each)."""
+    text = os.environ.get("RESTOPO_DIST_TIMEOUT")
+    if text is None:
+        return timedelta(seconds=DEFAULT_TIMEOUT_S)
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = float("nan")
+    if not 0 < seconds <= 1e9:  # nan and inf too: timedelta overflows past ~3e15 s
+        raise RuntimeError(f"$RESTOPO_DIST_TIMEOUT must be a number of seconds above 0 (how "
+                           f"long a collective waits for the other ranks; default "
+                           f"{DEFAULT_TIMEOUT_S}), got {text!r}")
+    return timedelta(seconds=seconds)
 
 
 def cleanup(ctx: DistContext) -> None:
