@@ -1,5 +1,5 @@
 """The eager backend's hand-written backwards (backends/eager/weighted.py, unstacked.py's
-_Rstd, _Logits and _Lerp) and the logits shared by a source's readers (restopo.nn.shared_sources):
+_KeyScaled, _Logits and _Lerp) and the logits shared by a source's readers (restopo.nn.shared_sources):
 gradcheck in float64, float32 against float64 references written here, all-zero rows at
 eps 1e-30, and whole models against tests/reference.py's loop, gradients included."""
 from types import SimpleNamespace
@@ -71,21 +71,25 @@ def _rstd_fp64(v, eps):
     return torch.rsqrt(v.double().pow(2).mean(-1, keepdim=True) + eps)
 
 
-def test_gradcheck_rstd():
-    v = _rand(3, 5)
-    assert torch.autograd.gradcheck(lambda v: unstacked._rstd(v, 1e-6), (v,))
+def test_gradcheck_key_scaled():
+    """z = u rstd(v), the key norm applied to logits u (unstacked._KeyScaled)."""
+    u, v = _rand(3, 2), _rand(3, 5)
+    assert torch.autograd.gradcheck(lambda u, v: unstacked._key_scaled(u, v, 1e-6), (u, v))
 
 
 @pytest.mark.parametrize("scale", [0.0, 1e-20, 1.0])
-def test_rstd_backward_of_tiny_rows_in_float32(scale):
-    """rstd^3 of an all-zero row overflows fp32 at eps 1e-30; the backward never forms it."""
+def test_key_scaled_backward_of_tiny_rows_in_float32(scale):
+    """rstd^3 (and rstd^2 times logits of ordinary size) of a tiny or all-zero row overflows
+    fp32 at eps 1e-30; the backward forms neither."""
     v = (torch.randn(4, 16) * scale).requires_grad_()
+    u = torch.randn(4, 1).requires_grad_()
     grad = torch.randn(4, 1)
-    got, = torch.autograd.grad(unstacked._rstd(v, 1e-30), v, grad)
-    v64 = v.detach().double().requires_grad_()
-    want, = torch.autograd.grad(_rstd_fp64(v64, 1e-30), v64, grad.double())
-    assert torch.isfinite(got).all()
-    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-30)
+    got = torch.autograd.grad(unstacked._key_scaled(u, v, 1e-30), (u, v), grad)
+    u64, v64 = (t.detach().double().requires_grad_() for t in (u, v))
+    want = torch.autograd.grad(u64 * _rstd_fp64(v64, 1e-30), (u64, v64), grad.double())
+    for g, w in zip(got, want):
+        assert torch.isfinite(g).all()
+        torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=1e-30)
 
 
 def _merge_fp64(o1, m1, s1, p, q, eps, key_norm, heads):

@@ -26,9 +26,10 @@ from .weighted import _acc, _wide, out_dtype, weighted_sum
 
 class _KeyScaled(torch.autograd.Function):
     """z = u rstd(v): logits u = q . v [*batch, H] times the key norm's 1 / RMS(v) [*batch, 1],
-    with a one-pass backward: d rstd / dv = -rstd^3 v / d, taken as (dz . z) rstd^2, not
-    (dz . u) rstd^3: finite for an all-zero row (rstd^3 alone overflows at eps 1e-30) and 0
-    where v's mean square overflowed (rstd = 0 and z = 0, where dz u can overflow)."""
+    with a one-pass backward: d rstd / dv = -rstd^3 v / d, taken as (v rstd) ((dz . z) rstd),
+    not (dz . u) rstd^3 v: each factor finite for tiny and all-zero rows (rstd^3, or rstd^2
+    alone, overflows fp32 at eps 1e-30: 1e45) and 0 where v's mean square overflowed (rstd =
+    0 and z = 0, where dz u can overflow)."""
 
     @staticmethod
     def forward(ctx, u, v, eps):
@@ -41,8 +42,8 @@ class _KeyScaled(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         v, r, z = ctx.saved_tensors
-        scale = (grad * z).sum(-1, keepdim=True) * (r * r) * (-1.0 / v.shape[-1])
-        return grad * r, v * scale.to(v.dtype), None
+        scale = (grad * z).sum(-1, keepdim=True) * r * (-1.0 / v.shape[-1])
+        return grad * r, ((v.to(r.dtype) * r) * scale).to(v.dtype), None
 
 
 def _key_scaled(u: torch.Tensor, v: torch.Tensor, eps: float) -> torch.Tensor:

@@ -299,9 +299,10 @@ rmsnorm = SimpleNamespace(rms_norm=_rmsnorm_rms_norm, rstd=_rmsnorm_rstd)
 
 class _KeyScaled(torch.autograd.Function):
     """z = u _rmsnorm_rstd(v): logits u = q . v [*batch, H] times the key norm's 1 / RMS(v) [*batch, 1],
-    with a one-pass backward: d _rmsnorm_rstd / dv = -_rmsnorm_rstd^3 v / d, taken as (dz . z) _rmsnorm_rstd^2, not
-    (dz . u) _rmsnorm_rstd^3: finite for an all-zero row (_rmsnorm_rstd^3 alone overflows at eps 1e-30) and 0
-    where v's mean square overflowed (_rmsnorm_rstd = 0 and z = 0, where dz u can overflow)."""
+    with a one-pass backward: d _rmsnorm_rstd / dv = -_rmsnorm_rstd^3 v / d, taken as (v _rmsnorm_rstd) ((dz . z) _rmsnorm_rstd),
+    not (dz . u) _rmsnorm_rstd^3 v: each factor finite for tiny and all-zero rows (_rmsnorm_rstd^3, or _rmsnorm_rstd^2
+    alone, overflows fp32 at eps 1e-30: 1e45) and 0 where v's mean square overflowed (_rmsnorm_rstd =
+    0 and z = 0, where dz u can overflow)."""
 
     @staticmethod
     def forward(ctx, u, v, eps):
@@ -314,8 +315,8 @@ class _KeyScaled(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         v, r, z = ctx.saved_tensors
-        scale = (grad * z).sum(-1, keepdim=True) * (r * r) * (-1.0 / v.shape[-1])
-        return grad * r, v * scale.to(v.dtype), None
+        scale = (grad * z).sum(-1, keepdim=True) * r * (-1.0 / v.shape[-1])
+        return grad * r, ((v.to(r.dtype) * r) * scale).to(v.dtype), None
 
 
 def _unstacked__key_scaled(u: torch.Tensor, v: torch.Tensor, eps: float) -> torch.Tensor:
