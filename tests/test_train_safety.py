@@ -444,7 +444,8 @@ def test_resume_reads_a_set_train_data_as_the_place_its_run_read(spec, tmp_path,
     assert train(spec, "--out", out, "--resume", "--steps", 6, "--set",
                  "model.width=16") == 1
     err = capsys.readouterr().err
-    assert f"(--set train.data={data} --set train.steps=4)" in err, err
+    # train.steps is left out: given again, it would end the resume where the run is
+    assert f"(--set train.data={data})" in err and "train.steps" not in err, err
     data.write_text(CORPUS.read_text()[::-1])  # as many tokens, other content
     assert train(spec, "--out", out, "--resume", "--steps", 6, "--set",
                  f"train.data={data}") == 0
