@@ -279,9 +279,9 @@ def train_flops(args, topo) -> float:
 
 
 def machine_rates(args) -> dict[str, float]:
-    """GFLOP/s of this process's threads at the model's own shapes: the MLP's first matmul (the kind of
-    work the standard model is made of) and an in-cache multiply-add over one [tokens, d]
-    source (the kind an aggregation is made of, acc += a v; and a dot product v @ q)."""
+    """GFLOP/s of this process's threads at the model's own shapes: the MLP's first matmul
+    (the kind of work the standard model is made of) and an in-cache multiply-add over one
+    [tokens, d] source (the kind an aggregation is made of, acc += a v; and a dot v @ q)."""
     n, d = args.batch * args.context, args.width
     x, w = torch.randn(n, d), torch.randn(d, mlp_hidden(d, "swiglu", 4))
     v, acc, q = torch.randn(n, d), torch.zeros(n, d), torch.randn(d)
@@ -311,8 +311,9 @@ def print_rates(args, results: dict) -> None:
     print(f"\nFLOP rates: training FLOPs a step from the IR ({TRAIN_PER_FORWARD} x forward, "
           "the key norm counted once a source), at the median step")
     threads = torch.get_num_threads()
-    print(f"  {'this thread' if threads == 1 else f'{threads} threads'}: " + "; ".join(f"{k} {r:.1f} GFLOP/s"
-                                         for k, r in machine_rates(args).items()))
+    who = "this thread" if threads == 1 else f"{threads} threads"
+    print(f"  {who}: " + "; ".join(f"{k} {r:.1f} GFLOP/s"
+                                   for k, r in machine_rates(args).items()))
     # rows indented: a reader (or a test) taking rows that start with a mode takes the table
     print(f"  {'mode':12} {'topology':12} {'GFLOP':>7} {'GFLOP/s':>8} {'extra GFLOP':>12} "
           f"{'extra ms':>9} {'extra GFLOP/s':>14} {'goal':>5} {'needs GFLOP/s':>14}")
