@@ -1,7 +1,8 @@
 """The eager backend's hand-written backwards (backends/eager/weighted.py, unstacked.py's
 _KeyScaled, _Logits and _Lerp) and the logits shared by a source's readers
-(restopo.nn.shared_sources): gradcheck in float64, float32 against float64 references written here, all-zero rows at
-eps 1e-30, and whole models against tests/reference.py's loop, gradients included."""
+(restopo.nn.shared_sources): gradcheck in float64, float32 against float64 references
+written here, all-zero rows at eps 1e-30, and whole models against tests/reference.py's
+loop, gradients included."""
 from types import SimpleNamespace
 
 import pytest
