@@ -156,12 +156,16 @@ def topologies(args):
     return out
 
 
+def model_config(args) -> SimpleNamespace:
+    """The model every topology is built on (and whose FLOPs and shapes the rates read)."""
+    return SimpleNamespace(vocab=args.vocab, width=args.width, depth=args.depth,
+                           heads=args.heads, mlp="swiglu", mlp_ratio=4, context=args.context)
+
+
 def make(args, topo_backend):
     topo, backend = topo_backend
-    cfg = SimpleNamespace(vocab=args.vocab, width=args.width, depth=args.depth,
-                          heads=args.heads, mlp="swiglu", mlp_ratio=4, context=args.context)
     torch.manual_seed(0)
-    model = build_model(cfg, topo, backend=backend).to(args.device)
+    model = build_model(model_config(args), topo, backend=backend).to(args.device)
     with torch.no_grad():  # trained-looking queries: non-uniform depth weights
         for a in model.aggregations:
             if hasattr(a, "pseudo_query"):
@@ -269,12 +273,10 @@ def train_flops(args, topo) -> float:
     """Training FLOPs a step: restopo.nn.flops's count, with the key norm's mean square
     counted once a source rather than once a read (each source's RMS computed once for all
     its readers, what a fused implementation needs): the least work a topology adds."""
-    cfg = SimpleNamespace(vocab=args.vocab, width=args.width, context=args.context,
-                          mlp="swiglu", mlp_ratio=4)
     g = build_ir(T.sublayer_kinds(args.depth), topo, args.width)
     normed = [a for a in g.aggregations() if a.method == "attend" and a.key_norm == "rms"]
     again = sum(len(a.sources) for a in normed) - len({s for a in normed for s in a.sources})
-    forward = flops_per_token(g, cfg).forward - 2 * args.width * again
+    forward = flops_per_token(g, model_config(args)).forward - 2 * args.width * again
     return TRAIN_PER_FORWARD * forward * args.batch * args.context
 
 
@@ -282,8 +284,8 @@ def machine_rates(args) -> dict[str, float]:
     """GFLOP/s of this process's threads at the model's own shapes: the MLP's first matmul
     (the kind of work the standard model is made of) and an in-cache multiply-add over one
     [tokens, d] source (the kind an aggregation is made of, acc += a v; and a dot v @ q)."""
-    n, d = args.batch * args.context, args.width
-    x, w = torch.randn(n, d), torch.randn(d, mlp_hidden(d, "swiglu", 4))
+    n, d, cfg = args.batch * args.context, args.width, model_config(args)
+    x, w = torch.randn(n, d), torch.randn(d, mlp_hidden(d, cfg.mlp, cfg.mlp_ratio))
     v, acc, q = torch.randn(n, d), torch.zeros(n, d), torch.randn(d)
     work = {f"matmul [{n}, {d}] @ {list(w.shape)}": (lambda: x @ w, 2 * n * d * w.shape[1]),
             f"acc += a v, [{n}, {d}]": (lambda: acc.add_(v, alpha=0.5), 2 * n * d),
