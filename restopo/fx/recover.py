@@ -188,7 +188,7 @@ class StreamCut:
 
     def _has_sublayer(self, add) -> bool:
         _, x, y = add
-        return any(self.G.kind(n) in ("attn", "mlp") for n in self.G.region(x, y))
+        return self.G.adds_sublayer(x, y)
 
     # ----------------------------------------------------------------- checks
     def _check_other_adds(self) -> None:

@@ -26,7 +26,8 @@ from .limits import (check_microbatches, check_model_limits, check_source_reads,
 from .objects import (COMPILE, COMPILE_ALIASES, DATA_ENGINES, LR_SCHEDULES, RECOMPUTE,
                       SCHEDULES, ModelSpec, ParallelSpec, Spec, SourceText, TrainSpec)
 from .overrides import apply_overrides
-from .keys import KEY_HOMES, MODEL_KEYS, MODEL_REQUIRED, PARALLEL_KEYS, TRAIN_KEYS
+from .keys import (KEY_HOMES, MODEL_KEYS, MODEL_REQUIRED, PARALLEL_KEYS, PIPELINE_KEYS,
+                   TRAIN_KEYS)
 from .sections import BUILTIN_DATA, SHARED, views_of
 from .wiring import check_against_model, check_residual
 
@@ -223,9 +224,6 @@ def check_parallel(view: View, c: Checker) -> ParallelSpec | None:
         return None
     return ParallelSpec(stages, virtual, schedule, micro, cache, data,
                         pos=(view.head or view.kind).pos, positions=positions(view))
-
-
-PIPELINE_KEYS = ("virtual", "schedule", "microbatches", "cache")
 
 
 def _without_stages(f: dict[str, Field], virtual: int, c: Checker) -> None:

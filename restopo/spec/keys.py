@@ -10,6 +10,8 @@ TRAIN_KEYS = ("data", "steps", "batch", "lr", "schedule", "warmup", "min_lr", "w
               "grad_clip", "accum", "eval_every", "eval_batches", "save_every", "seed",
               "log_every", "keep", "peak_tflops", "recompute", "compile")
 PARALLEL_KEYS = ("stages", "virtual", "schedule", "microbatches", "cache", "data")
+# the keys that shape a pipeline, which only a section with stages takes
+PIPELINE_KEYS = tuple(k for k in PARALLEL_KEYS if k not in ("stages", "data"))
 # The one section each key belongs to (keys of two sections, data, schedule or heads, are
 # left out), for a key written in another section; the residual's are its topologies' options.
 _SECTION_KEYS = (("model", MODEL_KEYS), ("train", TRAIN_KEYS), ("parallel", PARALLEL_KEYS),

@@ -47,7 +47,7 @@ def views_of(file: SpecFile, c: Checker) -> dict[str, View]:
     for s in _one_label(file.sections, c):
         kind = s.kind.text
         if kind not in SECTIONS:
-            value = s.line if s.line is not None else None  # `lr 3`: what follows the word
+            value = s.line  # `lr 3`: what follows the word
             said = (c.src.written(value.pos) or describe(value)) if value is not None else "..."
             c.error(s.kind.pos, f"unknown section '{kind}'", unknown_section_hint(kind, said))
             continue
